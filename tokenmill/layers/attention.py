@@ -1,0 +1,153 @@
+"""Masked multi-head attention over a paged KV cache.
+
+One forward pass carries a packed batch: T tokens from several sequences laid end
+to end. The first `num_decode` rows are decode steps (one new token each); after
+them come prefill chunks (many tokens of one sequence). Every new token's K and V
+are written into the cache pool at its slot (block * block_size + offset); queries
+then read their sequence's keys and values back through the slots of its blocks.
+
+Shapes: T packed tokens, H query heads, Hkv key/value heads (H % Hkv == 0: MHA,
+GQA and MQA alike), hd head dim, C context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.config import ModelConfig
+from tokenmill.layers.linear import Linear
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import Rotary
+
+
+@dataclass
+class PrefillSpan:
+    start: int  # first row of this chunk in the packed batch
+    end: int  # one past its last row
+    context_len: int  # tokens of the sequence after this chunk (cached + new)
+    # [context_len] cache slots of the whole context; None when the chunk is the whole
+    # context (nothing cached before it), so attention reads the fresh K/V directly.
+    slots: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # [T] position of each token in its sequence
+    slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
+    num_decode: int = 0
+    decode_slots: torch.Tensor | None = None  # [Bd, Cmax] slots to read, padded
+    decode_context_lens: torch.Tensor | None = None  # [Bd]
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    trace: object | None = None  # a tokenmill.trace.Trace when tracing, else None
+    _masks: dict = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """[Bd, 1, 1, Cmax] bool: which padded cache slots each decode query may see."""
+        key = ("decode", window)
+        if key not in self._masks:
+            cmax = self.decode_slots.shape[1]
+            j = torch.arange(cmax, device=self.decode_slots.device)
+            ctx = self.decode_context_lens.unsqueeze(1)  # [Bd, 1]
+            ok = j < ctx
+            if window is not None:
+                ok &= j >= ctx - window  # the query sits at position ctx - 1
+            self._masks[key] = ok[:, None, None, :]
+        return self._masks[key]
+
+    def prefill_mask(self, i: int, window: int | None) -> torch.Tensor | None:
+        """[L, C] bool causal (and sliding-window) mask for prefill span i; None = plain causal."""
+        span = self.prefills[i]
+        length = span.end - span.start
+        if span.slots is None and (window is None or window >= length):
+            return None
+        key = ("prefill", i, window)
+        if key not in self._masks:
+            device = self.positions.device
+            q = torch.arange(span.context_len - length, span.context_len, device=device)[:, None]
+            k = torch.arange(span.context_len, device=device)[None, :]
+            ok = k <= q
+            if window is not None:
+                ok &= q - k < window
+            self._masks[key] = ok
+        return self._masks[key]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: Rotary | None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.scale = cfg.attn_scale
+        self.window = cfg.sliding_window if cfg.layer_types[layer_idx] == "sliding" else None
+        d = cfg.hidden_size
+        self.q = Linear(d, cfg.q_size, bias=cfg.qkv_bias)
+        self.k = Linear(d, cfg.kv_size, bias=cfg.qkv_bias)
+        self.v = Linear(d, cfg.kv_size, bias=cfg.qkv_bias)
+        self.o = Linear(cfg.q_size, d, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        # This layer's view of the cache pool, [num_slots, Hkv, hd] each; set by the runner.
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        # ---- Q, K, V projections: [T, d] -> [T, heads, hd] ----
+        q = self.q(x).view(T, self.num_heads, self.head_dim)
+        k = self.k(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        # ---- positions: rotate q and k by each token's position ----
+        if self.rotary is not None:
+            q, k = self.rotary(q, k, meta.positions)
+        # ---- KV cache write: every new token's K/V goes to its slot ----
+        self.k_cache.index_copy_(0, meta.slot_mapping, k)
+        self.v_cache.index_copy_(0, meta.slot_mapping, v)
+
+        out = torch.empty_like(q)  # [T, H, hd]
+        nd = meta.num_decode
+        if nd:
+            # ---- decode rows: one query each over its cached context ----
+            keys = self.k_cache[meta.decode_slots].transpose(1, 2)  # [Bd, Hkv, Cmax, hd]
+            values = self.v_cache[meta.decode_slots].transpose(1, 2)
+            mask = meta.decode_mask(self.window)  # [Bd, 1, 1, Cmax]
+            qd = q[:nd].unsqueeze(2)  # [Bd, H, 1, hd]
+            out[:nd] = self._sdpa(qd, keys, values, mask, False).squeeze(2)
+            if meta.trace is not None:
+                meta.trace.on_attention(self.layer_idx, qd, keys, values, mask, self.scale)
+        for i, span in enumerate(meta.prefills):
+            # ---- prefill chunk: all its queries at once, causally masked ----
+            s, e = span.start, span.end
+            if span.slots is None:
+                keys, values = k[s:e], v[s:e]  # the whole context is new
+            else:
+                keys, values = self.k_cache[span.slots], self.v_cache[span.slots]
+            keys = keys.transpose(0, 1).unsqueeze(0)  # [1, Hkv, C, hd]
+            values = values.transpose(0, 1).unsqueeze(0)
+            qp = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, L, hd]
+            mask = meta.prefill_mask(i, self.window)
+            causal = mask is None
+            out[s:e] = self._sdpa(qp, keys, values, mask, causal)[0].transpose(0, 1)
+            if meta.trace is not None:
+                meta.trace.on_attention(self.layer_idx, qp, keys, values, mask, self.scale)
+        return self.o(out.reshape(T, -1))
+
+    def _sdpa(self, q, k, v, mask, causal: bool) -> torch.Tensor:
+        if self.num_kv_heads != self.num_heads:
+            # GQA/MQA: each K/V head serves H / Hkv query heads.
+            rep = self.num_heads // self.num_kv_heads
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale
+        )

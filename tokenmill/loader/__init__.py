@@ -1,0 +1,56 @@
+"""Checkpoint loading: a path in, a ModelConfig plus named weight tensors out.
+
+Two formats: Hugging Face checkpoint folders (safetensors) and GGUF files. Both
+produce tensors under tokenmill's own parameter names (see `models/transformer.py`),
+so the model never knows where its weights came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tokenmill.config import ModelConfig
+
+
+class LoadError(RuntimeError):
+    """A checkpoint could not be loaded. The message is one line naming file and problem."""
+
+    def __init__(self, path: str | Path, problem: str):
+        super().__init__(f"{path}: {problem}")
+        self.path = str(path)
+        self.problem = problem
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    format: str  # "hf" | "gguf"
+    config: ModelConfig
+    # name -> a function producing the tensor (lazily: nothing is read until called)
+    tensors: dict[str, Callable[[], torch.Tensor]]
+    generation_config: dict = field(default_factory=dict)
+
+    def items(self) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+        return iter(self.tensors.items())
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Open a checkpoint folder or .gguf file and read its configuration (not yet its weights)."""
+    from tokenmill.loader import gguf_file, hf_folder
+
+    path = Path(path)
+    if not path.exists():
+        raise LoadError(path, "no such file or folder")
+    if path.is_dir():
+        return hf_folder.open_folder(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        return gguf_file.open_gguf(path)
+    if path.suffix == ".gguf":
+        raise LoadError(path, f"not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    raise LoadError(path, "not a checkpoint folder or .gguf file")

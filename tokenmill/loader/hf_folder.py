@@ -1,0 +1,151 @@
+"""Hugging Face checkpoint folders: config.json + (sharded) safetensors, memory-mapped.
+
+`.bin` checkpoints are pickles that can run code when loaded; they are refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tokenmill.config import ConfigError, from_hf_config
+from tokenmill.loader import Checkpoint, LoadError
+
+# HF parameter suffix (inside one decoder layer) -> tokenmill suffix.
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn.q",
+    "self_attn.k_proj": "attn.k",
+    "self_attn.v_proj": "attn.v",
+    "self_attn.o_proj": "attn.o",
+    "self_attn.q_norm": "attn.q_norm",
+    "self_attn.k_norm": "attn.k_norm",
+    "mlp.gate_proj": "mlp.gate",
+    "mlp.up_proj": "mlp.up",
+    "mlp.down_proj": "mlp.down",
+    "pre_feedforward_layernorm": "mlp_norm",
+    "post_feedforward_layernorm": "post_mlp_norm",
+}
+_GPT2_LAYER_NAMES = {
+    "ln_1": "attn_norm",
+    "attn.c_proj": "attn.o",
+    "ln_2": "mlp_norm",
+    "mlp.c_fc": "mlp.up",
+    "mlp.c_proj": "mlp.down",
+}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise LoadError(path, f"invalid JSON: {e.msg} at line {e.lineno}") from None
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = _read_json(index).get("weight_map", {})
+        files = sorted({folder / f for f in weight_map.values()})
+        for f in files:
+            if not f.exists():
+                raise LoadError(f, "shard listed in model.safetensors.index.json is missing")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        if list(folder.glob("*.bin")) or list(folder.glob("*.pt")):
+            raise LoadError(
+                folder, "only pickle (.bin/.pt) weights found; tokenmill loads safetensors only"
+            )
+        raise LoadError(folder, "no *.safetensors weights found")
+    return files
+
+
+def _map_name(name: str, arch: str, sandwich: bool) -> list[tuple[str, slice | None]]:
+    """tokenmill name(s) for one HF tensor name; [] for tensors tokenmill does not use."""
+    for prefix in ("model.language_model.", "language_model.model.", "transformer.", "model."):
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+            break
+    if arch == "gpt2":
+        top = {"wte.weight": "embed.weight", "wpe.weight": "pos_embed.weight"}
+        if name in top:
+            return [(top[name], None)]
+        if name.startswith("ln_f."):
+            return [("final_norm." + name[5:], None)]
+        if name.startswith("lm_head."):
+            return [(name, None)]
+    else:
+        if name == "embed_tokens.weight":
+            return [("embed.weight", None)]
+        if name.startswith("norm."):
+            return [("final_norm." + name[5:], None)]
+        if name.startswith("lm_head."):
+            return [(name, None)]
+    if not (name.startswith("layers.") or name.startswith("h.")):
+        return []
+    _, idx, rest = name.split(".", 2)
+    stem, _, kind = rest.rpartition(".")
+    if arch == "gpt2":
+        if stem == "attn.c_attn":  # fused QKV, split by the caller's slices
+            return [(f"layers.{idx}.attn.{p}.{kind}", p) for p in ("q", "k", "v")]
+        mapped = _GPT2_LAYER_NAMES.get(stem)
+    elif stem == "post_attention_layernorm":
+        # Gemma's sandwich: a norm after attention; elsewhere: the norm before the MLP.
+        mapped = "post_attn_norm" if sandwich else "mlp_norm"
+    else:
+        mapped = _LAYER_NAMES.get(stem)
+    return [(f"layers.{idx}.{mapped}.{kind}", None)] if mapped else []
+
+
+def open_folder(folder: Path) -> Checkpoint:
+    cfg_path = folder / "config.json"
+    if not cfg_path.exists():
+        raise LoadError(folder, "no config.json (not a Hugging Face checkpoint folder)")
+    raw = _read_json(cfg_path)
+    try:
+        config = from_hf_config(raw)
+    except ConfigError as e:
+        raise LoadError(cfg_path, str(e)) from None
+    except KeyError as e:
+        raise LoadError(cfg_path, f"missing field {e.args[0]!r}") from None
+    gen_path = folder / "generation_config.json"
+    generation = _read_json(gen_path) if gen_path.exists() else {}
+    if generation.get("eos_token_id") is not None:
+        eos = generation["eos_token_id"]
+        config.eos_token_ids = eos if isinstance(eos, list) else [eos]
+
+    tensors = {}
+    for file in _safetensors_files(folder):
+        try:
+            handle = safe_open(str(file), framework="pt")
+            keys = list(handle.keys())
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise LoadError(file, f"unreadable safetensors file ({e})") from None
+        for key in keys:
+            for target, part in _map_name(key, config.arch, config.sandwich_norm):
+                tensors[target] = _loader(handle, file, key, config, part)
+    return Checkpoint(folder, "hf", config, tensors, generation)
+
+
+def _loader(handle, file: Path, key: str, config, part):
+    """A thunk reading one tensor, converted to tokenmill's layout."""
+
+    def load() -> torch.Tensor:
+        try:
+            t = handle.get_tensor(key)
+        except Exception as e:
+            raise LoadError(file, f"cannot read tensor {key!r} ({e})") from None
+        if config.arch == "gpt2" and t.dim() == 2 and "wte" not in key and "wpe" not in key:
+            t = t.t()  # GPT-2's Conv1D stores [in, out]; tokenmill uses [out, in]
+        if part is not None:  # GPT-2 fused c_attn: rows [q; k; v]
+            i = "qkv".index(part)
+            t = t.chunk(3, dim=0)[i]
+        if config.arch == "gemma3" and key.endswith("norm.weight"):
+            t = t.float() + 1.0  # Gemma scales by (1 + w); fold the 1 in once at load
+        return t
+
+    return load

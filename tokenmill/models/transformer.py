@@ -1,0 +1,141 @@
+"""The one transformer every family runs on, configured by ModelConfig.
+
+    token ids [T]
+      -> embedding lookup [T, d]  (x sqrt(d) for Gemma; + learned positions for GPT-2)
+      -> N x Block:  x + Attention(norm(x)),  x + MLP(norm(x))
+                     (Gemma adds a norm after each sublayer too: "sandwich" norms)
+      -> final norm -> un-embedding [B, vocab] (only at the rows that need logits)
+
+Parameter names (what the loaders produce):
+    embed.weight [V, d]        pos_embed.weight [P, d]      final_norm.{weight,bias}
+    lm_head.weight [V, d] (untied only)
+    layers.i.{attn_norm, post_attn_norm, mlp_norm, post_mlp_norm}.{weight,bias}
+    layers.i.attn.{q,k,v,o}.{weight,bias}   layers.i.attn.{q_norm,k_norm}.weight
+    layers.i.mlp.{gate,up,down}.{weight,bias}
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.config import ModelConfig
+from tokenmill.layers.attention import Attention, AttentionMetadata
+from tokenmill.layers.linear import Linear
+from tokenmill.layers.mlp import MLP
+from tokenmill.layers.norm import make_norm
+from tokenmill.layers.rotary import Rotary
+from tokenmill.loader import Checkpoint, LoadError
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int, rotary: Rotary | None):
+        super().__init__()
+        d = cfg.hidden_size
+        self.attn_norm = make_norm(cfg.norm, d, cfg.norm_eps)
+        self.attn = Attention(cfg, idx, rotary)
+        self.mlp_norm = make_norm(cfg.norm, d, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+        self.post_attn_norm = make_norm(cfg.norm, d, cfg.norm_eps) if cfg.sandwich_norm else None
+        self.post_mlp_norm = make_norm(cfg.norm, d, cfg.norm_eps) if cfg.sandwich_norm else None
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = self.attn(self.attn_norm(x), meta)
+        if self.post_attn_norm is not None:
+            h = self.post_attn_norm(h)
+        x = x + h
+        if meta.trace is not None:
+            meta.trace.on_residual(self.attn.layer_idx, "attention", x)
+        h = self.mlp(self.mlp_norm(x))
+        if self.post_mlp_norm is not None:
+            h = self.post_mlp_norm(h)
+        x = x + h
+        if meta.trace is not None:
+            meta.trace.on_residual(self.attn.layer_idx, "mlp", x)
+        return x
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.embed = nn.Embedding(cfg.vocab_size, d, _weight=torch.empty(cfg.vocab_size, d))
+        self.embed.weight.requires_grad_(False)
+        self.pos_embed = None
+        rotary = rotary_local = None
+        if cfg.position == "learned":
+            self.pos_embed = nn.Embedding(
+                cfg.max_position, d, _weight=torch.empty(cfg.max_position, d)
+            )
+            self.pos_embed.weight.requires_grad_(False)
+        else:
+            rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_position)
+            if cfg.rope_local is not None:
+                rotary_local = Rotary(cfg.rope_local, cfg.head_dim, cfg.max_position)
+        self.rotary, self.rotary_local = rotary, rotary_local
+        self.layers = nn.ModuleList(
+            Block(cfg, i, rotary_local if cfg.layer_types[i] == "sliding" and rotary_local else rotary)
+            for i in range(cfg.num_layers)
+        )
+        self.final_norm = make_norm(cfg.norm, d, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else Linear(d, cfg.vocab_size)
+
+    # ------------------------------------------------------------------
+    # forward: packed tokens of a batch -> logits at the requested rows
+    # ------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        logits_rows: torch.Tensor | None = None,  # [B] rows to un-embed; None = all rows
+    ) -> torch.Tensor:
+        x = self.embed(input_ids)  # [T, d]
+        if self.cfg.embed_scale != 1.0:
+            # Gemma: scale computed in the activation dtype, as the reference does.
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(meta.positions)
+        if meta.trace is not None:
+            meta.trace.on_embedding(input_ids, x, meta.positions)
+        for layer in self.layers:
+            x = layer(x, meta)
+        if logits_rows is not None:
+            x = x[logits_rows]  # [B, d]: only the rows whose next token we sample
+        x = self.final_norm(x)
+        return self.unembed(x)
+
+    def unembed(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, d] -> [B, vocab] float32 logits."""
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        logits = (x @ weight.t()).float()
+        cap = self.cfg.final_logit_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # ------------------------------------------------------------------
+    # weights
+    # ------------------------------------------------------------------
+    def load_weights(self, ckpt: Checkpoint, dtype: torch.dtype, progress=None) -> None:
+        """Fill every parameter from the checkpoint; one clear error for any mismatch."""
+        params = dict(self.named_parameters())
+        tensors = dict(ckpt.tensors)
+        if "embed.weight" in tensors and self.lm_head is not None and "lm_head.weight" not in tensors:
+            tensors["lm_head.weight"] = tensors["embed.weight"]  # tied in the file, not the config
+        missing = [n for n in params if n not in tensors]
+        if missing:
+            raise LoadError(ckpt.path, f"missing tensor {missing[0]!r} ({len(missing)} missing)")
+        for name, param in params.items():
+            t = tensors[name]()
+            if tuple(t.shape) != tuple(param.shape):
+                raise LoadError(
+                    ckpt.path,
+                    f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(param.shape)}",
+                )
+            keep_fp32 = name.endswith("norm.weight") or name.endswith("norm.bias")
+            param.data = t.to(torch.float32 if keep_fp32 else dtype).contiguous()
+            if progress is not None:
+                progress()
+        if "rope_freqs" in tensors and self.rotary is not None:
+            self.rotary.set_freq_factors(tensors["rope_freqs"]())
