@@ -27,8 +27,11 @@ CASES = {
         num_key_value_heads=4,
         tie_word_embeddings=False,
         rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
         },
     ),
     "mistral": {},
@@ -97,7 +100,7 @@ def test_logits_and_greedy_match_transformers(tmp_path, name):
     with torch.no_grad():
         out = hf.generate(
             torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0
-        )[0, len(prompt):].tolist()
+        )[0, len(prompt) :].tolist()
     greedy = Single(tmp_path)
     logits = greedy.feed(prompt)[-1]
     ours_out = []
@@ -125,9 +128,18 @@ def test_cached_decode_equals_full_recompute(tmp_path, name):
 
 def test_transformers_4x_config_spelling(tmp_path):
     """config.json as transformers 4.x writes it: rope_theta + rope_scaling."""
-    hf = build_hf_model("llama", tmp_path, rope_theta=5000.0, rope_scaling={
-        "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    hf = build_hf_model(
+        "llama",
+        tmp_path,
+        rope_theta=5000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    )
     cfg = json.loads((tmp_path / "config.json").read_text())
     params = cfg.pop("rope_parameters", None)
     if params is not None:

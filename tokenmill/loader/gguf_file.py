@@ -227,6 +227,7 @@ def _gguf_loader(t, path: Path, config: ModelConfig, target: str, part: str | No
                 w = _unpermute(w, config.num_heads)
             elif target.endswith("attn.k.weight"):
                 w = _unpermute(w, config.num_kv_heads)
-        return torch.from_numpy(np.ascontiguousarray(w))
+        w = np.ascontiguousarray(w)
+        return torch.from_numpy(w if w.flags.writeable else w.copy())
 
     return load
