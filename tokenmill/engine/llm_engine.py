@@ -169,8 +169,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         completion_index: int = 0,
+        trace=None,
     ) -> int:
-        """Queue a request; returns its prompt length in tokens."""
+        """Queue a request; returns its prompt length in tokens.
+
+        trace: a tokenmill.trace.Trace to record this request's pipeline step by step."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running")
@@ -187,7 +190,7 @@ class LLMEngine:
             )
         except ValueError as e:
             raise RequestError(str(e)) from None
-        seq = Sequence(request_id, ids, params, state)
+        seq = Sequence(request_id, ids, params, state, trace=trace)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids)
         self.requests[request_id] = _Request(seq, detok, StopStringMatcher(params.stop))
         self.scheduler.add(seq)
@@ -207,11 +210,14 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     # ------------------------------------------------------------------
-    def step(self, trace=None) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput]:
         chunks = self.scheduler.schedule()
         if not chunks:
             return self._reject_unschedulable()
-        logits, sampled = self.runner.run(chunks, trace)
+        traced = [c for c in chunks if c.seq.trace is not None]
+        for chunk in traced:
+            chunk.seq.trace.on_step_begin(chunk.seq, chunk.num_tokens)
+        logits, sampled = self.runner.run(chunks)
         for chunk in chunks:
             seq = chunk.seq
             in_prompt = max(0, min(len(seq.prompt_ids), seq.num_computed + chunk.num_tokens) - seq.num_computed)
@@ -221,8 +227,10 @@ class LLMEngine:
             self.blocks.commit_full_blocks(seq)
         states = [chunks[i].seq.sampling for i in sampled]
         result = self.sampler(logits, states)
-        if trace is not None:
-            trace.on_sample(logits, states, result)
+        for row, i in enumerate(sampled):
+            seq = chunks[i].seq
+            if seq.trace is not None:  # before the state records the new token
+                seq.trace.on_sample(logits[row], seq.sampling, result.token_ids[row])
         now = time.perf_counter()
         outputs = []
         for row, i in enumerate(sampled):
@@ -232,6 +240,8 @@ class LLMEngine:
             if result.logprobs[row] is not None:
                 lp = TokenLogprob(token, result.logprobs[row], result.top_logprobs[row] or {})
             outputs.append(self._advance(seq, token, lp, now))
+        for chunk in traced:
+            chunk.seq.trace.on_step_end(chunk.seq, self)
         return outputs
 
     def _advance(self, seq: Sequence, token: int, lp: TokenLogprob | None, now: float) -> RequestOutput:

@@ -32,7 +32,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(
-        self, chunks: list[ScheduledChunk], trace=None, all_logits: bool = False
+        self, chunks: list[ScheduledChunk], all_logits: bool = False
     ) -> tuple[torch.Tensor, list[int]]:
         """Run one step. Returns logits [S, vocab] for the S chunks that sample, and
         the indices (into `chunks`) of those chunks, in the same order.
@@ -46,7 +46,7 @@ class ModelRunner:
         slot_maps: list[torch.Tensor] = []
         logit_rows: list[int] = []
         sampled: list[int] = []
-        meta = AttentionMetadata(positions=None, slot_mapping=None, trace=trace)
+        meta = AttentionMetadata(positions=None, slot_mapping=None)
 
         if decode:
             bs = self.block_size
@@ -70,6 +70,9 @@ class ModelRunner:
             for row, i in enumerate(decode):
                 logit_rows.append(row)
                 sampled.append(i)
+                if chunks[i].seq.trace is not None and meta.trace is None:
+                    meta.trace, meta.trace_rows = chunks[i].seq.trace, slice(row, row + 1)
+                    meta.trace_attn = ("decode", row)
 
         row = len(decode)
         for i in prefill:
@@ -83,6 +86,9 @@ class ModelRunner:
             meta.prefills.append(
                 PrefillSpan(row, row + n, end, None if start == 0 else all_slots.to(self.device))
             )
+            if seq.trace is not None and meta.trace is None:
+                meta.trace, meta.trace_rows = seq.trace, slice(row, row + n)
+                meta.trace_attn = ("prefill", len(meta.prefills) - 1)
             row += n
             if chunk.samples:
                 logit_rows.append(row - 1)

@@ -40,6 +40,7 @@ class Sequence:
     num_preemptions: int = 0
     committed_blocks: int = 0  # leading blocks named for the prefix cache
     last_hash: int | None = None  # hash of the last named block
+    trace: object | None = None  # a tokenmill.trace.Trace recording this request's steps
 
     @property
     def token_ids(self) -> list[int]:

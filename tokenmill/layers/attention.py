@@ -42,7 +42,11 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None = None  # [Bd, Cmax] slots to read, padded
     decode_context_lens: torch.Tensor | None = None  # [Bd]
     prefills: list[PrefillSpan] = field(default_factory=list)
-    trace: object | None = None  # a tokenmill.trace.Trace when tracing, else None
+    # Tracing (tokenmill/trace.py): the traced request's rows in the packed batch, and
+    # where its attention runs: ("decode", row) or ("prefill", span index). None when off.
+    trace: object | None = None
+    trace_rows: slice | None = None
+    trace_attn: tuple[str, int] | None = None
     _masks: dict = field(default_factory=dict)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
@@ -124,7 +128,7 @@ class Attention(nn.Module):
             qd = q[:nd].unsqueeze(2)  # [Bd, H, 1, hd]
             out[:nd] = self._sdpa(qd, keys, values, mask, False).squeeze(2)
             if meta.trace is not None:
-                meta.trace.on_attention(self.layer_idx, qd, keys, values, mask, self.scale)
+                meta.trace.on_attention(meta, ("decode", -1), self.layer_idx, qd, keys, mask, self.scale)
         for i, span in enumerate(meta.prefills):
             # ---- prefill chunk: all its queries at once, causally masked ----
             s, e = span.start, span.end
@@ -139,7 +143,7 @@ class Attention(nn.Module):
             causal = mask is None
             out[s:e] = self._sdpa(qp, keys, values, mask, causal)[0].transpose(0, 1)
             if meta.trace is not None:
-                meta.trace.on_attention(self.layer_idx, qp, keys, values, mask, self.scale)
+                meta.trace.on_attention(meta, ("prefill", i), self.layer_idx, qp, keys, mask, self.scale)
         return self.o(out.reshape(T, -1))
 
     def _sdpa(self, q, k, v, mask, causal: bool) -> torch.Tensor:

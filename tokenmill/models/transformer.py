@@ -45,13 +45,13 @@ class Block(nn.Module):
             h = self.post_attn_norm(h)
         x = x + h
         if meta.trace is not None:
-            meta.trace.on_residual(self.attn.layer_idx, "attention", x)
+            meta.trace.on_residual(meta, self.attn.layer_idx, "attention", x)
         h = self.mlp(self.mlp_norm(x))
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
         x = x + h
         if meta.trace is not None:
-            meta.trace.on_residual(self.attn.layer_idx, "mlp", x)
+            meta.trace.on_residual(meta, self.attn.layer_idx, "mlp", x)
         return x
 
 
@@ -97,7 +97,7 @@ class Transformer(nn.Module):
         if self.pos_embed is not None:
             x = x + self.pos_embed(meta.positions)
         if meta.trace is not None:
-            meta.trace.on_embedding(input_ids, x, meta.positions)
+            meta.trace.on_embedding(meta, input_ids, x)
         for layer in self.layers:
             x = layer(x, meta)
         if logits_rows is not None:

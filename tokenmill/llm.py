@@ -1,0 +1,181 @@
+"""The Python API: `LLM(model).generate(prompts, SamplingParams(...))`.
+
+Offline use of the engine: every call adds its requests to the scheduler and steps
+the engine until they finish, so many prompts run batched together.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenmill.engine.llm_engine import LLMEngine, RequestOutput, TokenLogprob
+from tokenmill.sampling import SamplingParams
+
+Prompt = str | list[int]
+
+
+@dataclass
+class Timings:
+    time_to_first_token: float  # seconds from arrival to the first token
+    total: float  # seconds from arrival to finish
+    prefill_tokens: int  # prompt tokens actually computed (not served by the prefix cache)
+    output_tokens: int
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / self.time_to_first_token if self.time_to_first_token else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decode_time = self.total - self.time_to_first_token
+        return (self.output_tokens - 1) / decode_time if decode_time > 0 else 0.0
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None
+    timings: Timings | None = None
+
+
+@dataclass
+class Output:
+    """One prompt's result: `outputs` holds its n completions; the first one's fields are
+    also available directly (`out.text`)."""
+
+    prompt_token_ids: list[int]
+    outputs: list[Completion] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def timings(self) -> Timings | None:
+        return self.outputs[0].timings
+
+
+def _timings(out: RequestOutput, prefill_tokens: int) -> Timings:
+    end = out.finish_time or out.first_token_time or out.arrival
+    first = out.first_token_time or end
+    return Timings(first - out.arrival, end - out.arrival, prefill_tokens, out.num_output_tokens)
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        **engine_kwargs,
+    ):
+        """model: a checkpoint folder, a .gguf file or a known model name (None: the default,
+        SmolLM2-135M-Instruct). Other keywords go to LLMEngine (kv_cache_memory,
+        max_num_seqs, max_num_batched_tokens, block_size, threads...)."""
+        self.engine = LLMEngine(model, dtype=dtype, device=device, **engine_kwargs)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # ------------------------------------------------------------------
+    def generate(
+        self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None
+    ) -> list[Output]:
+        """Generate for one prompt or a list of them (strings or token-id lists), batched."""
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        if not isinstance(prompts, list) or not prompts:
+            raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of them")
+        results: list[Output] = []
+        owners: dict[str, tuple[Output, int]] = {}
+        pieces: dict[str, list[RequestOutput]] = {}
+        try:
+            for prompt in prompts:
+                result = Output(prompt_token_ids=[])
+                results.append(result)
+                for index in range(params.n):
+                    rid = f"gen-{next(self._ids)}"
+                    self.engine.add_request(rid, prompt, params, completion_index=index)
+                    owners[rid] = (result, index)
+                    pieces[rid] = []
+            while any(not p or not p[-1].finished for p in pieces.values()):
+                for out in self.engine.step():
+                    if out.request_id in pieces:
+                        pieces[out.request_id].append(out)
+        except BaseException:
+            for rid in owners:
+                self.engine.abort(rid)
+            raise
+        for rid, parts in pieces.items():
+            result, index = owners[rid]
+            last = parts[-1]
+            seq_prefill = last.num_prompt_tokens - last.num_cached_tokens
+            completion = Completion(
+                text="".join(p.text for p in parts),
+                token_ids=[t for p in parts for t in p.token_ids],
+                finish_reason=last.finish_reason,
+                logprobs=[lp for p in parts for lp in p.logprobs] if params.logprobs is not None else None,
+                timings=_timings(last, seq_prefill),
+            )
+            result.outputs.append(completion)
+            result.num_cached_tokens = last.num_cached_tokens
+        for result, prompt in zip(results, prompts, strict=True):
+            result.prompt_token_ids = self.engine.encode_prompt(prompt)
+        return results
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the generated text piece by piece as it is produced."""
+        for out in self.stream_outputs(prompt, params):
+            if out.text:
+                yield out.text
+
+    def stream_outputs(
+        self, prompt: Prompt, params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Like `stream`, but yields the engine's per-step outputs (tokens, timings)."""
+        params = params or SamplingParams()
+        rid = f"stream-{next(self._ids)}"
+        self.engine.add_request(rid, prompt, params)
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.engine.abort(rid)
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Render messages with the model's chat template and tokenize them."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        # The template writes any BOS itself.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Output:
+        return self.generate([self.chat_prompt(messages)], params)[0]

@@ -1,0 +1,144 @@
+"""Per-request sampling parameters, validated once at the API boundary.
+
+Everything downstream (the batched sampler, stop logic, the server) trusts these
+values, so every check happens here, in one place, with a one-line message that
+names the parameter and its allowed range. A few fields are normalised so that
+consumers have one spelling to handle: `stop` and `stop_token_ids` become lists,
+`top_k == -1` becomes 0 ("off"), and logit_bias keys become ints.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+MAX_LOGPROBS = 20  # OpenAI's and vLLM's cap on top-N alternatives
+GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
+    allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+    return value
+
+
+def _check_float(
+    name: str, value: Any, lo: float, hi: float | None = None, *, lo_open: bool = False
+) -> float:
+    if hi is None:
+        allowed = f"> {lo}" if lo_open else f">= {lo}"
+    else:
+        allowed = f"in ({lo}, {hi}]" if lo_open else f"in [{lo}, {hi}]"
+    if not _is_number(value):
+        raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
+    value = float(value)
+    above_lo = value > lo if lo_open else value >= lo
+    # `not` on the comparisons also rejects NaN; the isfinite check rejects +inf.
+    if not math.isfinite(value) or not above_lo or (hi is not None and not value <= hi):
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+    return value
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16  # >= 1
+    temperature: float = 1.0  # >= 0; 0 means greedy
+    top_p: float = 1.0  # in (0, 1]
+    top_k: int = 0  # 0 or -1 = off (normalised to 0); else >= 1
+    min_p: float = 0.0  # in [0, 1]
+    # HF/vLLM semantics: for tokens seen in prompt or output, divide positive logits
+    # by the penalty and multiply negative ones.
+    repetition_penalty: float = 1.0  # > 0
+    # OpenAI semantics, over generated tokens only.
+    presence_penalty: float = 0.0  # in [-2, 2]
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    # token id -> bias in [-100, 100]; ids are checked against the vocab by
+    # SamplingState.create. Decimal-string keys (the JSON wire form) become ints.
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] | str | None = None  # normalised to list[str]
+    stop_token_ids: list[int] | None = None  # normalised to list[int]
+    ignore_eos: bool = False
+    # None = no logprobs; 0 = the chosen token's only; N = plus top-N alternatives.
+    logprobs: int | None = None
+    n: int = 1  # number of completions
+
+    def __post_init__(self) -> None:
+        self.max_tokens = _check_int("max_tokens", self.max_tokens, 1)
+        self.temperature = _check_float("temperature", self.temperature, 0.0)
+        self.top_p = _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
+            raise ValueError(f"top_k must be 0 or -1 (off) or an integer >= 1, got {self.top_k!r}")
+        self.top_k = max(self.top_k, 0)
+        self.min_p = _check_float("min_p", self.min_p, 0.0, 1.0)
+        self.repetition_penalty = _check_float(
+            "repetition_penalty", self.repetition_penalty, 0.0, lo_open=True
+        )
+        self.presence_penalty = _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = _check_float(
+            "frequency_penalty", self.frequency_penalty, -2.0, 2.0
+        )
+        self.logit_bias = self._checked_logit_bias(self.logit_bias)
+        if self.seed is not None:
+            self.seed = _check_int("seed", self.seed, SEED_MIN, SEED_MAX)
+        self.stop = self._checked_stop(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(
+                f"stop_token_ids must be a list of integers >= 0, got {self.stop_token_ids!r}"
+            )
+        else:
+            self.stop_token_ids = [_check_int("stop_token_ids", t, 0) for t in self.stop_token_ids]
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            self.logprobs = _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        self.n = _check_int("n", self.n, 1)
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the chosen token is always the argmax (no randomness involved).
+
+        Like vLLM, temperatures below GREEDY_TEMPERATURE count as 0: dividing logits
+        by them can overflow to inf, and the distribution is one-hot long before.
+        """
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @staticmethod
+    def _checked_logit_bias(bias: Any) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+        checked: dict[int, float] = {}
+        for key, value in bias.items():
+            token = int(key) if isinstance(key, str) and key.isdecimal() else key
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {key!r}")
+            checked[token] = _check_float(f"logit_bias[{token}]", value, -100.0, 100.0)
+        return checked
+
+    @staticmethod
+    def _checked_stop(stop: Any) -> list[str]:
+        if stop is None:
+            return []
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        if any(s == "" for s in items):
+            raise ValueError("stop must not contain empty strings")
+        return list(items)

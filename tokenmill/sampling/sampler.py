@@ -1,0 +1,437 @@
+"""Batched token sampling: every row of a decode step carries its own parameters.
+
+The pipeline is a chain of small pure tensor functions, applied in this order:
+
+    apply_penalties -> apply_logit_bias -> apply_temperature
+        -> top_k_mask -> top_p_mask -> min_p_mask -> sample_from_probs
+
+Each takes and returns batched tensors ([B, V] logits plus [B] per-row
+parameters) and never mutates its inputs, so the inspector can run them one at
+a time on a single row (`process_logits`) and show what each stage did, while
+the engine's `Sampler` runs exactly the same functions over a whole batch.
+
+Filters are applied sequentially, like Hugging Face's warpers: each mask is
+computed on the logits left by the previous one, so top-p's cumulative mass is
+measured over the top-k survivors, renormalised. Neither sorts the vocabulary:
+both take the few largest values with topk and break ties by token id, which is
+what a stable sort would keep (sorting 150k logits costs tens of ms on CPU).
+Greedy rows (temperature 0 or top_k 1) skip all of this and take the argmax
+of the penalised logits.
+
+Randomness is per request: a seeded row owns a torch.Generator and draws exactly
+V exponentials from it per step (the "exponential race": argmax(p / q) with
+q ~ Exp(1) picks token i with probability p_i), so its tokens do not depend on
+which other rows share the batch. Unseeded rows share torch's default generator
+and are drawn in one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tokenmill.sampling.params import SamplingParams
+
+_SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
+_MASK64 = 2**64 - 1
+_TOP_P_FIRST_WIDTH = 256  # candidates top_p_mask looks at before widening
+
+
+# --------------------------------------------------------------------------- pipeline stages
+
+
+def apply_penalties(
+    logits: Tensor,
+    seen: Tensor,
+    output_counts: Tensor,
+    repetition_penalty: Tensor,
+    presence_penalty: Tensor,
+    frequency_penalty: Tensor,
+) -> Tensor:
+    """Repetition (HF/vLLM), then frequency and presence (OpenAI) penalties.
+
+    logits: [B, V] float; seen: [B, V] bool, token occurs in the prompt or the
+    output; output_counts: [B, V] float, occurrences in the output only;
+    the three penalties: [B]. Returns new [B, V] logits.
+    """
+    rep = repetition_penalty[:, None]  # [B, 1]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    present = (output_counts > 0).to(logits.dtype)
+    return logits - frequency_penalty[:, None] * output_counts - presence_penalty[:, None] * present
+
+
+def apply_logit_bias(logits: Tensor, rows: Tensor, token_ids: Tensor, bias: Tensor) -> Tensor:
+    """Add a sparse bias: logits[rows[j], token_ids[j]] += bias[j].
+
+    logits: [B, V]; rows, token_ids: [M] long; bias: [M] float. Returns new logits.
+    """
+    return logits.index_put((rows, token_ids), bias.to(logits.dtype), accumulate=True)
+
+
+def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
+    """Divide each row by its temperature. logits: [B, V]; temperature: [B], all > 0.
+
+    Temperature 0 (greedy) is the caller's business: it takes the argmax instead.
+    """
+    return logits / temperature[:, None].to(logits.dtype)
+
+
+def _keep_n_largest(values: Tensor, n: Tensor, largest: Tensor) -> Tensor:
+    """Keep the n largest values of each row; ties at the cut go to lower token ids.
+
+    The result is what a stable descending sort would keep, without sorting the
+    row. bf16 logits tie often, so the rule matters, and it depends only on the
+    row (not on the batch around it).
+    values: [B, V]; n: [B] in [1, W]; largest: [B, W], the W largest values of
+    each row in descending order. Returns keep mask [B, V] bool.
+    """
+    vocab, width = values.shape[-1], largest.shape[-1]
+    nth = largest.gather(-1, (n - 1)[:, None])  # [B, 1] smallest kept value
+    # Common case: the (n+1)-th value is strictly smaller, so ">= nth" keeps exactly n.
+    following = largest.gather(-1, n.clamp(max=width - 1)[:, None])  # [B, 1]
+    exact = (n == vocab) | ((n < width) & (following[:, 0] < nth[:, 0]))  # [B]
+    if bool(exact.all()):
+        return values >= nth
+    # Otherwise keep every value above the cut and the lowest-id ties that still fit.
+    room = n - (largest > nth).sum(-1)  # [B] tied tokens still to keep
+    tied = values == nth  # [B, V]
+    return (values > nth) | (tied & (tied.cumsum(-1) <= room[:, None]))
+
+
+def top_k_mask(logits: Tensor, top_k: Tensor) -> Tensor:
+    """Keep exactly the k highest logits per row; ties go to the lower token id.
+
+    logits: [B, V]; top_k: [B] long, 0 = keep all. Returns keep mask [B, V] bool.
+    """
+    vocab = logits.shape[-1]
+    off = (top_k <= 0) | (top_k >= vocab)  # [B] rows that keep everything
+    if bool(off.all()):
+        return torch.ones_like(logits, dtype=torch.bool)
+    k = torch.where(off, 1, top_k)  # [B]
+    # One extra value shows whether the k-th is tied with the next.
+    largest = logits.topk(min(vocab, int(k.max()) + 1), dim=-1).values  # [B, W], descending
+    return _keep_n_largest(logits, k, largest) | off[:, None]
+
+
+def top_p_mask(logits: Tensor, top_p: Tensor) -> Tensor:
+    """Keep the smallest set of most probable tokens whose total mass reaches p.
+
+    A token is kept when the mass of the tokens ranked strictly before it is
+    still < p, so the first token always survives. Rows with p == 1 keep all.
+    Rather than sorting the whole vocab (tens of ms per row on CPU), take the
+    top candidates and widen until every row's nucleus fits inside them.
+    logits: [B, V]; top_p: [B] in (0, 1]. Returns keep mask [B, V] bool.
+    """
+    vocab = logits.shape[-1]
+    probs = logits.softmax(-1)  # [B, V]
+    p = top_p.to(probs.dtype)  # [B]
+    off = p >= 1.0  # [B] rows that keep everything
+    width = min(vocab, _TOP_P_FIRST_WIDTH)
+    while True:
+        largest = probs.topk(width, dim=-1).values  # [B, W], descending
+        mass = largest.cumsum(-1)  # [B, W]
+        if width == vocab or bool(((mass[:, -1] >= p) | off).all()):
+            break
+        width = min(vocab, width * 8)
+    mass_before = F.pad(mass[:, :-1], (1, 0))  # [B, W] exclusive cumsum
+    n = (mass_before < p[:, None]).sum(-1)  # [B] nucleus size, >= 1
+    return _keep_n_largest(probs, n, largest) | off[:, None]
+
+
+def min_p_mask(logits: Tensor, min_p: Tensor) -> Tensor:
+    """Keep tokens whose probability is >= min_p times the row's top probability.
+
+    logits: [B, V]; min_p: [B] in [0, 1]. Returns keep mask [B, V] bool.
+    """
+    probs = logits.softmax(-1)  # [B, V]
+    threshold = min_p[:, None].to(probs.dtype) * probs.amax(-1, keepdim=True)  # [B, 1]
+    return probs >= threshold
+
+
+def mask_logits(logits: Tensor, keep: Tensor) -> Tensor:
+    """Set dropped tokens to -inf, so a softmax renormalises over the survivors."""
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def sample_from_probs(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
+    """Draw one token per row by exponential race: argmax(probs / q), q ~ Exp(1).
+
+    probs: [B, V]; generators: one per row, None = torch's default generator.
+    Each seeded row draws exactly V numbers from its own generator, so its result
+    is independent of the rest of the batch. Returns token ids [B] long.
+    """
+    q = torch.empty_like(probs)  # [B, V]
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if len(unseeded) == len(generators):
+        q.exponential_()
+    else:
+        for i, g in enumerate(generators):
+            if g is not None:
+                q[i].exponential_(generator=g)
+        if unseeded:
+            idx = torch.tensor(unseeded, device=probs.device)
+            q[idx] = torch.empty(len(unseeded), probs.shape[-1], device=probs.device).exponential_()
+    # A zero draw would make 0/0 = NaN for a filtered token and poison the argmax.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return (probs / q).argmax(-1)
+
+
+# --------------------------------------------------------------------------- per-request state
+
+
+def _derive_seed(seed: int, completion_index: int) -> int:
+    """Seed for the i-th of n completions: the request seed itself for i == 0,
+    a splitmix64 mix of (seed, i) otherwise, so n seeded completions differ."""
+    if completion_index == 0:
+        return seed
+    z = (seed + completion_index * _SPLITMIX_GAMMA) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+@dataclass
+class SamplingState:
+    """Everything the sampler needs about one running sequence; lives across steps.
+
+    Penalty bookkeeping is incremental: `seen` and `output_counts` are updated in
+    O(1) by `append`, so a step never walks the token history in Python. They are
+    only allocated when the request uses a penalty.
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: list[int]
+    vocab_size: int
+    output_ids: list[int] = field(default_factory=list)
+    seen: Tensor | None = None  # [V] bool: in prompt or output (repetition penalty)
+    output_counts: Tensor | None = None  # [V] float32: occurrences in output
+    bias_ids: Tensor | None = None  # [M] long
+    bias_values: Tensor | None = None  # [M] float32
+
+    @classmethod
+    def create(
+        cls,
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        device: torch.device | str = "cpu",
+        *,
+        vocab_size: int,
+        completion_index: int = 0,
+    ) -> SamplingState:
+        """Build the state for one completion of a request.
+
+        vocab_size is the width of the model's logits; logit_bias ids are checked
+        against it here, so a bad request fails before it joins a batch.
+        completion_index (0..n-1) decorrelates the n completions of a seeded request.
+        """
+        if params.logit_bias and max(params.logit_bias) >= vocab_size:
+            bad = max(params.logit_bias)
+            raise ValueError(
+                f"logit_bias token id {bad} is out of range for vocab size {vocab_size}"
+            )
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(_derive_seed(params.seed, completion_index))
+        state = cls(params, generator, list(prompt_ids), vocab_size)
+        uses_penalties = (
+            params.repetition_penalty != 1.0
+            or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+        )
+        if uses_penalties:
+            state.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            state.seen[torch.tensor(state.prompt_ids, dtype=torch.long, device=device)] = True
+            state.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        if params.logit_bias:
+            state.bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
+            state.bias_values = torch.tensor(
+                list(params.logit_bias.values()), dtype=torch.float32, device=device
+            )
+        return state
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits: the argmax of the raw row."""
+        return self.params.greedy and self.seen is None and self.bias_ids is None
+
+    def append(self, token_id: int) -> None:
+        """Record the token sampled for this sequence in the last step."""
+        self.output_ids.append(token_id)
+        if self.seen is not None and self.output_counts is not None:
+            self.seen[token_id] = True
+            self.output_counts[token_id] += 1
+
+
+# --------------------------------------------------------------------------- shared batch logic
+
+
+def _per_row(values: list[float], like: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """One parameter per row as a [B] tensor on the logits' device."""
+    return torch.tensor(values, dtype=dtype, device=like.device)
+
+
+def _adjust(logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
+    """Penalties then logit_bias, on the rows that use them. logits: [B, V] -> [B, V]."""
+    rows = [i for i, s in enumerate(states) if s.seen is not None]
+    if rows:
+        idx = torch.tensor(rows, device=logits.device)
+        sub = [states[i] for i in rows]
+        penalised = apply_penalties(
+            logits[idx],
+            torch.stack([s.seen for s in sub]),
+            torch.stack([s.output_counts for s in sub]),
+            _per_row([s.params.repetition_penalty for s in sub], logits),
+            _per_row([s.params.presence_penalty for s in sub], logits),
+            _per_row([s.params.frequency_penalty for s in sub], logits),
+        )
+        logits = logits.index_copy(0, idx, penalised)
+    rows = [i for i, s in enumerate(states) if s.bias_ids is not None]
+    if rows:
+        ids = [states[i].bias_ids for i in rows]
+        row_idx = torch.cat([torch.full_like(t, i) for i, t in zip(rows, ids, strict=True)])
+        values = torch.cat([states[i].bias_values for i in rows])
+        logits = apply_logit_bias(logits, row_idx, torch.cat(ids), values)
+    return logits
+
+
+@dataclass(frozen=True)
+class _Filtered:
+    scaled: Tensor  # [B, V] logits after temperature
+    keep_top_k: Tensor  # [B, V] bool survivors after top-k
+    keep_top_p: Tensor  # [B, V] bool survivors after top-k and top-p
+    keep: Tensor  # [B, V] bool survivors after top-k, top-p and min-p
+
+
+def _filter(logits: Tensor, states: Sequence[SamplingState]) -> _Filtered:
+    """Temperature and the three truncations for non-greedy rows. logits: [B, V]."""
+    params = [s.params for s in states]
+    scaled = apply_temperature(logits, _per_row([p.temperature for p in params], logits))
+    keep = torch.ones_like(scaled, dtype=torch.bool)
+    if any(p.top_k for p in params):
+        keep = top_k_mask(scaled, _per_row([p.top_k for p in params], logits, torch.long))
+    keep_top_k = keep
+    if any(p.top_p < 1.0 for p in params):
+        keep = keep & top_p_mask(
+            mask_logits(scaled, keep), _per_row([p.top_p for p in params], logits)
+        )
+    keep_top_p = keep
+    if any(p.min_p > 0.0 for p in params):
+        # No need to mask first: the top token always survives top-k and top-p, and
+        # renormalising over survivors leaves every ratio to its probability unchanged.
+        keep = keep & min_p_mask(scaled, _per_row([p.min_p for p in params], logits))
+    return _Filtered(scaled, keep_top_k, keep_top_p, keep)
+
+
+# --------------------------------------------------------------------------- inspector view
+
+
+@dataclass(frozen=True)
+class LogitsTrace:
+    """Every intermediate of the pipeline for one row, all [V]."""
+
+    raw_logits: Tensor  # model output
+    logits: Tensor  # after penalties and logit_bias
+    probs: Tensor  # softmax(logits): before temperature
+    scaled_probs: Tensor  # after temperature (one-hot at the argmax when greedy)
+    keep_top_k: Tensor  # bool survivors after top-k
+    keep_top_p: Tensor  # bool survivors after top-k, top-p
+    keep: Tensor  # bool survivors after top-k, top-p, min-p
+    final_probs: Tensor  # renormalised over `keep`: what the token is drawn from
+
+
+def process_logits(logits_row: Tensor, state: SamplingState) -> LogitsTrace:
+    """Run the sampler's pipeline on one row ([V]) and return every intermediate."""
+    raw = logits_row.float()[None]  # [1, V]
+    logits = _adjust(raw, [state])
+    probs = logits.softmax(-1)
+    if state.params.greedy:
+        # The temperature -> 0 limit: all mass on the argmax, which the sampler takes.
+        chosen = torch.zeros_like(logits[0], dtype=torch.bool)
+        chosen[logits[0].argmax()] = True
+        return LogitsTrace(
+            raw_logits=raw[0],
+            logits=logits[0],
+            probs=probs[0],
+            scaled_probs=chosen.float(),
+            keep_top_k=chosen,
+            keep_top_p=chosen,
+            keep=chosen,
+            final_probs=chosen.float(),
+        )
+    f = _filter(logits, [state])
+    return LogitsTrace(
+        raw_logits=raw[0],
+        logits=logits[0],
+        probs=probs[0],
+        scaled_probs=f.scaled[0].softmax(-1),
+        keep_top_k=f.keep_top_k[0],
+        keep_top_p=f.keep_top_p[0],
+        keep=f.keep[0],
+        final_probs=mask_logits(f.scaled, f.keep)[0].softmax(-1),
+    )
+
+
+# --------------------------------------------------------------------------- the engine's sampler
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]  # chosen token per row
+    logprobs: list[float | None]  # chosen token's logprob; None if the row didn't ask
+    top_logprobs: list[dict[int, float] | None]  # top-N token id -> logprob, best first
+
+
+def _logprobs(
+    raw: Tensor, token_ids: Tensor, states: Sequence[SamplingState]
+) -> tuple[list[float | None], list[dict[int, float] | None]]:
+    """vLLM semantics: log_softmax of the raw model logits, before any processing."""
+    n_rows = len(states)
+    chosen: list[float | None] = [None] * n_rows
+    top: list[dict[int, float] | None] = [None] * n_rows
+    rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+    if not rows:
+        return chosen, top
+    idx = torch.tensor(rows, device=raw.device)
+    logprobs = raw[idx].log_softmax(-1)  # [R, V]
+    chosen_lp = logprobs.gather(-1, token_ids[idx, None])[:, 0].tolist()  # [R]
+    widest = max(states[i].params.logprobs for i in rows)
+    top_values, top_ids = logprobs.topk(widest, dim=-1)  # [R, N], sorted descending
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(rows):
+        n = states[i].params.logprobs
+        chosen[i] = chosen_lp[j]
+        top[i] = dict(zip(top_ids[j][:n], top_values[j][:n], strict=True))
+    return chosen, top
+
+
+class Sampler:
+    """Chooses the next token for every row of a step: `sampler(logits, states)`."""
+
+    def __call__(self, logits: Tensor, states: Sequence[SamplingState]) -> SampleOutput:
+        # logits: [B, V]; states[i] describes row i.
+        if logits.shape[0] != len(states):
+            raise ValueError(f"got {logits.shape[0]} logit rows for {len(states)} states")
+        if any(s.vocab_size != logits.shape[-1] for s in states):
+            raise ValueError(f"logits have width {logits.shape[-1]}, states expect another vocab")
+        raw = logits.float()
+        if all(s.plain_greedy for s in states):
+            token_ids = raw.argmax(-1)  # [B] fast path: nothing to process
+        else:
+            adjusted = _adjust(raw, states)  # [B, V]
+            token_ids = adjusted.argmax(-1)  # [B] right for greedy rows; others overwritten
+            rows = [i for i, s in enumerate(states) if not s.params.greedy]
+            if rows:
+                sub = [states[i] for i in rows]
+                idx = torch.tensor(rows, device=raw.device)
+                f = _filter(adjusted if len(rows) == len(states) else adjusted[idx], sub)
+                probs = mask_logits(f.scaled, f.keep).softmax(-1)  # [R, V]
+                token_ids[idx] = sample_from_probs(probs, [s.generator for s in sub])
+        chosen, top = _logprobs(raw, token_ids, states)
+        return SampleOutput(token_ids.tolist(), chosen, top)
