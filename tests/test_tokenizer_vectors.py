@@ -12,6 +12,7 @@ import functools
 import json
 from pathlib import Path
 
+import gguf
 import pytest
 from tokenizers.processors import TemplateProcessing
 
@@ -183,6 +184,115 @@ def test_from_pretrained_folder(
 def test_from_pretrained_needs_tokenizer_json(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_pretrained(tmp_path)
+
+
+# --- small hand-made vocabularies: what the vector files do not cover ------------------------------
+
+
+def write_vocab_gguf(
+    path: Path, model: str, tokens: list[str], types: list[int], **extra: object
+) -> Path:
+    """A vocabulary-only GGUF file, like llama.cpp's ggml-vocab-*.gguf."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model(model)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    for key, value in extra.items():
+        getattr(writer, f"add_{key}")(value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def byte_level_vocab(tmp_path: Path, pre: str) -> Tokenizer:
+    alphabet = [chr(c) for c in range(33, 127)] + [
+        chr(256 + b) for b in range(33)
+    ]  # ASCII, Ġ, Ċ...
+    tokens = [*alphabet, "Ġt", "he", "Ġthe", "<|endoftext|>", "<think>"]
+    types = [N] * (len(tokens) - 2) + [CONTROL, USER_DEFINED]
+    merges = ["Ġ t", "h e", "Ġt he"]
+    path = tmp_path / f"{pre}.gguf"
+    write_vocab_gguf(
+        path,
+        "gpt2",
+        tokens,
+        types,
+        tokenizer_pre=pre,
+        token_merges=merges,
+        eos_token_id=len(tokens) - 2,
+    )
+    return Tokenizer.from_gguf(path)
+
+
+N, CONTROL, USER_DEFINED, BYTE = (
+    int(t)
+    for t in (
+        gguf.TokenType.NORMAL,
+        gguf.TokenType.CONTROL,
+        gguf.TokenType.USER_DEFINED,
+        gguf.TokenType.BYTE,
+    )
+)
+
+
+@pytest.mark.parametrize(
+    "pre", ["gpt-2", "llama-bpe", "qwen2", "smollm", "gpt-4o", "default", "no-such-pre"]
+)
+def test_byte_level_pre_tokenizers(
+    tmp_path: Path, pre: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    tok = byte_level_vocab(tmp_path, pre)
+    assert (pre == "no-such-pre") == ("unknown tokenizer.ggml.pre 'no-such-pre'" in caplog.text)
+    text = "Hello 1234 the world!!\n\n  x's (y) <think> z"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.encode(" the<think>t<|endoftext|>") == [
+        tok.vocab_size - 3,
+        tok.vocab_size - 1,
+        83,
+        tok.vocab_size - 2,
+    ]
+    literal = tok.encode("<|endoftext|><think>", parse_special=False)
+    assert literal[-1] == tok.vocab_size - 1  # user-defined pieces are matched even so
+    assert tok.vocab_size - 2 not in literal
+    assert tok.eos_token_ids == [tok.vocab_size - 2]
+
+
+@pytest.mark.parametrize("add_space_prefix", [True, False])
+def test_sentencepiece_space_prefix(tmp_path: Path, add_space_prefix: bool) -> None:
+    tokens = [
+        "<unk>",
+        "<s>",
+        "</s>",
+        *(f"<0x{b:02X}>" for b in range(256)),
+        "▁",
+        "h",
+        "i",
+        "hi",
+        "▁hi",
+        "  ",
+    ]
+    types = [2, CONTROL, CONTROL] + [BYTE] * 256 + [N] * 5 + [USER_DEFINED]
+    scores = [0.0] * 259 + [-1.0, -2.0, -3.0, -4.0, -5.0, 0.0]
+    path = write_vocab_gguf(
+        tmp_path / "spm.gguf",
+        "llama",
+        tokens,
+        types,
+        token_scores=scores,
+        add_space_prefix=add_space_prefix,
+    )
+    tok = Tokenizer.from_gguf(path)
+    hi, space_hi, spaces = 262, 263, 264
+    assert tok.encode("hi hi") == [1, space_hi if add_space_prefix else hi, space_hi]
+    # the user-defined "  " is matched whole; like llama.cpp, the text after it gets a space prefix
+    after = space_hi if add_space_prefix else hi
+    assert tok.encode("hi  hi", add_special_tokens=False)[1:] == [spaces, after]
+    assert tok.encode("é", add_special_tokens=False)[-2:] == [3 + 0xC3, 3 + 0xA9]  # byte fallback
+    for text in ("hi hi", " hi", "é", ""):
+        assert tok.decode(tok.encode(text), skip_special_tokens=True) == text
 
 
 # --- real models against transformers (slow: transformers takes ~25 s to load Gemma's vocab) -------

@@ -252,22 +252,28 @@ class LLMEngine:
         seq.output_ids.append(token)
         seq.sampling.append(token)
         self.stats["generation_tokens"] += 1
-        text = ""
         reason = check_stop_token(token, seq.params, self.eos_token_ids, len(seq.output_ids))
         if reason == "stop":
-            text = req.stops.flush()  # the stop token's own text is never shown
+            text = self._drain(req)  # the stop token's own text is never shown
         else:
             text, hit = req.stops.feed(req.detok.add(token))
             if hit:
                 reason = "stop"
             elif reason == "length" or len(seq) >= self.max_model_len:
                 reason = "length"
-                text += req.stops.flush()
+                text += self._drain(req)
         if reason is not None:
             seq.finish_reason, seq.finish_time = reason, now
             self.scheduler.finish(seq)
             del self.requests[seq.request_id]
         return self._output(seq, text, [token], [lp] if lp else [])
+
+    @staticmethod
+    def _drain(req: _Request) -> str:
+        """Text still held back when a request ends: an incomplete character, a possible
+        stop-string start."""
+        tail, hit = req.stops.feed(req.detok.flush())
+        return tail if hit else tail + req.stops.flush()
 
     def _reject_unschedulable(self) -> list[RequestOutput]:
         """Nothing fits: the head waiting request needs more blocks than the whole pool."""
@@ -277,7 +283,7 @@ class LLMEngine:
         req = self.requests.pop(seq.request_id)
         seq.finish_reason, seq.finish_time = "length", time.perf_counter()
         self.scheduler.finish(seq)
-        return [self._output(seq, req.stops.flush(), [], [])]
+        return [self._output(seq, self._drain(req), [], [])]
 
     def _output(self, seq: Sequence, text: str, tokens: list[int], lps: list) -> RequestOutput:
         return RequestOutput(

@@ -1,0 +1,101 @@
+"""Chat templates: turn a list of messages into the prompt text a chat model was trained on.
+
+Models ship their template as Jinja source (`tokenizer_config.json` or the GGUF key
+`tokenizer.chat_template`). We render it the way transformers does, so the prompt text is the same
+one the model saw in training: a sandboxed environment with `trim_blocks` and `lstrip_blocks`,
+the `loopcontrols` extension, a `tojson` filter that leaves non-ASCII text alone, and the
+`raise_exception` and `strftime_now` helpers templates call.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class ChatTemplateError(ValueError):
+    """The model has no chat template, or its template refused or failed to render the messages."""
+
+
+def validate_messages(messages: Any) -> None:
+    """Raise a one-line ValueError unless `messages` is a non-empty list of {role, content} dicts."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be a dict, not {type(message).__name__}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise ValueError(
+                f"messages[{i}]['role'] must be one of {', '.join(ROLES)}; got {role!r}"
+            )
+        content = message.get("content")
+        if not isinstance(content, str):
+            raise ValueError(
+                f"messages[{i}]['content'] must be a string, not {type(content).__name__}"
+            )
+
+
+def render_chat_template(
+    template: str,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+) -> str:
+    """Render `template` for `messages` (validated first); errors become ChatTemplateError."""
+    validate_messages(messages)
+    try:
+        return _compile(template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token or "",
+            eos_token=eos_token or "",
+            tools=None,
+            documents=None,
+        )
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"chat template failed: {e}") from e
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson escapes <, >, & and ' for HTML, which would change the prompt text.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+@lru_cache(maxsize=32)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"chat template does not parse: {e}") from e
