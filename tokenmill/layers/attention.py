@@ -92,9 +92,10 @@ class Attention(nn.Module):
         self.scale = cfg.attn_scale
         self.window = cfg.sliding_window if cfg.layer_types[layer_idx] == "sliding" else None
         d = cfg.hidden_size
-        self.q = Linear(d, cfg.q_size, bias=cfg.qkv_bias)
-        self.k = Linear(d, cfg.kv_size, bias=cfg.qkv_bias)
-        self.v = Linear(d, cfg.kv_size, bias=cfg.qkv_bias)
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        # Q, K and V projections fused into one matrix [q_size + 2 kv_size, d]: one GEMV per
+        # layer instead of three. The loader concatenates the checkpoint's q/k/v rows.
+        self.qkv = Linear(d, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o = Linear(cfg.q_size, d, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
@@ -105,10 +106,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        # ---- Q, K, V projections: [T, d] -> [T, heads, hd] ----
-        q = self.q(x).view(T, self.num_heads, self.head_dim)
-        k = self.k(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v(x).view(T, self.num_kv_heads, self.head_dim)
+        # ---- Q, K, V projections: [T, d] -> [T, q_size + 2 kv_size] -> per head ----
+        qkv = self.qkv(x)
+        q = qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # ---- positions: rotate q and k by each token's position ----
@@ -147,11 +149,16 @@ class Attention(nn.Module):
         return self.o(out.reshape(T, -1))
 
     def _sdpa(self, q, k, v, mask, causal: bool) -> torch.Tensor:
-        if self.num_kv_heads != self.num_heads:
-            # GQA/MQA: each K/V head serves H / Hkv query heads.
-            rep = self.num_heads // self.num_kv_heads
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
+        # q [B, H, L, hd], k/v [B, Hkv, C, hd]
+        rep = self.num_heads // self.num_kv_heads
+        if rep > 1 and q.shape[2] == 1 and not causal:
+            # GQA/MQA decode: the `rep` query heads sharing a K/V head become `rep` queries
+            # of that head ([B, Hkv, rep, hd]); the mask [B, 1, 1, C] broadcasts over them.
+            B, H, _, hd = q.shape
+            out = F.scaled_dot_product_attention(
+                q.reshape(B, self.num_kv_heads, rep, hd), k, v, attn_mask=mask, scale=self.scale
+            )
+            return out.reshape(B, H, 1, hd)
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale
+            q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=rep > 1
         )

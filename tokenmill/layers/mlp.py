@@ -2,6 +2,7 @@
 
 gated (Llama SwiGLU, Gemma GeGLU): down(act(gate(x)) * up(x))
 plain (GPT-2):                     down(act(up(x)))
+For gated MLPs `up` holds [gate; up] stacked: [2f, d].
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ class MLP(nn.Module):
         super().__init__()
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.gated = cfg.mlp == "gated"
-        self.gate = Linear(d, f, bias=cfg.mlp_bias) if self.gated else None
-        self.up = Linear(d, f, bias=cfg.mlp_bias)
+        self.f = f
+        # gated: gate and up projections fused into one [2f, d] matrix (one GEMV, not two)
+        self.up = Linear(d, 2 * f if self.gated else f, bias=cfg.mlp_bias)
         self.down = Linear(f, d, bias=cfg.mlp_bias)
         self.act = ACTIVATIONS[cfg.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, d] -> [T, f] -> [T, d]
+        h = self.up(x)
         if self.gated:
-            return self.down(self.act(self.gate(x)) * self.up(x))
-        return self.down(self.act(self.up(x)))
+            return self.down(self.act(h[:, : self.f]) * h[:, self.f :])
+        return self.down(self.act(h))

@@ -18,10 +18,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., dim]
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * self.weight.float()).to(x.dtype)
+        # x: [..., dim]; weight kept float32 by the loader. One fused op.
+        return F.rms_norm(x.float(), x.shape[-1:], self.weight, self.eps).to(x.dtype)
 
 
 class LayerNorm(nn.Module):

@@ -49,7 +49,11 @@ class Rotary(nn.Module):
         freqs = torch.outer(pos, inv_freq)  # [P, dim/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, dim]
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # rotate_half(x) * sin == roll(x, dim/2) * [-sin, sin]: the sign is baked in here so
+        # applying RoPE is roll, mul, fused multiply-add.
+        sin = emb.sin()
+        sin[:, : self.dim // 2] *= -1
+        self.register_buffer("sin", sin, persistent=False)
 
     def set_freq_factors(self, factors: torch.Tensor) -> None:
         """GGUF `rope_freqs`: per-frequency divisors (how llama.cpp stores llama3 scaling)."""
@@ -61,12 +65,14 @@ class Rotary(nn.Module):
         # q: [T, H, hd], k: [T, Hkv, hd], positions: [T]
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, dim]
         sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin, self.dim), _rotate(k, cos, sin, self.dim)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
-    rot, rest = x[..., :dim], x[..., dim:]
-    x1, x2 = rot.float().chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    out = (rot.float() * cos + rotated * sin).to(x.dtype)
-    return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        dim = self.dim
+        if dim == x.shape[-1]:
+            xf = x.float()
+            return torch.addcmul(xf * cos, xf.roll(dim // 2, -1), sin).to(x.dtype)
+        # partial rotary: only the first `dim` features of each head rotate
+        rot = x[..., :dim].float()
+        out = torch.addcmul(rot * cos, rot.roll(dim // 2, -1), sin).to(x.dtype)
+        return torch.cat([out, x[..., dim:]], dim=-1)

@@ -12,6 +12,8 @@ Parameter names (what the loaders produce):
     layers.i.{attn_norm, post_attn_norm, mlp_norm, post_mlp_norm}.{weight,bias}
     layers.i.attn.{q,k,v,o}.{weight,bias}   layers.i.attn.{q_norm,k_norm}.weight
     layers.i.mlp.{gate,up,down}.{weight,bias}
+The model fuses q/k/v into `attn.qkv` and gate/up into `mlp.up`; `load_weights`
+concatenates the checkpoint's tensors into them (see FUSED).
 """
 
 from __future__ import annotations
@@ -26,6 +28,24 @@ from tokenmill.layers.mlp import MLP
 from tokenmill.layers.norm import make_norm
 from tokenmill.layers.rotary import Rotary
 from tokenmill.loader import Checkpoint, LoadError
+
+
+# A fused parameter -> the checkpoint tensors stacked (along rows) to make it.
+FUSED = {
+    "attn.qkv": ("attn.q", "attn.k", "attn.v"),
+    "mlp.up": ("mlp.gate", "mlp.up"),
+}
+
+
+def checkpoint_parts(name: str, gated_mlp: bool) -> list[str]:
+    """The checkpoint tensor names that make model parameter `name` (in row order)."""
+    for fused, parts in FUSED.items():
+        layer, sep, suffix = name.partition(f".{fused}.")
+        if sep:
+            if fused == "mlp.up" and not gated_mlp:
+                return [name]  # GPT-2's plain MLP: `up` is just the checkpoint's up
+            return [f"{layer}.{p}.{suffix}" for p in parts]
+    return [name]
 
 
 class Block(nn.Module):
@@ -123,15 +143,19 @@ class Transformer(nn.Module):
         tensors = dict(ckpt.tensors)
         if "embed.weight" in tensors and self.lm_head is not None and "lm_head.weight" not in tensors:
             tensors["lm_head.weight"] = tensors["embed.weight"]  # tied in the file, not the config
-        missing = [n for n in params if n not in tensors]
+        gated = self.cfg.mlp == "gated"
+        plan = {name: checkpoint_parts(name, gated) for name in params}
+        missing = [p for parts in plan.values() for p in parts if p not in tensors]
         if missing:
             raise LoadError(ckpt.path, f"missing tensor {missing[0]!r} ({len(missing)} missing)")
         for name, param in params.items():
-            t = tensors[name]()
+            pieces = [tensors[p]() for p in plan[name]]
+            t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
             if tuple(t.shape) != tuple(param.shape):
+                shown = plan[name][0] if len(pieces) == 1 else "+".join(plan[name])
                 raise LoadError(
                     ckpt.path,
-                    f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(param.shape)}",
+                    f"tensor {shown!r} has shape {tuple(t.shape)}, expected {tuple(param.shape)}",
                 )
             keep_fp32 = name.endswith("norm.weight") or name.endswith("norm.bias")
             param.data = t.to(torch.float32 if keep_fp32 else dtype).contiguous()
