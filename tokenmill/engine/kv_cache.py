@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from tokenmill.config import ModelConfig
@@ -38,6 +39,20 @@ def parse_memory(value: int | str | None) -> int | None:
     return int(float(text))
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled pool. On CPU the memory comes from calloc (via numpy), so the OS maps
+    pages lazily: resident memory grows with the tokens actually cached, not the pool size.
+    Zeros (not garbage) matter: padded decode slots are read and masked, and 0 * NaN would
+    poison the attention output."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = 1
+    for d in shape:
+        numel *= d
+    raw = np.zeros(numel * torch.empty((), dtype=dtype).element_size(), dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
 class KVCache:
     def __init__(
         self,
@@ -56,8 +71,8 @@ class KVCache:
         self.num_blocks = max(1, tokens // block_size)
         slots = self.num_blocks * block_size
         shape = (slots, cfg.num_kv_heads, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.k = [_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
 
     @property
     def capacity_tokens(self) -> int:
