@@ -32,8 +32,19 @@ def fetch_vocabs() -> Path:
         return dest
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=hub.cache_dir()) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-               "--quiet", "-d", tmp, LLAMA_CPP_SDIST]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-binary",
+            ":all:",
+            "--no-deps",
+            "--quiet",
+            "-d",
+            tmp,
+            LLAMA_CPP_SDIST,
+        ]
         subprocess.run(cmd, check=True)
         sdist = next(Path(tmp).glob("*.tar.gz"))
         with tarfile.open(sdist) as tf:

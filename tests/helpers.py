@@ -10,7 +10,7 @@ import torch
 
 def save_word_tokenizer(folder: Path, vocab_size: int) -> None:
     """A trivial word-level tokenizer (ids <-> 't{id}') so an engine can run on a tiny model."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {f"t{i}": i for i in range(vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
@@ -130,10 +130,15 @@ def write_llama_gguf(model, path: Path, qtype=None, arch: str = "llama", drop=()
         "lm_head.weight": "output.weight",
     }
     per_layer = {
-        "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-        "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
     }
     state = model.state_dict()
     for hf_name, t in state.items():
@@ -158,7 +163,11 @@ def write_llama_gguf(model, path: Path, qtype=None, arch: str = "llama", drop=()
             if name.endswith("attn_q.weight") or name.endswith("attn_k.weight"):
                 heads = cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads
                 rows = back.shape[0]
-                back = back.reshape(heads, rows // heads // 2, 2, -1).transpose(1, 2).reshape(back.shape)
+                back = (
+                    back.reshape(heads, rows // heads // 2, 2, -1)
+                    .transpose(1, 2)
+                    .reshape(back.shape)
+                )
             with torch.no_grad():
                 model.state_dict()[hf_name].copy_(back)
         else:

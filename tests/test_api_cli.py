@@ -55,7 +55,9 @@ def test_seed_reproducible(llm):
     params = SamplingParams(max_tokens=16, temperature=1.0, seed=1234)
     a = llm.generate("Once upon a time", params)[0].text
     b = llm.generate("Once upon a time", params)[0].text
-    c = llm.generate("Once upon a time", SamplingParams(max_tokens=16, temperature=1.0, seed=99))[0].text
+    c = llm.generate("Once upon a time", SamplingParams(max_tokens=16, temperature=1.0, seed=99))[
+        0
+    ].text
     assert a == b and a != c
 
 
@@ -68,8 +70,10 @@ def test_logprobs(llm):
 
 
 def test_chat(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(max_tokens=20, temperature=0))
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(max_tokens=20, temperature=0),
+    )
     assert "Paris" in out.text
 
 
@@ -83,7 +87,10 @@ def test_prompt_too_long_is_a_clear_error(llm):
 def _cli(*args, stdin=None):
     return subprocess.run(
         [sys.executable, "-m", "tokenmill.cli", *args],
-        input=stdin, capture_output=True, text=True, timeout=300,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -95,8 +102,9 @@ def test_cli_generate():
 
 
 def test_cli_chat_answers_and_exits_on_eof():
-    r = _cli("chat", "--max-tokens", "24", "--temperature", "0",
-             stdin="What is the capital of France?\n")
+    r = _cli(
+        "chat", "--max-tokens", "24", "--temperature", "0", stdin="What is the capital of France?\n"
+    )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
 

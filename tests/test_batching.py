@@ -106,7 +106,9 @@ def test_sampling_params_stay_per_request(tiny):
     assert outs["s"] == alone.token_ids
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     actions=st.lists(
         st.tuples(st.sampled_from(["add", "step", "step", "abort"]), st.integers(0, 10**6)),
@@ -122,7 +124,9 @@ def test_block_manager_invariants_under_random_traffic(tiny_engine, actions):
             rid = f"r{n}-{r}"
             rng = random.Random(r)
             # shared prefixes on purpose, so the prefix cache is exercised
-            prompt = [5] * (16 * (r % 3)) + [rng.randrange(2, 300) for _ in range(rng.randrange(1, 40))]
+            prompt = [5] * (16 * (r % 3)) + [
+                rng.randrange(2, 300) for _ in range(rng.randrange(1, 40))
+            ]
             engine.add_request(rid, prompt, SamplingParams(max_tokens=1 + r % 20, temperature=0))
             live.append(rid)
         elif action == "abort" and live:

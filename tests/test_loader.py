@@ -73,7 +73,9 @@ def test_truncated_header(tiny_gguf):
 
 
 def test_missing_tensor(tiny_gguf):
-    _one_line_error(tiny_gguf(drop={"blk.1.ffn_up.weight"}), "missing tensor 'layers.1.mlp.up.weight'")
+    _one_line_error(
+        tiny_gguf(drop={"blk.1.ffn_up.weight"}), "missing tensor 'layers.1.mlp.up.weight'"
+    )
 
 
 def test_shape_mismatch(tiny_gguf):
@@ -93,12 +95,16 @@ def test_unsupported_quant_type(tmp_path):
 
     path = tmp_path / "q.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
-    for key, value in dict(block_count=1, context_length=64, embedding_length=32,
-                           feed_forward_length=64, head_count=4).items():
+    for key, value in dict(
+        block_count=1, context_length=64, embedding_length=32, feed_forward_length=64, head_count=4
+    ).items():
         getattr(w, f"add_{key}")(value)
     # IQ4_NL: a 32-value block is 18 bytes
-    w.add_tensor("token_embd.weight", np.zeros((8, 18), dtype=np.uint8),
-                 raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+    w.add_tensor(
+        "token_embd.weight",
+        np.zeros((8, 18), dtype=np.uint8),
+        raw_dtype=gguf.GGMLQuantizationType.IQ4_NL,
+    )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -117,7 +117,9 @@ def _rope_from_params(p: dict[str, Any], default_theta: float, max_pos: int) -> 
         rope.high_freq_factor = float(p.get("high_freq_factor", 4.0))
         rope.original_max_position = int(p.get("original_max_position_embeddings", max_pos))
         return rope
-    raise ConfigError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+    raise ConfigError(
+        f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)"
+    )
 
 
 def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:

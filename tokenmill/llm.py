@@ -109,7 +109,9 @@ class LLM:
         ):
             prompts = [prompts]
         if not isinstance(prompts, list) or not prompts:
-            raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of them")
+            raise ValueError(
+                "prompts must be a string, a list of token ids, or a non-empty list of them"
+            )
         results: list[Output] = []
         owners: dict[str, tuple[Output, int]] = {}
         pieces: dict[str, list[RequestOutput]] = {}
@@ -138,7 +140,9 @@ class LLM:
                 text="".join(p.text for p in parts),
                 token_ids=[t for p in parts for t in p.token_ids],
                 finish_reason=last.finish_reason,
-                logprobs=[lp for p in parts for lp in p.logprobs] if params.logprobs is not None else None,
+                logprobs=[lp for p in parts for lp in p.logprobs]
+                if params.logprobs is not None
+                else None,
                 timings=_timings(last, seq_prefill),
             )
             result.outputs.append(completion)

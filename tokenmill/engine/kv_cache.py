@@ -29,8 +29,18 @@ def parse_memory(value: int | str | None) -> int | None:
     if value is None or isinstance(value, int):
         return value
     text = value.strip().lower().replace(" ", "")
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6,
-             "gb": 10**9, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "b": 1}
+    units = {
+        "kib": 1 << 10,
+        "mib": 1 << 20,
+        "gib": 1 << 30,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "k": 1 << 10,
+        "m": 1 << 20,
+        "g": 1 << 30,
+        "b": 1,
+    }
     if text.endswith(("tok", "tokens")):
         return -int(float(text.removesuffix("tokens").removesuffix("tok")))
     for suffix, mult in units.items():

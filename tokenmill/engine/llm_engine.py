@@ -121,7 +121,9 @@ class LLMEngine:
         ckpt = open_checkpoint(self.path)
         self.config = ckpt.config
         self.tokenizer = load_tokenizer(self.path)
-        self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids))
+        self.eos_token_ids = sorted(
+            set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
+        )
 
         # ---- weights ----
         self.model = Transformer(self.config)
@@ -151,11 +153,15 @@ class LLMEngine:
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
             ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
             if bad:
-                raise RequestError(f"prompt token id {bad[0]} is out of range [0, {self.config.vocab_size})")
+                raise RequestError(
+                    f"prompt token id {bad[0]} is out of range [0, {self.config.vocab_size})"
+                )
         else:
             raise RequestError("prompt must be a string or a list of token ids")
         if not ids:
@@ -185,7 +191,10 @@ class LLMEngine:
             )
         try:
             state = SamplingState.create(
-                params, ids, self.device, vocab_size=self.config.vocab_size,
+                params,
+                ids,
+                self.device,
+                vocab_size=self.config.vocab_size,
                 completion_index=completion_index,
             )
         except ValueError as e:
@@ -220,7 +229,9 @@ class LLMEngine:
         logits, sampled = self.runner.run(chunks)
         for chunk in chunks:
             seq = chunk.seq
-            in_prompt = max(0, min(len(seq.prompt_ids), seq.num_computed + chunk.num_tokens) - seq.num_computed)
+            in_prompt = max(
+                0, min(len(seq.prompt_ids), seq.num_computed + chunk.num_tokens) - seq.num_computed
+            )
             seq.num_prefill_computed += in_prompt
             self.stats["prefill_tokens_computed"] += in_prompt
             seq.num_computed += chunk.num_tokens
@@ -244,7 +255,9 @@ class LLMEngine:
             chunk.seq.trace.on_step_end(chunk.seq, self)
         return outputs
 
-    def _advance(self, seq: Sequence, token: int, lp: TokenLogprob | None, now: float) -> RequestOutput:
+    def _advance(
+        self, seq: Sequence, token: int, lp: TokenLogprob | None, now: float
+    ) -> RequestOutput:
         """Append one sampled token: detokenize, check stops, maybe finish."""
         req = self.requests[seq.request_id]
         if seq.first_token_time is None:

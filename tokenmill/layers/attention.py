@@ -109,7 +109,9 @@ class Attention(nn.Module):
         # ---- Q, K, V projections: [T, d] -> [T, q_size + 2 kv_size] -> per head ----
         qkv = self.qkv(x)
         q = qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
+            T, self.num_kv_heads, self.head_dim
+        )
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -130,7 +132,9 @@ class Attention(nn.Module):
             qd = q[:nd].unsqueeze(2)  # [Bd, H, 1, hd]
             out[:nd] = self._sdpa(qd, keys, values, mask, False).squeeze(2)
             if meta.trace is not None:
-                meta.trace.on_attention(meta, ("decode", -1), self.layer_idx, qd, keys, mask, self.scale)
+                meta.trace.on_attention(
+                    meta, ("decode", -1), self.layer_idx, qd, keys, mask, self.scale
+                )
         for i, span in enumerate(meta.prefills):
             # ---- prefill chunk: all its queries at once, causally masked ----
             s, e = span.start, span.end
@@ -145,7 +149,9 @@ class Attention(nn.Module):
             causal = mask is None
             out[s:e] = self._sdpa(qp, keys, values, mask, causal)[0].transpose(0, 1)
             if meta.trace is not None:
-                meta.trace.on_attention(meta, ("prefill", i), self.layer_idx, qp, keys, mask, self.scale)
+                meta.trace.on_attention(
+                    meta, ("prefill", i), self.layer_idx, qp, keys, mask, self.scale
+                )
         return self.o(out.reshape(T, -1))
 
     def _sdpa(self, q, k, v, mask, causal: bool) -> torch.Tensor:

@@ -17,9 +17,7 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         # [out, in], filled by the loader; torch.empty costs nothing until then.
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = (
-            nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        )
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

@@ -32,7 +32,9 @@ def inv_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:
         )
         scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
         mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq, scaled)
+        inv_freq = torch.where(
+            mid, (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq, scaled
+        )
     return inv_freq
 
 

@@ -174,17 +174,15 @@ def _target_name(name: str) -> list[tuple[str, str | None]]:
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation: rows [h, d/2, 2] -> [h, 2, d/2]."""
     rows = w.shape[0]
-    return (
-        w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def read_tensor(t, path: Path) -> np.ndarray:
     """Dequantize one GGUF tensor to float32 numpy, shaped [rows, cols] (numpy order)."""
     if t.tensor_type not in SUPPORTED_TYPES:
-        raise LoadError(path, f"tensor {t.name}: unsupported quantization type {t.tensor_type.name}")
+        raise LoadError(
+            path, f"tensor {t.name}: unsupported quantization type {t.tensor_type.name}"
+        )
     shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
     try:
         if t.tensor_type == GGMLQuantizationType.F32:

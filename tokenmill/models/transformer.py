@@ -29,7 +29,6 @@ from tokenmill.layers.norm import make_norm
 from tokenmill.layers.rotary import Rotary
 from tokenmill.loader import Checkpoint, LoadError
 
-
 # A fused parameter -> the checkpoint tensors stacked (along rows) to make it.
 FUSED = {
     "attn.qkv": ("attn.q", "attn.k", "attn.v"),
@@ -95,7 +94,9 @@ class Transformer(nn.Module):
                 rotary_local = Rotary(cfg.rope_local, cfg.head_dim, cfg.max_position)
         self.rotary, self.rotary_local = rotary, rotary_local
         self.layers = nn.ModuleList(
-            Block(cfg, i, rotary_local if cfg.layer_types[i] == "sliding" and rotary_local else rotary)
+            Block(
+                cfg, i, rotary_local if cfg.layer_types[i] == "sliding" and rotary_local else rotary
+            )
             for i in range(cfg.num_layers)
         )
         self.final_norm = make_norm(cfg.norm, d, cfg.norm_eps)
@@ -141,7 +142,11 @@ class Transformer(nn.Module):
         """Fill every parameter from the checkpoint; one clear error for any mismatch."""
         params = dict(self.named_parameters())
         tensors = dict(ckpt.tensors)
-        if "embed.weight" in tensors and self.lm_head is not None and "lm_head.weight" not in tensors:
+        if (
+            "embed.weight" in tensors
+            and self.lm_head is not None
+            and "lm_head.weight" not in tensors
+        ):
             tensors["lm_head.weight"] = tensors["embed.weight"]  # tied in the file, not the config
         gated = self.cfg.mlp == "gated"
         plan = {name: checkpoint_parts(name, gated) for name in params}
