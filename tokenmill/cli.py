@@ -126,15 +126,16 @@ def _stream_answer(llm, prompt, params) -> tuple[str, object]:
 
 
 def cmd_generate(args) -> None:
+    params = _params(args)  # validate before the (slow) model load
     llm = load_llm(args)
-    _, done = _stream_answer(llm, args.prompt, _params(args))
+    _, done = _stream_answer(llm, args.prompt, params)
     sys.stdout.write("\n")
     print(_speed_line(done), file=sys.stderr)
 
 
 def cmd_chat(args) -> None:
-    llm = load_llm(args)
     params = _params(args)
+    llm = load_llm(args)
     messages: list[dict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
