@@ -158,3 +158,19 @@ def test_real_model_32_prompts_batched_equals_alone(smollm_path):
     together = [o.token_ids for o in llm.generate(prompts, params)]
     assert together == _alone(llm, prompts, params)
     _assert_no_leak(llm.engine)
+
+
+def test_prefix_cache_hit_rate_counts_each_request_once(tiny):
+    # a 5-block pool: the second request waits (retrying admission) while the first runs
+    engine = LLMEngine(tiny, kv_cache_memory="80tok", max_num_seqs=2)
+    prompt = _prompts(1, seed=5, lo=40, hi=41)[0]
+    engine.add_request("a", prompt, SamplingParams(max_tokens=39, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.add_request("b", prompt, SamplingParams(max_tokens=2, temperature=0))
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.kv_stats()
+    assert stats["prefix_cache_query_tokens"] == 80
+    assert stats["prefix_cache_hit_tokens"] == 32  # b reuses a's two full blocks of 16
+    _assert_no_leak(engine)

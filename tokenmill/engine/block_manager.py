@@ -42,8 +42,11 @@ class BlockManager:
         # Blocks with ref_count 0, least recently freed first; they may still be named.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # hash -> block id
-        self.hits = 0  # prefix-cache lookups that found a block
-        self.queries = 0  # prefix-cache lookups made
+        # Prefix-cache effectiveness, in prompt tokens of admitted requests (vLLM's
+        # definition): hit rate = hit_tokens / query_tokens. Counted by the scheduler
+        # once per request, not per lookup (lookups repeat while a request waits).
+        self.query_tokens = 0
+        self.hit_tokens = 0
 
     # ---- counts ----
     @property
@@ -88,11 +91,9 @@ class BlockManager:
         for b in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[b * bs : (b + 1) * bs])
             h = chain_hash(prev, tokens)
-            self.queries += 1
             block_id = self.cached.get(h)
             if block_id is None or self.blocks[block_id].tokens != tokens:
                 break
-            self.hits += 1
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free[block_id]

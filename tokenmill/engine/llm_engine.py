@@ -323,7 +323,7 @@ class LLMEngine:
             "blocks_free": b.num_free,
             "blocks_used": b.num_used,
             "block_size": b.block_size,
-            "prefix_cache_queries": b.queries,
-            "prefix_cache_hits": b.hits,
+            "prefix_cache_query_tokens": b.query_tokens,
+            "prefix_cache_hit_tokens": b.hit_tokens,
             "preemptions": self.scheduler.num_preemptions,
         }

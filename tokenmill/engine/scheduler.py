@@ -79,6 +79,9 @@ class Scheduler:
                 self._reset(seq)  # don't sit on cached blocks while waiting
                 break
             self.blocks.grow(seq.block_table, seq.num_computed + n)
+            if seq.num_preemptions == 0:
+                self.blocks.query_tokens += len(seq.prompt_ids)
+                self.blocks.hit_tokens += seq.num_cached_prompt
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)

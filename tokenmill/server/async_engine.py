@@ -1,0 +1,358 @@
+"""One engine loop thread, many asyncio requests.
+
+LLMEngine is not thread-safe and batches best when one loop steps every request
+together, so a single background thread owns it:
+
+    HTTP handlers (event loop)            engine thread
+    submit() --- _Add / _Abort ---> commands (queue.SimpleQueue)
+                                          apply commands, then engine.step()
+    RequestStream <- call_soon_threadsafe - RequestOutputs, routed by request id
+
+The thread blocks on the command queue while the engine has no work (no busy
+spin) and otherwise drains it without blocking between steps, so a new request
+or an abort waits at most one step. Each API request gets one RequestStream: an
+asyncio.Queue fed from the engine thread with `loop.call_soon_threadsafe`. Its
+first item says whether the engine took the request (or why not); then come
+(choice index, RequestOutput) pairs until every one of its n engine requests has
+finished. n > 1 runs n engine requests ("<id>-<i>", completion_index=i) that
+are aborted together.
+
+An exception in a step fails the requests of that step's batch (every request
+in the engine, as a step batches them all) with a 500 and frees their blocks; the
+loop itself keeps going.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from tokenmill.engine.llm_engine import LLMEngine, RequestError, RequestOutput, TokenLogprob
+from tokenmill.sampling import SamplingParams
+from tokenmill.server.metrics import EngineStats, ServerMetrics
+
+log = logging.getLogger("tokenmill.server")
+
+
+class QueueFull(Exception):
+    """Too many requests are waiting; the client should retry later (HTTP 429)."""
+
+
+class EngineFailure(Exception):
+    """The engine failed while running a request, or is not running (HTTP 500)."""
+
+
+@dataclass
+class Generation:
+    """One completion, collected from its stream of RequestOutputs."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.text
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs
+        self.finish_reason = out.finish_reason
+
+
+_ADMITTED = object()  # a stream's first item when the engine took all its requests
+
+
+class RequestStream:
+    """The event-loop side of one API request and its n engine requests.
+
+    Created by AsyncEngine.submit. `await admitted()`, then iterate to receive
+    (choice index, RequestOutput) until all n are finished; `abort()` at any time
+    (idempotent, a no-op once finished) stops the rest and frees their KV blocks."""
+
+    def __init__(self, request_ids: list[str], send_abort: Callable[[list[str]], None]):
+        self.request_ids = request_ids
+        self.submitted = time.perf_counter()
+        self._send_abort = send_abort
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._unfinished = set(range(len(request_ids)))
+        self._aborted = False
+
+    # ---- engine thread side ----
+    def post(self, item: object) -> None:
+        """Thread-safe: hand an item to the event loop (dropped if the loop is gone)."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # loop closed: nobody is listening any more
+            pass
+
+    # ---- event loop side ----
+    async def admitted(self) -> None:
+        """Wait until the engine has taken the request; raise why it did not."""
+        try:
+            item = await self._queue.get()
+        except BaseException:
+            self.abort()
+            raise
+        if item is not _ADMITTED:
+            self._unfinished.clear()
+            raise item
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while self._unfinished:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self._unfinished.clear()
+                raise item
+            index, out = item
+            if out.finished:
+                self._unfinished.discard(index)
+            yield index, out
+
+    async def collect(self) -> list[Generation]:
+        """Wait for all n completions; aborts them if cancelled."""
+        generations = [Generation() for _ in self.request_ids]
+        try:
+            async for index, out in self:
+                generations[index].add(out)
+        finally:
+            self.abort()
+        return generations
+
+    def abort(self) -> bool:
+        """Abort whatever has not finished; True if that was anything."""
+        if not self._unfinished or self._aborted:
+            return False
+        self._aborted = True
+        self._send_abort(self.request_ids)
+        return True
+
+
+@dataclass
+class _Add:
+    stream: RequestStream
+    prompt_ids: list[int]
+    params: SamplingParams
+    trace: object | None
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass
+class _Live:
+    """Engine-thread bookkeeping for one running engine request."""
+
+    stream: RequestStream
+    index: int
+    last_token: float | None = None
+
+
+class AsyncEngine:
+    """The server's engine: `app.state.engine`.
+
+    engine: the synchronous LLMEngine (tokenizer, config, max_model_len); only the
+    engine thread may call its methods that change state.
+    max_waiting: the most engine requests that may wait (in the scheduler's queue or
+    not yet picked up by the engine thread) before `submit` raises QueueFull."""
+
+    def __init__(self, engine: LLMEngine, *, max_waiting: int | None = None):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.metrics = ServerMetrics()
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._pending = 0  # engine requests submitted, not yet added (guarded by _lock)
+        self._live: dict[str, _Live] = {}  # engine thread only
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle ----
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is not None:
+            self._commands.put(None)
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- the event loop's API ----
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        trace: object | None = None,
+    ) -> RequestStream:
+        """Queue a request (params.n engine requests); raises QueueFull or EngineFailure."""
+        if not self.alive:
+            raise EngineFailure("the engine loop is not running")
+        with self._lock:
+            waiting = self._pending + len(self.engine.scheduler.waiting)
+            if self.max_waiting is not None and waiting + params.n > self.max_waiting:
+                raise QueueFull(
+                    f"the server is busy: {waiting} sequences are waiting "
+                    f"(limit {self.max_waiting}); retry later"
+                )
+            self._pending += params.n
+        request_ids = [f"{request_id}-{i}" for i in range(params.n)]
+        stream = RequestStream(request_ids, lambda ids: self._commands.put(_Abort(ids)))
+        self._commands.put(_Add(stream, prompt_ids, params, trace))
+        return stream
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        trace: object | None = None,
+    ) -> RequestStream:
+        """Submit and wait until the engine has taken the request.
+
+        Raises QueueFull, EngineFailure, or RequestError (a request the engine refuses)."""
+        stream = self.submit(request_id, prompt_ids, params, trace=trace)
+        await stream.admitted()
+        return stream
+
+    async def run_traced(
+        self, prompt_ids: list[int], params: SamplingParams, trace: object
+    ) -> Generation:
+        """Run one request with a tokenmill.trace.Trace recording every step; for the
+        inspector (POST /v1/inspect). The request is aborted if the caller is cancelled."""
+        if params.n != 1:
+            raise ValueError(f"a traced request makes one completion, not n={params.n}")
+        stream = await self.generate(f"trace-{uuid.uuid4().hex}", prompt_ids, params, trace=trace)
+        return (await stream.collect())[0]
+
+    def stats(self) -> EngineStats:
+        """A snapshot for /metrics, read without stopping the engine thread: each number
+        is read atomically under the GIL, and may be one step old."""
+        kv = self.engine.kv_stats()
+        held = sum(1 for block in self.engine.blocks.blocks if block.ref_count > 0)
+        queries = kv["prefix_cache_query_tokens"]
+        return EngineStats(
+            running=kv["running"],
+            waiting=kv["waiting"] + self._pending,
+            blocks_used=kv["blocks_used"],
+            blocks_free=kv["blocks_free"],
+            blocks_held=held,
+            prefix_cache_hit_rate=kv["prefix_cache_hit_tokens"] / queries if queries else 0.0,
+            prompt_tokens=self.engine.stats["prompt_tokens"],
+            generation_tokens=self.engine.stats["generation_tokens"],
+        )
+
+    # ---- the engine thread ----
+    def _run(self) -> None:
+        while True:
+            for command in self._next_commands(block=not self.engine.has_unfinished()):
+                if command is None:
+                    self._shut_down()
+                    return
+                try:
+                    self._apply(command)
+                except Exception:  # keep the loop alive; _add answers its own stream
+                    log.exception("engine command %s failed", type(command).__name__)
+            if self.engine.has_unfinished():
+                self._step()
+
+    def _next_commands(self, block: bool) -> list[_Add | _Abort | None]:
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Add):
+            self._add(command)
+        else:
+            for request_id in command.request_ids:
+                if self._live.pop(request_id, None) is not None:
+                    self.engine.abort(request_id)
+
+    def _add(self, command: _Add) -> None:
+        stream, added = command.stream, []
+        try:
+            for index, request_id in enumerate(stream.request_ids):
+                self.engine.add_request(
+                    request_id,
+                    command.prompt_ids,
+                    command.params,
+                    completion_index=index,
+                    trace=command.trace,
+                )
+                added.append(request_id)
+        except Exception as e:  # RequestError is the client's fault; others are ours
+            for request_id in added:
+                self.engine.abort(request_id)
+            if isinstance(e, RequestError):
+                stream.post(e)
+            else:
+                log.exception("adding request %s failed", stream.request_ids[0])
+                stream.post(EngineFailure(f"the engine could not add the request: {e}"))
+            return
+        finally:
+            with self._lock:
+                self._pending -= len(stream.request_ids)
+        for index, request_id in enumerate(stream.request_ids):
+            self._live[request_id] = _Live(stream, index)
+        stream.post(_ADMITTED)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+            now = time.perf_counter()
+            for out in outputs:
+                self._deliver(out, now)
+        except Exception as e:
+            log.exception("engine step failed; failing the %d requests in it", len(self._live))
+            self._fail_all(EngineFailure(f"the engine failed while generating: {e}"))
+
+    def _deliver(self, out: RequestOutput, now: float) -> None:
+        live = self._live.get(out.request_id)
+        if live is None:  # a request the server did not submit
+            return
+        if out.token_ids:
+            since = live.stream.submitted if live.last_token is None else live.last_token
+            histogram = self.metrics.ttft if live.last_token is None else self.metrics.itl
+            histogram.observe(now - since)
+            live.last_token = now
+        if out.finished:
+            self.metrics.e2e.observe(now - live.stream.submitted)
+            del self._live[out.request_id]
+        live.stream.post((live.index, out))
+
+    def _fail_all(self, error: Exception) -> None:
+        streams = {id(live.stream): live.stream for live in self._live.values()}
+        for request_id in list(self._live):
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                log.exception("aborting %s failed", request_id)
+        self._live.clear()
+        for stream in streams.values():
+            stream.post(error)
+
+    def _shut_down(self) -> None:
+        """Fail everything in flight or still queued: the server is going away."""
+        error = EngineFailure("the server is shutting down")
+        self._fail_all(error)
+        for command in self._next_commands(block=False):
+            if isinstance(command, _Add):
+                with self._lock:
+                    self._pending -= len(command.stream.request_ids)
+                command.stream.post(error)

@@ -1,0 +1,123 @@
+"""Prometheus metrics for GET /metrics, in the text exposition format (version 0.0.4).
+
+Written by hand rather than with prometheus_client: the server needs three
+histograms and a few gauges and counters, which is a page of code, not a
+dependency. Histograms are observed by the engine thread and rendered by the
+event loop, so each guards its counts with a lock. Gauges and counters are read
+fresh from the engine at every scrape (see AsyncEngine.stats).
+
+Bucket bounds follow vLLM's, so dashboards built for it read these the same way.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from dataclasses import dataclass
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+               50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+
+def _number(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value)) if isinstance(value, float) else str(value)
+
+
+def _header(name: str, help_text: str, kind: str) -> list[str]:
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+
+
+def render_sample(name: str, help_text: str, kind: str, value: float) -> str:
+    """One gauge or counter as exposition text."""
+    return "\n".join([*_header(name, help_text, kind), f"{name} {_number(value)}"])
+
+
+class Histogram:
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]):
+        self.name, self.help_text = name, help_text
+        self.bounds = (*buckets, math.inf)
+        self._counts = [0] * len(self.bounds)  # per bucket, not cumulative
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._counts[bisect.bisect_left(self.bounds, value)] += 1
+            self._sum += value
+
+    def render(self) -> str:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        lines = _header(self.name, self.help_text, "histogram")
+        cumulative = 0
+        for bound, count in zip(self.bounds, counts, strict=True):
+            cumulative += count
+            lines.append(f'{self.name}_bucket{{le="{_number(bound)}"}} {cumulative}')
+        lines += [f"{self.name}_sum {_number(total)}", f"{self.name}_count {cumulative}"]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int  # sequences in the running batch
+    waiting: int  # sequences in the scheduler's queue plus those not yet handed to it
+    blocks_used: int  # KV blocks off the free list
+    blocks_free: int
+    blocks_held: int  # KV blocks with ref_count > 0: owned by live requests
+    prefix_cache_hit_rate: float  # prompt tokens served from the prefix cache / prompt tokens
+    prompt_tokens: int  # prompt tokens of every sequence added
+    generation_tokens: int  # tokens generated
+
+
+class ServerMetrics:
+    """The latency histograms, plus rendering of the whole /metrics page."""
+
+    def __init__(self) -> None:
+        self.ttft = Histogram(
+            "tokenmill_time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first generated token.",
+            TTFT_BUCKETS,
+        )
+        self.itl = Histogram(
+            "tokenmill_inter_token_latency_seconds",
+            "Seconds between consecutive generated tokens of a request.",
+            ITL_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "tokenmill_e2e_request_latency_seconds",
+            "Seconds from a request's arrival to its last token (finished requests only).",
+            E2E_BUCKETS,
+        )
+
+    def render(self, stats: EngineStats) -> str:
+        samples = [
+            ("tokenmill_requests_running", "Sequences in the running batch.", "gauge",
+             stats.running),
+            ("tokenmill_requests_waiting", "Sequences waiting to be scheduled.", "gauge",
+             stats.waiting),
+            ("tokenmill_kv_blocks_used", "KV cache blocks not on the free list.", "gauge",
+             stats.blocks_used),
+            ("tokenmill_kv_blocks_free", "KV cache blocks on the free list.", "gauge",
+             stats.blocks_free),
+            ("tokenmill_kv_blocks_held_by_requests",
+             "KV cache blocks with a reference count above zero.", "gauge", stats.blocks_held),
+            ("tokenmill_prefix_cache_hit_rate",
+             "Prefix-cache block lookups that found the block, over all lookups.", "gauge",
+             stats.prefix_cache_hit_rate),
+            ("tokenmill_prompt_tokens_total", "Prompt tokens of all sequences added.", "counter",
+             stats.prompt_tokens),
+            ("tokenmill_generation_tokens_total", "Tokens generated.", "counter",
+             stats.generation_tokens),
+        ]  # fmt: skip
+        parts = [render_sample(*sample) for sample in samples]
+        parts += [h.render() for h in (self.ttft, self.itl, self.e2e)]
+        return "\n".join(parts) + "\n"

@@ -1,0 +1,477 @@
+"""The OpenAI wire format: request bodies, their checks, and response and chunk shapes.
+
+Request bodies are pydantic models in strict mode, so JSON types are checked as
+OpenAI documents them (no "0.5" for a float, no `true` for an int). Value ranges
+are deliberately not repeated here: `sampling_params` hands the values to
+SamplingParams, whose one-line messages become the 400 error text, so the server
+and the Python API reject the same things with the same words.
+
+Nothing a client sends is silently ignored. Fields outside the models land in
+`model_extra` and are refused by `check_extra_fields`: unknown ones as OpenAI
+does ("Unrecognized request argument supplied"), known-but-unsupported ones
+(`suffix`, `best_of` > 1, `tools`...) with a message saying so, unless they hold
+the value that means "feature off".
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from tokenmill.engine.llm_engine import RequestOutput, TokenLogprob
+from tokenmill.sampling import SamplingParams
+from tokenmill.server.async_engine import Generation
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
+
+
+class APIError(Exception):
+    """An error response in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def invalid(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+# --------------------------------------------------------------------------- requests
+
+_UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {  # field -> values meaning "off"
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+}
+_UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+}
+
+
+# Request fields passed to SamplingParams under the same name.
+_SAMPLING_FIELDS = (
+    "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
+    "logit_bias", "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
+)  # fmt: skip
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields both endpoints share. Extra fields are kept for `check_extra_fields`."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Extensions shared with vLLM.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+
+    def check_extra_fields(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name not in self.unsupported_fields:
+                raise invalid(f"Unrecognized request argument supplied: {name}", name)
+            if value not in self.unsupported_fields[name]:
+                raise invalid(f"{name} is not supported by this server", name)
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options is only allowed when stream is true", "stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_kwargs(self) -> dict[str, Any]:
+        """The sampling fields the client set; SamplingParams' defaults fill the rest."""
+        return {k: v for k in _SAMPLING_FIELDS if (v := getattr(self, k)) is not None}
+
+
+class CompletionRequest(_GenerationRequest):
+    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = _UNSUPPORTED_COMPLETION
+
+    prompt: str | list[str] | list[int]
+    logprobs: int | None = None
+    echo: bool = False
+
+    def check_extra_fields(self) -> None:
+        super().check_extra_fields()
+        if self.echo and self.logprobs is not None:
+            # Echo with logprobs means logprobs of the prompt tokens, which the engine
+            # does not compute; refusing beats returning half of what was asked.
+            raise invalid("echo together with logprobs is not supported", "echo")
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        return make_sampling_params(
+            max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+            logprobs=self.logprobs,
+            **self._sampling_kwargs(),
+        )
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, str]:
+        """The dict a chat template reads; "developer" is OpenAI's new name for "system"."""
+        content = self.content
+        if not isinstance(content, str):
+            content = "".join(part.text for part in content)
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = _UNSUPPORTED_CHAT
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def check_extra_fields(self) -> None:
+        super().check_extra_fields()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        requested = self.requested_max_tokens
+        return make_sampling_params(
+            max_tokens=default_max_tokens if requested is None else requested,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            renames={"max_tokens": self.max_tokens_param, "logprobs": "top_logprobs"},
+            **self._sampling_kwargs(),
+        )
+
+
+def make_sampling_params(renames: dict[str, str] | None = None, **kwargs: Any) -> SamplingParams:
+    """SamplingParams(**kwargs), its ValueError turned into a 400 naming the parameter.
+
+    renames maps SamplingParams' names to the request's own (chat's top_logprobs is
+    SamplingParams.logprobs), in both `param` and the message."""
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        message = str(e)
+        match = re.match(r"[a-z_]+", message)
+        param = match.group(0) if match else None
+        if renames and param in renames:
+            message = renames[param] + message[len(param) :]
+            param = renames[param]
+        raise invalid(message, param) from None
+
+
+def check_fits(
+    num_prompt: int, max_tokens: int, max_model_len: int, *, prompt_param: str, max_param: str
+) -> None:
+    """Refuse a prompt, or prompt + max_tokens, that the context cannot hold."""
+    if num_prompt >= max_model_len:
+        raise invalid(
+            f"This model's maximum context length is {max_model_len} tokens, and your prompt "
+            f"has {num_prompt} tokens, leaving no room for a completion. Please shorten it.",
+            prompt_param,
+        )
+    if num_prompt + max_tokens > max_model_len:
+        raise invalid(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+            f"{max_tokens} in the completion). Please reduce the prompt or {max_param}.",
+            max_param,
+        )
+
+
+def pydantic_errors_to_api_error(errors: list[dict[str, Any]]) -> APIError:
+    """FastAPI's 422 validation errors as one OpenAI-shaped 400 about the first bad field.
+
+    A value that fails a union type fails once per member, with the member's name
+    in its location; the errors for that field are merged and located at their
+    common prefix (e.g. messages[0].content)."""
+    first = errors[0]
+    loc = _without_body(first["loc"])
+    if first["type"] == "json_invalid":
+        return invalid(f"The request body is not valid JSON: {first.get('msg')}")
+    if not loc:
+        return invalid(f"The request body must be a JSON object: {first['msg']}")
+    param = str(loc[0])
+    if first["type"] == "missing":
+        return invalid(f"Missing required parameter: '{_path(loc)}'", param)
+    if first["type"] == "extra_forbidden":
+        return invalid(f"Unrecognized request argument supplied: {_path(loc)}", param)
+    same_field = [e for e in errors if _without_body(e["loc"])[:1] == loc[:1]]
+    common = loc
+    for error in same_field:
+        other = _without_body(error["loc"])
+        while common != other[: len(common)]:
+            common = common[:-1]
+    messages = "; or ".join(dict.fromkeys(e["msg"] for e in same_field))
+    return invalid(f"Invalid value for '{_path(common)}': {messages}", param)
+
+
+def _without_body(loc: tuple) -> tuple:
+    return loc[1:] if loc[:1] == ("body",) else loc
+
+
+def _path(loc: tuple) -> str:
+    """The JSON path of a location: ("messages", 0, "content") -> messages[0].content."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return path.lstrip(".")
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def usage(num_prompt: int, num_completion: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+    }
+
+
+def _clamped(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+class _Format:
+    """The response and stream chunks of one request, for one endpoint.
+
+    decode: token id -> its text (tokenizer.decode([id])), for logprobs.
+    want_logprobs: whether the request asked for logprobs.
+    Subclasses say how a choice's text and logprobs are laid out."""
+
+    object_name: str
+    chunk_object_name: str
+
+    def __init__(
+        self,
+        prefix: str,
+        request_id: str,
+        model: str,
+        decode: Callable[[int], str],
+        want_logprobs: bool,
+    ):
+        self.id = f"{prefix}-{request_id}"
+        self.created = int(time.time())
+        self.model = model
+        self.decode = decode
+        self.want_logprobs = want_logprobs
+
+    def _envelope(self, object_name: str, choices: list[dict], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+
+    def response(self, generations: list[Generation], num_prompt: int) -> dict[str, Any]:
+        choices = [self._choice(i, g) for i, g in enumerate(generations)]
+        num_completion = sum(len(g.token_ids) for g in generations)
+        return self._envelope(self.object_name, choices, usage=usage(num_prompt, num_completion))
+
+    def usage_chunk(self, num_prompt: int, num_completion: int) -> dict[str, Any]:
+        return self._envelope(self.chunk_object_name, [], usage=usage(num_prompt, num_completion))
+
+    def _choice(self, index: int, generation: Generation) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def opening_chunks(self, n: int) -> list[dict[str, Any]]:
+        """Chunks sent before any token (chat's role, completions' echo)."""
+        return []
+
+    def chunk(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
+        """The chunk for one engine output; None when it carries nothing to send
+        (text held back by the detokenizer or stop matching, no logprobs asked)."""
+        raise NotImplementedError
+
+    def _worth_sending(self, out: RequestOutput) -> bool:
+        return bool(out.text or out.finished or (self.want_logprobs and out.logprobs))
+
+
+class CompletionFormat(_Format):
+    """/v1/completions: choices[i].text, logprobs {tokens, token_logprobs, top_logprobs,
+    text_offset}. The sampled token is always among its top_logprobs, as OpenAI
+    documents (so up to logprobs + 1 entries)."""
+
+    object_name = chunk_object_name = "text_completion"
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        decode: Callable[[int], str],
+        want_logprobs: bool,
+        n: int,
+        echo: str | None,
+    ):
+        super().__init__("cmpl", request_id, model, decode, want_logprobs)
+        self.echo = echo
+        self._offsets = [len(echo or "")] * n  # text offset of each choice's next token
+
+    def logprobs(self, index: int, logprobs: list[TokenLogprob]) -> dict[str, list]:
+        tokens = [self.decode(lp.token_id) for lp in logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._offsets[index])
+            self._offsets[index] += len(token)
+        tops = [
+            {self.decode(t): _clamped(v) for t, v in {**lp.top, lp.token_id: lp.logprob}.items()}
+            for lp in logprobs
+        ]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_clamped(lp.logprob) for lp in logprobs],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    def _choice(self, index: int, generation: Generation) -> dict[str, Any]:
+        logprobs = self.logprobs(index, generation.logprobs) if self.want_logprobs else None
+        return {
+            "index": index,
+            "text": (self.echo or "") + generation.text,
+            "logprobs": logprobs,
+            "finish_reason": generation.finish_reason,
+        }
+
+    def opening_chunks(self, n: int) -> list[dict[str, Any]]:
+        if not self.echo:
+            return []
+        return [self._chunk(i, self.echo, None, None) for i in range(n)]
+
+    def chunk(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
+        if not self._worth_sending(out):
+            return None
+        logprobs = self.logprobs(index, out.logprobs) if self.want_logprobs else None
+        reason = out.finish_reason if out.finished else None
+        return self._chunk(index, out.text, logprobs, reason)
+
+    def _chunk(self, index: int, text: str, logprobs, reason: str | None) -> dict[str, Any]:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        return self._envelope(self.chunk_object_name, [choice])
+
+
+class ChatFormat(_Format):
+    """/v1/chat/completions: choices[i].message, streamed as deltas after one role
+    chunk per choice; logprobs {content: [{token, logprob, bytes, top_logprobs}]}."""
+
+    object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
+
+    def __init__(
+        self, request_id: str, model: str, decode: Callable[[int], str], want_logprobs: bool
+    ):
+        super().__init__("chatcmpl", request_id, model, decode, want_logprobs)
+
+    def logprobs(self, logprobs: list[TokenLogprob]) -> dict[str, list]:
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            token = self.decode(token_id)
+            return {"token": token, "logprob": _clamped(logprob), "bytes": list(token.encode())}
+
+        content = [
+            {
+                **entry(lp.token_id, lp.logprob),
+                "top_logprobs": [entry(*top) for top in lp.top.items()],
+            }
+            for lp in logprobs
+        ]
+        return {"content": content}
+
+    def _choice(self, index: int, generation: Generation) -> dict[str, Any]:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": generation.text},
+            "logprobs": self.logprobs(generation.logprobs) if self.want_logprobs else None,
+            "finish_reason": generation.finish_reason,
+        }
+
+    def opening_chunks(self, n: int) -> list[dict[str, Any]]:
+        return [self._chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(n)]
+
+    def chunk(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
+        if not self._worth_sending(out):
+            return None
+        delta = {"content": out.text} if out.text or not out.finished else {}
+        logprobs = self.logprobs(out.logprobs) if self.want_logprobs else None
+        return self._chunk(index, delta, logprobs, out.finish_reason if out.finished else None)
+
+    def _chunk(self, index: int, delta: dict, logprobs, reason: str | None) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return self._envelope(self.chunk_object_name, [choice])
