@@ -1,0 +1,193 @@
+"""POST /v1/inspect: run one traced request and stream what the engine did, step by step.
+
+The web inspector (static/app.js) posts a prompt or chat messages with sampling
+parameters and the layer/head whose attention it wants drawn. The request runs
+through the server's shared engine loop like any other (`AsyncEngine.run_traced`),
+with a `tokenmill.trace.Trace` attached. With "stream": true (the default) the
+answer is Server-Sent Events, one JSON object per `data:` line:
+
+    {"type": "start", "model": {...}, "prompt": {...}, "trace": {...}}  with the first step
+    {"type": "step", "step": {...}, "summary": {...}}                   after every engine step
+    {"type": "done", "text": ..., "finish_reason": ..., "summary": {...}}
+    {"type": "error", "error": {message, type, param, code}}            instead of "done"
+
+Steps are posted from the engine thread as they finish, so the page lights its
+pipeline diagram while the tokens are still being generated. With "stream": false
+the whole trace (Trace.to_dict) comes back as one JSON body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from tokenmill.engine.llm_engine import LLMEngine, RequestError
+from tokenmill.sampling import SamplingParams
+from tokenmill.server.async_engine import AsyncEngine, EngineFailure, QueueFull
+from tokenmill.server.protocol import APIError, ChatMessage, check_fits, invalid
+from tokenmill.trace import Trace
+
+router = APIRouter()
+log = logging.getLogger("tokenmill.server")
+
+MAX_INSPECT_TOKENS = 512  # a trace keeps data per step; keep inspected answers short
+
+
+class InspectRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: str | None = None  # raw text, continued as is
+    messages: list[ChatMessage] | None = None  # rendered with the model's chat template
+    max_tokens: int = 64
+    temperature: float = 0.7
+    top_p: float = 0.9
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    layer: int | None = None  # default: the middle layer
+    head: int | None = None  # None: every head of `layer`
+    top_n: int = 10
+    stream: bool = True
+
+    def sampling_params(self) -> SamplingParams:
+        if not 1 <= self.max_tokens <= MAX_INSPECT_TOKENS:
+            raise invalid(
+                f"max_tokens must be in [1, {MAX_INSPECT_TOKENS}] for an inspected run",
+                "max_tokens",
+            )
+        try:
+            return SamplingParams(
+                max_tokens=self.max_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                min_p=self.min_p,
+                seed=self.seed,
+            )
+        except ValueError as e:
+            raise invalid(str(e), str(e).split(" ", 1)[0]) from None
+
+
+@router.post("/v1/inspect")
+async def inspect(body: InspectRequest, request: Request) -> Response:
+    server: AsyncEngine = request.app.state.engine
+    engine = server.engine
+    prompt_ids = _prompt_ids(engine, body)
+    params = body.sampling_params()
+    check_fits(
+        len(prompt_ids),
+        params.max_tokens,
+        engine.max_model_len,
+        prompt_param="messages" if body.messages is not None else "prompt",
+        max_param="max_tokens",
+    )
+    trace_args = _trace_args(engine, body)
+    if body.stream:
+        return StreamingResponse(
+            _events(server, prompt_ids, params, trace_args),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    trace = Trace(**trace_args)
+    try:
+        generation = await server.run_traced(prompt_ids, params, trace)
+    except Exception as e:
+        raise _api_error(e) from None
+    return JSONResponse({**trace.to_dict(), "text": generation.text})
+
+
+def _prompt_ids(engine: LLMEngine, body: InspectRequest) -> list[int]:
+    if (body.prompt is None) == (body.messages is None):
+        raise invalid("send exactly one of 'prompt' (raw text) or 'messages' (a chat)", "messages")
+    if body.prompt is not None:
+        try:
+            return engine.encode_prompt(body.prompt)
+        except RequestError as e:
+            raise invalid(str(e), "prompt") from None
+    messages = [m.as_template_input() for m in body.messages]
+    try:
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except ValueError as e:
+        raise invalid(str(e), "messages") from None
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)  # the template wrote BOS
+    if not ids:
+        raise invalid("the chat renders to no tokens", "messages")
+    return ids
+
+
+def _trace_args(engine: LLMEngine, body: InspectRequest) -> dict[str, Any]:
+    cfg = engine.config
+    layer = cfg.num_layers // 2 if body.layer is None else body.layer
+    if not 0 <= layer < cfg.num_layers:
+        raise invalid(f"layer must be in [0, {cfg.num_layers - 1}], got {layer}", "layer")
+    if body.head is not None and not 0 <= body.head < cfg.num_heads:
+        raise invalid(
+            f"head must be in [0, {cfg.num_heads - 1}] or null (all), got {body.head}", "head"
+        )
+    if not 1 <= body.top_n <= 50:
+        raise invalid(f"top_n must be in [1, 50], got {body.top_n}", "top_n")
+    return {"layer": layer, "head": body.head, "top_n": body.top_n}
+
+
+def _api_error(e: Exception) -> APIError:
+    """The OpenAI-shaped error for what `run_traced` raised."""
+    if isinstance(e, QueueFull):
+        return APIError(429, str(e), type="rate_limit_error", code="queue_full")
+    if isinstance(e, RequestError):
+        return invalid(str(e))
+    if not isinstance(e, EngineFailure):
+        log.exception("traced request failed", exc_info=e)
+    return APIError(500, str(e), type="server_error", code="internal_error")
+
+
+def _sse(event: dict[str, Any]) -> str:
+    return f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+async def _events(
+    server: AsyncEngine, prompt_ids: list[int], params: SamplingParams, trace_args: dict[str, Any]
+) -> AsyncIterator[str]:
+    """Run the traced request; yield each step's event as the engine thread posts it."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+
+    def post(event: dict[str, Any]) -> None:  # engine thread
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # the event loop is gone (server shutting down): nobody listens
+            pass
+
+    def on_step(trace: Trace, step: dict[str, Any]) -> None:  # engine thread
+        if step["index"] == 0:
+            post({"type": "start", **trace.header()})
+        post({"type": "step", "step": step, "summary": dict(trace.summary)})
+
+    trace = Trace(**trace_args, on_step=on_step)
+    run = asyncio.ensure_future(server.run_traced(prompt_ids, params, trace))
+    # Steps are posted before the engine's output for the same step, so None comes last.
+    run.add_done_callback(lambda _: events.put_nowait(None))
+    try:
+        while (event := await events.get()) is not None:
+            yield _sse(event)
+        try:
+            generation = run.result()
+        except Exception as e:
+            yield _sse({"type": "error", **_api_error(e).body()})
+            return
+        yield _sse(
+            {
+                "type": "done",
+                "text": generation.text,
+                "finish_reason": generation.finish_reason,
+                "summary": trace.summary,
+            }
+        )
+    finally:
+        run.cancel()  # the client left early: abort the request and free its blocks

@@ -1,0 +1,888 @@
+// tokenmill web inspector.
+//
+// A chat whose answers stream in token by token, and beside it the engine's work
+// drawn from the trace events of POST /v1/inspect (see tokenmill/server/inspect_routes.py):
+// a "start" event (model shape, prompt tokens), one "step" event per engine step
+// (prefill, then one per decoded token), then "done". Events go through a small
+// player so that, in slow motion, each step walks the pipeline diagram stage by stage.
+// Plain chat (tracing off) uses the OpenAI-style /v1/chat/completions stream.
+
+// ------------------------------------------------------------------ helpers
+
+const $ = (id) => document.getElementById(id);
+
+function el(tag, className = "", text = "") {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text) node.textContent = text;
+  return node;
+}
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+const clamp01 = (x) => Math.max(0, Math.min(1, x));
+const visible = (text) => text.replace(/ /g, "␣").replace(/\n/g, "↵").replace(/\t/g, "⇥");
+const quoted = (text) => `'${visible(text)}'`;
+
+function pct(p) {
+  if (p >= 0.9995) return "100%";
+  if (p >= 0.1) return `${(p * 100).toFixed(1)}%`;
+  if (p >= 0.001) return `${(p * 100).toFixed(2)}%`;
+  return p > 0 ? "<0.1%" : "0%";
+}
+
+function fmtBytes(n) {
+  const units = ["B", "KiB", "MiB", "GiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) {
+    n /= 1024;
+    i += 1;
+  }
+  return i === 0 ? `${n} B` : `${n.toFixed(1)} ${units[i]}`;
+}
+
+const fmtMs = (ms) => (ms >= 1000 ? `${(ms / 1000).toFixed(2)} s` : `${ms.toFixed(ms < 10 ? 1 : 0)} ms`);
+const fmtInt = (n) => n.toLocaleString("en-US");
+
+function median(values) {
+  const sorted = [...values].sort((a, b) => a - b);
+  const mid = sorted.length >> 1;
+  return sorted.length % 2 ? sorted[mid] : (sorted[mid - 1] + sorted[mid]) / 2;
+}
+
+// The "inferno" colour ramp on a square-root scale: small attention weights stay
+// visible next to the large weight many heads park on the first token.
+const INFERNO = [
+  [0, 0, 4], [40, 11, 84], [101, 21, 110], [159, 42, 99],
+  [212, 72, 66], [245, 125, 21], [250, 193, 39], [252, 255, 164],
+];
+
+function heatRGB(weight) {
+  const x = Math.sqrt(clamp01(weight)) * (INFERNO.length - 1);
+  const i = Math.min(INFERNO.length - 2, Math.floor(x));
+  const f = x - i;
+  const [a, b] = [INFERNO[i], INFERNO[i + 1]];
+  return [0, 1, 2].map((k) => Math.round(a[k] + (b[k] - a[k]) * f));
+}
+
+const heat = (weight) => `rgb(${heatRGB(weight).join(",")})`;
+// Colours by the square root of the weight, in 256 steps (what heat() maps weight to).
+const HEAT_LUT = Array.from({ length: 256 }, (_, i) => heatRGB((i / 255) ** 2));
+
+/** Size a canvas for the screen's pixel ratio; returns its context and CSS size. */
+function fitCanvas(canvas) {
+  const { width, height } = canvas.getBoundingClientRect();
+  const dpr = window.devicePixelRatio || 1;
+  canvas.width = Math.max(1, Math.round(width * dpr));
+  canvas.height = Math.max(1, Math.round(height * dpr));
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+  return { ctx, width, height };
+}
+
+// ------------------------------------------------------------------ Server-Sent Events over fetch
+
+/** Yield the JSON payload of every `data:` event of a streaming response, until [DONE]. */
+async function* readEvents(response) {
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value.replace(/\r\n/g, "\n");
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      const data = block
+        .split("\n")
+        .filter((line) => line.startsWith("data:"))
+        .map((line) => line.slice(5).trimStart())
+        .join("\n");
+      if (data === "[DONE]") return;
+      if (data) yield JSON.parse(data);
+    }
+  }
+}
+
+async function errorMessage(response) {
+  try {
+    const body = await response.json();
+    return body.error?.message ?? JSON.stringify(body);
+  } catch {
+    return `${response.status} ${response.statusText}`;
+  }
+}
+
+// ------------------------------------------------------------------ state
+
+const history = []; // the conversation sent as `messages`
+
+/** Everything one traced answer produced. */
+function newRun(bubble) {
+  return {
+    header: null, // the "start" event: model shape, prompt, trace settings
+    steps: [], // trace steps in arrival order
+    tokens: [], // by position: {id, text, piece, generated, sampleStep, inputStep, isStop}
+    summary: null,
+    selected: null, // position the user clicked; null follows the newest token
+    bubble, // the assistant bubble it writes
+  };
+}
+
+let live = newRun(null); // the answer being streamed: the diagram follows it
+let run = live; // the answer the cards show (clicking an older answer's token switches)
+const runs = new WeakMap(); // assistant bubble -> its run
+let attentionHead = 0;
+
+/** The position the cards describe: the clicked token, or else the newest one. */
+const focusPos = () => run.selected ?? run.tokens.length - 1;
+
+/** The step whose forward pass chose the token at `pos` (generated) or read it (prompt). */
+function stepFor(pos) {
+  const token = run.tokens[pos];
+  if (!token) return run.steps.at(-1);
+  return run.steps[token.sampleStep ?? token.inputStep] ?? run.steps.at(-1);
+}
+
+// ------------------------------------------------------------------ the event player
+
+const player = { queue: [], busy: null };
+
+function enqueue(event) {
+  player.queue.push(event);
+  player.busy ??= drain();
+}
+
+async function drain() {
+  while (player.queue.length) await handle(player.queue.shift());
+  player.busy = null;
+}
+
+async function playerIdle() {
+  while (player.busy) await player.busy;
+}
+
+async function handle(event) {
+  if (event.type === "start") onStart(event);
+  else if (event.type === "step") await onStep(event.step, event.summary);
+  else if (event.type === "done") onDone(event);
+}
+
+function onStart(header) {
+  live.header = header;
+  const m = header.model;
+  $("model-name").textContent =
+    `${m.name} · ${m.arch} · ${m.num_layers} layers · d=${m.hidden_size} · ` +
+    `${m.num_heads} heads (${m.num_kv_heads} K/V) · vocab ${fmtInt(m.vocab_size)} · ${m.dtype}`;
+  $("layer-count").textContent =
+    `× ${m.num_layers} transformer layers — each layer's output is the next one's input`;
+  fillLayerSelect(m.num_layers, header.trace.layer);
+  attentionHead = Math.min(attentionHead, m.num_heads - 1);
+  const p = header.prompt;
+  live.tokens = p.ids.map((id, i) => ({ id, text: p.texts[i], piece: p.pieces[i], generated: false }));
+}
+
+async function onStep(step, summary) {
+  live.steps.push(step);
+  live.summary = summary;
+  const index = live.steps.length - 1;
+  step.positions?.forEach((pos) => {
+    if (live.tokens[pos]) live.tokens[pos].inputStep = index;
+  });
+  showPhase(step);
+  await walkPipeline(step, () => step.sample && addGenerated(step, index));
+  renderStats();
+  // Live, steps can arrive faster than they draw: then redraw only once caught up.
+  const behind = !Number($("slowmo").value) && player.queue.some((e) => e.type === "step");
+  if (run === live && !behind) renderAll();
+}
+
+function onDone(event) {
+  const n = live.tokens.filter((t) => t.generated).length;
+  $("phase").className = "phase done";
+  $("phase").textContent = "done";
+  $("phase-detail").textContent =
+    `${n} tokens generated · finish reason: ${event.finish_reason} · click any token to look back`;
+  $("pipeline").classList.remove("prefill", "decode");
+  live.summary = event.summary;
+  renderStats();
+  if (run === live) renderTiming();
+  const s = event.summary;
+  const meta = el("span", "meta");
+  meta.textContent =
+    `${n} tokens · first token after ${fmtMs(s.time_to_first_token_ms)}` +
+    (s.decode_tokens_per_s ? ` · ${s.decode_tokens_per_s.toFixed(1)} tok/s` : "");
+  live.bubble.append(meta);
+}
+
+function addGenerated(step, index) {
+  const s = step.sample;
+  const pos = step.start + step.num_tokens;
+  live.tokens[pos] = {
+    id: s.token, text: s.token_text, piece: s.piece, generated: true, sampleStep: index, isStop: s.is_stop,
+  };
+  const span = el("span", "tok fresh", s.is_stop ? ` ⏹ ${s.token_text}` : s.text);
+  if (s.is_stop) span.classList.add("stop");
+  span.dataset.pos = pos;
+  span.title = `${quoted(s.token_text)} · id ${s.token} · p = ${pct(s.prob)} — click for alternatives`;
+  live.bubble.append(span);
+  setTimeout(() => span.classList.remove("fresh"), 700);
+  $("messages").scrollTop = $("messages").scrollHeight;
+}
+
+// ------------------------------------------------------------------ the pipeline diagram
+
+const PREFILL_STAGES = [
+  "tokenize", "embed", "positions", "qkv", "kvwrite", "attention", "ffn",
+  "unembed", "softmax", "topp", "sample", "detok", "append",
+];
+const DECODE_STAGES = PREFILL_STAGES.slice(1);
+const SAMPLING_STAGES = new Set(["unembed", "softmax", "topp", "sample", "detok", "append"]);
+
+function stagesOf(step) {
+  const stages = step.phase === "prefill" ? PREFILL_STAGES : DECODE_STAGES;
+  return step.sample ? stages : stages.filter((s) => !SAMPLING_STAGES.has(s));
+}
+
+function showPhase(step) {
+  const m = live.header.model;
+  const phase = $("phase");
+  phase.className = `phase ${step.phase}`;
+  phase.textContent = step.phase;
+  $("pipeline").classList.remove("prefill", "decode");
+  $("pipeline").classList.add(step.phase);
+  const context = step.start + step.num_tokens;
+  $("phase-detail").textContent = step.phase === "prefill"
+    ? `${step.num_tokens} prompt tokens go through all ${m.num_layers} layers at once, as one ` +
+      `[${step.num_tokens}, ${m.hidden_size}] matrix`
+    : `step ${step.index}: one token in (${quoted(live.tokens[step.start]?.text ?? "")}), ` +
+      `attending over ${context} cached keys, one token out`;
+}
+
+/** The small second line of each stage box: what that stage made in this step. */
+function shapesOf(step) {
+  const m = live.header.model;
+  const s = step.sample;
+  const layer0 = step.layers?.[0];
+  const pos = step.positions ?? [];
+  return {
+    tokenize: step.phase === "prefill" ? `${step.num_tokens} tokens` : "—",
+    embed: step.embedding ? `[${step.embedding.shape.join(", ")}]` : "",
+    positions: pos.length > 1 ? `pos ${pos[0]}…${pos.at(-1)}` : pos.length ? `pos ${pos[0]}` : "",
+    qkv: layer0 ? `Q [${layer0.q.join(",")}]` : "",
+    kvwrite: `+${step.kv.written} → ${step.kv.tokens} tok`,
+    attention: layer0 ? `${layer0.q[0]}×${layer0.k[0]} · ${m.num_heads} heads` : "",
+    ffn: `${m.hidden_size}→${m.intermediate_size}→${m.hidden_size}`,
+    unembed: s ? `[${fmtInt(s.vocab)}] logits` : "—",
+    softmax: s ? `T = ${s.params.temperature}` : "—",
+    topp: s ? `${fmtInt(s.survivors.min_p)} left` : "—",
+    sample: s ? `${quoted(s.token_text)} ${pct(s.prob)}` : "—",
+    detok: s ? (s.is_stop ? "stop token" : JSON.stringify(s.text)) : "—",
+    append: s ? `→ pos ${step.start + step.num_tokens}` : "—",
+  };
+}
+
+function setShape(stage, text) {
+  document.querySelector(`[data-shape="${stage}"]`).textContent =
+    text.length > 20 ? `${text.slice(0, 19)}…` : text;
+}
+
+/** Light the stages of one step; in slow motion one at a time. `onDetok` runs when the
+ *  token is detokenized, so the text appears in the chat at that moment. */
+async function walkPipeline(step, onDetok) {
+  const delay = Number($("slowmo").value);
+  const groups = document.querySelectorAll(".pipeline .stage");
+  groups.forEach((g) => g.classList.remove("used", "active", "pulse"));
+  const stages = stagesOf(step);
+  const shapes = shapesOf(step);
+  for (const name of PREFILL_STAGES) {
+    setShape(name, delay > 0 && stages.includes(name) ? "…" : shapes[name]);
+  }
+  for (const name of stages) {
+    const g = document.querySelector(`.stage[data-stage="${name}"]`);
+    g.classList.add("used");
+    setShape(name, shapes[name]);
+    if (delay > 0) {
+      g.classList.add("active");
+      await sleep(delay);
+      g.classList.remove("active");
+    } else {
+      void g.getBoundingClientRect(); // restart the CSS animation
+      g.classList.add("pulse");
+    }
+    if (name === "detok") onDetok();
+  }
+}
+
+// ------------------------------------------------------------------ cards
+
+function renderAll() {
+  renderSequence();
+  renderChoice();
+  renderAttention();
+  renderKV();
+  renderTiming();
+  renderTokenDetail();
+  renderLayers();
+  markSelected();
+}
+
+/** The header's live numbers, for the answer being streamed. */
+function renderStats() {
+  const s = live.summary;
+  if (!s) return;
+  $("stat-ttft").textContent = s.time_to_first_token_ms != null ? fmtMs(s.time_to_first_token_ms) : "–";
+  $("stat-tps").textContent = s.decode_tokens_per_s ? `${s.decode_tokens_per_s.toFixed(1)} tok/s` : "–";
+  const kv = live.steps.at(-1)?.kv;
+  if (kv) $("stat-kv").textContent = `${kv.tokens} tok · ${fmtBytes(kv.bytes)}`;
+}
+
+function select(pos) {
+  run.selected = pos;
+  if (run.header) renderAll();
+}
+
+function renderSequence() {
+  const box = $("sequence");
+  box.replaceChildren();
+  const focus = focusPos();
+  run.tokens.forEach((t, pos) => {
+    const chip = el("span", `chip ${t.generated ? "generated" : "prompt"}`);
+    chip.append(el("span", "", visible(t.text) || "∅"), el("span", "id", String(t.id)));
+    chip.dataset.pos = pos;
+    chip.title = `position ${pos} · id ${t.id} · piece ${t.piece}`;
+    if (pos === focus) chip.classList.add("selected");
+    box.append(chip);
+  });
+  const generated = run.tokens.filter((t) => t.generated).length;
+  $("seq-count").textContent =
+    `${run.tokens.length - generated} prompt tokens (chat template included) + ${generated} generated`;
+}
+
+function markSelected() {
+  const focus = focusPos();
+  document.querySelectorAll(".bubble .tok.selected").forEach((n) => n.classList.remove("selected"));
+  if (run.selected != null && run.bubble) {
+    run.bubble.querySelector(`.tok[data-pos="${focus}"]`)?.classList.add("selected");
+  }
+}
+
+function renderChoice() {
+  const pos = focusPos();
+  const token = run.tokens[pos];
+  const alternatives = $("alternatives");
+  alternatives.replaceChildren();
+  $("funnel").replaceChildren();
+  if (!token?.generated) {
+    $("choice-where").textContent = "";
+    $("choice-title").textContent = token
+      ? `${quoted(token.text)} is part of the prompt: it was given, not chosen. Click a generated (green) token.`
+      : "";
+    return;
+  }
+  const step = run.steps[token.sampleStep];
+  const s = step.sample;
+  $("choice-where").textContent = `position ${pos} · ${step.phase} step ${step.index}`;
+  const title = $("choice-title");
+  title.replaceChildren(
+    "chose ", el("b", "", quoted(s.token_text)), ` (id ${s.token}) with p = `, el("b", "", pct(s.prob)),
+    ` · rank ${s.rank} of ${fmtInt(s.vocab)} by logit · entropy ${s.entropy.toFixed(2)} → ` +
+      `${s.entropy_after_temperature.toFixed(2)} bits after temperature`,
+  );
+  renderFunnel(s);
+  const top = Math.max(...s.candidates.map((c) => Math.max(c.prob, c.final_prob)));
+  for (const c of s.candidates) {
+    const row = el("div", "cand");
+    if (c.id === s.token) row.classList.add("chosen");
+    if (!c.kept) row.classList.add("cut");
+    const text = el("span", "text", `${c.id === s.token ? "▶ " : ""}${quoted(c.text)}`);
+    text.title = `id ${c.id} · logit ${c.logit} · p before temperature ${pct(c.prob)} · after ${pct(c.scaled_prob)}`;
+    const track = el("div", "track");
+    const raw = el("div", "raw");
+    raw.style.width = `${(c.prob / top) * 100}%`;
+    const final = el("div", "final");
+    final.style.width = `${(c.final_prob / top) * 100}%`;
+    track.append(raw, final);
+    const label = c.kept ? el("span", "pct", pct(c.final_prob)) : el("span", "pct cut-label", "cut");
+    row.append(text, track, label);
+    alternatives.append(row);
+  }
+}
+
+/** How many tokens survive each stage, as bars on a log scale. */
+function renderFunnel(s) {
+  const p = s.params;
+  const rows = [
+    ["vocabulary", s.vocab],
+    [`top-k ${p.top_k || "off"}`, s.survivors.top_k],
+    [`top-p ${p.top_p}`, s.survivors.top_p],
+    [`min-p ${p.min_p}`, s.survivors.min_p],
+  ];
+  if (p.greedy) rows.splice(1, 3, ["greedy (argmax)", 1]);
+  const full = Math.log(s.vocab + 1);
+  for (const [label, count] of rows) {
+    const row = el("div", "stage-row");
+    const bar = el("div", "bar");
+    bar.style.width = `${(Math.log(count + 1) / full) * 100}%`;
+    bar.append(el("span", "", `${fmtInt(count)} token${count === 1 ? "" : "s"}`));
+    row.append(el("span", "", label), bar);
+    $("funnel").append(row);
+  }
+}
+
+// ---- attention
+
+function fillLayerSelect(numLayers, current) {
+  const select = $("layer");
+  if (select.options.length === numLayers + 1) return;
+  select.replaceChildren(el("option", "", "middle"));
+  select.options[0].value = "";
+  for (let i = 0; i < numLayers; i += 1) {
+    const option = el("option", "", `layer ${i}`);
+    option.value = String(i);
+    select.append(option);
+  }
+  select.value = String(current);
+}
+
+/** query position -> that row's weights for `head`, from the prefill matrix and decode rows. */
+function attentionRows(head) {
+  const rows = new Map();
+  for (const step of run.steps) {
+    const att = step.attention;
+    if (!att) continue;
+    const h = att.heads.indexOf(head);
+    if (h < 0) continue;
+    att.query_positions.forEach((q, r) => rows.set(q, att.weights[h][r]));
+  }
+  return rows;
+}
+
+function renderHeadButtons() {
+  const box = $("heads");
+  const n = run.header.model.num_heads;
+  if (box.children.length !== n) {
+    box.replaceChildren();
+    for (let h = 0; h < n; h += 1) {
+      const button = el("button", "", `head ${h}`);
+      button.type = "button";
+      button.addEventListener("click", () => {
+        attentionHead = h;
+        renderAttention();
+      });
+      box.append(button);
+    }
+  }
+  [...box.children].forEach((b, h) => b.classList.toggle("on", h === attentionHead));
+}
+
+/** The query row behind the focused token: a generated token was chosen by the row before it. */
+function focusQuery() {
+  const pos = focusPos();
+  return run.tokens[pos]?.generated ? pos - 1 : pos;
+}
+
+function renderAttention() {
+  if (!run.header) return;
+  renderHeadButtons();
+  const layer = run.header.trace.layer;
+  $("att-where").textContent = `layer ${layer} · head ${attentionHead} · ${run.header.model.num_kv_heads} K/V heads shared by ${run.header.model.num_heads} query heads`;
+  const rows = attentionRows(attentionHead);
+  const size = Math.max(1, run.tokens.length - (run.tokens.at(-1)?.generated ? 1 : 0));
+  const canvas = $("heatmap");
+  const { ctx, width } = fitCanvas(canvas);
+  const stripe = 5;
+  const cell = (width - stripe) / size;
+  ctx.fillStyle = "#15171f";
+  ctx.fillRect(0, 0, width, width);
+  for (let i = 0; i < size; i += 1) {
+    ctx.fillStyle = run.tokens[i]?.generated ? "#3cc8f5" : "#d17bff";
+    ctx.fillRect(0, stripe + i * cell, stripe - 1, Math.max(1, cell));
+    ctx.fillRect(stripe + i * cell, 0, Math.max(1, cell), stripe - 1);
+  }
+  ctx.imageSmoothingEnabled = false;
+  ctx.drawImage(heatmapImage(rows, size), stripe, stripe, width - stripe, width - stripe);
+  const q = focusQuery();
+  if (q >= 0 && q < size) {
+    ctx.strokeStyle = "#ffd54a";
+    ctx.lineWidth = 1.5;
+    ctx.strokeRect(stripe, stripe + q * cell, width - stripe, Math.max(2, cell));
+  }
+  canvas.onmousemove = (e) => describeCell(e, canvas, rows, stripe, cell);
+  renderTopAttended(rows.get(q), q);
+}
+
+/** One pixel per (query, key) cell; masked cells stay transparent. */
+function heatmapImage(rows, size) {
+  const image = new ImageData(size, size);
+  for (const [q, weights] of rows) {
+    if (q >= size) continue;
+    weights.forEach((w, k) => {
+      const [r, g, b] = HEAT_LUT[Math.round(Math.sqrt(clamp01(w)) * 255)];
+      image.data.set([r, g, b, 255], (q * size + k) * 4);
+    });
+  }
+  const canvas = new OffscreenCanvas(size, size);
+  canvas.getContext("2d").putImageData(image, 0, 0);
+  return canvas;
+}
+
+function describeCell(event, canvas, rows, stripe, cell) {
+  const box = canvas.getBoundingClientRect();
+  const q = Math.floor((event.clientY - box.top - stripe) / cell);
+  const k = Math.floor((event.clientX - box.left - stripe) / cell);
+  const weights = rows.get(q);
+  const [qt, kt] = [run.tokens[q], run.tokens[k]];
+  if (!weights || !qt || !kt) return;
+  $("att-hover").textContent = k > q
+    ? `${quoted(qt.text)} (pos ${q}) cannot see ${quoted(kt.text)} (pos ${k}): masked, it comes later`
+    : `${quoted(qt.text)} (pos ${q}) → ${quoted(kt.text)} (pos ${k}): weight ${weights[k].toFixed(3)}`;
+}
+
+function renderTopAttended(weights, q) {
+  const box = $("att-top");
+  box.replaceChildren();
+  if (!weights) return;
+  const token = run.tokens[q];
+  const next = run.tokens[q + 1];
+  const why = next?.generated ? `, choosing ${quoted(next.text)}` : "";
+  box.append(el("div", "note", `${quoted(token.text)} (pos ${q}${why}) looked most at:`));
+  const top = weights.map((w, k) => [w, k]).sort((a, b) => b[0] - a[0]).slice(0, 4);
+  for (const [w, k] of top) {
+    const row = el("div", "row");
+    const track = el("div", "track");
+    const fill = el("div", "fill");
+    fill.style.width = `${w * 100}%`;
+    track.append(fill);
+    row.append(el("span", "", `${quoted(run.tokens[k].text)} ${k}`), track, el("span", "", pct(w)));
+    box.append(row);
+  }
+}
+
+// ---- KV cache
+
+function renderKV() {
+  const step = run.steps.at(-1);
+  if (!step) return;
+  const kv = step.kv;
+  const m = run.header.model;
+  const blocks = $("kv-blocks");
+  blocks.replaceChildren();
+  const fresh = kv.tokens - kv.written;
+  for (let b = 0; b * m.block_size < kv.tokens; b += 1) {
+    const block = el("div", "block");
+    block.title = `block ${b}: positions ${b * m.block_size}…${(b + 1) * m.block_size - 1}`;
+    for (let i = 0; i < m.block_size; i += 1) {
+      const pos = b * m.block_size + i;
+      const slot = el("div", "slot");
+      if (pos < kv.tokens) slot.classList.add(pos >= fresh ? "fresh" : run.tokens[pos]?.generated ? "generated" : "prompt");
+      block.append(slot);
+    }
+    blocks.append(block);
+  }
+  const text = $("kv-text");
+  text.replaceChildren(
+    el("b", "", String(kv.tokens)), ` tokens × ${fmtBytes(m.kv_bytes_per_token)} ` +
+      `(${m.num_layers} layers × K and V × ${m.num_kv_heads} heads × ${m.head_dim} dims) = `,
+    el("b", "", fmtBytes(kv.bytes)), ` in ${kv.blocks} block${kv.blocks === 1 ? "" : "s"} of ${m.block_size}; ` +
+      `this step wrote ${kv.written} (yellow).` +
+      (kv.released ? " The answer is finished, so its blocks went back to the pool." : ""),
+  );
+  $("kv-pool").style.width = `${Math.max(0.5, (kv.pool_blocks_used / kv.pool_blocks_total) * 100)}%`;
+  $("kv-pool-text").textContent =
+    `pool (all requests): ${fmtInt(kv.pool_blocks_used)} of ${fmtInt(kv.pool_blocks_total)} blocks in use · ` +
+    `capacity ${fmtInt(m.kv_capacity_tokens)} tokens = ${fmtBytes(m.kv_capacity_bytes)}`;
+}
+
+// ---- timing
+
+function renderTiming() {
+  if (!run.steps.length) return;
+  const { ctx, width, height } = fitCanvas($("timing"));
+  ctx.clearRect(0, 0, width, height);
+  const times = run.steps.map((s) => s.step_ms);
+  const top = Math.max(...times);
+  const slots = Math.max(times.length, 24);
+  const barWidth = (width - 40) / slots;
+  ctx.font = "10px ui-monospace, monospace";
+  ctx.fillStyle = "#8891a5";
+  ctx.fillText(fmtMs(top), 0, 10);
+  ctx.fillText("0", 0, height - 14);
+  run.steps.forEach((s, i) => {
+    const h = (s.step_ms / top) * (height - 30);
+    ctx.fillStyle = s.phase === "prefill" ? "#d17bff" : "#3cc8f5";
+    ctx.fillRect(40 + i * barWidth, height - 14 - h, Math.max(1, barWidth - 2), h);
+  });
+  ctx.fillStyle = "#8891a5";
+  ctx.fillText("one bar per engine step →", 40, height - 2);
+  const prefill = run.steps.filter((s) => s.phase === "prefill");
+  const decode = run.steps.filter((s) => s.phase === "decode");
+  const prefillTokens = prefill.reduce((n, s) => n + s.num_tokens, 0);
+  const prefillMs = prefill.reduce((t, s) => t + s.step_ms, 0);
+  const box = $("timing-text");
+  box.replaceChildren(
+    "prefill ", el("b", "", `${prefillTokens} tokens in ${fmtMs(prefillMs)}`),
+    ` (${fmtInt(Math.round((prefillTokens / prefillMs) * 1000))} tok/s: one big matrix multiply per weight)`,
+  );
+  if (decode.length) {
+    const each = median(decode.map((s) => s.step_ms));
+    box.append(
+      " · decode ", el("b", "", `${fmtMs(each)} per token`),
+      ` (${(1000 / each).toFixed(1)} tok/s: every weight is read again for a single token)`,
+    );
+  }
+}
+
+// ---- token detail
+
+function renderTokenDetail() {
+  const pos = focusPos();
+  const token = run.tokens[pos];
+  const box = $("token-detail");
+  if (!token) return;
+  $("token-where").textContent = `position ${pos}`;
+  box.replaceChildren(
+    el("div", "big", visible(token.text) || "∅"),
+    el("div", "facts", `id ${token.id} · piece ${JSON.stringify(token.piece)} · ` +
+      `${token.generated ? "generated" : "prompt"} · position ${pos}`),
+  );
+  const step = run.steps[token.inputStep];
+  if (!step) {
+    box.append(el("div", "", "Not fed back yet: its embedding is looked up in the next step."));
+    return;
+  }
+  const row = pos - step.start;
+  const sample = step.embedding?.sample[row];
+  if (sample) {
+    box.append(el("h3", "", `embedding: the first ${sample.length} of ${step.embedding.shape[1]} numbers (‖x‖ = ${step.embedding.norms[row]})`));
+    box.append(dimBars(sample));
+  }
+  const pe = step.position_encoding;
+  if (pe?.kind === "rope" && pe.angles[row]) {
+    box.append(el("h3", "", `RoPE: q and k are rotated pairwise by position × θᵢ`));
+    box.append(clocks(pe, row, pos));
+  } else if (pe?.kind === "learned" && pe.sample[row]) {
+    box.append(el("h3", "", `learned position vector added (first ${pe.sample[row].length} numbers)`));
+    box.append(dimBars(pe.sample[row]));
+  }
+}
+
+function dimBars(values) {
+  const wrap = el("div");
+  const bars = el("div", "dims");
+  const labels = el("div", "dim-labels");
+  const top = Math.max(...values.map(Math.abs)) || 1;
+  for (const v of values) {
+    const dim = el("div", "dim");
+    const bar = el("div", `v ${v >= 0 ? "pos" : "neg"}`);
+    bar.style.height = `${(Math.abs(v) / top) * 50}%`;
+    dim.append(bar);
+    bars.append(dim);
+    labels.append(el("span", "", v.toFixed(3)));
+  }
+  wrap.append(bars, labels);
+  return wrap;
+}
+
+function clocks(pe, row, pos) {
+  const box = el("div", "clocks");
+  pe.angles[row].slice(0, 6).forEach((angle, i) => {
+    const item = el("div", "clock");
+    const canvas = el("canvas");
+    canvas.style.width = canvas.style.height = "46px";
+    item.append(canvas, el("span", "", `θ${i}=${pe.inv_freq[i].toFixed(3)}`), el("span", "", `${pos}·θ${i}=${angle.toFixed(2)}`));
+    box.append(item);
+    requestAnimationFrame(() => drawClock(canvas, angle));
+  });
+  return box;
+}
+
+function drawClock(canvas, angle) {
+  const { ctx, width } = fitCanvas(canvas);
+  const c = width / 2;
+  const r = c - 3;
+  ctx.strokeStyle = "#3a4255";
+  ctx.lineWidth = 1.5;
+  ctx.beginPath();
+  ctx.arc(c, c, r, 0, 2 * Math.PI);
+  ctx.stroke();
+  ctx.strokeStyle = "#56607a";
+  ctx.beginPath();
+  ctx.moveTo(c, c);
+  ctx.lineTo(c + r, c);
+  ctx.stroke();
+  ctx.strokeStyle = "#ffd54a";
+  ctx.lineWidth = 2.5;
+  ctx.beginPath();
+  ctx.moveTo(c, c);
+  ctx.lineTo(c + r * Math.cos(angle), c - r * Math.sin(angle));
+  ctx.stroke();
+}
+
+// ---- layers
+
+function renderLayers() {
+  const step = stepFor(focusPos());
+  const box = $("layers");
+  box.replaceChildren();
+  if (!step?.layers?.length) return;
+  const last = run.tokens[step.start + step.num_tokens - 1];
+  $("layers-where").textContent =
+    `${step.phase} step ${step.index} · the row of ${quoted(last?.text ?? "")}`;
+  const top = Math.max(...step.layers.flatMap((l) => [l.attention_update_norm, l.mlp_update_norm]));
+  for (const layer of step.layers) {
+    const row = el("div", "layer-row");
+    row.title = `layer ${layer.layer}: attention adds ‖${layer.attention_update_norm}‖, ` +
+      `the FFN adds ‖${layer.mlp_update_norm}‖; ‖x‖ after = ${layer.mlp_residual_norm}`;
+    const bars = [["attn", layer.attention_update_norm], ["ffn", layer.mlp_update_norm]].map(([kind, v]) => {
+      const track = el("div", "track");
+      const fill = el("div", kind);
+      fill.style.width = `${(v / top) * 100}%`;
+      track.append(fill);
+      return track;
+    });
+    const cells = el("div", "cells");
+    layer.max.forEach((w, h) => {
+      const cell = el("span", "cell");
+      cell.style.background = heat(w);
+      cell.title = `head ${h}: peak weight ${w}, entropy ${layer.entropy[h]} bits`;
+      cells.append(cell);
+    });
+    row.append(el("span", "n", String(layer.layer)), ...bars, cells);
+    box.append(row);
+  }
+}
+
+// ------------------------------------------------------------------ chat
+
+function settings() {
+  const layer = $("layer").value;
+  return {
+    temperature: Number($("temperature").value),
+    top_p: Number($("top_p").value),
+    top_k: Number($("top_k").value),
+    max_tokens: Number($("max_tokens").value),
+    ...(layer === "" ? {} : { layer: Number(layer) }),
+  };
+}
+
+function addBubble(role, text) {
+  const bubble = el("div", `bubble ${role}`, text);
+  $("messages").append(bubble);
+  $("messages").scrollTop = $("messages").scrollHeight;
+  return bubble;
+}
+
+async function inspectAnswer(bubble) {
+  live = run = newRun(bubble);
+  runs.set(bubble, live);
+  const response = await fetch("/v1/inspect", {
+    method: "POST",
+    headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ ...settings(), messages: history, head: null, stream: true }),
+  });
+  if (!response.ok) throw new Error(await errorMessage(response));
+  let text = "";
+  let failure = null;
+  for await (const event of readEvents(response)) {
+    if (event.type === "error") failure = event.error.message;
+    else enqueue(event);
+    if (event.type === "done") text = event.text;
+  }
+  await playerIdle();
+  if (failure) throw new Error(failure);
+  return text;
+}
+
+async function plainAnswer(bubble) {
+  const { layer, ...params } = settings();
+  $("phase").className = "phase idle";
+  $("phase").textContent = "not traced";
+  $("phase-detail").textContent = "plain chat: the cards below still show the last traced answer";
+  const started = performance.now();
+  const response = await fetch("/v1/chat/completions", {
+    method: "POST",
+    headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ ...params, messages: history, stream: true }),
+  });
+  if (!response.ok) throw new Error(await errorMessage(response));
+  let text = "";
+  let first = null;
+  let chunks = 0;
+  for await (const chunk of readEvents(response)) {
+    if (chunk.error) throw new Error(chunk.error.message);
+    const delta = chunk.choices?.[0]?.delta?.content;
+    if (!delta) continue;
+    first ??= performance.now();
+    chunks += 1;
+    text += delta;
+    bubble.append(el("span", "tok", delta));
+    $("stat-ttft").textContent = fmtMs(first - started);
+    const elapsed = (performance.now() - first) / 1000;
+    if (chunks > 1 && elapsed > 0) $("stat-tps").textContent = `${((chunks - 1) / elapsed).toFixed(1)} tok/s`;
+  }
+  bubble.append(el("span", "meta", "plain chat: turn tracing on to inspect the engine"));
+  return text;
+}
+
+async function send(text) {
+  $("send").disabled = true;
+  history.push({ role: "user", content: text });
+  addBubble("user", text);
+  const bubble = addBubble("assistant", "");
+  try {
+    const answer = $("trace").checked ? await inspectAnswer(bubble) : await plainAnswer(bubble);
+    history.push({ role: "assistant", content: answer });
+  } catch (err) {
+    history.pop();
+    bubble.classList.add("error");
+    bubble.textContent = `error: ${err.message}`;
+  } finally {
+    $("send").disabled = false;
+  }
+}
+
+// ------------------------------------------------------------------ wiring
+
+function bindOutput(id, format = (v) => v) {
+  const input = $(id);
+  const show = () => ($(`${id}-out`).textContent = format(input.value));
+  input.addEventListener("input", show);
+  show();
+}
+
+function onTokenClick(event) {
+  const target = event.target.closest("[data-pos]");
+  if (!target) return;
+  const bubble = target.closest(".bubble");
+  if (bubble) run = runs.get(bubble) ?? run;
+  if (run.header) select(Number(target.dataset.pos));
+}
+
+$("composer").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const text = $("prompt").value.trim();
+  if (!text || $("send").disabled) return;
+  $("prompt").value = "";
+  send(text);
+});
+
+$("prompt").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.shiftKey) {
+    event.preventDefault();
+    $("composer").requestSubmit();
+  }
+});
+
+$("reset").addEventListener("click", () => {
+  history.length = 0;
+  $("messages").replaceChildren();
+});
+
+$("messages").addEventListener("click", onTokenClick);
+$("sequence").addEventListener("click", onTokenClick);
+window.addEventListener("resize", () => run.header && renderAll());
+
+bindOutput("temperature");
+bindOutput("top_p");
+bindOutput("slowmo", (v) => (Number(v) ? `${v} ms per stage` : "off (live)"));
