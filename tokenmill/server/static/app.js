@@ -773,12 +773,21 @@ function addBubble(role, text) {
   return bubble;
 }
 
+// JSON headers, plus the bearer token when the user gave one (kept in this browser only).
+function apiHeaders() {
+  const key = $("api_key").value.trim();
+  localStorage.setItem("tokenmill-api-key", key);
+  const headers = { "Content-Type": "application/json" };
+  if (key) headers.Authorization = `Bearer ${key}`;
+  return headers;
+}
+
 async function inspectAnswer(bubble) {
   live = run = newRun(bubble);
   runs.set(bubble, live);
   const response = await fetch("/v1/inspect", {
     method: "POST",
-    headers: { "Content-Type": "application/json" },
+    headers: apiHeaders(),
     body: JSON.stringify({ ...settings(), messages: history, head: null, stream: true }),
   });
   if (!response.ok) throw new Error(await errorMessage(response));
@@ -802,7 +811,7 @@ async function plainAnswer(bubble) {
   const started = performance.now();
   const response = await fetch("/v1/chat/completions", {
     method: "POST",
-    headers: { "Content-Type": "application/json" },
+    headers: apiHeaders(),
     body: JSON.stringify({ ...params, messages: history, stream: true }),
   });
   if (!response.ok) throw new Error(await errorMessage(response));
@@ -886,3 +895,5 @@ window.addEventListener("resize", () => run.header && renderAll());
 bindOutput("temperature");
 bindOutput("top_p");
 bindOutput("slowmo", (v) => (Number(v) ? `${v} ms per stage` : "off (live)"));
+
+$("api_key").value = localStorage.getItem("tokenmill-api-key") || "";
