@@ -33,6 +33,11 @@ class Checkpoint:
     # name -> a function producing the tensor (lazily: nothing is read until called)
     tensors: dict[str, Callable[[], torch.Tensor]]
     generation_config: dict = field(default_factory=dict)
+    # GGUF only: name -> a function giving the tensor still in its file encoding, as
+    # (GGMLQuantizationType, array [rows, bytes per row]) with rows already in tokenmill's
+    # order (Q/K unpermuted, fused QKV split). Quantized layers are built from these
+    # without ever making a float32 copy.
+    raw: dict[str, Callable[[], tuple]] = field(default_factory=dict)
 
     def items(self) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
         return iter(self.tensors.items())

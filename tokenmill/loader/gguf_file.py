@@ -205,27 +205,48 @@ def open_gguf(path: Path) -> Checkpoint:
         raise LoadError(path, f"corrupt or truncated GGUF file ({msg})") from None
     config = _config(reader, path)
     file_size = path.stat().st_size
-    tensors = {}
+    tensors, raw = {}, {}
     for t in reader.tensors:
         end = int(t.data_offset) + int(t.n_bytes)
         if end > file_size:
             raise LoadError(path, f"truncated: tensor {t.name} ends past the end of the file")
         for target, part in _target_name(t.name):
             tensors[target] = _gguf_loader(t, path, config, target, part)
-    return Checkpoint(path, "gguf", config, tensors)
+            raw[target] = _raw_loader(t, path, config, target, part)
+    return Checkpoint(path, "gguf", config, tensors, raw=raw)
+
+
+def _rows_in_our_order(w: np.ndarray, config: ModelConfig, target: str, part: str | None):
+    """Split fused QKV rows and undo llama.cpp's Q/K row permutation. Works on dequantized
+    floats and on raw block bytes alike: both only move whole rows."""
+    if part is not None:
+        w = np.split(w, 3, axis=0)[("q", "k", "v").index(part)]
+    if config.arch in _PERMUTED_QK:
+        if target.endswith("attn.q.weight"):
+            w = _unpermute(w, config.num_heads)
+        elif target.endswith("attn.k.weight"):
+            w = _unpermute(w, config.num_kv_heads)
+    return w
 
 
 def _gguf_loader(t, path: Path, config: ModelConfig, target: str, part: str | None):
     def load() -> torch.Tensor:
-        w = read_tensor(t, path)
-        if part is not None:
-            w = np.split(w, 3, axis=0)[("q", "k", "v").index(part)]
-        if config.arch in _PERMUTED_QK:
-            if target.endswith("attn.q.weight"):
-                w = _unpermute(w, config.num_heads)
-            elif target.endswith("attn.k.weight"):
-                w = _unpermute(w, config.num_kv_heads)
+        w = _rows_in_our_order(read_tensor(t, path), config, target, part)
         w = np.ascontiguousarray(w)
         return torch.from_numpy(w if w.flags.writeable else w.copy())
+
+    return load
+
+
+def _raw_loader(t, path: Path, config: ModelConfig, target: str, part: str | None):
+    def load() -> tuple:
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise LoadError(
+                path, f"tensor {t.name}: unsupported quantization type {t.tensor_type.name}"
+            )
+        data = np.asarray(t.data)
+        if data.ndim == 1:
+            data = data.reshape(1, -1)
+        return t.tensor_type, _rows_in_our_order(data, config, target, part)
 
     return load
