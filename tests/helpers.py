@@ -124,6 +124,14 @@ def write_llama_gguf(model, path: Path, qtype=None, arch: str = "llama", drop=()
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    # a small SentencePiece-style vocabulary so an engine can run on the file
+    tokens = ["<unk>", "<s>", "</s>"] + [f"▁t{i}" for i in range(3, cfg.vocab_size)]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 3 + [-float(i) for i in range(3, cfg.vocab_size)])
+    w.add_token_types([2, 3, 3] + [1] * (cfg.vocab_size - 3))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
     names = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",

@@ -150,7 +150,9 @@ def tiny_engine(tiny):
 
 @pytest.mark.slow
 def test_real_model_32_prompts_batched_equals_alone(smollm_path):
-    llm = LLM(smollm_path)
+    # float32 weights: the packed-weight kernels switch algorithms with the batch's row
+    # count (decode kernel vs bf16 GEMM), so only the float path is batch-invariant
+    llm = LLM(smollm_path, quantization="none")
     rng = random.Random(0)
     words = "the a cat dog house river mountain city light dark quickly slowly runs jumps".split()
     prompts = [" ".join(rng.choice(words) for _ in range(rng.randrange(2, 80))) for _ in range(32)]

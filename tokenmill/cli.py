@@ -22,6 +22,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "gguf", "q8", "q4"],
+        help="auto: keep a GGUF file's quantized weights packed (fast); none: float weights",
+    )
+    p.add_argument(
         "--kv-cache-memory",
         default=None,
         help="KV cache pool size: bytes ('512MiB', '2GB') or tokens ('8192tok')",
@@ -72,12 +78,8 @@ def load_llm(args, **engine_kwargs):
     ) as bar:
         task = bar.add_task(path.name, total=None)
 
-        def tick():
-            if bar.tasks[task].total is None:
-                from tokenmill.loader import open_checkpoint
-
-                bar.update(task, total=len(open_checkpoint(path).tensors))
-            bar.advance(task)
+        def tick(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
 
         llm = LLM(
             path,
@@ -85,10 +87,11 @@ def load_llm(args, **engine_kwargs):
             device=args.device,
             threads=args.threads,
             kv_cache_memory=args.kv_cache_memory,
+            quantization=args.quantization,
             progress=tick,
             **engine_kwargs,
         )
-    _stderr_console().print(f"[dim]{llm.engine.describe()}[/dim]")
+    _stderr_console().print(f"[dim]{llm.engine.describe()}[/dim]", soft_wrap=True)
     return llm
 
 

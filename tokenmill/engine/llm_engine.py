@@ -107,8 +107,13 @@ class LLMEngine:
         max_num_batched_tokens: int = 512,
         enable_prefix_caching: bool = True,
         threads: int | None = None,
+        quantization: str = "auto",
         progress=None,
     ):
+        """quantization: "auto" keeps a GGUF file's quantized weights packed (CPU, the fast
+        path) and loads everything else as float; "none" dequantizes to `dtype` (exact,
+        what the oracle tests compare); "gguf", "q8", "q4" force a packing (see
+        models/quantize.py). progress(done, total) is called while weights load."""
         if device == "cpu":
             torch.set_num_threads(threads or os.cpu_count() or 1)
         self.device = torch.device(device)
@@ -127,7 +132,8 @@ class LLMEngine:
 
         # ---- weights ----
         self.model = Transformer(self.config)
-        self.model.load_weights(ckpt, dtype, progress)
+        self.quantization = self._pick_quantization(quantization, ckpt.format)
+        self.model.load_weights(ckpt, dtype, progress, self.quantization)
         self.model.to(self.device).eval()
 
         # ---- KV cache pool, block manager, scheduler, runner ----
@@ -140,12 +146,26 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens_computed": 0}
 
+    def _pick_quantization(self, requested: str, fmt: str) -> str | None:
+        if requested not in ("auto", "none", "gguf", "q8", "q4"):
+            raise ValueError(
+                f"quantization must be one of auto, none, gguf, q8, q4; got {requested!r}"
+            )
+        if requested != "none" and self.device.type != "cpu":
+            if requested != "auto":
+                raise ValueError("quantized weights run on the CPU kernels only; use device='cpu'")
+            return None
+        if requested == "auto":
+            return "gguf" if fmt == "gguf" else None
+        return None if requested == "none" else requested
+
     # ------------------------------------------------------------------
     def describe(self) -> str:
         c = self.config
         return (
             f"{self.path.name}: {c.arch}, {c.num_layers} layers, d={c.hidden_size}, "
-            f"heads {c.num_heads}/{c.num_kv_heads}, vocab {c.vocab_size}, {self.dtype}; "
+            f"heads {c.num_heads}/{c.num_kv_heads}, vocab {c.vocab_size}, {self.dtype}, "
+            f"weights {self.quantization or 'float'}; "
             f"KV cache {self.cache.capacity_tokens} tokens in {self.cache.num_blocks} blocks "
             f"({self.cache.nbytes / 2**20:.0f} MiB)"
         )

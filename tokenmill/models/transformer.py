@@ -26,8 +26,10 @@ from tokenmill.layers.attention import Attention, AttentionMetadata
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.mlp import MLP
 from tokenmill.layers.norm import make_norm
+from tokenmill.layers.quant_linear import QuantLinear
 from tokenmill.layers.rotary import Rotary
 from tokenmill.loader import Checkpoint, LoadError
+from tokenmill.models.quantize import quantize_model
 
 # A fused parameter -> the checkpoint tensors stacked (along rows) to make it.
 FUSED = {
@@ -101,6 +103,7 @@ class Transformer(nn.Module):
         )
         self.final_norm = make_norm(cfg.norm, d, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else Linear(d, cfg.vocab_size)
+        self.dtype = torch.float32  # activation dtype; set by load_weights
 
     # ------------------------------------------------------------------
     # forward: packed tokens of a batch -> logits at the requested rows
@@ -111,7 +114,7 @@ class Transformer(nn.Module):
         meta: AttentionMetadata,
         logits_rows: torch.Tensor | None = None,  # [B] rows to un-embed; None = all rows
     ) -> torch.Tensor:
-        x = self.embed(input_ids)  # [T, d]
+        x = self.embed_tokens(input_ids)  # [T, d]
         if self.cfg.embed_scale != 1.0:
             # Gemma: scale computed in the activation dtype, as the reference does.
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
@@ -126,10 +129,18 @@ class Transformer(nn.Module):
         x = self.final_norm(x)
         return self.unembed(x)
 
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, QuantLinear):
+            return self.embed.embed(ids).to(self.dtype)
+        return self.embed(ids)
+
     def unembed(self, x: torch.Tensor) -> torch.Tensor:
         """[B, d] -> [B, vocab] float32 logits."""
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        logits = (x @ weight.t()).float()
+        head = self.embed if self.lm_head is None else self.lm_head
+        if isinstance(head, nn.Embedding):
+            logits = (x @ head.weight.t()).float()
+        else:  # Linear or QuantLinear
+            logits = head(x).float()
         cap = self.cfg.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -138,8 +149,23 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------
     # weights
     # ------------------------------------------------------------------
-    def load_weights(self, ckpt: Checkpoint, dtype: torch.dtype, progress=None) -> None:
-        """Fill every parameter from the checkpoint; one clear error for any mismatch."""
+    def load_weights(
+        self,
+        ckpt: Checkpoint,
+        dtype: torch.dtype,
+        progress=None,
+        quantize: str | None = None,
+    ) -> None:
+        """Fill every parameter from the checkpoint; one clear error for any mismatch.
+
+        quantize: None keeps float weights in `dtype`; "gguf", "q8" or "q4" packs the
+        projections into QuantLinear layers first (see models/quantize.py).
+        progress(done, total) is called after each tensor.
+        """
+        self.dtype = dtype
+        gated = self.cfg.mlp == "gated"
+        if quantize is not None:
+            quantize_model(self, ckpt, quantize, lambda name: checkpoint_parts(name, gated))
         params = dict(self.named_parameters())
         tensors = dict(ckpt.tensors)
         if (
@@ -148,12 +174,11 @@ class Transformer(nn.Module):
             and "lm_head.weight" not in tensors
         ):
             tensors["lm_head.weight"] = tensors["embed.weight"]  # tied in the file, not the config
-        gated = self.cfg.mlp == "gated"
         plan = {name: checkpoint_parts(name, gated) for name in params}
         missing = [p for parts in plan.values() for p in parts if p not in tensors]
         if missing:
             raise LoadError(ckpt.path, f"missing tensor {missing[0]!r} ({len(missing)} missing)")
-        for name, param in params.items():
+        for done, (name, param) in enumerate(params.items(), 1):
             pieces = [tensors[p]() for p in plan[name]]
             t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
             if tuple(t.shape) != tuple(param.shape):
@@ -165,6 +190,6 @@ class Transformer(nn.Module):
             keep_fp32 = name.endswith("norm.weight") or name.endswith("norm.bias")
             param.data = t.to(torch.float32 if keep_fp32 else dtype).contiguous()
             if progress is not None:
-                progress()
+                progress(done, len(params))
         if "rope_freqs" in tensors and self.rotary is not None:
             self.rotary.set_freq_factors(tensors["rope_freqs"]())

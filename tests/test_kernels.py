@@ -1,0 +1,355 @@
+"""Quantized linear layers: GGUF conversion exactness, native kernels vs references,
+the pure-torch fallback, the portable (non-AVX-512) C path, threads and builds."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as GT
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize, quantize
+
+from tokenmill import kernels
+from tokenmill.kernels import build
+from tokenmill.layers import quant_linear
+from tokenmill.layers.quant_linear import PREFILL_MIN_T, QuantLinear
+
+SIMPLE = [GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.Q5_0, GT.Q5_1]  # gguf.quants can quantize these
+K_QUANTS = [GT.Q4_K, GT.Q5_K]
+# (out, in): odd out sizes; in with no tail, a 1-block tail, a 2-block tail, a 15-block tail
+SHAPES = [(1, 32), (7, 64), (33, 576), (17, 512), (5, 1024 + 480), (64, 1536)]
+K_SHAPES = [(3, 256), (33, 768), (9, 2048 + 256)]
+
+
+def gguf_bytes(qtype: GT, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Raw GGUF blocks [n, row_bytes] of a random weight (random valid blocks for K-quants)."""
+    rng = np.random.default_rng(seed)
+    if qtype in SIMPLE:
+        return quantize((rng.standard_normal((n, k)) * 0.05).astype(np.float32), qtype)
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    scales = (rng.random((n, k // block, 2)) * 1e-3).astype(np.float16).view(np.uint8)
+    if qtype == GT.Q6_K:  # d is the last 2 bytes
+        raw[..., -2:] = scales[..., :2]
+    else:  # d, dmin first
+        raw[..., 0:4] = scales.reshape(n, k // block, 4)
+    return raw.reshape(n, -1)
+
+
+def kernel_reference(layer: QuantLinear, x: torch.Tensor, act_bits: int = 8) -> torch.Tensor:
+    """What the decode kernel computes, in float64: x quantized per 32-block to
+    act_bits exactly as quant.c does, then sum_b dx*xq.(w - m) + m * sum(x)."""
+    t, k = x.shape
+    qmax = 127.0 if act_bits == 8 else 32767.0
+    xb = x.reshape(t, k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    # tensor / tensor: `scalar / tensor` is reciprocal-then-multiply in torch, which
+    # rounds differently from the C division and moves exact .5 ties.
+    inv = torch.where(amax > 0, torch.full_like(amax, qmax) / amax, torch.zeros_like(amax))
+    xq = torch.round(xb * inv)  # half to even, like cvtps2dq
+    dx = amax / qmax
+    w = layer.dequantize().double().reshape(layer.out_features, k // 32, 32)
+    mins = torch.zeros(w.shape[:2], dtype=torch.float64)
+    if layer.mins is not None:
+        mins = layer.mins.double()
+    xd = (xq.double() * dx.double()).reshape(t, k)
+    y = xd @ (w - mins[..., None]).reshape(layer.out_features, k).T
+    y += xb.double().sum(-1) @ mins.T
+    if layer.bias is not None:
+        y += layer.bias.double()
+    return y
+
+
+def dot_error_scale(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """sum |x| |w| per output: float32 rounding in a dot product scales with this, not
+    with |y| (terms can cancel, e.g. the min term against the code term)."""
+    return x.double().abs() @ layer.dequantize().double().abs().T + 1e-30
+
+
+def assert_close_rel(y: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
+    err = (y.double() - ref).abs().max().item()
+    scale = ref.abs().max().item() or 1.0
+    assert err <= rel * scale, f"max err {err:.3g} > {rel:g} * {scale:.3g}"
+
+
+@pytest.fixture
+def native():
+    if kernels.library() is None:
+        pytest.skip("native kernels unavailable")
+
+
+# ----------------------------------------------------------------------------------
+# conversion
+# ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", SIMPLE)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gguf_conversion_is_exact(qtype, shape):
+    n, k = shape
+    raw = gguf_bytes(qtype, n, k)
+    ref = dequantize(raw, qtype).reshape(n, k)
+    layer = QuantLinear.from_gguf(raw, qtype, n, k)
+    assert np.array_equal(layer.dequantize().numpy(), ref)
+    if qtype in (GT.Q4_0, GT.Q4_1, GT.Q8_0):  # same size as the file: nothing expanded
+        assert layer.nbytes == raw.nbytes
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS)
+@pytest.mark.parametrize("shape", K_SHAPES)
+def test_gguf_k_quant_conversion_is_exact(qtype, shape):
+    n, k = shape
+    raw = gguf_bytes(qtype, n, k)
+    ref = dequantize(raw, qtype).reshape(n, k)
+    assert np.array_equal(QuantLinear.from_gguf(raw, qtype, n, k).dequantize().numpy(), ref)
+
+
+def test_q6_k_is_requantized_within_bound():
+    n, k = 9, 512
+    raw = gguf_bytes(GT.Q6_K, n, k)
+    ref = dequantize(raw, GT.Q6_K).reshape(n, k)
+    got = QuantLinear.from_gguf(raw, GT.Q6_K, n, k).dequantize().numpy()
+    blocks = np.abs(ref).reshape(n, -1, 32).max(-1, keepdims=True)
+    # half a step of 8-bit codes, plus float16 rounding of the scale
+    assert (np.abs(got - ref).reshape(n, -1, 32) <= blocks / 254 * 1.01 + 1e-12).all()
+
+
+def test_from_gguf_checks_sizes():
+    raw = gguf_bytes(GT.Q8_0, 4, 64)
+    with pytest.raises(ValueError, match="expected"):
+        QuantLinear.from_gguf(raw, GT.Q8_0, 5, 64)
+    with pytest.raises(ValueError, match="float Linear"):
+        QuantLinear.from_gguf(np.zeros(16, np.uint8), GT.F32, 2, 2)
+
+
+def test_from_gguf_reads_rows_in_chunks(monkeypatch):
+    """Big tensors are converted a few rows at a time (no float32 copy of the weight)."""
+    calls = []
+    parse = quant_linear._parse_exact
+    monkeypatch.setattr(
+        quant_linear, "_parse_exact", lambda b, q: calls.append(b.shape[0]) or parse(b, q)
+    )
+    n, k = 4096 + 3, 2048
+    raw = gguf_bytes(GT.Q4_1, n, k)
+    layer = QuantLinear.from_gguf(raw, GT.Q4_1, n, k)
+    assert max(calls) < n and sum(calls) == n
+    assert np.array_equal(
+        layer.dequantize(torch.tensor([0, n - 1])).numpy(),
+        dequantize(raw[[0, n - 1]], GT.Q4_1).reshape(2, k),
+    )
+
+
+@pytest.mark.parametrize("scheme,bound", [("q8", 1 / 254), ("q4", 1 / 30)])
+def test_from_float(scheme, bound):
+    w = torch.randn(19, 576)
+    layer = QuantLinear.from_float(w, scheme)
+    err = (layer.dequantize() - w).abs().reshape(19, -1, 32)
+    span = w.reshape(19, -1, 32)
+    span = span.abs().amax(-1) if scheme == "q8" else span.amax(-1) - span.amin(-1)
+    assert (err.amax(-1) <= span * bound * 1.02 + 1e-6).all()
+
+
+# ----------------------------------------------------------------------------------
+# native kernels
+# ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("act_bits", [8, 16])
+@pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS + [GT.Q6_K])
+def test_decode_kernel_matches_reference(native, qtype, act_bits):
+    torch.manual_seed(0)
+    shapes = K_SHAPES if qtype in K_QUANTS + [GT.Q6_K] else SHAPES
+    for n, k in shapes:
+        layer = QuantLinear.from_gguf(gguf_bytes(qtype, n, k), qtype, n, k, bias=torch.randn(n))
+        layer.act_bits = act_bits
+        for t in [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, PREFILL_MIN_T]:
+            x = torch.randn(t, k)
+            x[0, :32] = 0  # an all-zero block (scale 0)
+            x[-1, -32:] *= 1000  # an outlier block
+            err = (layer(x).double() - kernel_reference(layer, x, act_bits)).abs()
+            assert (err <= 1e-5 * dot_error_scale(layer, x)).all(), (n, k, t)
+
+
+@pytest.mark.parametrize("act_bits,rel", [(8, 2e-2), (16, 2e-4)])
+@pytest.mark.parametrize("scheme", ["q4", "q8"])
+def test_decode_kernel_close_to_float(native, scheme, act_bits, rel):
+    """Quantized activations cost little against the exact float product."""
+    torch.manual_seed(1)
+    layer = QuantLinear.from_float(torch.randn(96, 1536) * 0.02, scheme)
+    layer.act_bits = act_bits
+    x = torch.randn(4, 1536)
+    assert_close_rel(layer(x), (x.double() @ layer.dequantize().double().T), rel)
+
+
+@pytest.mark.parametrize("qtype", [GT.Q4_1, GT.Q4_0, GT.Q8_0, GT.Q5_1, GT.Q4_K])
+@pytest.mark.parametrize("t", [PREFILL_MIN_T + 1, 64])
+def test_prefill_path_matches_bf16_reference(native, monkeypatch, qtype, t):
+    torch.manual_seed(2)
+    n, k = (130, 768) if qtype == GT.Q4_K else (130, 576)
+    layer = QuantLinear.from_gguf(gguf_bytes(qtype, n, k), qtype, n, k, bias=torch.randn(n))
+    x = torch.randn(t, k)
+    ref = x.bfloat16().double() @ layer.dequantize().bfloat16().double().T + layer.bias.double()
+    assert_close_rel(layer(x), ref, 1e-2)
+    # row-chunked GEMMs (big layers) give the same result
+    monkeypatch.setattr(quant_linear, "_PREFILL_CHUNK_BYTES", 64 * 2 * k)
+    assert_close_rel(layer(x), ref, 1e-2)
+
+
+@pytest.mark.parametrize("qtype", [GT.Q8_0, GT.Q4_1, GT.Q4_0, GT.Q5_0])
+def test_embedding_rows_are_exact(native, qtype):
+    n, k = 50, 576
+    raw = gguf_bytes(qtype, n, k)
+    layer = QuantLinear.from_gguf(raw, qtype, n, k)
+    ids = torch.tensor([[3, 0], [49, 3]])
+    ref = dequantize(raw, qtype).reshape(n, k)[ids.numpy()]
+    assert np.array_equal(layer.embed(ids).numpy(), ref)
+    with pytest.raises(IndexError):
+        layer.embed(torch.tensor([n]))
+
+
+def test_forward_shapes_and_dtypes(native):
+    layer = QuantLinear.from_float(torch.randn(48, 64), "q8")
+    x = torch.randn(2, 3, 64)
+    y = layer(x)
+    assert y.shape == (2, 3, 48) and y.dtype == torch.float32
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+    assert torch.equal(layer(x[:, 1]), y[:, 1])  # non-contiguous input
+
+
+def test_float_casts_leave_the_packed_format_alone(native):
+    layer = QuantLinear.from_float(torch.randn(40, 64), "q4", bias=torch.randn(40))
+    x = torch.randn(2, 64)
+    y = layer(x)
+    layer.to(torch.bfloat16)  # what model.to(dtype) does to every module
+    assert layer.scales.dtype == torch.float16 and layer.bias.dtype == torch.bfloat16
+    assert torch.allclose(layer(x), y, atol=0.05)  # only the bias lost precision
+
+
+def test_cat_fuses_projections(native):
+    parts = [
+        QuantLinear.from_gguf(gguf_bytes(q, n, 576, seed=n), q, n, 576, bias=torch.randn(n))
+        for q, n in [(GT.Q5_0, 64), (GT.Q8_0, 16), (GT.Q5_0, 16)]
+    ]
+    fused = QuantLinear.cat(parts)
+    x = torch.randn(3, 576)
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=1))
+    with pytest.raises(ValueError, match="format"):
+        QuantLinear.cat([parts[0], QuantLinear.from_float(torch.randn(8, 576), "q4")])
+
+
+def test_concurrent_callers_get_their_own_results(native):
+    """Activation scratch is per calling thread: parallel forwards must not mix."""
+    layer = QuantLinear.from_float(torch.randn(256, 1024), "q4")
+    xs = [torch.randn(3, 1024) for _ in range(4)]
+    expected = [layer(x) for x in xs]
+    errors = []
+
+    def run(i):
+        for _ in range(50):
+            if not torch.equal(layer(xs[i]), expected[i]):
+                errors.append(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+
+
+def test_single_and_multi_thread_agree(native):
+    layer = QuantLinear.from_float(torch.randn(1000, 576), "q4")
+    x = torch.randn(5, 576)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x)
+        torch.set_num_threads(max(2, old))
+        assert torch.equal(layer(x), one)
+    finally:
+        torch.set_num_threads(old)
+
+
+# ----------------------------------------------------------------------------------
+# fallbacks and the build
+# ----------------------------------------------------------------------------------
+
+
+def test_fallback_without_library(monkeypatch):
+    raw = gguf_bytes(GT.Q4_1, 40, 576)
+    layer = QuantLinear.from_gguf(raw, GT.Q4_1, 40, 576, bias=torch.randn(40))
+    monkeypatch.setattr(kernels, "library", lambda: None)
+    layer._cw = None
+    w = torch.from_numpy(dequantize(raw, GT.Q4_1).reshape(40, 576))
+    for t in (1, 100):
+        x = torch.randn(t, 576)
+        assert torch.allclose(layer(x), F.linear(x, w, layer.bias), rtol=1e-5, atol=1e-5)
+    assert torch.equal(layer.embed(torch.tensor([7])), w[7:8])
+
+
+def test_build_failure_warns_once_and_falls_back(monkeypatch):
+    def fail():
+        raise build.BuildError("no C compiler found")
+
+    monkeypatch.setattr(kernels, "_lib", None)
+    monkeypatch.setattr(kernels, "_tried", False)
+    monkeypatch.setattr(kernels, "compile_library", fail)
+    with pytest.warns(RuntimeWarning, match="pure-torch"):
+        assert kernels.library() is None
+    assert kernels.library() is None  # cached: no second warning, no second build
+    layer = QuantLinear.from_float(torch.randn(8, 64), "q8")
+    x = torch.randn(2, 64)
+    assert torch.allclose(layer(x), x @ layer.dequantize().T, atol=1e-5)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="x86-64 Linux build flags")
+def test_portable_c_path_matches_avx512(native, tmp_path, monkeypatch):
+    """The scalar code hosts without AVX-512 run gives the same numbers."""
+    if not kernels.uses_avx512():
+        pytest.skip("the loaded library already is the portable build")
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path))
+    portable = kernels._bind(ctypes.CDLL(str(build.compile_library(("-march=x86-64",)))))
+    assert portable.tm_info() == 1000
+    cases = [
+        (GT.Q4_1, 21, 576, 8),
+        (GT.Q8_0, 9, 1024 + 96, 16),
+        (GT.Q4_K, 5, 768, 16),
+        (GT.Q4_0, 5, 576, 16),
+    ]
+    for qtype, n, k, act_bits in cases:
+        layer = QuantLinear.from_gguf(gguf_bytes(qtype, n, k), qtype, n, k)
+        layer.act_bits = act_bits
+        x = torch.randn(3, k)
+        fast, fast_rows = layer(x), layer.embed(torch.tensor([1, 0]))
+        fast_lanes = kernels.dequant_lanes(layer._native(), 0, n, torch.float32)
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "_lib", portable)
+            assert_close_rel(layer(x), fast.double(), 1e-5)
+            assert torch.equal(layer.embed(torch.tensor([1, 0])), fast_rows)
+            lanes = kernels.dequant_lanes(layer._native(), 0, n, torch.float32)
+            assert torch.equal(lanes, fast_lanes)
+
+
+def test_concurrent_builds_share_one_library(tmp_path):
+    """Two processes compiling into an empty cache both end with a loadable library."""
+    code = (
+        "import ctypes; from tokenmill.kernels import build; "
+        "ctypes.CDLL(str(build.compile_library())); print(build.compile_library())"
+    )
+    env = {"TOKENMILL_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert outs[0] == outs[1] and Path(outs[0]).exists()
+    assert not list((tmp_path / "kernels").glob("*.tmp.so"))

@@ -1,0 +1,180 @@
+"""Native CPU kernels for weight-only quantized linear layers, called through ctypes.
+
+The C source (quant.c) is compiled on first use by `build.py` and cached; see its
+header comment for the packed weight format. If it cannot be built or loaded (no
+compiler, a sandbox without exec permission on the cache folder...), `library()`
+returns None after one warning and callers take their pure-torch path instead:
+slower, never a crash. Set TOKENMILL_KERNELS=0 to force that path.
+
+Everything here works on raw pointers (`tensor.data_ptr()`), so callers must pass
+contiguous CPU tensors of the documented dtypes and keep them alive during the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import warnings
+
+import torch
+
+from tokenmill.kernels.build import BuildError, compile_library
+
+__all__ = [
+    "TmWeight",
+    "library",
+    "uses_avx512",
+    "linear",
+    "dequant_lanes",
+    "lanes_bf16",
+    "bf16_to_f32",
+    "dequant_rows",
+]
+
+
+class TmWeight(ctypes.Structure):
+    """Mirror of `tm_weight` in quant.c: pointers into a packed weight's tensors."""
+
+    _fields_ = [
+        ("codes", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("mins", ctypes.c_void_p),
+        ("bits", ctypes.c_int32),
+        ("scale_f16", ctypes.c_int32),
+        ("n", ctypes.c_int32),
+        ("k", ctypes.c_int32),
+    ]
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declares the C signatures (ctypes would otherwise truncate pointers to int)."""
+    vp, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.tm_info.restype = i32
+    lib.tm_linear.argtypes = [vp, vp, i32, vp, vp, i32, i32]
+    lib.tm_linear.restype = i32
+    lib.tm_dequant_lanes.argtypes = [vp, i32, i32, vp, i32, i32]
+    lib.tm_dequant_lanes.restype = None
+    lib.tm_lanes_bf16.argtypes = [vp, i32, i32, vp, i32]
+    lib.tm_lanes_bf16.restype = None
+    lib.tm_bf16_to_f32.argtypes = [vp, i32, i32, vp, vp, i32]
+    lib.tm_bf16_to_f32.restype = None
+    lib.tm_dequant_rows.argtypes = [vp, vp, i32, vp]
+    lib.tm_dequant_rows.restype = i32
+    if lib.tm_info() // 1000 != 1:
+        raise OSError("kernel library reports an unknown ABI version")
+    return lib
+
+
+def _load() -> ctypes.CDLL:
+    return _bind(ctypes.CDLL(str(compile_library())))
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None (after one warning) if it is unavailable."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            if os.environ.get("TOKENMILL_KERNELS", "1") != "0":
+                try:
+                    _lib = _load()
+                except (BuildError, OSError) as e:
+                    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    warnings.warn(
+                        f"tokenmill: native quantized kernels unavailable ({first}); "
+                        "using the slower pure-torch path",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+            _tried = True
+    return _lib
+
+
+def uses_avx512() -> bool:
+    """Whether the loaded library took the AVX-512 VNNI/BF16 code path."""
+    lib = library()
+    return lib is not None and lib.tm_info() % 1000 == 1
+
+
+def linear(
+    w: TmWeight, x: torch.Tensor, bias: torch.Tensor | None, act_bits: int = 8
+) -> torch.Tensor:
+    """y [T, N] = x [T, K] @ W^T (+ bias), activations quantized per 32-block to
+    `act_bits` (8: llama.cpp's scheme; 16: ~1.5x the arithmetic, near-float accuracy).
+
+    x: contiguous float32; bias: [N] or None (made float32 if a loader cast it).
+    """
+    lib = library()
+    assert lib is not None, "call only when library() is not None"
+    if bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    T = x.shape[0]
+    y = torch.empty(T, w.n, dtype=torch.float32)
+    ok = lib.tm_linear(
+        ctypes.addressof(w),
+        x.data_ptr(),
+        T,
+        y.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        torch.get_num_threads(),
+        int(act_bits == 16),
+    )
+    if not ok:
+        raise MemoryError("tm_linear: cannot allocate activation scratch")
+    return y
+
+
+def dequant_lanes(w: TmWeight, r0: int, r1: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows [r0, r1) dequantized to [r1 - r0, K] float32/bfloat16, columns in lane order."""
+    lib = library()
+    assert lib is not None, "call only when library() is not None"
+    out = torch.empty(r1 - r0, w.k, dtype=dtype)
+    lib.tm_dequant_lanes(
+        ctypes.addressof(w), r0, r1, out.data_ptr(), int(dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def lanes_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] float32 (contiguous) -> bfloat16 [T, K] with columns in lane order."""
+    lib = library()
+    assert lib is not None, "call only when library() is not None"
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    lib.tm_lanes_bf16(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def bf16_to_f32(src: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """src [T, N] bfloat16 (contiguous) -> float32 [T, N] (+ bias [N] float32)."""
+    lib = library()
+    assert lib is not None, "call only when library() is not None"
+    if bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    T, N = src.shape
+    y = torch.empty(T, N, dtype=torch.float32)
+    lib.tm_bf16_to_f32(
+        src.data_ptr(), T, N, None if bias is None else bias.data_ptr(), y.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+def dequant_rows(w: TmWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (int64 [n], contiguous) dequantized to [n, K] float32, natural order."""
+    lib = library()
+    assert lib is not None, "call only when library() is not None"
+    out = torch.empty(ids.numel(), w.k, dtype=torch.float32)
+    status = lib.tm_dequant_rows(ctypes.addressof(w), ids.data_ptr(), ids.numel(), out.data_ptr())
+    if status == -1:
+        raise IndexError(f"id out of range [0, {w.n})")
+    if status == 0:
+        raise MemoryError("tm_dequant_rows: cannot allocate scratch")
+    return out

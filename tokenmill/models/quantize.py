@@ -1,0 +1,78 @@
+"""Swap the model's float projections for QuantLinear layers that keep weights compressed.
+
+Decode reads every weight once per token, so bytes per weight set its speed. Two ways in:
+  "gguf"      keep the GGUF file's own blocks (Q4_0/Q4_1/Q8_0/Q5_x/Q4_K exactly; Q6_K and
+              the 2/3-bit K types requantized to 8 bits), never making a float32 copy;
+  "q8", "q4"  quantize float weights (HF checkpoints) per 32-value block.
+Layers whose source can't be packed (F32/F16 tensors, fused parts of different packed
+formats) stay float `Linear`s.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tokenmill.layers.linear import Linear
+from tokenmill.layers.quant_linear import EXACT_GGUF_TYPES, REQUANT_GGUF_TYPES, QuantLinear
+from tokenmill.loader import Checkpoint, LoadError
+
+PACKABLE = EXACT_GGUF_TYPES | REQUANT_GGUF_TYPES
+SCHEMES = ("gguf", "q8", "q4")
+
+
+def quantize_model(model: nn.Module, ckpt: Checkpoint, scheme: str, parts_of) -> None:
+    """Replace every Linear (and the token embedding) whose checkpoint source can be packed.
+
+    parts_of(param_name) -> the checkpoint tensor names stacked to make that parameter.
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"quantization must be one of none, {', '.join(SCHEMES)}; got {scheme!r}")
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
+    if isinstance(model.embed, nn.Embedding):
+        targets.append(("embed", model.embed))
+    for name, module in targets:
+        parts = parts_of(f"{name}.weight")
+        if name == "lm_head" and "lm_head.weight" not in ckpt.tensors:
+            parts = ["embed.weight"]  # tied in the file though not in the config
+        packed = _pack(ckpt, parts, scheme)
+        if packed is None:
+            continue
+        rows = module.weight.shape[0]
+        if packed.out_features != rows or packed.in_features != module.weight.shape[1]:
+            raise LoadError(
+                ckpt.path,
+                f"tensor {'+'.join(parts)!r} has shape ({packed.out_features}, "
+                f"{packed.in_features}), expected {tuple(module.weight.shape)}",
+            )
+        if getattr(module, "bias", None) is not None:
+            packed.bias = module.bias  # filled by name by the float loader afterwards
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, packed)
+
+
+def _pack(ckpt: Checkpoint, parts: list[str], scheme: str) -> QuantLinear | None:
+    if any(p not in ckpt.tensors for p in parts):
+        return None  # the float loader reports the missing tensor
+    if scheme == "gguf":
+        if any(p not in ckpt.raw for p in parts):
+            return None
+        raws = [ckpt.raw[p]() for p in parts]
+        if any(qtype not in PACKABLE for qtype, _ in raws):
+            return None
+        layers = [
+            QuantLinear.from_gguf(data, qtype, data.shape[0], _in_features(qtype, data))
+            for qtype, data in raws
+        ]
+    else:
+        layers = [QuantLinear.from_float(ckpt.tensors[p](), scheme) for p in parts]
+    try:
+        return layers[0] if len(layers) == 1 else QuantLinear.cat(layers)
+    except ValueError:
+        return None  # parts pack differently (e.g. Q4_K next to Q6_K): keep float
+
+
+def _in_features(qtype, data) -> int:
+    from gguf.constants import GGML_QUANT_SIZES
+
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    return data.shape[1] // type_size * block
