@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from helpers import build_hf_model, write_llama_gguf
 from gguf import GGMLQuantizationType as Q
+from helpers import build_hf_model, write_llama_gguf
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers.quant_linear import QuantLinear
