@@ -14,11 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tokenmill.config import ModelConfig, RopeConfig
 from tokenmill.loader import Checkpoint, LoadError
+from tokenmill.loader.gguf_reader import GGUFFile, GGUFFormatError
 
 SUPPORTED_TYPES = {
     GGMLQuantizationType.F32,
@@ -62,12 +63,11 @@ _TOP_NAMES = {
 }
 
 
-def _field(reader: GGUFReader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def _field(reader: GGUFFile, key: str, default=None):
+    return reader.metadata.get(key, default)
 
 
-def _config(reader: GGUFReader, path: Path) -> ModelConfig:
+def _config(reader: GGUFFile, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise LoadError(
@@ -85,11 +85,11 @@ def _config(reader: GGUFReader, path: Path) -> ModelConfig:
     kv_heads = _field(reader, f"{arch}.attention.head_count_kv") or heads
     head_dim = _field(reader, f"{arch}.attention.key_length") or hidden // heads
     layers = meta("block_count")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens else None)
+    tokens = reader.metadata.get("tokenizer.ggml.tokens")
+    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens else None)
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embd is not None:
-        vocab = int(embd.shape[1])
+        vocab = int(embd.shape[0])
     rope = RopeConfig(
         theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         dim=_field(reader, f"{arch}.rope.dimension_count"),
@@ -183,7 +183,7 @@ def read_tensor(t, path: Path) -> np.ndarray:
         raise LoadError(
             path, f"tensor {t.name}: unsupported quantization type {t.tensor_type.name}"
         )
-    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
+    shape = t.shape
     try:
         if t.tensor_type == GGMLQuantizationType.F32:
             data = np.asarray(t.data, dtype=np.float32)
@@ -198,11 +198,9 @@ def read_tensor(t, path: Path) -> np.ndarray:
 
 def open_gguf(path: Path) -> Checkpoint:
     try:
-        reader = GGUFReader(path, "r")
-    except (ValueError, IndexError, OSError) as e:
-        # The gguf package raises bare ValueErrors from numpy for truncated files.
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise LoadError(path, f"corrupt or truncated GGUF file ({msg})") from None
+        reader = GGUFFile(path)
+    except GGUFFormatError as e:
+        raise LoadError(path, str(e).removeprefix(f"{path}: ")) from None
     config = _config(reader, path)
     file_size = path.stat().st_size
     tensors, raw = {}, {}

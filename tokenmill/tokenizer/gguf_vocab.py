@@ -16,120 +16,27 @@ llama.cpp's (checked against llama.cpp's own test vectors in tests/test_tokenize
   parse special tokens); user-defined pieces (Gemma's whitespace runs, `<think>`...) are always
   matched whole, as llama.cpp does.
 
-`gguf.GGUFReader` builds a numpy view per array element, which takes 8-15 s for Gemma's 262k-piece
-vocabulary, so `read_metadata` parses the key/value section itself: numeric arrays in one
-`numpy.frombuffer` each, string arrays in a tight loop.
+The metadata comes from tokenmill's own fast reader (`loader/gguf_reader.py`), not `gguf.GGUFReader`
+(8-15 s for Gemma's 262k-piece vocabulary).
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFValueType, TokenType
+from gguf import TokenType
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
+from tokenmill.loader.gguf_reader import read_metadata
+
 log = logging.getLogger(__name__)
-
-# --- reading the metadata ------------------------------------------------------------------------
-
-_SCALAR_FORMATS = {
-    GGUFValueType.UINT8: "<B",
-    GGUFValueType.INT8: "<b",
-    GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h",
-    GGUFValueType.UINT32: "<I",
-    GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f",
-    GGUFValueType.BOOL: "<?",
-    GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q",
-    GGUFValueType.FLOAT64: "<d",
-}
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
-
-
-class _Cursor:
-    """Reads little-endian GGUF values from a buffer, advancing as it goes."""
-
-    def __init__(self, buf: mmap.mmap) -> None:
-        self.buf = buf
-        self.pos = 0
-
-    def u32(self) -> int:
-        (value,) = _U32.unpack_from(self.buf, self.pos)
-        self.pos += 4
-        return value
-
-    def u64(self) -> int:
-        (value,) = _U64.unpack_from(self.buf, self.pos)
-        self.pos += 8
-        return value
-
-    def string(self) -> str:
-        size = self.u64()
-        text = self.buf[self.pos : self.pos + size].decode("utf-8", errors="replace")
-        self.pos += size
-        return text
-
-    def value(self, vtype: int) -> Any:
-        if vtype == GGUFValueType.STRING:
-            return self.string()
-        if vtype == GGUFValueType.ARRAY:
-            return self.array(self.u32(), self.u64())
-        fmt = struct.Struct(_SCALAR_FORMATS[GGUFValueType(vtype)])
-        (value,) = fmt.unpack_from(self.buf, self.pos)
-        self.pos += fmt.size
-        return value
-
-    def array(self, vtype: int, count: int) -> np.ndarray | list:
-        if vtype == GGUFValueType.STRING:
-            return self.strings(count)
-        if vtype == GGUFValueType.ARRAY:
-            return [self.array(self.u32(), self.u64()) for _ in range(count)]
-        dtype = np.dtype(_SCALAR_FORMATS[GGUFValueType(vtype)].replace("?", "b1"))
-        values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
-        self.pos += dtype.itemsize * count
-        return values
-
-    def strings(self, count: int) -> list[str]:
-        buf, pos, unpack = self.buf, self.pos, _U64.unpack_from
-        out = []
-        for _ in range(count):
-            (size,) = unpack(buf, pos)
-            out.append(buf[pos + 8 : pos + 8 + size].decode("utf-8", errors="replace"))
-            pos += 8 + size
-        self.pos = pos
-        return out
-
-
-def read_metadata(path: str | Path) -> dict[str, Any]:
-    """Every key/value pair of a GGUF file's header (not the tensor infos, not the tensors)."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise ValueError(f"{path}: not a GGUF file")
-        cur = _Cursor(buf)
-        cur.pos = 4
-        version = cur.u32()
-        if version not in (2, 3):
-            raise ValueError(f"{path}: unsupported GGUF version {version} (or big-endian file)")
-        cur.u64()  # tensor count
-        n_kv = cur.u64()
-        metadata = {}
-        for _ in range(n_kv):
-            key = cur.string()
-            metadata[key] = cur.value(cur.u32())
-        return metadata
-
 
 # --- pre-tokenizers --------------------------------------------------------------------------------
 
