@@ -165,7 +165,7 @@ def test_positions_and_embeddings(engine: LLMEngine) -> None:
     ids = trace.prompt["ids"]
     e = prefill["embedding"]
     assert e["shape"] == [len(ids), engine.config.hidden_size]
-    expected = engine.model.embed.weight[ids[1], :4].tolist()
+    expected = engine.model.embed_tokens(torch.tensor([ids[1]]))[0, :4].tolist()
     assert e["sample"][1] == pytest.approx(expected, abs=1e-4)
     pe = prefill["position_encoding"]
     assert pe["kind"] == "rope" and prefill["positions"] == list(range(len(ids)))
