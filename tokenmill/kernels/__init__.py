@@ -30,6 +30,7 @@ __all__ = [
     "lanes_bf16",
     "bf16_to_f32",
     "dequant_rows",
+    "decode_attention",
 ]
 
 
@@ -66,6 +67,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tm_bf16_to_f32.restype = None
     lib.tm_dequant_rows.argtypes = [vp, vp, i32, vp]
     lib.tm_dequant_rows.restype = i32
+    f32 = ctypes.c_float
+    lib.tm_decode_attention.argtypes = [vp, i32, i32, i32, i32, vp, vp, f32, vp, vp, vp, i32]
+    lib.tm_decode_attention.argtypes += [vp, vp, vp, vp, i32, vp, i32, f32, vp, i32]
+    lib.tm_decode_attention.restype = i32
     if lib.tm_info() // 1000 != 1:
         raise OSError("kernel library reports an unknown ABI version")
     return lib
@@ -178,3 +183,48 @@ def dequant_rows(w: TmWeight, ids: torch.Tensor) -> torch.Tensor:
     if status == 0:
         raise MemoryError("tm_dequant_rows: cannot allocate scratch")
     return out
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def decode_attention(
+    qkv: torch.Tensor,
+    out: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    new_slots: torch.Tensor,
+    slots: torch.Tensor,
+    context_lens: torch.Tensor,
+    window: int,
+    scale: float,
+) -> None:
+    """Whole decode attention of one layer in one call (see tm_decode_attention in quant.c).
+
+    qkv [Bd, (H + 2 Hkv) hd] fused projection output -> out [Bd, H hd]; writes the rows'
+    normed, rotated k and their v into k_cache/v_cache [num_slots, Hkv, hd] at new_slots
+    [Bd]. q_norm/k_norm [hd] or None; cos/sin [P, rot_dim] rotary tables or None;
+    positions, new_slots, context_lens [Bd] and slots [Bd, Cmax] int64; window 0 = none.
+    All float32/int64, contiguous, on CPU.
+    """
+    lib = library()
+    assert lib is not None, "call only when library() is not None"
+    ok = lib.tm_decode_attention(
+        qkv.data_ptr(), qkv.shape[0], num_heads, num_kv_heads, head_dim,
+        _ptr(q_norm), _ptr(k_norm), eps, _ptr(cos), _ptr(sin), positions.data_ptr(),
+        0 if cos is None else cos.shape[1], k_cache.data_ptr(), v_cache.data_ptr(),
+        new_slots.data_ptr(), slots.data_ptr(), slots.shape[1], context_lens.data_ptr(),
+        window, scale, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if not ok:
+        raise MemoryError("tm_decode_attention: cannot allocate scratch")

@@ -664,3 +664,171 @@ int tm_dequant_rows(const tm_weight *w, const int64_t *ids, int n, float *out) {
 
 /* Lets Python check it loaded a library of this ABI and which code path it has. */
 int tm_info(void) { return 1000 + TM_AVX512; }
+
+/* ------------------------------------------------------------------------------ */
+/* Fused decode attention (float32)                                               */
+/* ------------------------------------------------------------------------------ */
+
+/* RMSNorm of x [hd] in place: x * w / sqrt(mean(x^2) + eps); w NULL = no norm. */
+static inline void rms_norm_inplace(float *x, int hd, const float *w, float eps) {
+    if (!w) return;
+    float ss = 0.f;
+    for (int i = 0; i < hd; i++) ss += x[i] * x[i];
+    const float inv = 1.f / sqrtf(ss / hd + eps);
+    for (int i = 0; i < hd; i++) x[i] = x[i] * inv * w[i];
+}
+
+/* RoPE ("rotate half") of the first `dim` features of x [hd] in place, with the cos/sin
+ * row of the token's position (sin's first half carries the minus sign, rotary.py). */
+static inline void rope_inplace(float *x, int dim, const float *c, const float *s) {
+    const int half = dim / 2;
+    for (int i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * c[i] + b * s[i];
+        x[i + half] = b * c[i + half] + a * s[i + half];
+    }
+}
+
+static inline float dot_f32(const float *a, const float *b, int n) {
+    int i = 0;
+    float acc = 0.f;
+#if TM_AVX512
+    __m512 v = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), v);
+    acc = _mm512_reduce_add_ps(v);
+#endif
+    for (; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+/* y [n] += a * x [n] */
+static inline void axpy_f32(float *y, float a, const float *x, int n) {
+    int i = 0;
+#if TM_AVX512
+    const __m512 va = _mm512_set1_ps(a);
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+#if TM_AVX512
+/* exp(x) for x <= 0 (max-subtracted scores), ~1 ulp: x = n ln2 + r, |r| <= ln2/2,
+ * exp(r) by a degree-6 polynomial (Cephes expf), times 2^n; x < -87 gives 0. */
+static inline __m512 exp_ps(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.f);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lo);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_maskz_scalef_ps(~under, p, n); /* p * 2^n */
+}
+#endif
+
+/* s [n] = exp(s - max(s)); returns the sum. */
+static inline float softmax_exp(float *s, int n) {
+    float mx = -INFINITY;
+    for (int j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    int j = 0;
+    float sum = 0.f;
+#if TM_AVX512
+    const __m512 vm = _mm512_set1_ps(mx);
+    __m512 acc = _mm512_setzero_ps();
+    for (; j < n; j += 16) {
+        const __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vm));
+        _mm512_mask_storeu_ps(s + j, m, e);
+        acc = _mm512_mask_add_ps(acc, m, acc, e);
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; j < n; j++) {
+        s[j] = expf(s[j] - mx);
+        sum += s[j];
+    }
+    return sum;
+}
+
+/* Attention of Bd decode rows (one new token each) over a paged KV cache, whole layer
+ * in one call: per row and K/V head, q/k RMSNorm (optional), RoPE, the cache write of
+ * the new k/v, then softmax(q K^T * scale) V for the `rep` = H/Hkv query heads sharing
+ * that K/V head.
+ *
+ *   qkv        [Bd, (H + 2 Hkv) hd]  fused projection output (q heads, k heads, v heads)
+ *   q_norm/k_norm [hd] or NULL; eps their epsilon
+ *   rcos/rsin  [P, rot_dim] rotary tables (NULL: no rotary); positions [Bd]
+ *   k/v_cache  [num_slots, Hkv, hd]; new_slots [Bd]: where each row's k/v is written
+ *   slots      [Bd, cmax] context slots (padded); ctx_lens [Bd]
+ *   window     > 0: only the last `window` keys are seen (sliding window), else all
+ *   out        [Bd, H hd]
+ * Returns 1, or 0 if per-thread scratch could not be allocated. */
+int tm_decode_attention(const float *qkv, int Bd, int H, int Hkv, int hd, const float *q_norm,
+                        const float *k_norm, float eps, const float *rcos, const float *rsin,
+                        const int64_t *positions, int rot_dim, float *k_cache, float *v_cache,
+                        const int64_t *new_slots, const int64_t *slots, int cmax,
+                        const int64_t *ctx_lens, int window, float scale, float *out,
+                        int nthreads) {
+    const int rep = H / Hkv, stride = (H + 2 * Hkv) * hd, ntask = Bd * Hkv;
+    int nt = n_threads(nthreads);
+    nt = nt < ntask ? nt : ntask;
+    int ok = 1;
+    (void)nt;
+#pragma omp parallel num_threads(nt) if (nt > 1) reduction(& : ok)
+    {
+        /* per thread: q [rep, hd], accumulators [rep, hd], scores [rep, cmax] */
+        float *q = scratch(((size_t)2 * rep * hd + (size_t)rep * cmax) * sizeof(float));
+        if (!q) ok = 0;
+#pragma omp for schedule(static)
+        for (int task = 0; task < ntask; task++) {
+            if (!q) continue;
+            const int b = task / Hkv, g = task % Hkv;
+            float *acc = q + (size_t)rep * hd, *sc = acc + (size_t)rep * hd;
+            const float *row = qkv + (size_t)b * stride;
+            const float *c = rcos ? rcos + positions[b] * rot_dim : NULL;
+            const float *s = rsin ? rsin + positions[b] * rot_dim : NULL;
+            /* ---- new k, v: norm, rotate, write to the cache ---- */
+            float *kd = k_cache + ((size_t)new_slots[b] * Hkv + g) * hd;
+            memcpy(kd, row + (size_t)(H + g) * hd, hd * sizeof(float));
+            rms_norm_inplace(kd, hd, k_norm, eps);
+            if (c) rope_inplace(kd, rot_dim, c, s);
+            memcpy(v_cache + ((size_t)new_slots[b] * Hkv + g) * hd, row + (size_t)(H + Hkv + g) * hd,
+                   hd * sizeof(float));
+            /* ---- the rep query heads of this group ---- */
+            for (int r = 0; r < rep; r++) {
+                float *qr = q + (size_t)r * hd;
+                memcpy(qr, row + (size_t)(g * rep + r) * hd, hd * sizeof(float));
+                rms_norm_inplace(qr, hd, q_norm, eps);
+                if (c) rope_inplace(qr, rot_dim, c, s);
+            }
+            /* ---- scores over the visible context [j0, n) ---- */
+            const int n = (int)ctx_lens[b], j0 = window > 0 && n > window ? n - window : 0, m = n - j0;
+            const int64_t *sl = slots + (size_t)b * cmax + j0;
+            for (int j = 0; j < m; j++) {
+                const float *kj = k_cache + ((size_t)sl[j] * Hkv + g) * hd;
+                for (int r = 0; r < rep; r++) sc[(size_t)r * m + j] = dot_f32(q + (size_t)r * hd, kj, hd) * scale;
+            }
+            /* ---- softmax, then the weighted sum of values ---- */
+            float inv[rep];
+            for (int r = 0; r < rep; r++) inv[r] = 1.f / softmax_exp(sc + (size_t)r * m, m);
+            memset(acc, 0, (size_t)rep * hd * sizeof(float));
+            for (int j = 0; j < m; j++) {
+                const float *vj = v_cache + ((size_t)sl[j] * Hkv + g) * hd;
+                for (int r = 0; r < rep; r++) axpy_f32(acc + (size_t)r * hd, sc[(size_t)r * m + j], vj, hd);
+            }
+            for (int r = 0; r < rep; r++) {
+                float *o = out + (size_t)b * H * hd + (size_t)(g * rep + r) * hd;
+                for (int i = 0; i < hd; i++) o[i] = acc[(size_t)r * hd + i] * inv[r];
+            }
+        }
+    }
+    return ok;
+}

@@ -12,16 +12,23 @@ GQA and MQA alike), hd head dim, C context length.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import kernels
 from tokenmill.config import ModelConfig
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import Rotary
+
+# Decode rows of float32 CPU batches run their whole attention in one native call
+# (tokenmill/kernels, tm_decode_attention) instead of ~40 torch ops per layer; the torch
+# path below stays the reference. TOKENMILL_FUSED_DECODE=0 turns it off.
+FUSED_DECODE = os.environ.get("TOKENMILL_FUSED_DECODE", "1") != "0"
 
 
 @dataclass
@@ -106,8 +113,49 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        # ---- Q, K, V projections: [T, d] -> [T, q_size + 2 kv_size] -> per head ----
+        # ---- Q, K, V projections: [T, d] -> [T, q_size + 2 kv_size] ----
         qkv = self.qkv(x)
+        out = torch.empty(T, self.q_size, dtype=qkv.dtype, device=qkv.device)  # [T, H hd]
+        nd = meta.num_decode if self._fused_decode_ok(qkv, meta) else 0
+        if nd:
+            # ---- decode rows: the whole attention in one native call ----
+            self._fused_decode(qkv[:nd], meta, out[:nd])
+        if nd < T:
+            self._attend(qkv, meta, out, nd)
+        return self.o(out)
+
+    def _fused_decode_ok(self, qkv: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether the decode rows can take the native fused path (float32 CPU, no tracing)."""
+        return (
+            FUSED_DECODE
+            and meta.num_decode > 0
+            and meta.trace is None
+            and qkv.dtype is torch.float32
+            and qkv.device.type == "cpu"
+            and self.k_cache.dtype is torch.float32
+            and kernels.library() is not None
+        )
+
+    def _fused_decode(self, qkv: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        # qkv [Bd, q_size + 2 kv_size] -> out [Bd, q_size]; also writes the rows' K/V to the cache
+        nd = qkv.shape[0]
+        rot = self.rotary
+        kernels.decode_attention(
+            qkv.contiguous(), out, self.num_heads, self.num_kv_heads, self.head_dim,
+            None if self.q_norm is None else self.q_norm.weight,
+            None if self.k_norm is None else self.k_norm.weight,
+            0.0 if self.q_norm is None else self.q_norm.eps,
+            None if rot is None else rot.cos, None if rot is None else rot.sin,
+            meta.positions[:nd], self.k_cache, self.v_cache, meta.slot_mapping[:nd],
+            meta.decode_slots, meta.decode_context_lens, self.window or 0,
+            self.head_dim**-0.5 if self.scale is None else self.scale,
+        )  # fmt: skip
+
+    def _attend(self, qkv: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor, r0: int):
+        """The torch path for packed rows r0.. of qkv [T, q_size + 2 kv_size], into out
+        [T, q_size]. r0 = num_decode when the fused path did the decode rows, else 0."""
+        qkv, positions, slot_mapping = qkv[r0:], meta.positions[r0:], meta.slot_mapping[r0:]
+        T = qkv.shape[0]
         q = qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
             T, self.num_kv_heads, self.head_dim
@@ -117,13 +165,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # ---- positions: rotate q and k by each token's position ----
         if self.rotary is not None:
-            q, k = self.rotary(q, k, meta.positions)
+            q, k = self.rotary(q, k, positions)
         # ---- KV cache write: every new token's K/V goes to its slot ----
-        self.k_cache.index_copy_(0, meta.slot_mapping, k)
-        self.v_cache.index_copy_(0, meta.slot_mapping, v)
+        self.k_cache.index_copy_(0, slot_mapping, k)
+        self.v_cache.index_copy_(0, slot_mapping, v)
 
-        out = torch.empty_like(q)  # [T, H, hd]
-        nd = meta.num_decode
+        out = out[r0:].view(T, self.num_heads, self.head_dim)
+        nd = meta.num_decode - r0
         if nd:
             # ---- decode rows: one query each over its cached context ----
             keys = self.k_cache[meta.decode_slots].transpose(1, 2)  # [Bd, Hkv, Cmax, hd]
@@ -137,7 +185,7 @@ class Attention(nn.Module):
                 )
         for i, span in enumerate(meta.prefills):
             # ---- prefill chunk: all its queries at once, causally masked ----
-            s, e = span.start, span.end
+            s, e = span.start - r0, span.end - r0
             if span.slots is None:
                 keys, values = k[s:e], v[s:e]  # the whole context is new
             else:
@@ -152,7 +200,6 @@ class Attention(nn.Module):
                 meta.trace.on_attention(
                     meta, ("prefill", i), self.layer_idx, qp, keys, mask, self.scale
                 )
-        return self.o(out.reshape(T, -1))
 
     def _sdpa(self, q, k, v, mask, causal: bool) -> torch.Tensor:
         # q [B, H, L, hd], k/v [B, Hkv, C, hd]
