@@ -1,0 +1,125 @@
+"""`tokenmill bench` on a tiny random model: the report's shape, never its timings."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+
+import pytest
+from helpers import build_hf_model, write_llama_gguf
+
+from tokenmill import bench, cli
+
+PROMPT_LENS = [8, 16]
+NUM_REQUESTS = 3
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    build_hf_model("llama", folder)
+    return folder
+
+
+def run_bench(model, tmp_path, *extra: str) -> dict:
+    out = tmp_path / "bench.json"
+    cli.main(
+        [
+            "bench", "--model", str(model), "--peers", "none", "--runs", "2",
+            "--prompt-len", ",".join(map(str, PROMPT_LENS)), "--gen-len", "4",
+            "--num-requests", str(NUM_REQUESTS), "--request-prompt-len", "4,12",
+            "--request-gen-len", "2,6", "--kv-cache-memory", "4MiB",
+            "--bandwidth-mib", "16", "--gemm-size", "64", "--json", str(out), *extra,
+        ]
+    )  # fmt: skip
+    return json.loads(out.read_text())
+
+
+def test_report_shape(tiny_model, tmp_path):
+    report = run_bench(tiny_model, tmp_path)
+    assert set(report) >= {"tokenmill_version", "date", "machine", "model", "settings", "engines"}
+    machine = report["machine"]
+    assert machine["read_gb_s"] > 0 and machine["copy_gb_s"] > 0
+    assert set(machine["gemm_gflop_s"]) == {"float32", "bfloat16"}
+    assert set(machine["working_set_read_gb_s"]) == {"tokenmill"}
+    assert report["model"]["gguf_decode_bytes_per_token"] is None  # a checkpoint folder
+
+    assert list(report["engines"]) == ["tokenmill"]
+    tm = report["engines"]["tokenmill"]
+    assert tm["status"] == "ok"
+    assert tm["peak_rss_bytes"] > 0 and tm["kv_pool_bytes"] > 0 and tm["decode_bytes_per_token"] > 0
+    assert set(tm["latency"]) == {str(p) for p in PROMPT_LENS}
+    for p in PROMPT_LENS:
+        lat = tm["latency"][str(p)]
+        assert set(lat) == {"ttft_ms", "prefill_tok_s", "decode_tok_s", "best", "runs"}
+        assert set(lat["best"]) == {"ttft_ms", "prefill_tok_s", "decode_tok_s"}
+        assert len(lat["runs"]) == 2
+        assert all(run["output_tokens"] == 4 for run in lat["runs"])
+    assert tm["decode_tok_s"] == tm["latency"]["8"]["decode_tok_s"]
+    assert tm["ratio_to_tokenmill"] == 1.0
+    assert tm["ratio_to_ceiling"] > 0 and tm["working_set_ceiling_tok_s"] > 0
+    assert sum(tm["weight_bytes_by_dtype"].values()) >= tm["decode_bytes_per_token"]
+    tp = tm["throughput"]
+    assert tp["requests"] == NUM_REQUESTS
+    assert tp["computed_output_tokens"] == tp["output_tokens"]  # ignore_eos: every token requested
+    assert tp["output_tok_s"] > 0 and tp["total_tok_s"] > tp["output_tok_s"]
+
+
+def test_skip_throughput(tiny_model, tmp_path):
+    tm = run_bench(tiny_model, tmp_path, "--skip", "throughput")["engines"]["tokenmill"]
+    assert "latency" in tm and "throughput" not in tm
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib")
+def test_plot(tiny_model, tmp_path):
+    png = tmp_path / "bench.png"
+    run_bench(tiny_model, tmp_path, "--skip", "throughput", "--plot", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_missing_peer_is_skipped_with_a_reason(tiny_model):
+    run, skipped = bench.resolve_peers(["llamacpp"], install=False, model=tiny_model)
+    assert run == [] and skipped["llamacpp"]["status"] == "skipped"
+    assert "gguf" in skipped["llamacpp"]["reason"]
+
+
+def test_dead_worker_is_reported_failed(tmp_path):
+    work = bench.Workload(
+        model=str(tmp_path / "missing.gguf"), dtype="float32", threads=1, runs=1, gen_len=2,
+        latency_prompts={}, requests=[], skip=[], kv_cache_memory=None, peer_batch_size=1,
+    )  # fmt: skip
+    spec = tmp_path / "workload.json"
+    spec.write_text(json.dumps(dataclasses.asdict(work)))
+    with bench.Engines(["tokenmill"], spec) as engines:
+        raw = engines.finish()
+    assert raw["tokenmill"]["status"] == "failed"
+    assert raw["tokenmill"]["reason"].startswith("exit status 1: ")
+    assert "missing.gguf" in raw["tokenmill"]["reason"]
+
+
+def test_decode_bytes_gguf_matches_torch(tmp_path):
+    """Both counts of the bytes a decode step reads agree on an untied F32 model: all
+    weights, the token embedding one row."""
+    import gguf
+    import torch
+
+    from tokenmill.loader import open_checkpoint
+    from tokenmill.models.transformer import Transformer
+
+    model = build_hf_model("llama", tmp_path / "hf", tie_word_embeddings=False)
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(model, path)
+    reader = gguf.GGUFReader(path)
+    total = sum(int(t.n_bytes) for t in reader.tensors)
+    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    row = int(embed.n_bytes) // int(embed.shape[1])
+    assert bench.gguf_decode_bytes(path) == total - int(embed.n_bytes) + row
+
+    ckpt = open_checkpoint(path)
+    loaded = Transformer(ckpt.config)
+    loaded.load_weights(ckpt, torch.float32)
+    assert bench.torch_decode_bytes(loaded) == bench.gguf_decode_bytes(path)
+    tied = torch.nn.Embedding(4, 2)
+    assert bench.torch_decode_bytes(tied, tied) == 4 * 2 * 4
+    assert bench.torch_decode_bytes(tied) == 2 * 4
