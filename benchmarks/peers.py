@@ -21,12 +21,12 @@ process and inflate its RSS; so the protocol's few lines are repeated here.
 from __future__ import annotations
 
 import json
+import resource
 import sys
 import time
 from pathlib import Path
 
-from tokenmill.bench import peak_rss_bytes, reply
-
+REPLY = "@@bench "
 WARMUP_REQUESTS, WARMUP_TOKENS = 8, 8  # throughput warm-up, as tokenmill.bench does
 
 Requests = list[tuple[list[int], int]]
@@ -224,6 +224,21 @@ class LlamaCppRunner:
 # ---------------------------------------------------------------------- the worker loop
 
 RUNNERS = {"transformers": TransformersRunner, "llamacpp": LlamaCppRunner}
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory: VmHWM, as tokenmill.bench.peak_rss_bytes (which see)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reply(message: dict) -> None:
+    print(REPLY + json.dumps(message), flush=True)
 
 
 def main(argv: list[str]) -> None:

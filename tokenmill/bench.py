@@ -759,12 +759,13 @@ def write_plot(report: dict, path: str) -> None:
     names = list(engines)
     x = range(len(names))
     fig, (dec, pre, thr) = plt.subplots(1, 3, figsize=(15, 4.5))
-    dec.bar(x, [e.get("decode_tok_s") or 0 for e in engines.values()], label="measured")
+    decode = [e.get("decode_tok_s") or 0 for e in engines.values()]
     ceilings = [e["decode_ceiling_tok_s"] for e in engines.values()]
+    dec.bar_label(dec.bar(x, decode, label="measured"), fmt="%.1f", label_type="center")
     dec.scatter(x, ceilings, marker="_", s=800, color="red", label="ceiling")
-    dec.bar_label(dec.containers[0], fmt="%.1f")
+    dec.set_ylim(0, 1.3 * max(decode + ceilings))
     dec.set_title("batch-1 decode tok/s")
-    dec.legend()
+    dec.legend(loc="upper center", ncols=2)
     lens = [str(p) for p in report["settings"]["prompt_lens"]]
     width = 0.8 / len(lens)
     for i, p in enumerate(lens):
