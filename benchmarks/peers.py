@@ -227,7 +227,10 @@ RUNNERS = {"transformers": TransformersRunner, "llamacpp": LlamaCppRunner}
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident memory: VmHWM, as tokenmill.bench.peak_rss_bytes (which see)."""
+    """Peak resident memory: VmHWM, as tokenmill.bench.peak_rss_bytes (which see).
+
+    A copy on purpose: importing tokenmill.bench loads torch, which would add ~200 MiB to
+    the llama.cpp worker's own peak and falsify the figure this measures."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):

@@ -94,8 +94,7 @@ def test_sampling_params_stay_per_request(tiny):
     mixed = llm.generate([p1, p2], seeded)
     alone = llm.generate([p1], seeded)[0]
     assert mixed[0].token_ids == alone.token_ids
-    greedy_with_seeded_neighbour = llm.engine
-    engine = greedy_with_seeded_neighbour
+    engine = llm.engine  # a greedy request beside a seeded one, driven step by step
     engine.add_request("g", p2, GREEDY)
     engine.add_request("s", p1, seeded)
     outs = {}
