@@ -14,7 +14,7 @@ Methods:
   bf16        F.linear on bfloat16 weights and activations (oneDNN)
   int8pack    torch._weight_int8pack_mm (int8 weights, per-row scales)
   q4 / q8     QuantLinear from GGUF Q4_1 / Q8_0 blocks: int8 VNNI kernel for
-              T <= PREFILL_MIN_T, dequantize-to-bf16 + GEMM above it
+              T <= PREFILL_MIN_T, dequantize-to-float32 + GEMM above it
 
 --cpu-time times with the calling thread's CPU clock: robust against other processes
 on a shared machine, but only meaningful with --threads 1.

@@ -27,8 +27,6 @@ __all__ = [
     "uses_avx512",
     "linear",
     "dequant_lanes",
-    "lanes_bf16",
-    "bf16_to_f32",
     "dequant_rows",
     "decode_attention",
 ]
@@ -61,17 +59,13 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tm_linear.restype = i32
     lib.tm_dequant_lanes.argtypes = [vp, i32, i32, vp, i32, i32]
     lib.tm_dequant_lanes.restype = None
-    lib.tm_lanes_bf16.argtypes = [vp, i32, i32, vp, i32]
-    lib.tm_lanes_bf16.restype = None
-    lib.tm_bf16_to_f32.argtypes = [vp, i32, i32, vp, vp, i32]
-    lib.tm_bf16_to_f32.restype = None
     lib.tm_dequant_rows.argtypes = [vp, vp, i32, vp]
     lib.tm_dequant_rows.restype = i32
     f32 = ctypes.c_float
     lib.tm_decode_attention.argtypes = [vp, i32, i32, i32, i32, vp, vp, f32, vp, vp, vp, i32]
     lib.tm_decode_attention.argtypes += [vp, vp, vp, vp, i32, vp, i32, f32, vp, i32]
     lib.tm_decode_attention.restype = i32
-    if lib.tm_info() // 1000 != 1:
+    if lib.tm_info() // 1000 != 2:
         raise OSError("kernel library reports an unknown ABI version")
     return lib
 
@@ -146,30 +140,6 @@ def dequant_lanes(w: TmWeight, r0: int, r1: int, dtype: torch.dtype) -> torch.Te
         torch.get_num_threads(),
     )  # fmt: skip
     return out
-
-
-def lanes_bf16(x: torch.Tensor) -> torch.Tensor:
-    """x [T, K] float32 (contiguous) -> bfloat16 [T, K] with columns in lane order."""
-    lib = library()
-    assert lib is not None, "call only when library() is not None"
-    out = torch.empty(x.shape, dtype=torch.bfloat16)
-    lib.tm_lanes_bf16(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
-    return out
-
-
-def bf16_to_f32(src: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """src [T, N] bfloat16 (contiguous) -> float32 [T, N] (+ bias [N] float32)."""
-    lib = library()
-    assert lib is not None, "call only when library() is not None"
-    if bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous()):
-        bias = bias.float().contiguous()
-    T, N = src.shape
-    y = torch.empty(T, N, dtype=torch.float32)
-    lib.tm_bf16_to_f32(
-        src.data_ptr(), T, N, None if bias is None else bias.data_ptr(), y.data_ptr(),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    return y
 
 
 def dequant_rows(w: TmWeight, ids: torch.Tensor) -> torch.Tensor:

@@ -592,55 +592,6 @@ void tm_dequant_lanes(const tm_weight *w, int r0, int r1, void *out, int bf16, i
     for (int r = r0; r < r1; r++) dequant_row_lanes(w, r, (char *)out + (size_t)(r - r0) * row_elems, bf16);
 }
 
-/* x [T, K] float32 -> out [T, K] bfloat16 with columns in lane order: the activation
- * side of the prefill GEMM against tm_dequant_lanes' weights (one pass, no temporaries). */
-void tm_lanes_bf16(const float *x, int T, int K, uint16_t *out, int nthreads) {
-    const int nb = K / QK, nfull = nb / GB, nt = n_threads(nthreads);
-    (void)nt;
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && (size_t)T * K > 65536)
-    for (int t = 0; t < T; t++) {
-        const float *xr = x + (size_t)t * K;
-        uint16_t *o = out + (size_t)t * K;
-        for (int g = 0; g < nfull; g++)
-            for (int k = 0; k < GB; k++) {
-                const float *v = xr + (size_t)g * GW + k * QK;
-                uint16_t blk[QK] __attribute__((aligned(64)));
-#if TM_AVX512
-                _mm512_store_si512(blk, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(v + 16), _mm512_loadu_ps(v)));
-#else
-                for (int j = 0; j < QK; j++) blk[j] = float_to_bf16(v[j]);
-#endif
-                for (int i = 0; i < 8; i++) memcpy(o + (size_t)g * GW + i * 64 + k * 4, blk + 4 * i, 8);
-            }
-        for (int j = nfull * GW; j < K; j++) o[j] = float_to_bf16(xr[j]);
-    }
-}
-
-/* y [T, N] float32 = src [T, N] bfloat16 (+ bias [N]): the prefill GEMM's output. */
-void tm_bf16_to_f32(const uint16_t *src, int T, int N, const float *bias, float *y, int nthreads) {
-    const int nt = n_threads(nthreads);
-    (void)nt;
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && (size_t)T * N > 65536)
-    for (int t = 0; t < T; t++) {
-        const uint16_t *sr = src + (size_t)t * N;
-        float *yr = y + (size_t)t * N;
-        int n = 0;
-#if TM_AVX512
-        for (; n + 16 <= N; n += 16) {
-            __m512 v = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(sr + n))), 16));
-            _mm512_storeu_ps(yr + n, bias ? _mm512_add_ps(v, _mm512_loadu_ps(bias + n)) : v);
-        }
-#endif
-        for (; n < N; n++) {
-            uint32_t u = (uint32_t)sr[n] << 16;
-            float f;
-            memcpy(&f, &u, 4);
-            yr[n] = f + (bias ? bias[n] : 0.f);
-        }
-    }
-}
-
 /* Rows ids[0..n) of W to out [n, K] float32 in natural column order: the embedding
  * lookup of a quantized (tied) embedding table. Returns 1, -1 if an id is outside
  * [0, N) (nothing written), 0 on OOM. */
@@ -663,7 +614,7 @@ int tm_dequant_rows(const tm_weight *w, const int64_t *ids, int n, float *out) {
 }
 
 /* Lets Python check it loaded a library of this ABI and which code path it has. */
-int tm_info(void) { return 1000 + TM_AVX512; }
+int tm_info(void) { return 2000 + TM_AVX512; }
 
 /* ------------------------------------------------------------------------------ */
 /* Fused decode attention (float32)                                               */

@@ -9,8 +9,11 @@ holds. QuantLinear keeps the 4/8-bit codes and multiplies them directly:
       int8 (act_bits=8, llama.cpp's q8 scheme), VNNI dot products against the codes,
       float32 out.
   T >  PREFILL_MIN_T (prefill)
-      weight rows dequantized chunk by chunk to bfloat16, multiplied by torch's bf16
-      GEMM (oneDNN; AMX/AVX512-BF16 where the CPU has it), float32 out.
+      weight rows dequantized chunk by chunk to float32, multiplied by torch's float32
+      GEMM: within 1e-4 of the exact product on SmolLM2's logits (the int16 kernel:
+      within 0.02). A bfloat16 GEMM (oneDNN/AMX) ran the 512-token prefill 2x faster
+      but moved logits by up to 0.5, so that a prompt prefilled alone (kernel) and in
+      a batch of 16 (GEMM) continued differently under greedy decoding.
   no native library
       dequantize the whole weight with torch ops and call F.linear (slow, exact).
 
@@ -50,16 +53,16 @@ from tokenmill import kernels
 QK = 32  # values per block
 GROUP_BLOCKS = 16  # blocks per full lane-order group (quant.c: GB)
 
-# Above this many rows of x, dequantize-to-bf16 + GEMM beats the VNNI kernel: measured
-# on SmolLM2 shapes (single thread, AMX machine) the crossover lies between 32 and 64
-# rows. On CPUs without AMX the bf16 GEMM is slower: re-measure with gemv.py --t.
-PREFILL_MIN_T = 48
+# Above this many rows of x, dequantize-to-float32 + GEMM beats the VNNI kernel: on
+# SmolLM2's shapes (2 threads) the crossover lies between 64 and 96 rows
+# (re-measure with benchmarks/gemv.py --t).
+PREFILL_MIN_T = 80
 # Activation precision of the decode kernel: 16 (two VNNI passes, ~1.3x the arithmetic,
 # ~3-6% slower when streaming weights from memory) or 8 (llama.cpp's q8 scheme). On
 # SmolLM2, 8-bit moves logits by up to ~3 and flips greedy tokens within 10-20 steps;
 # 16-bit by ~0.01. Per layer: the `act_bits` attribute.
 DEFAULT_ACT_BITS = 16
-# Most bf16 bytes of W dequantized per GEMM call in the prefill path: bounds the
+# Most bytes of dequantized W per GEMM call in the prefill path: bounds the
 # temporary (a 49152-row un-embedding would be 56 MB); cache-sized 1-4 MB chunks
 # measured no faster than whole layers, since every call re-packs its operands.
 _PREFILL_CHUNK_BYTES = 16 << 20
@@ -89,6 +92,11 @@ def _lane_perm(k: int) -> np.ndarray:
     group = np.arange(GROUP_BLOCKS * QK).reshape(GROUP_BLOCKS, 8, 4).transpose(1, 0, 2).reshape(-1)
     full = (np.arange(nfull)[:, None] * GROUP_BLOCKS * QK + group).reshape(-1)
     return np.concatenate([full, np.arange(full.size, k)]).astype(np.int64)
+
+
+@lru_cache(maxsize=64)
+def _lane_perm_tensor(k: int) -> torch.Tensor:
+    return torch.from_numpy(_lane_perm(k))
 
 
 @lru_cache(maxsize=64)
@@ -438,18 +446,17 @@ class QuantLinear(nn.Module):
         return self._prefill(cw, x)
 
     def _prefill(self, cw: kernels.TmWeight, x: torch.Tensor) -> torch.Tensor:
-        """Many rows: bf16 GEMM against W dequantized in lane order, x permuted to match
-        (the permutation of the shared K axis cancels out in the product)."""
-        xb = kernels.lanes_bf16(x)
+        """Many rows: float32 GEMM against W dequantized in lane order, x's columns
+        permuted to match (the permutation of the shared K axis cancels out)."""
+        xl = x.index_select(1, _lane_perm_tensor(self.in_features))
         n = self.out_features
-        chunk = max(64, _PREFILL_CHUNK_BYTES // (2 * self.in_features) // 64 * 64)
+        chunk = max(64, _PREFILL_CHUNK_BYTES // (4 * self.in_features) // 64 * 64)
         if chunk >= n:
-            yb = F.linear(xb, kernels.dequant_lanes(cw, 0, n, torch.bfloat16))
-            return kernels.bf16_to_f32(yb, self.bias)
+            return F.linear(xl, kernels.dequant_lanes(cw, 0, n, torch.float32), self.bias)
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
         for r0 in range(0, n, chunk):
             r1 = min(n, r0 + chunk)
-            y[:, r0:r1] = F.linear(xb, kernels.dequant_lanes(cw, r0, r1, torch.bfloat16))
+            torch.mm(xl, kernels.dequant_lanes(cw, r0, r1, torch.float32).T, out=y[:, r0:r1])
         if self.bias is not None:
             y += self.bias
         return y
