@@ -20,8 +20,7 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self.block_size = cache.block_size
-        for layer, k, v in zip(model.layers, cache.k, cache.v, strict=True):
-            layer.attn.k_cache, layer.attn.v_cache = k, v
+        model.attach_kv_cache(cache.k, cache.v)
 
     def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
         """[end - start] cache slots of token positions start..end-1 of a sequence."""

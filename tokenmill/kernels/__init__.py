@@ -29,6 +29,9 @@ __all__ = [
     "dequant_lanes",
     "dequant_rows",
     "decode_attention",
+    "TmLayer",
+    "TmStack",
+    "decode_stack",
 ]
 
 
@@ -43,6 +46,39 @@ class TmWeight(ctypes.Structure):
         ("scale_f16", ctypes.c_int32),
         ("n", ctypes.c_int32),
         ("k", ctypes.c_int32),
+    ]
+
+
+class TmLayer(ctypes.Structure):
+    """Mirror of `tm_layer` in quant.c: one block's weights for tm_decode_stack."""
+
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in ("qkv", "o", "up", "down")),
+        *((f"{n}_bias", ctypes.c_void_p) for n in ("qkv", "o", "up", "down")),
+        ("attn_norm", ctypes.c_void_p),
+        ("mlp_norm", ctypes.c_void_p),
+        ("post_attn_norm", ctypes.c_void_p),
+        ("post_mlp_norm", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("rcos", ctypes.c_void_p),
+        ("rsin", ctypes.c_void_p),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("rot_dim", ctypes.c_int32),
+        ("window", ctypes.c_int32),
+        ("act16", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+    ]
+
+
+class TmStack(ctypes.Structure):
+    """Mirror of `tm_stack` in quant.c: every layer plus the model's shapes."""
+
+    _fields_ = [
+        ("layers", ctypes.c_void_p),
+        *((name, ctypes.c_int32) for name in ("n_layers", "d", "H", "Hkv", "hd", "f", "act")),
+        ("eps", ctypes.c_float),
     ]
 
 
@@ -65,6 +101,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tm_decode_attention.argtypes = [vp, i32, i32, i32, i32, vp, vp, f32, vp, vp, vp, i32]
     lib.tm_decode_attention.argtypes += [vp, vp, vp, vp, i32, vp, i32, f32, vp, i32]
     lib.tm_decode_attention.restype = i32
+    lib.tm_decode_stack.argtypes = [vp, vp, i32, vp, vp, vp, i32, vp, i32]
+    lib.tm_decode_stack.restype = i32
     if lib.tm_info() // 1000 != 2:
         raise OSError("kernel library reports an unknown ABI version")
     return lib
@@ -198,3 +236,24 @@ def decode_attention(
     )  # fmt: skip
     if not ok:
         raise MemoryError("tm_decode_attention: cannot allocate scratch")
+
+
+def decode_stack(
+    stack: TmStack,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    new_slots: torch.Tensor,
+    slots: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> None:
+    """Every layer's decode step in one call (tm_decode_stack in quant.c), in place on
+    x [Bd, d] (float32, contiguous); the other arguments as in decode_attention."""
+    lib = library()
+    assert lib is not None, "call only when library() is not None"
+    ok = lib.tm_decode_stack(
+        ctypes.addressof(stack), x.data_ptr(), x.shape[0], positions.data_ptr(),
+        new_slots.data_ptr(), slots.data_ptr(), slots.shape[1], context_lens.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if not ok:
+        raise MemoryError("tm_decode_stack: cannot allocate scratch")

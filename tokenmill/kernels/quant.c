@@ -783,3 +783,135 @@ int tm_decode_attention(const float *qkv, int Bd, int H, int Hkv, int hd, const 
     }
     return ok;
 }
+
+/* ------------------------------------------------------------------------------ */
+/* The whole decode step of every layer in one call                               */
+/* ------------------------------------------------------------------------------ */
+
+/* One transformer block's weights for tm_decode_stack (ctypes mirror: fused_stack.py).
+ * Linear layers are packed weights; every float pointer may be NULL where the family
+ * has no such tensor (biases, sandwich norms, q/k norms, rotary). */
+typedef struct {
+    const tm_weight *qkv, *o, *up, *down; /* up: [gate; up] stacked, [2f, d] */
+    const float *qkv_bias, *o_bias, *up_bias, *down_bias;
+    const float *attn_norm, *mlp_norm;            /* RMSNorm weights [d] */
+    const float *post_attn_norm, *post_mlp_norm;  /* Gemma's sandwich norms [d] or NULL */
+    const float *q_norm, *k_norm;                 /* [hd] or NULL */
+    const float *rcos, *rsin;                     /* [P, rot_dim] or NULL */
+    float *k_cache, *v_cache;                     /* [num_slots, Hkv, hd] */
+    int32_t rot_dim, window, act16;               /* act16: activation bits of the linears */
+    float scale;                                  /* attention score scale */
+} tm_layer;
+
+typedef struct {
+    const tm_layer *layers;
+    int32_t n_layers, d, H, Hkv, hd, f;
+    int32_t act; /* MLP activation of the gate: 0 SiLU, 1 GELU (tanh approximation) */
+    float eps;   /* RMSNorm epsilon (also the q/k norms') */
+} tm_stack;
+
+/* out [d] = x * w / sqrt(mean(x^2) + eps), accumulated in float like F.rms_norm. */
+static void rms_norm_row(const float *x, int d, const float *w, float eps, float *out) {
+    float ss = dot_f32(x, x, d);
+    const float inv = 1.f / sqrtf(ss / d + eps);
+    for (int i = 0; i < d; i++) out[i] = x[i] * inv * w[i];
+}
+
+/* out [f] = act(g [f]) * u [f]; act(x) = x * sigmoid(x) (SiLU) or the tanh-GELU
+ * 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), both through exp(-|.|) <= 1. */
+static void gated_act(const float *g, const float *u, int f, int act, float *out) {
+    int i = 0;
+#if TM_AVX512
+    const __m512 one = _mm512_set1_ps(1.f), half = _mm512_set1_ps(0.5f);
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    for (; i + 16 <= f; i += 16) {
+        const __m512 x = _mm512_loadu_ps(g + i);
+        __m512 a;
+        if (act == 0) {
+            const __m512 e = exp_ps(_mm512_or_ps(_mm512_abs_ps(x), sign)); /* exp(-|x|) */
+            const __m512 r = _mm512_div_ps(one, _mm512_add_ps(one, e));
+            const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+            a = _mm512_mul_ps(x, _mm512_mask_mul_ps(r, neg, r, e)); /* x<0: e/(1+e) */
+        } else {
+            const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+            const __m512 z = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                           _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
+            const __m512 e = exp_ps(_mm512_mul_ps(_mm512_set1_ps(-2.f), _mm512_abs_ps(z)));
+            __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e)); /* tanh|z| */
+            t = _mm512_or_ps(t, _mm512_and_ps(z, sign));                           /* sign of z */
+            a = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, t));
+        }
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(a, _mm512_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < f; i++) {
+        const float x = g[i];
+        float a;
+        if (act == 0) {
+            a = x / (1.f + expf(-x));
+        } else {
+            a = 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+        }
+        out[i] = a * u[i];
+    }
+}
+
+static void add_rows(float *x, const float *h, size_t n) {
+    for (size_t i = 0; i < n; i++) x[i] += h[i];
+}
+
+/* Grow-only buffers of tm_decode_stack, separate from scratch(): the kernels it calls
+ * use scratch() on this same thread. */
+static __thread float *stack_buf = NULL;
+static __thread size_t stack_cap = 0;
+
+/* x [Bd, d]: the embedded decode rows in, the residual stream after the last layer out.
+ * Per layer, for the Bd rows together:
+ *     h = rmsnorm(x); qkv = h Wqkv^T; attention over the paged cache (writes k/v);
+ *     x += [post_norm](attn Wo^T); h = rmsnorm(x); x += [post_norm](down(act(gate) * up))
+ * The rest of the arguments are tm_decode_attention's. Returns 1, or 0 on OOM. */
+int tm_decode_stack(const tm_stack *s, float *x, int Bd, const int64_t *positions,
+                    const int64_t *new_slots, const int64_t *slots, int cmax,
+                    const int64_t *ctx_lens, int nthreads) {
+    const int d = s->d, f = s->f, qdim = s->H * s->hd, qkvdim = (s->H + 2 * s->Hkv) * s->hd;
+    const size_t need = (size_t)Bd * (d + qkvdim + qdim + d + 2 * f + f);
+    if (need > stack_cap) {
+        free(stack_buf);
+        stack_cap = need + need / 2;
+        stack_buf = aligned_alloc(64, ((stack_cap * sizeof(float)) + 63) & ~(size_t)63);
+        if (!stack_buf) {
+            stack_cap = 0;
+            return 0;
+        }
+    }
+    float *h = stack_buf, *qkv = h + (size_t)Bd * d, *att = qkv + (size_t)Bd * qkvdim;
+    float *proj = att + (size_t)Bd * qdim, *up = proj + (size_t)Bd * d, *mid = up + (size_t)Bd * 2 * f;
+    for (int l = 0; l < s->n_layers; l++) {
+        const tm_layer *L = s->layers + l;
+        /* ---- attention sublayer ---- */
+        for (int b = 0; b < Bd; b++) rms_norm_row(x + (size_t)b * d, d, L->attn_norm, s->eps, h + (size_t)b * d);
+        if (!tm_linear(L->qkv, h, Bd, qkv, L->qkv_bias, nthreads, L->act16)) return 0;
+        if (!tm_decode_attention(qkv, Bd, s->H, s->Hkv, s->hd, L->q_norm, L->k_norm, s->eps, L->rcos,
+                                 L->rsin, positions, L->rot_dim, L->k_cache, L->v_cache, new_slots,
+                                 slots, cmax, ctx_lens, L->window, L->scale, att, nthreads))
+            return 0;
+        if (!tm_linear(L->o, att, Bd, proj, L->o_bias, nthreads, L->act16)) return 0;
+        if (L->post_attn_norm)
+            for (int b = 0; b < Bd; b++)
+                rms_norm_row(proj + (size_t)b * d, d, L->post_attn_norm, s->eps, proj + (size_t)b * d);
+        add_rows(x, proj, (size_t)Bd * d);
+        /* ---- MLP sublayer ---- */
+        for (int b = 0; b < Bd; b++) rms_norm_row(x + (size_t)b * d, d, L->mlp_norm, s->eps, h + (size_t)b * d);
+        if (!tm_linear(L->up, h, Bd, up, L->up_bias, nthreads, L->act16)) return 0;
+        for (int b = 0; b < Bd; b++) {
+            const float *ub = up + (size_t)b * 2 * f;
+            gated_act(ub, ub + f, f, s->act, mid + (size_t)b * f);
+        }
+        if (!tm_linear(L->down, mid, Bd, proj, L->down_bias, nthreads, L->act16)) return 0;
+        if (L->post_mlp_norm)
+            for (int b = 0; b < Bd; b++)
+                rms_norm_row(proj + (size_t)b * d, d, L->post_mlp_norm, s->eps, proj + (size_t)b * d);
+        add_rows(x, proj, (size_t)Bd * d);
+    }
+    return 1;
+}

@@ -29,6 +29,7 @@ from tokenmill.layers.norm import make_norm
 from tokenmill.layers.quant_linear import QuantLinear
 from tokenmill.layers.rotary import Rotary
 from tokenmill.loader import Checkpoint, LoadError
+from tokenmill.models import fused_stack
 from tokenmill.models.quantize import quantize_model
 
 # A fused parameter -> the checkpoint tensors stacked (along rows) to make it.
@@ -104,6 +105,9 @@ class Transformer(nn.Module):
         self.final_norm = make_norm(cfg.norm, d, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else Linear(d, cfg.vocab_size)
         self.dtype = torch.float32  # activation dtype; set by load_weights
+        # The all-layers native decode step; built at first use (the runner attaches the
+        # KV cache after construction); False: this model cannot take it.
+        self._fused: fused_stack.FusedDecodeStack | None | bool = None
 
     # ------------------------------------------------------------------
     # forward: packed tokens of a batch -> logits at the requested rows
@@ -122,12 +126,30 @@ class Transformer(nn.Module):
             x = x + self.pos_embed(meta.positions)
         if meta.trace is not None:
             meta.trace.on_embedding(meta, input_ids, x)
-        for layer in self.layers:
-            x = layer(x, meta)
+        if fused_stack.applies(meta, x.shape[0]) and self._fused_stack() is not None:
+            x = self._fused.run(x, meta)  # every layer in one native call
+        else:
+            for layer in self.layers:
+                x = layer(x, meta)
         if logits_rows is not None:
             x = x[logits_rows]  # [B, d]: only the rows whose next token we sample
         x = self.final_norm(x)
         return self.unembed(x)
+
+    def attach_kv_cache(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        """Give each layer its view of the cache pool ([num_slots, Hkv, hd] per layer)."""
+        for layer, k_layer, v_layer in zip(self.layers, k, v, strict=True):
+            layer.attn.k_cache, layer.attn.v_cache = k_layer, v_layer
+        self._fused = None
+
+    def _fused_stack(self) -> fused_stack.FusedDecodeStack | None:
+        if self._fused is None:
+            self._fused = fused_stack.FusedDecodeStack.build(self) or False
+        return self._fused or None
+
+    def _apply(self, fn, recurse=True):
+        self._fused = None  # weights or caches may move: rebuild the native description
+        return super()._apply(fn, recurse)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, QuantLinear):
