@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 from gguf import GGMLQuantizationType as Q
 from helpers import build_hf_model, write_llama_gguf
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers.quant_linear import QuantLinear
+from tokenmill.loader import open_checkpoint
+from tokenmill.models.transformer import Transformer
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -64,3 +69,30 @@ def test_real_model_packed_greedy_matches_float(smollm_path):
     # the packed model really is smaller: weights stay ~4.5 bits
     size = sum(b.numel() * b.element_size() for b in packed.engine.model.buffers())
     assert size < 0.3 * sum(p.numel() * p.element_size() for p in exact.engine.model.parameters())
+
+
+def _mapped_rss_kib(path) -> int:
+    """Resident KiB of this process's mappings of `path` (from /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            inside = len(fields) >= 6 and fields[5] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+def test_packing_releases_the_files_pages(smollm_path):
+    """Each packed tensor's file pages leave the resident set once packed: loading never
+    holds the GGUF file and its packed copy at once."""
+    ckpt = open_checkpoint(smollm_path)
+    Transformer(ckpt.config).load_weights(ckpt, torch.float32, quantize="gguf")
+    size_kib = Path(smollm_path).stat().st_size // 1024
+    # what stays: the header (the tokenizer vocabulary) and the float norm weights
+    assert _mapped_rss_kib(Path(smollm_path).resolve()) < 0.2 * size_kib
+    ckpt.release = lambda name: None  # without the release, the whole file stays mapped
+    Transformer(ckpt.config).load_weights(ckpt, torch.float32, quantize="gguf")
+    assert _mapped_rss_kib(Path(smollm_path).resolve()) > 0.9 * size_kib

@@ -203,7 +203,7 @@ def open_gguf(path: Path) -> Checkpoint:
         raise LoadError(path, str(e).removeprefix(f"{path}: ")) from None
     config = _config(reader, path)
     file_size = path.stat().st_size
-    tensors, raw = {}, {}
+    tensors, raw, by_target = {}, {}, {}
     for t in reader.tensors:
         end = int(t.data_offset) + int(t.n_bytes)
         if end > file_size:
@@ -211,7 +211,10 @@ def open_gguf(path: Path) -> Checkpoint:
         for target, part in _target_name(t.name):
             tensors[target] = _gguf_loader(t, path, config, target, part)
             raw[target] = _raw_loader(t, path, config, target, part)
-    return Checkpoint(path, "gguf", config, tensors, raw=raw)
+            by_target[target] = t
+    return Checkpoint(
+        path, "gguf", config, tensors, raw=raw, release=lambda n: reader.release(by_target[n])
+    )
 
 
 def _rows_in_our_order(w: np.ndarray, config: ModelConfig, target: str, part: str | None):

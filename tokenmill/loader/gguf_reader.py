@@ -151,6 +151,15 @@ class GGUFFile:
                 raise
             raise GGUFFormatError(f"{self.path}: truncated or corrupt GGUF file ({e})") from None
 
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop the pages of a tensor's bytes from this process's resident set (the data
+        stays readable: touching it again faults the pages back in from the file)."""
+        page = mmap.PAGESIZE
+        start = tensor.data_offset // page * page
+        end = min(len(self._map), tensor.data_offset + tensor.n_bytes)
+        if end > start and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def _parse(self) -> None:
         cur = _Cursor(self._map)
         n_tensors, self.metadata = _header(cur, self.path)

@@ -63,6 +63,8 @@ def _pack(ckpt: Checkpoint, parts: list[str], scheme: str) -> QuantLinear | None
             QuantLinear.from_gguf(data, qtype, data.shape[0], _in_features(qtype, data))
             for qtype, data in raws
         ]
+        for p in parts:
+            ckpt.release(p)  # packed: the file's pages need not stay resident
     else:
         layers = [QuantLinear.from_float(ckpt.tensors[p](), scheme) for p in parts]
     try:
