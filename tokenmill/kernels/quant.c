@@ -62,8 +62,13 @@
 #define ROWBLOCK 16 /* weight rows a thread keeps hot while looping over T chunks */
 /* Software prefetch distance in code bytes. Decode streams ~100 MB of codes per token;
  * in A/B runs (noisy, shared 2-core machine) prefetching 1-16 KB ahead cut the streaming
- * GEMV time by roughly 20-25%, with no clear winner; 2 KB was among the best. */
-#define PREFETCH 2048
+ * GEMV time by roughly 20-25% against none. Re-measured on the whole fused decode step
+ * plus the un-embedding (a 96 MB working set, beyond what the VM's cache holds),
+ * interleaved, 6 rounds, medians: 1 KB 4.94 ms, 2 KB 4.59-4.72, 4 KB 4.30, 8 KB
+ * 4.11-4.38, 16 KB 4.51, 32 KB 4.70. -DPREFETCH=n overrides it. */
+#ifndef PREFETCH
+#define PREFETCH 8192
+#endif
 
 /* One packed weight, filled once per layer from Python (ctypes.Structure mirror). */
 typedef struct {
