@@ -20,6 +20,7 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self.block_size = cache.block_size
+        self._offsets = torch.arange(cache.block_size)  # [bs] slot offsets within a block
         model.attach_kv_cache(cache.k, cache.v)
 
     def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
@@ -48,21 +49,22 @@ class ModelRunner:
         meta = AttentionMetadata(positions=None, slot_mapping=None)
 
         if decode:
+            # Few tensor constructions: each torch op costs microseconds, and a batch-1
+            # decode step's whole budget is a few milliseconds.
             bs = self.block_size
-            ctx = [chunks[i].seq.num_computed + 1 for i in decode]
-            cmax = max(ctx)
-            width = -(-cmax // bs)
-            table = torch.zeros(len(decode), width, dtype=torch.long)
-            for row, i in enumerate(decode):
-                seq = chunks[i].seq
-                ids.append(seq.token_at(seq.num_computed))
-                t = seq.block_table[:width]
-                table[row, : len(t)] = torch.tensor(t, dtype=torch.long)
-            j = torch.arange(cmax)
-            slots = table[:, j // bs] * bs + j % bs  # [Bd, Cmax]
+            seqs = [chunks[i].seq for i in decode]
+            ctx = [s.num_computed + 1 for s in seqs]  # context length incl. the new token
+            width = -(-max(ctx) // bs)
+            tables = [s.block_table[:width] for s in seqs]
+            table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+            # slot of context position j: table[j // bs] * bs + j % bs  -> [Bd, Cmax]
+            slots = (table[:, :, None] * bs + self._offsets).view(len(seqs), -1)[:, : max(ctx)]
+            slots = slots.contiguous()  # the native attention reads rows of length Cmax
+            ids.extend(s.token_at(s.num_computed) for s in seqs)
+            positions.append(torch.tensor([c - 1 for c in ctx], dtype=torch.long))
+            new = [t[(c - 1) // bs] * bs + (c - 1) % bs for t, c in zip(tables, ctx, strict=True)]
+            slot_maps.append(torch.tensor(new, dtype=torch.long))
             ctx_t = torch.tensor(ctx, dtype=torch.long)
-            positions.append(ctx_t - 1)
-            slot_maps.append(slots.gather(1, (ctx_t - 1)[:, None])[:, 0])
             meta.num_decode = len(decode)
             meta.decode_slots = slots.to(self.device)
             meta.decode_context_lens = ctx_t.to(self.device)
@@ -93,9 +95,13 @@ class ModelRunner:
                 logit_rows.append(row - 1)
                 sampled.append(i)
 
-        meta.positions = torch.cat(positions).to(self.device)
-        meta.slot_mapping = torch.cat(slot_maps).to(self.device)
+        meta.positions = _cat(positions).to(self.device)
+        meta.slot_mapping = _cat(slot_maps).to(self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         logits = self.model(input_ids, meta, None if all_logits else rows)
         return logits, sampled
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

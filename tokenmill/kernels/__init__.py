@@ -77,6 +77,7 @@ class TmStack(ctypes.Structure):
 
     _fields_ = [
         ("layers", ctypes.c_void_p),
+        ("final_norm", ctypes.c_void_p),
         *((name, ctypes.c_int32) for name in ("n_layers", "d", "H", "Hkv", "hd", "f", "act")),
         ("eps", ctypes.c_float),
     ]
@@ -246,8 +247,9 @@ def decode_stack(
     slots: torch.Tensor,
     context_lens: torch.Tensor,
 ) -> None:
-    """Every layer's decode step in one call (tm_decode_stack in quant.c), in place on
-    x [Bd, d] (float32, contiguous); the other arguments as in decode_attention."""
+    """Every layer's decode step and the final norm in one call (tm_decode_stack in
+    quant.c), in place on x [Bd, d] (float32, contiguous); the other arguments as in
+    decode_attention."""
     lib = library()
     assert lib is not None, "call only when library() is not None"
     ok = lib.tm_decode_stack(

@@ -810,6 +810,7 @@ typedef struct {
 
 typedef struct {
     const tm_layer *layers;
+    const float *final_norm; /* [d]: applied to x after the last layer */
     int32_t n_layers, d, H, Hkv, hd, f;
     int32_t act; /* MLP activation of the gate: 0 SiLU, 1 GELU (tanh approximation) */
     float eps;   /* RMSNorm epsilon (also the q/k norms') */
@@ -870,7 +871,7 @@ static void add_rows(float *x, const float *h, size_t n) {
 static __thread float *stack_buf = NULL;
 static __thread size_t stack_cap = 0;
 
-/* x [Bd, d]: the embedded decode rows in, the residual stream after the last layer out.
+/* x [Bd, d]: the embedded decode rows in, the final norm of the residual stream out.
  * Per layer, for the Bd rows together:
  *     h = rmsnorm(x); qkv = h Wqkv^T; attention over the paged cache (writes k/v);
  *     x += [post_norm](attn Wo^T); h = rmsnorm(x); x += [post_norm](down(act(gate) * up))
@@ -918,5 +919,6 @@ int tm_decode_stack(const tm_stack *s, float *x, int Bd, const int64_t *position
                 rms_norm_row(proj + (size_t)b * d, d, L->post_mlp_norm, s->eps, proj + (size_t)b * d);
         add_rows(x, proj, (size_t)Bd * d);
     }
+    for (int b = 0; b < Bd; b++) rms_norm_row(x + (size_t)b * d, d, s->final_norm, s->eps, x + (size_t)b * d);
     return 1;
 }

@@ -10,7 +10,7 @@ the runner hands the embedded rows [Bd, d] to one C call that runs
                 x += [post_norm](down(act(gate(h)) * up(h)))
 
 with the same kernels the per-op path calls (tm_linear, tm_decode_attention), and
-returns the residual stream for the final norm and the un-embedding.
+returns the final norm of the residual stream, ready for the un-embedding.
 
 It applies to RMSNorm models with a gated SiLU or tanh-GELU MLP (Llama, Mistral, Qwen2/3,
 Gemma 3) whose linear layers are all packed (QuantLinear with the native library), in
@@ -102,9 +102,12 @@ class FusedDecodeStack:
             desc.window = a.window or 0
             desc.act16 = int(a.qkv.act_bits == 16)
             desc.scale = a.head_dim**-0.5 if a.scale is None else a.scale
+        if not isinstance(model.final_norm, RMSNorm):
+            return None
         keep.append(layers)
         stack = kernels.TmStack(
             ctypes.addressof(layers),
+            norm(model.final_norm),
             cfg.num_layers,
             cfg.hidden_size,
             cfg.num_heads,
@@ -117,7 +120,8 @@ class FusedDecodeStack:
         return cls(stack, keep)
 
     def run(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """x [Bd, d] embedded decode rows -> the residual stream after the last layer."""
+        """x [Bd, d] embedded decode rows -> the final norm of the residual stream after
+        the last layer (the un-embedding's input)."""
         x = x.contiguous()
         kernels.decode_stack(
             self.stack,

@@ -127,10 +127,10 @@ class Transformer(nn.Module):
         if meta.trace is not None:
             meta.trace.on_embedding(meta, input_ids, x)
         if fused_stack.applies(meta, x.shape[0]) and self._fused_stack() is not None:
-            x = self._fused.run(x, meta)  # every layer in one native call
-        else:
-            for layer in self.layers:
-                x = layer(x, meta)
+            # every layer and the final norm in one native call; all decode rows sample
+            return self.unembed(self._fused.run(x, meta))
+        for layer in self.layers:
+            x = layer(x, meta)
         if logits_rows is not None:
             x = x[logits_rows]  # [B, d]: only the rows whose next token we sample
         x = self.final_norm(x)
