@@ -690,6 +690,86 @@ static inline __m512 exp_ps(__m512 x) {
 }
 #endif
 
+#if TM_AVX512
+/* The 16 horizontal sums of v[0..15] as one vector (element u = sum of v[u]): a
+ * transpose-and-add tree, ~3 instructions per sum instead of a full reduction each. */
+static inline __m512 hsum16(const __m512 v[16]) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [v2i 0+2, v2i+1 0+2, v2i 1+3, v2i+1 1+3] */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: the lane sums of v4i .. v4i+3 */
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    /* add the four 128-bit lanes: 0x88 picks lanes (0, 2), 0xDD lanes (1, 3) */
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+#endif
+
+/* sc [m] = scale * (q . K_j), K_j = base + sl[j] * stride: float32 [hd] each. */
+static void attn_scores(const float *q, const float *base, const int64_t *sl, size_t stride, int m,
+                        int hd, float scale, float *sc) {
+    int j = 0;
+#if TM_AVX512
+    if (hd % 16 == 0)
+        for (; j + 16 <= m; j += 16) { /* 16 keys at a time: one horizontal-sum tree */
+            __m512 v[16];
+            for (int u = 0; u < 16; u++) {
+                const float *k = base + (size_t)sl[j + u] * stride;
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+                for (int i = 16; i < hd; i += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), a);
+                v[u] = a;
+            }
+            _mm512_storeu_ps(sc + j, _mm512_mul_ps(hsum16(v), _mm512_set1_ps(scale)));
+        }
+#endif
+    for (; j < m; j++) sc[j] = dot_f32(q, base + (size_t)sl[j] * stride, hd) * scale;
+}
+
+/* acc [rep, hd] = sum_j p[r * m + j] * V_j for each of the rep rows of p, V_j as in
+ * attn_scores. The accumulators of up to 4 rows x 64 features stay in registers while
+ * the keys stream by (instead of a load and a store of acc per key and row). */
+static void attn_values(const float *p, int m, int rep, const float *base, const int64_t *sl,
+                        size_t stride, int hd, float *acc) {
+#if TM_AVX512
+    if (hd % 16 == 0) {
+        for (int r0 = 0; r0 < rep; r0 += 4) {
+            const int nr = rep - r0 < 4 ? rep - r0 : 4;
+            for (int d0 = 0; d0 < hd; d0 += 64) {
+                const int nv = (hd - d0 < 64 ? hd - d0 : 64) / 16;
+                __m512 a[4][4], vv[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+                for (int r = 0; r < 4; r++)
+                    for (int i = 0; i < 4; i++) a[r][i] = _mm512_setzero_ps();
+                for (int j = 0; j < m; j++) {
+                    const float *v = base + (size_t)sl[j] * stride + d0;
+                    for (int i = 0; i < 4; i++)
+                        if (i < nv) vv[i] = _mm512_loadu_ps(v + 16 * i);
+                    for (int r = 0; r < 4; r++)
+                        if (r < nr) {
+                            const __m512 pr = _mm512_set1_ps(p[(size_t)(r0 + r) * m + j]);
+                            for (int i = 0; i < 4; i++)
+                                if (i < nv) a[r][i] = _mm512_fmadd_ps(pr, vv[i], a[r][i]);
+                        }
+                }
+                for (int r = 0; r < 4; r++)
+                    for (int i = 0; i < 4; i++)
+                        if (r < nr && i < nv) _mm512_storeu_ps(acc + (size_t)(r0 + r) * hd + d0 + 16 * i, a[r][i]);
+            }
+        }
+        return;
+    }
+#endif
+    memset(acc, 0, (size_t)rep * hd * sizeof(float));
+    for (int j = 0; j < m; j++) {
+        const float *vj = base + (size_t)sl[j] * stride;
+        for (int r = 0; r < rep; r++) axpy_f32(acc + (size_t)r * hd, p[(size_t)r * m + j], vj, hd);
+    }
+}
+
 /* s [n] = exp(s - max(s)); returns the sum. */
 static inline float softmax_exp(float *s, int n) {
     float mx = -INFINITY;
@@ -768,18 +848,14 @@ int tm_decode_attention(const float *qkv, int Bd, int H, int Hkv, int hd, const 
             /* ---- scores over the visible context [j0, n) ---- */
             const int n = (int)ctx_lens[b], j0 = window > 0 && n > window ? n - window : 0, m = n - j0;
             const int64_t *sl = slots + (size_t)b * cmax + j0;
-            for (int j = 0; j < m; j++) {
-                const float *kj = k_cache + ((size_t)sl[j] * Hkv + g) * hd;
-                for (int r = 0; r < rep; r++) sc[(size_t)r * m + j] = dot_f32(q + (size_t)r * hd, kj, hd) * scale;
-            }
+            const size_t stride = (size_t)Hkv * hd; /* floats from one slot to the next */
+            for (int r = 0; r < rep; r++)
+                attn_scores(q + (size_t)r * hd, k_cache + (size_t)g * hd, sl, stride, m, hd, scale,
+                            sc + (size_t)r * m);
             /* ---- softmax, then the weighted sum of values ---- */
             float inv[rep];
             for (int r = 0; r < rep; r++) inv[r] = 1.f / softmax_exp(sc + (size_t)r * m, m);
-            memset(acc, 0, (size_t)rep * hd * sizeof(float));
-            for (int j = 0; j < m; j++) {
-                const float *vj = v_cache + ((size_t)sl[j] * Hkv + g) * hd;
-                for (int r = 0; r < rep; r++) axpy_f32(acc + (size_t)r * hd, sc[(size_t)r * m + j], vj, hd);
-            }
+            attn_values(sc, m, rep, v_cache + (size_t)g * hd, sl, stride, hd, acc);
             for (int r = 0; r < rep; r++) {
                 float *o = out + (size_t)b * H * hd + (size_t)(g * rep + r) * hd;
                 for (int i = 0; i < hd; i++) o[i] = acc[(size_t)r * hd + i] * inv[r];
