@@ -938,8 +938,15 @@ static void gated_act(const float *g, const float *u, int f, int act, float *out
     }
 }
 
-static void add_rows(float *x, const float *h, size_t n) {
-    for (size_t i = 0; i < n; i++) x[i] += h[i];
+/* dst [Bd, d] = rmsnorm of each row of src (in place when dst == src). */
+static void norm_rows(const float *src, int Bd, int d, const float *w, float eps, float *dst) {
+    for (int b = 0; b < Bd; b++) rms_norm_row(src + (size_t)b * d, d, w, eps, dst + (size_t)b * d);
+}
+
+/* The residual add of a sublayer's output h [Bd, d]: x += post_norm ? rmsnorm(h) : h. */
+static void add_residual(float *x, float *h, int Bd, int d, const float *post_norm, float eps) {
+    if (post_norm) norm_rows(h, Bd, d, post_norm, eps, h);
+    for (size_t i = 0; i < (size_t)Bd * d; i++) x[i] += h[i];
 }
 
 /* Grow-only buffers of tm_decode_stack, separate from scratch(): the kernels it calls
@@ -971,30 +978,24 @@ int tm_decode_stack(const tm_stack *s, float *x, int Bd, const int64_t *position
     for (int l = 0; l < s->n_layers; l++) {
         const tm_layer *L = s->layers + l;
         /* ---- attention sublayer ---- */
-        for (int b = 0; b < Bd; b++) rms_norm_row(x + (size_t)b * d, d, L->attn_norm, s->eps, h + (size_t)b * d);
+        norm_rows(x, Bd, d, L->attn_norm, s->eps, h);
         if (!tm_linear(L->qkv, h, Bd, qkv, L->qkv_bias, nthreads, L->act16)) return 0;
         if (!tm_decode_attention(qkv, Bd, s->H, s->Hkv, s->hd, L->q_norm, L->k_norm, s->eps, L->rcos,
                                  L->rsin, positions, L->rot_dim, L->k_cache, L->v_cache, new_slots,
                                  slots, cmax, ctx_lens, L->window, L->scale, att, nthreads))
             return 0;
         if (!tm_linear(L->o, att, Bd, proj, L->o_bias, nthreads, L->act16)) return 0;
-        if (L->post_attn_norm)
-            for (int b = 0; b < Bd; b++)
-                rms_norm_row(proj + (size_t)b * d, d, L->post_attn_norm, s->eps, proj + (size_t)b * d);
-        add_rows(x, proj, (size_t)Bd * d);
+        add_residual(x, proj, Bd, d, L->post_attn_norm, s->eps);
         /* ---- MLP sublayer ---- */
-        for (int b = 0; b < Bd; b++) rms_norm_row(x + (size_t)b * d, d, L->mlp_norm, s->eps, h + (size_t)b * d);
+        norm_rows(x, Bd, d, L->mlp_norm, s->eps, h);
         if (!tm_linear(L->up, h, Bd, up, L->up_bias, nthreads, L->act16)) return 0;
         for (int b = 0; b < Bd; b++) {
             const float *ub = up + (size_t)b * 2 * f;
             gated_act(ub, ub + f, f, s->act, mid + (size_t)b * f);
         }
         if (!tm_linear(L->down, mid, Bd, proj, L->down_bias, nthreads, L->act16)) return 0;
-        if (L->post_mlp_norm)
-            for (int b = 0; b < Bd; b++)
-                rms_norm_row(proj + (size_t)b * d, d, L->post_mlp_norm, s->eps, proj + (size_t)b * d);
-        add_rows(x, proj, (size_t)Bd * d);
+        add_residual(x, proj, Bd, d, L->post_mlp_norm, s->eps);
     }
-    for (int b = 0; b < Bd; b++) rms_norm_row(x + (size_t)b * d, d, s->final_norm, s->eps, x + (size_t)b * d);
+    norm_rows(x, Bd, d, s->final_norm, s->eps, x);
     return 1;
 }
