@@ -80,7 +80,10 @@ class FusedDecodeStack:
             a, m = block.attn, block.mlp
             linears = (a.qkv, a.o, m.up, m.down)
             ptrs = [weight(lin) for lin in linears]
-            if None in ptrs or a.k_cache is None or a.k_cache.dtype is not torch.float32:
+            cache = a.k_cache
+            if None in ptrs or cache is None or cache.dtype is not torch.float32:
+                return None
+            if cache.device.type != "cpu":
                 return None
             if not all(isinstance(n, RMSNorm) for n in (block.attn_norm, block.mlp_norm)):
                 return None
