@@ -12,7 +12,8 @@ come on top, so this is an upper bound on tokens/s.
 with every Linear, the embedding and the un-embedding swapped for QuantLinear, and
 reports whether the tokens match and the max |logits difference| per step. Both use
 the same (dequantized) weight values, so the difference is the kernels' activation
-quantization (--act-bits) and, for prompts over PREFILL_MIN_T tokens, the bf16 GEMM.
+quantization (--act-bits) and, for prompts over PREFILL_MIN_T tokens, the float32 GEMM
+on dequantized tiles.
 """
 
 from __future__ import annotations
