@@ -27,6 +27,7 @@ __all__ = [
     "uses_avx512",
     "linear",
     "dequant_lanes",
+    "lanes_f32",
     "dequant_rows",
     "decode_attention",
     "TmLayer",
@@ -96,6 +97,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tm_linear.restype = i32
     lib.tm_dequant_lanes.argtypes = [vp, i32, i32, vp, i32, i32]
     lib.tm_dequant_lanes.restype = None
+    lib.tm_lanes_f32.argtypes = [vp, i32, i32, vp, i32]
+    lib.tm_lanes_f32.restype = None
     lib.tm_dequant_rows.argtypes = [vp, vp, i32, vp]
     lib.tm_dequant_rows.restype = i32
     f32 = ctypes.c_float
@@ -178,6 +181,15 @@ def dequant_lanes(w: TmWeight, r0: int, r1: int, dtype: torch.dtype) -> torch.Te
         ctypes.addressof(w), r0, r1, out.data_ptr(), int(dtype == torch.bfloat16),
         torch.get_num_threads(),
     )  # fmt: skip
+    return out
+
+
+def lanes_f32(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] float32 (contiguous) -> [T, K] with columns in lane order."""
+    lib = library()
+    assert lib is not None, "call only when library() is not None"
+    out = torch.empty(x.shape, dtype=torch.float32)
+    lib.tm_lanes_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
     return out
 
 

@@ -600,6 +600,23 @@ void tm_dequant_lanes(const tm_weight *w, int r0, int r1, void *out, int bf16, i
 /* Rows ids[0..n) of W to out [n, K] float32 in natural column order: the embedding
  * lookup of a quantized (tied) embedding table. Returns 1, -1 if an id is outside
  * [0, N) (nothing written), 0 on OOM. */
+/* x [T, K] float32 -> out [T, K] with columns in lane order: the activation side of the
+ * prefill GEMM against tm_dequant_lanes' weights (16-byte moves, one pass). */
+void tm_lanes_f32(const float *x, int T, int K, float *out, int nthreads) {
+    const int nfull = K / QK / GB, nt = n_threads(nthreads);
+    (void)nt;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && (size_t)T * K > 65536)
+    for (int t = 0; t < T; t++) {
+        const float *xr = x + (size_t)t * K;
+        float *o = out + (size_t)t * K;
+        for (int g = 0; g < nfull; g++) /* value j = 4i + u of block k -> i * 64 + k * 4 + u */
+            for (int k = 0; k < GB; k++)
+                for (int i = 0; i < 8; i++)
+                    memcpy(o + (size_t)g * GW + i * 64 + k * 4, xr + (size_t)g * GW + k * QK + 4 * i, 16);
+        memcpy(o + (size_t)nfull * GW, xr + (size_t)nfull * GW, (size_t)(K - nfull * GW) * sizeof(float));
+    }
+}
+
 int tm_dequant_rows(const tm_weight *w, const int64_t *ids, int n, float *out) {
     const int nb = w->k / QK, nfull = nb / GB, K = w->k;
     for (int e = 0; e < n; e++)

@@ -95,11 +95,6 @@ def _lane_perm(k: int) -> np.ndarray:
 
 
 @lru_cache(maxsize=64)
-def _lane_perm_tensor(k: int) -> torch.Tensor:
-    return torch.from_numpy(_lane_perm(k))
-
-
-@lru_cache(maxsize=64)
 def _nibble_cols(k: int) -> tuple[np.ndarray, np.ndarray]:
     """(lo, hi): natural columns of the low and high nibble of each 4-bit code byte.
 
@@ -448,7 +443,7 @@ class QuantLinear(nn.Module):
     def _prefill(self, cw: kernels.TmWeight, x: torch.Tensor) -> torch.Tensor:
         """Many rows: float32 GEMM against W dequantized in lane order, x's columns
         permuted to match (the permutation of the shared K axis cancels out)."""
-        xl = x.index_select(1, _lane_perm_tensor(self.in_features))
+        xl = kernels.lanes_f32(x)  # [T, K]
         n = self.out_features
         chunk = max(64, _PREFILL_CHUNK_BYTES // (4 * self.in_features) // 64 * 64)
         if chunk >= n:
