@@ -329,12 +329,12 @@ def test_portable_c_path_matches_avx512(native, tmp_path, monkeypatch):
         layer.act_bits = act_bits
         x = torch.randn(3, k)
         fast, fast_rows = layer(x), layer.embed(torch.tensor([1, 0]))
-        fast_lanes = kernels.dequant_lanes(layer._native(), 0, n, torch.float32)
+        fast_lanes = kernels.dequant_lanes(layer._native(), 0, n)
         with monkeypatch.context() as m:
             m.setattr(kernels, "_lib", portable)
             assert_close_rel(layer(x), fast.double(), 1e-5)
             assert torch.equal(layer.embed(torch.tensor([1, 0])), fast_rows)
-            lanes = kernels.dequant_lanes(layer._native(), 0, n, torch.float32)
+            lanes = kernels.dequant_lanes(layer._native(), 0, n)
             assert torch.equal(lanes, fast_lanes)
 
 

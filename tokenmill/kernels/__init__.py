@@ -95,7 +95,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tm_info.restype = i32
     lib.tm_linear.argtypes = [vp, vp, i32, vp, vp, i32, i32]
     lib.tm_linear.restype = i32
-    lib.tm_dequant_lanes.argtypes = [vp, i32, i32, vp, i32, i32]
+    lib.tm_dequant_lanes.argtypes = [vp, i32, i32, vp, i32]
     lib.tm_dequant_lanes.restype = None
     lib.tm_lanes_f32.argtypes = [vp, i32, i32, vp, i32]
     lib.tm_lanes_f32.restype = None
@@ -172,14 +172,13 @@ def linear(
     return y
 
 
-def dequant_lanes(w: TmWeight, r0: int, r1: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows [r0, r1) dequantized to [r1 - r0, K] float32/bfloat16, columns in lane order."""
+def dequant_lanes(w: TmWeight, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) dequantized to [r1 - r0, K] float32, columns in lane order."""
     lib = library()
     assert lib is not None, "call only when library() is not None"
-    out = torch.empty(r1 - r0, w.k, dtype=dtype)
+    out = torch.empty(r1 - r0, w.k, dtype=torch.float32)
     lib.tm_dequant_lanes(
-        ctypes.addressof(w), r0, r1, out.data_ptr(), int(dtype == torch.bfloat16),
-        torch.get_num_threads(),
+        ctypes.addressof(w), r0, r1, out.data_ptr(), torch.get_num_threads()
     )  # fmt: skip
     return out
 

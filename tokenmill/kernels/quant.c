@@ -499,26 +499,8 @@ int tm_linear(const tm_weight *w, const float *x, int T, float *y, const float *
 /* Dequantization                                                                 */
 /* ------------------------------------------------------------------------------ */
 
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16); /* round to nearest even */
-}
-
-#if TM_AVX512
-/* 16 floats to out[idx..] as float32 or bfloat16 (round to nearest even). */
-static inline void store16(void *out, size_t idx, __m512 v, int bf16) {
-    if (bf16)
-        _mm256_storeu_si256((__m256i *)((uint16_t *)out + idx), (__m256i)_mm512_cvtneps_pbh(v));
-    else
-        _mm512_storeu_ps((float *)out + idx, v);
-}
-#endif
-
-/* Row r of W to out [K] (float32, or bfloat16 if bf16) in lane order (the order of
- * the packed codes). */
-static void dequant_row_lanes(const tm_weight *w, int r, void *out, int bf16) {
+/* Row r of W to out [K] float32 in lane order (the order of the packed codes). */
+static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
     const int nb = w->k / QK, z = zero_point(w), f16 = w->scale_f16;
     const uint8_t *row = w->codes + (size_t)r * row_bytes(w);
     const size_t srow = (size_t)r * nb;
@@ -555,8 +537,8 @@ static void dequant_row_lanes(const tm_weight *w, int r, void *out, int bf16) {
                                   _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(wv[i], 2)),
                                   _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(wv[i], 3))};
             for (int q = 0; q < 4; q++)
-                store16(out, o + 64 * i + 16 * q,
-                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(c[q], zv)), dq[q], mq[q]), bf16);
+                _mm512_storeu_ps(out + o + 64 * i + 16 * q,
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(c[q], zv)), dq[q], mq[q]));
         }
     }
     const uint8_t *tail = row + (size_t)nfull * GW * w->bits / 8;
@@ -569,7 +551,7 @@ static void dequant_row_lanes(const tm_weight *w, int r, void *out, int bf16) {
             __m512 d = _mm512_set1_ps(scale_at(w->scales, f16, b));
             __m512 m = _mm512_set1_ps(w->mins ? scale_at(w->mins, f16, b) : 0.f);
             __m512 c = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(parts[h]), zv));
-            store16(out, (size_t)nfull * GW + 64 * q + 16 * h, _mm512_fmadd_ps(c, d, m), bf16);
+            _mm512_storeu_ps(out + (size_t)nfull * GW + 64 * q + 16 * h, _mm512_fmadd_ps(c, d, m));
         }
     }
 #else
@@ -577,24 +559,19 @@ static void dequant_row_lanes(const tm_weight *w, int r, void *out, int bf16) {
         float d = scale_at(w->scales, f16, srow + b);
         float m = w->mins ? scale_at(w->mins, f16, srow + b) : 0.f;
         for (int j = 0; j < QK; j++) {
-            float v = d * (float)(code_at(w, row, b, j) - z) + m;
-            if (bf16)
-                ((uint16_t *)out)[lane_pos(nb, b, j)] = float_to_bf16(v);
-            else
-                ((float *)out)[lane_pos(nb, b, j)] = v;
+            out[lane_pos(nb, b, j)] = d * (float)(code_at(w, row, b, j) - z) + m;
         }
     }
 #endif
 }
 
-/* Rows [r0, r1) of W to out [r1 - r0, K] in lane order (the caller permutes x's
- * columns the same way before its GEMM), float32 or bfloat16 (round to nearest). */
-void tm_dequant_lanes(const tm_weight *w, int r0, int r1, void *out, int bf16, int nthreads) {
-    const size_t row_elems = (size_t)w->k * (bf16 ? 2 : 4);
+/* Rows [r0, r1) of W to out [r1 - r0, K] float32 in lane order (the caller permutes
+ * x's columns the same way before its GEMM: tm_lanes_f32). */
+void tm_dequant_lanes(const tm_weight *w, int r0, int r1, float *out, int nthreads) {
     const int nt = n_threads(nthreads);
     (void)nt;
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-    for (int r = r0; r < r1; r++) dequant_row_lanes(w, r, (char *)out + (size_t)(r - r0) * row_elems, bf16);
+    for (int r = r0; r < r1; r++) dequant_row_lanes(w, r, out + (size_t)(r - r0) * w->k);
 }
 
 /* Rows ids[0..n) of W to out [n, K] float32 in natural column order: the embedding
@@ -625,7 +602,7 @@ int tm_dequant_rows(const tm_weight *w, const int64_t *ids, int n, float *out) {
     if (!tmp) return 0;
     for (int e = 0; e < n; e++) {
         float *o = out + (size_t)e * K;
-        dequant_row_lanes(w, (int)ids[e], tmp, 0);
+        dequant_row_lanes(w, (int)ids[e], tmp);
         for (int g = 0; g < nfull; g++) /* un-transpose full groups, 4 values at a time */
             for (int k = 0; k < GB; k++)
                 for (int i = 0; i < 8; i++)

@@ -447,11 +447,11 @@ class QuantLinear(nn.Module):
         n = self.out_features
         chunk = max(64, _PREFILL_CHUNK_BYTES // (4 * self.in_features) // 64 * 64)
         if chunk >= n:
-            return F.linear(xl, kernels.dequant_lanes(cw, 0, n, torch.float32), self.bias)
+            return F.linear(xl, kernels.dequant_lanes(cw, 0, n), self.bias)
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
         for r0 in range(0, n, chunk):
             r1 = min(n, r0 + chunk)
-            torch.mm(xl, kernels.dequant_lanes(cw, r0, r1, torch.float32).T, out=y[:, r0:r1])
+            torch.mm(xl, kernels.dequant_lanes(cw, r0, r1).T, out=y[:, r0:r1])
         if self.bias is not None:
             y += self.bias
         return y
