@@ -40,8 +40,9 @@
  * How each build multiplies codes by activations:
  *   AVX-512  activations as two VNNI operands (signed high byte, unsigned low byte):
  *            two vpdpbusd per 64 values (linear_avx512.h)
- *   others   activations as int16: codes widened to int16, then a16_dot (vpmaddwd on
- *            AVX2, smlal on NEON, plain C on scalar): one exact multiply-add per value
+ *   others   the same two byte planes, multiplied by group_dot of the simd.h layer:
+ *            vpmaddubsw (4-bit codes) or vpmaddwd on AVX2, sdot/udot or smlal on NEON,
+ *            plain C on scalar
  *
  * Float weights (bits TM_F16 / TM_BF16 / TM_F32): [N, K] in natural order, converted to
  * float32 in registers (F16C / shifts / NEON fcvtl) and multiplied by float32 x.
@@ -90,7 +91,8 @@ static inline void tail_block_codes(const uint8_t *tail, int bits, int u, int nb
 /* ------------------------------------------------------------------------------ */
 
 typedef struct {
-    int16_t *q;  /* [T][kpad] int16 in lane order, zero padded */
+    int8_t *q;   /* [T][kpad] high bytes (signed) of the int16 activations, lane order */
+    uint8_t *ql; /* [T][kpad] their low bytes (unsigned): q16 = 256 q + ql */
     float *dx;   /* [T][gpad] block scales (0 in padding) */
     float *sx;   /* [T][gpad] exact float sums of x per block */
     int32_t *zc; /* [T][gpad] Z * sum(q) per block */
@@ -98,24 +100,28 @@ typedef struct {
 } xq_t;
 
 /* Quantizes x [T, K] float32 per 32-block for a weight with zero point z: q = round(x /
- * dx), dx = max|x| / qmax, qmax 127 (8-bit) or 32767 (act16), stored as int16 in lane
- * order. Returns 0 on OOM. */
+ * dx), dx = max|x| / qmax, qmax 127 (8-bit) or 32767 (act16), stored in lane order as two
+ * byte planes (the operands of byte dot products; see group_dot in simd.h). Returns 0 on
+ * OOM. */
 static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, xq_t *xq) {
     const int nb = K / QK, full = nb / TM_GB * TM_GB;
     xq->gpad = (nb + TM_GB - 1) / TM_GB * TM_GB;
     xq->kpad = xq->gpad * QK;
     const size_t fbytes = ((size_t)T * xq->gpad * 4 + 63) & ~(size_t)63;
-    const size_t total = 3 * fbytes + (size_t)T * xq->kpad * 2;
+    const size_t qbytes = ((size_t)T * xq->kpad + 63) & ~(size_t)63;
+    const size_t total = 3 * fbytes + 2 * qbytes;
     char *buf = tm_scratch(total);
     if (!buf) return 0;
     memset(buf, 0, total);
     xq->dx = (float *)buf;
     xq->sx = (float *)(buf + fbytes);
     xq->zc = (int32_t *)(buf + 2 * fbytes);
-    xq->q = (int16_t *)(buf + 3 * fbytes);
+    xq->q = (int8_t *)(buf + 3 * fbytes);
+    xq->ql = (uint8_t *)(buf + 3 * fbytes + qbytes);
     const float qmax = act16 ? 32767.f : 127.f;
     for (int r = 0; r < T; r++) {
-        int16_t *qr = xq->q + (size_t)r * xq->kpad;
+        int8_t *hr = xq->q + (size_t)r * xq->kpad;
+        uint8_t *lr = xq->ql + (size_t)r * xq->kpad;
         for (int b = 0; b < nb; b++) {
             const float *v = x + (size_t)r * K + (size_t)b * QK;
             vf mx = vf_zero(), sm = vf_zero();
@@ -133,14 +139,25 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
                 qs = vi_add(qs, q);
                 vi_store_i16(qv + c, q);
             }
-            int32_t left_out = 0; /* what the layer's a16_dot leaves out (simd.h) */
-            if (TM_A16_HI8_BIAS && bits == 8 && b < full)
-                for (int j = 0; j < QK; j++) left_out -= 32768 * (qv[j] >> 8);
+            int8_t hv[QK];
+            uint8_t lv[QK];
+            int32_t hsum = 0;
+            for (int j = 0; j < QK; j++) {
+                hv[j] = (int8_t)(qv[j] >> 8); /* arithmetic: q = 256 (q >> 8) + (q & 255) */
+                lv[j] = (uint8_t)(qv[j] & 255);
+                hsum += hv[j];
+            }
+            /* what the layer's group_dot leaves out (simd.h), only in full groups */
+            const int32_t left_out = TM_A16_HI8_BIAS && bits == 8 && b < full ? -32768 * hsum : 0;
+            const size_t pos = lane_pos(nb, b, 0);
             if (b < full) { /* four values at a time to their lanes */
-                int16_t *dst = qr + lane_pos(nb, b, 0);
-                for (int i = 0; i < 8; i++) memcpy(dst + i * 4 * TM_GB, qv + 4 * i, 4 * sizeof(int16_t));
+                for (int i = 0; i < 8; i++) {
+                    memcpy(hr + pos + i * 4 * TM_GB, hv + 4 * i, 4);
+                    memcpy(lr + pos + i * 4 * TM_GB, lv + 4 * i, 4);
+                }
             } else {
-                memcpy(qr + (size_t)b * QK, qv, sizeof qv);
+                memcpy(hr + pos, hv, QK);
+                memcpy(lr + pos, lv, QK);
             }
             const size_t xi = (size_t)r * xq->gpad + b;
             xq->dx[xi] = amax / qmax;
@@ -155,17 +172,17 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
 /* Packed GEMV / small-T GEMM                                                      */
 /* ------------------------------------------------------------------------------ */
 
-/* sum c[j] * x[j] over one natural-order block (the tail; the compiler vectorizes it). */
-static inline int32_t dot_block(const uint8_t c[QK], const int16_t *x) {
+/* sum c[j] * q[j] over one natural-order block (the tail; the compiler vectorizes it). */
+static inline int32_t dot_block(const uint8_t c[QK], const int8_t *xh, const uint8_t *xl) {
     int32_t s = 0;
-    for (int j = 0; j < QK; j++) s += c[j] * x[j];
+    for (int j = 0; j < QK; j++) s += c[j] * (256 * xh[j] + xl[j]);
     return s;
 }
 
 /* Rows [r0, r1) of W against T (<= TCHUNK) activation rows starting at t0; T and bits
  * are constants after inlining. Per full group: the 8 code vectors are loaded once and
- * reused by every activation row; per row 8 a16_dot, one reduce, and one float
- * multiply-add that scales the group's TM_GB blocks at once. */
+ * reused by every activation row; per row one group_dot and one float multiply-add that
+ * scales the group's TM_GB blocks at once. */
 static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, const xq_t *xq,
                                                            int r0, int r1, int t0, int T, int bits,
                                                            float *y, const float *bias) {
@@ -195,10 +212,8 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
             const vf m = w->mins ? vf_scales(w->mins, f16, srow + (size_t)g * TM_GB) : vf_zero();
             for (int t = 0; t < T; t++) {
                 const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + (size_t)g * TM_GB;
-                const int16_t *xg = xq->q + tt * xq->kpad + (size_t)g * GW;
-                a16 a = a16_zero();
-                for (int i = 0; i < 8; i++) a = a16_dot(a, c[i], xg + i * 4 * TM_GB, bits);
-                const vi s = vi_sub(a16_reduce(a), vi_load(xq->zc + xi));
+                const size_t xo = tt * xq->kpad + (size_t)g * GW;
+                const vi s = vi_sub(group_dot(c, xq->q + xo, xq->ql + xo, bits), vi_load(xq->zc + xi));
                 acc[t] = vf_fma(vf_mul(vf_from_vi(s), vf_load(xq->dx + xi)), d, acc[t]);
                 if (w->mins) acc[t] = vf_fma(m, vf_load(xq->sx + xi), acc[t]);
             }
@@ -214,7 +229,8 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
                 const float m = w->mins ? tm_scale_at(w->mins, f16, srow + b) : 0.f;
                 for (int t = 0; t < T; t++) {
                     const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + b;
-                    const int32_t s = dot_block(cb, xq->q + tt * xq->kpad + (size_t)b * QK) - xq->zc[xi];
+                    const size_t xo = tt * xq->kpad + (size_t)b * QK;
+                    const int32_t s = dot_block(cb, xq->q + xo, xq->ql + xo) - xq->zc[xi];
                     tail[t] += d * (xq->dx[xi] * (float)s) + m * xq->sx[xi];
                 }
             }

@@ -21,13 +21,13 @@
  *   vi   TM_W int32       vi_zero vi_load vi_add vi_sub vi_sum, vf_from_vi, vi_round
  *                         (float -> int32, ties to even), vf_pow2i (2^n), vi_store_i16
  *   vb   4*TM_W bytes     vb_load, vb_nibbles (low and high 4 bits of every byte)
- *   a16  an int16 dot     a16_zero; a16_dot(a, c, x, bits): codes c (vb, unsigned bytes
- *        accumulator      of a 4- or 8-bit weight) times 4*TM_W int16 activations x, lane
- *                         k collecting bytes 4k..4k+3; a16_reduce(a) -> vi: lane k = the
- *                         sum of its lane's products, less 32768 * (sum of the high bytes
- *                         of x) for 8-bit codes if the layer defines TM_A16_HI8_BIAS.
- *                         Exact integer arithmetic on every layer: |c * x| < 2^23 and a
- *                         lane sums at most 32 products per block.
+ *   group_dot(c[8], xh, xl, bits) -> vi: the integer core of the packed GEMV. c: one
+ *                         lane-order group's 8 code vectors (vb, unsigned 4- or 8-bit codes,
+ *                         lane k = block k); xh / xl: the 16-bit activations q = 256 hi + lo
+ *                         at the same positions, as signed high bytes and unsigned low bytes.
+ *                         Lane k of the result: the exact sum of c * q over block k (less
+ *                         32768 * its sum of high bytes for 8-bit codes where the layer
+ *                         defines TM_A16_HI8_BIAS: quantize_x adds it back).
  */
 #ifndef TM_SIMD_H
 #define TM_SIMD_H

@@ -8,11 +8,6 @@
 typedef __m256 vf;  /* 8 floats */
 typedef __m256i vi; /* 8 int32 */
 typedef __m256i vb; /* 32 bytes: lane k holds bytes 4k..4k+3 */
-/* int16 dot accumulators: lo for lanes (blocks) 0-3, hi for 4-7, two int32 per block */
-typedef struct {
-    __m256i lo, hi;
-} a16;
-
 static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
 static inline vf vf_set1(float a) { return _mm256_set1_ps(a); }
 static inline vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
@@ -82,16 +77,34 @@ static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
     *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
 }
 
-static inline a16 a16_zero(void) { return (a16){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
-/* Codes c (unsigned bytes) times 32 int16 activations: vpmovzxbw widens each half,
- * vpmaddwd multiplies and adds pairs: two int32 per block (exact: |c x| < 2^23). */
-static inline a16 a16_dot(a16 a, vb c, const int16_t *x, int bits) {
-    (void)bits;
-    const __m256i lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(c));
-    const __m256i hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(c, 1));
-    a.lo = _mm256_add_epi32(a.lo, _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x)));
-    a.hi = _mm256_add_epi32(a.hi, _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
-    return a;
+/* One lane-order group: 8 code vectors c (32 codes each, lane k = block k) against the
+ * activations q = 256 hi + lo, given as their signed high bytes xh and unsigned low bytes
+ * xl at the same positions. Lane k of the result: block k's sum of c * q, exact.
+ * 4-bit codes (<= 15): vpmaddubsw multiplies bytes without widening and never saturates
+ *   (|pair| <= 2 * 15 * 255); eight high-byte or four low-byte products stay below 2^15
+ *   in int16, so three vpmaddwd per group finish the sums in int32.
+ * 8-bit codes: bytes unpacked to int16 (in-lane, beside the activation's two bytes), then
+ *   vpmaddwd; hadd puts the blocks back in order. */
+static inline vi group_dot(const vb c[8], const int8_t *xh, const uint8_t *xl, int bits) {
+    const __m256i zero = _mm256_setzero_si256();
+    if (bits == 4) {
+        __m256i h = zero, l0 = zero, l1 = zero;
+        for (int i = 0; i < 8; i++)
+            h = _mm256_add_epi16(h, _mm256_maddubs_epi16(c[i], _mm256_loadu_si256((const __m256i *)(xh + 32 * i))));
+        for (int i = 0; i < 4; i++) {
+            l0 = _mm256_add_epi16(l0, _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xl + 32 * i)), c[i]));
+            l1 = _mm256_add_epi16(l1, _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xl + 32 * i + 128)), c[i + 4]));
+        }
+        const __m256i ones = _mm256_set1_epi16(1);
+        const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(l0, ones), _mm256_madd_epi16(l1, ones));
+        return _mm256_add_epi32(_mm256_madd_epi16(h, _mm256_set1_epi16(256)), lo);
+    }
+    __m256i a = zero, b = zero; /* blocks [0 1 | 4 5] and [2 3 | 6 7], two int32 each */
+    for (int i = 0; i < 8; i++) {
+        const __m256i lo = _mm256_loadu_si256((const __m256i *)(xl + 32 * i));
+        const __m256i hi = _mm256_loadu_si256((const __m256i *)(xh + 32 * i));
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_unpacklo_epi8(c[i], zero), _mm256_unpacklo_epi8(lo, hi)));
+        b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_unpackhi_epi8(c[i], zero), _mm256_unpackhi_epi8(lo, hi)));
+    }
+    return _mm256_hadd_epi32(a, b);
 }
-/* lane k = block k's sum: hadd gives [b0 b1 b4 b5 | b2 b3 b6 b7], the permute restores order */
-static inline vi a16_reduce(a16 a) { return _mm256_permute4x64_epi64(_mm256_hadd_epi32(a.lo, a.hi), 0xD8); }

@@ -2,10 +2,9 @@
  * See simd.h for the contract every simd_*.h fulfils. Every AArch64 CPU has these
  * (fp16 <-> fp32 conversion included). The int16 dot has two forms:
  *   with the dot-product extension (armv8.2-a+dotprod: Graviton 2+, Apple M1+, Cortex-A76+)
- *       each int16 activation is its two bytes, split by one de-interleaving load:
- *       sdot on the signed high bytes, udot on the unsigned low bytes, 32 products
- *       per two instructions;
- *   without it: widen the codes to int16, multiply-accumulate into int32 (smlal). */
+ *       sdot on the activations' signed high bytes, udot on their unsigned low bytes:
+ *       32 products per two instructions;
+ *   without it: the bytes zipped into int16, the codes widened, smlal into int32. */
 #include <arm_neon.h>
 
 #define TM_W 4
@@ -21,17 +20,6 @@
 typedef float32x4_t vf; /* 4 floats */
 typedef int32x4_t vi;   /* 4 int32 */
 typedef uint8x16_t vb;  /* 16 bytes: lane k holds bytes 4k..4k+3 */
-#if defined(__ARM_FEATURE_DOTPROD)
-typedef struct { /* lane k: block k's dot with the high bytes, and with the low bytes */
-    int32x4_t hi;
-    uint32x4_t lo;
-} a16;
-#else
-typedef struct { /* one int32x4 per block (lane) of the group */
-    int32x4_t b0, b1, b2, b3;
-} a16;
-#endif
-
 static inline vf vf_zero(void) { return vdupq_n_f32(0.f); }
 static inline vf vf_set1(float a) { return vdupq_n_f32(a); }
 static inline vf vf_load(const float *p) { return vld1q_f32(p); }
@@ -76,32 +64,37 @@ static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
     *hi = vshrq_n_u8(v, 4);
 }
 
+/* One lane-order group: 8 code vectors c (16 codes each, lane k = block k) against the
+ * activations q = 256 hi + lo, given as their signed high bytes xh and unsigned low bytes
+ * xl at the same positions. Lane k of the result: block k's sum of c * q (for 8-bit codes
+ * with dotprod, less 32768 * the block's sum of high bytes: TM_A16_HI8_BIAS). */
 #if defined(__ARM_FEATURE_DOTPROD)
-static inline a16 a16_zero(void) { return (a16){vdupq_n_s32(0), vdupq_n_u32(0)}; }
-/* 16 int16 activations as bytes: ld2 puts the low bytes (unsigned) in val[0], the high
- * bytes (signed: q = 256 hi + lo) in val[1]. */
-static inline a16 a16_dot(a16 a, vb c, const int16_t *x, int bits) {
-    const uint8x16x2_t v = vld2q_u8((const uint8_t *)x);
-    const int8x16_t cs = vreinterpretq_s8_u8(bits == 8 ? veorq_u8(c, vdupq_n_u8(0x80)) : c);
-    a.hi = vdotq_s32(a.hi, cs, vreinterpretq_s8_u8(v.val[1]));
-    a.lo = vdotq_u32(a.lo, c, v.val[0]);
-    return a;
+static inline vi group_dot(const vb c[8], const int8_t *xh, const uint8_t *xl, int bits) {
+    int32x4_t h = vdupq_n_s32(0);
+    uint32x4_t l = vdupq_n_u32(0);
+    for (int i = 0; i < 8; i++) {
+        const uint8x16_t cs = bits == 8 ? veorq_u8(c[i], vdupq_n_u8(0x80)) : c[i];
+        h = vdotq_s32(h, vreinterpretq_s8_u8(cs), vld1q_s8(xh + 16 * i)); /* sdot */
+        l = vdotq_u32(l, c[i], vld1q_u8(xl + 16 * i));                      /* udot */
+    }
+    return vaddq_s32(vshlq_n_s32(h, 8), vreinterpretq_s32_u32(l));
 }
-static inline vi a16_reduce(a16 a) { return vaddq_s32(vshlq_n_s32(a.hi, 8), vreinterpretq_s32_u32(a.lo)); }
 #else
-static inline a16 a16_zero(void) { return (a16){vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)}; }
-/* Codes c (unsigned bytes, so exact as int16) times 16 int16 activations: uxtl widens,
- * smlal multiplies and accumulates into int32, four values per block per call. */
-static inline a16 a16_dot(a16 a, vb c, const int16_t *x, int bits) {
+/* Without dotprod: the activation bytes zipped back into int16, the codes widened, then
+ * smlal multiplies and accumulates four values of one block per instruction. */
+static inline vi group_dot(const vb c[8], const int8_t *xh, const uint8_t *xl, int bits) {
     (void)bits;
-    const int16x8_t lo = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(c)));
-    const int16x8_t hi = vreinterpretq_s16_u16(vmovl_high_u8(c));
-    const int16x8_t xl = vld1q_s16(x), xh = vld1q_s16(x + 8);
-    a.b0 = vmlal_s16(a.b0, vget_low_s16(lo), vget_low_s16(xl));
-    a.b1 = vmlal_high_s16(a.b1, lo, xl);
-    a.b2 = vmlal_s16(a.b2, vget_low_s16(hi), vget_low_s16(xh));
-    a.b3 = vmlal_high_s16(a.b3, hi, xh);
-    return a;
+    int32x4_t b0 = vdupq_n_s32(0), b1 = b0, b2 = b0, b3 = b0;
+    for (int i = 0; i < 8; i++) {
+        const uint8x16_t lo = vld1q_u8(xl + 16 * i), hi = vreinterpretq_u8_s8(vld1q_s8(xh + 16 * i));
+        const int16x8_t x0 = vreinterpretq_s16_u8(vzip1q_u8(lo, hi)), x1 = vreinterpretq_s16_u8(vzip2q_u8(lo, hi));
+        const int16x8_t cl = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(c[i])));
+        const int16x8_t ch = vreinterpretq_s16_u16(vmovl_high_u8(c[i]));
+        b0 = vmlal_s16(b0, vget_low_s16(cl), vget_low_s16(x0));
+        b1 = vmlal_high_s16(b1, cl, x0);
+        b2 = vmlal_s16(b2, vget_low_s16(ch), vget_low_s16(x1));
+        b3 = vmlal_high_s16(b3, ch, x1);
+    }
+    return vpaddq_s32(vpaddq_s32(b0, b1), vpaddq_s32(b2, b3));
 }
-static inline vi a16_reduce(a16 a) { return vpaddq_s32(vpaddq_s32(a.b0, a.b1), vpaddq_s32(a.b2, a.b3)); }
 #endif

@@ -16,7 +16,6 @@ typedef struct {
 typedef struct {
     uint8_t v[16];
 } vb;
-typedef vi a16;
 
 #define TM_MAP(T, expr) \
     T r;                \
@@ -73,14 +72,17 @@ static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
     }
 }
 
-static inline a16 a16_zero(void) { return vi_zero(); }
-static inline a16 a16_dot(a16 a, vb c, const int16_t *x, int bits) {
+/* lane k = block k's sum of c * q, q = 256 hi + lo, over the group's 8 code vectors */
+static inline vi group_dot(const vb c[8], const int8_t *xh, const uint8_t *xl, int bits) {
     (void)bits;
-    for (int k = 0; k < 4; k++)
-        a.v[k] += c.v[4 * k] * x[4 * k] + c.v[4 * k + 1] * x[4 * k + 1] + c.v[4 * k + 2] * x[4 * k + 2] +
-                  c.v[4 * k + 3] * x[4 * k + 3];
-    return a;
+    vi r = vi_zero();
+    for (int i = 0; i < 8; i++)
+        for (int k = 0; k < 4; k++)
+            for (int t = 0; t < 4; t++) {
+                const int p = 16 * i + 4 * k + t;
+                r.v[k] += c[i].v[4 * k + t] * (256 * xh[p] + xl[p]);
+            }
+    return r;
 }
-static inline vi a16_reduce(a16 a) { return a; }
 
 #undef TM_MAP
