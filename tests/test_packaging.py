@@ -1,0 +1,41 @@
+"""Installing tokenmill: the editable install must not lose to the clone's own folder.
+
+A user's script saved in the folder that holds the clone (a folder named `tokenmill`)
+used to fail with "cannot import name 'LLM' from 'tokenmill' (unknown location)":
+setuptools' editable import hook runs after Python has already taken that folder for a
+namespace package. pyproject.toml's `package-dir` makes `pip install -e .` write a plain
+path into a .pth file instead, and a real package on sys.path beats a namespace folder.
+"""
+
+from __future__ import annotations
+
+import glob
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+NOT_COPIED = (".git", ".venv", "__pycache__", "*.egg-info", "build", "dist", ".*_cache")
+
+
+def test_editable_install_wins_over_a_clone_folder_beside_the_script(tmp_path):
+    clone = tmp_path / "tokenmill"  # the clone, under the name `git clone` gives it
+    shutil.copytree(REPO, clone, ignore=shutil.ignore_patterns(*NOT_COPIED, ".hypothesis"))
+    prefix = tmp_path / "prefix"
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps"]
+    pip += ["--no-build-isolation", "--prefix", str(prefix), "-e", str(clone)]
+    r = subprocess.run(pip, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    [site_dir] = glob.glob(str(prefix / "lib" / "python*" / "site-packages"))
+    # A script in tmp_path (beside the clone) that sees only this installation: -S skips
+    # the test environment's own site-packages, -E its PYTHONPATH, and addsitedir reads
+    # the install's .pth files.
+    script = (
+        f"import site; site.addsitedir({site_dir!r})\nimport tokenmill\nprint(tokenmill.__file__)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-S", "-E", "-c", script], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(clone / "tokenmill" / "__init__.py")
