@@ -9,12 +9,10 @@ steps run every layer in one native call (models/fused_stack.py); compared: the 
 
 from __future__ import annotations
 
-import ctypes
-import sys
-
 import pytest
 import torch
 from helpers import build_hf_model
+from kernel_builds import BUILDS, use_build
 
 from tokenmill import kernels
 from tokenmill.config import RopeConfig
@@ -23,7 +21,6 @@ from tokenmill.engine.kv_cache import KVCache
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.scheduler import ScheduledChunk
 from tokenmill.engine.sequence import Sequence
-from tokenmill.kernels import build
 from tokenmill.layers import attention
 from tokenmill.layers.rotary import Rotary
 from tokenmill.loader import open_checkpoint
@@ -89,8 +86,15 @@ def _run(folder, fused: bool, monkeypatch, partial_rotary: int | None, quantize=
     return results
 
 
+@pytest.fixture(params=BUILDS)
+def kbuild(request, monkeypatch):
+    """Runs the test once per kernel build (native, AVX2, scalar), each the active library."""
+    use_build(monkeypatch, request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_fused_decode_matches_torch(tmp_path, monkeypatch, name):
+def test_fused_decode_matches_torch(kbuild, tmp_path, monkeypatch, name):
     arch, overrides = CASES[name]
     overrides = dict(overrides)
     partial = overrides.pop("partial_rotary", None)
@@ -110,7 +114,7 @@ def test_fused_decode_matches_torch(tmp_path, monkeypatch, name):
 
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("scheme", ["q8", "q4"])
-def test_fused_stack_matches_per_layer_path(tmp_path, monkeypatch, name, scheme):
+def test_fused_stack_matches_per_layer_path(kbuild, tmp_path, monkeypatch, name, scheme):
     arch, overrides = CASES[name]
     overrides = dict(overrides)
     partial = overrides.pop("partial_rotary", None)
@@ -141,18 +145,21 @@ def test_fused_stack_matches_per_layer_path(tmp_path, monkeypatch, name, scheme)
         assert e_got < 2 * e_ref + 1e-5 and e_got < 1e-3, (e_ref, e_got)
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="x86-64 Linux build flags")
 @pytest.mark.parametrize("name", ["qwen3-gqa-qknorm", "gemma3-sliding"])  # SiLU, tanh-GELU
-def test_fused_stack_portable_build_agrees(tmp_path, monkeypatch, name):
-    """Hosts without AVX-512 run the scalar code of tm_decode_stack."""
-    if not kernels.uses_avx512():
-        pytest.skip("the loaded library already is the portable build")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_stack_takes_float_weights(kbuild, tmp_path, monkeypatch, name, dtype):
+    """16-bit float checkpoints run the whole decode step natively too (FloatLinear)."""
     arch, overrides = CASES[name]
-    build_hf_model(arch, tmp_path / "model", **overrides)
-    fast = _run(tmp_path / "model", True, monkeypatch, None, "q8")
-    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
-    portable = kernels._bind(ctypes.CDLL(str(build.compile_library(("-march=x86-64",)))))
-    monkeypatch.setattr(kernels, "_lib", portable)
-    slow = _run(tmp_path / "model", True, monkeypatch, None, "q8")
-    for (a, _), (b, _) in zip(fast, slow, strict=True):
-        assert (a - b).abs().max().item() < 1e-3 * a.abs().max().item()
+    model = build_hf_model(arch, tmp_path, **overrides)
+    model.to(dtype).save_pretrained(tmp_path)  # a bf16 / f16 safetensors folder
+    runs = []
+    real_run = fused_stack.FusedDecodeStack.run
+    monkeypatch.setattr(
+        fused_stack.FusedDecodeStack, "run", lambda *a: runs.append(1) or real_run(*a)
+    )
+    got = _run(tmp_path, True, monkeypatch, None, "float")
+    assert len(runs) == 6
+    # the same 16-bit weights, widened to float32 torch Linears: the reference path
+    ref = _run(tmp_path, False, monkeypatch, None, None)
+    for (a, _), (b, _) in zip(got, ref, strict=True):
+        assert (a - b).abs().max().item() < 1e-4 * b.abs().max().item()

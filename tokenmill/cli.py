@@ -100,8 +100,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
         default="auto",
-        choices=["auto", "none", "gguf", "q8", "q4"],
-        help="auto: keep a GGUF file's quantized weights packed (fast); none: float weights",
+        choices=["auto", "none", "gguf", "float", "q8", "q4"],
+        help="auto: keep weights as the file stores them for the native kernels (fast); "
+        "none: torch float weights",
     )
     p.add_argument(
         "--kv-cache-memory",

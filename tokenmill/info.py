@@ -31,17 +31,14 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
 
 
 def kernel_instruction_set() -> str:
-    """The instruction set the native quantized kernels use on this machine.
-
-    The one place that asks tokenmill.kernels; when the kernels report their code path
-    themselves, only this function changes."""
+    """The instruction set the native kernels run on this machine, as tokenmill.kernels
+    reports it (compiling them on first use), with what "none" means."""
     from tokenmill import kernels
 
-    if kernels.library() is None:
+    isa = kernels.isa()
+    if isa == "none":
         return "none: native kernels unavailable, pure-torch fallback (slow)"
-    if kernels.uses_avx512():
-        return "AVX-512 VNNI"
-    return "portable C (no AVX-512 path)"
+    return isa
 
 
 def cpu_description() -> str:

@@ -1,10 +1,13 @@
-"""Native CPU kernels for weight-only quantized linear layers, called through ctypes.
+"""Native CPU kernels (linear layers over packed weights, decode attention, the whole
+decode step), called through ctypes.
 
-The C source (quant.c) is compiled on first use by `build.py` and cached; see its
-header comment for the packed weight format. If it cannot be built or loaded (no
-compiler, a sandbox without exec permission on the cache folder...), `library()`
-returns None after one warning and callers take their pure-torch path instead:
-slower, never a crash. Set TOKENMILL_KERNELS=0 to force that path.
+The C sources here (linear.c, attention.c, stack.c over the per-instruction-set layer
+simd.h) are compiled on first use by `build.py` for the host (or TOKENMILL_MARCH) and
+cached; linear.c's header documents the packed weight format, tm.h which code each
+instruction set runs. `isa()` names the one loaded. If the library cannot be built or
+loaded (no compiler, a sandbox without exec permission on the cache folder...),
+`library()` returns None after one warning and callers take their pure-torch path
+instead: slower, never a crash. Set TOKENMILL_KERNELS=0 to force that path.
 
 Everything here works on raw pointers (`tensor.data_ptr()`), so callers must pass
 contiguous CPU tensors of the documented dtypes and keep them alive during the call.
@@ -24,6 +27,9 @@ from tokenmill.kernels.build import BuildError, compile_library
 __all__ = [
     "TmWeight",
     "library",
+    "load",
+    "isa",
+    "group_blocks",
     "uses_avx512",
     "linear",
     "dequant_lanes",
@@ -36,8 +42,13 @@ __all__ = [
 ]
 
 
+ABI = 3  # tm_info() // 1000 of the sources this module binds
+F16, BF16, F32 = 16, 17, 32  # tm_weight.bits of float weights (4 and 8: packed blocks)
+DEFAULT_GROUP_BLOCKS = 16  # the packing used when no library is loaded (any would do)
+
+
 class TmWeight(ctypes.Structure):
-    """Mirror of `tm_weight` in quant.c: pointers into a packed weight's tensors."""
+    """Mirror of `tm_weight` in tm.h: pointers into a packed weight's tensors."""
 
     _fields_ = [
         ("codes", ctypes.c_void_p),
@@ -51,7 +62,7 @@ class TmWeight(ctypes.Structure):
 
 
 class TmLayer(ctypes.Structure):
-    """Mirror of `tm_layer` in quant.c: one block's weights for tm_decode_stack."""
+    """Mirror of `tm_layer` in tm.h: one block's weights for tm_decode_stack."""
 
     _fields_ = [
         *((name, ctypes.c_void_p) for name in ("qkv", "o", "up", "down")),
@@ -74,7 +85,7 @@ class TmLayer(ctypes.Structure):
 
 
 class TmStack(ctypes.Structure):
-    """Mirror of `tm_stack` in quant.c: every layer plus the model's shapes."""
+    """Mirror of `tm_stack` in tm.h: every layer plus the model's shapes."""
 
     _fields_ = [
         ("layers", ctypes.c_void_p),
@@ -107,13 +118,23 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tm_decode_attention.restype = i32
     lib.tm_decode_stack.argtypes = [vp, vp, i32, vp, vp, vp, i32, vp, i32]
     lib.tm_decode_stack.restype = i32
-    if lib.tm_info() // 1000 != 2:
-        raise OSError("kernel library reports an unknown ABI version")
+    lib.tm_group_blocks.restype = i32
+    lib.tm_isa.restype = ctypes.c_char_p
+    lib.tm_struct_size.argtypes = [i32]
+    lib.tm_struct_size.restype = i32
+    if lib.tm_info() // 1000 != ABI:
+        raise OSError(f"kernel library reports ABI {lib.tm_info() // 1000}, expected {ABI}")
+    for which, struct in enumerate((TmWeight, TmLayer, TmStack)):
+        if lib.tm_struct_size(which) != ctypes.sizeof(struct):
+            raise OSError(f"{struct.__name__} is {ctypes.sizeof(struct)} bytes in Python, "
+                          f"{lib.tm_struct_size(which)} in C")  # fmt: skip
     return lib
 
 
-def _load() -> ctypes.CDLL:
-    return _bind(ctypes.CDLL(str(compile_library())))
+def load(arch_flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
+    """Compile (if needed) and load the library for a target, e.g. ("-march=x86-64-v3",);
+    None: the default (native, or TOKENMILL_MARCH). Raises BuildError or OSError."""
+    return _bind(ctypes.CDLL(str(compile_library(arch_flags))))
 
 
 def library() -> ctypes.CDLL | None:
@@ -125,7 +146,7 @@ def library() -> ctypes.CDLL | None:
         if not _tried:
             if os.environ.get("TOKENMILL_KERNELS", "1") != "0":
                 try:
-                    _lib = _load()
+                    _lib = load()
                 except (BuildError, OSError) as e:
                     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                     warnings.warn(
@@ -138,17 +159,30 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
+def isa() -> str:
+    """The instruction set the kernels run: avx512, avx2, neon, scalar, or "none" (no
+    library: the pure-torch path)."""
+    lib = library()
+    return "none" if lib is None else lib.tm_isa().decode()
+
+
+def group_blocks() -> int:
+    """Blocks per lane-order group of the packed codes the loaded library expects."""
+    lib = library()
+    return DEFAULT_GROUP_BLOCKS if lib is None else lib.tm_group_blocks()
+
+
 def uses_avx512() -> bool:
     """Whether the loaded library took the AVX-512 VNNI/BF16 code path."""
-    lib = library()
-    return lib is not None and lib.tm_info() % 1000 == 1
+    return isa() == "avx512"
 
 
 def linear(
     w: TmWeight, x: torch.Tensor, bias: torch.Tensor | None, act_bits: int = 8
 ) -> torch.Tensor:
-    """y [T, N] = x [T, K] @ W^T (+ bias), activations quantized per 32-block to
-    `act_bits` (8: llama.cpp's scheme; 16: ~1.5x the arithmetic, near-float accuracy).
+    """y [T, N] = x [T, K] @ W^T (+ bias); packed weights quantize the activations per
+    32-block to `act_bits` (8: llama.cpp's scheme; 16: near-float accuracy), 16-bit
+    float weights multiply x as float32.
 
     x: contiguous float32; bias: [N] or None (made float32 if a loader cast it).
     """
@@ -229,7 +263,7 @@ def decode_attention(
     window: int,
     scale: float,
 ) -> None:
-    """Whole decode attention of one layer in one call (see tm_decode_attention in quant.c).
+    """Whole decode attention of one layer in one call (see tm_decode_attention in attention.c).
 
     qkv [Bd, (H + 2 Hkv) hd] fused projection output -> out [Bd, H hd]; writes the rows'
     normed, rotated k and their v into k_cache/v_cache [num_slots, Hkv, hd] at new_slots
@@ -259,7 +293,7 @@ def decode_stack(
     context_lens: torch.Tensor,
 ) -> None:
     """Every layer's decode step and the final norm in one call (tm_decode_stack in
-    quant.c), in place on x [Bd, d] (float32, contiguous); the other arguments as in
+    stack.c), in place on x [Bd, d] (float32, contiguous); the other arguments as in
     decode_attention."""
     lib = library()
     assert lib is not None, "call only when library() is not None"

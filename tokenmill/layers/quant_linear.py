@@ -2,25 +2,17 @@
 
 Decode on CPU is memory-bound: every token reads every weight once. Dequantizing a
 Q4_1 file to float32 at load time makes each token read 7x more bytes than the file
-holds. QuantLinear keeps the 4/8-bit codes and multiplies them directly:
+holds. QuantLinear keeps the 4/8-bit codes and the native kernels multiply them
+directly (how a forward pass runs: layers/native_linear.py). Activations are quantized
+per 32-block to int16 (act_bits=16, the default) or int8 (act_bits=8, llama.cpp's q8
+scheme) for the decode kernel.
 
-  T <= PREFILL_MIN_T (decode, small batches)
-      native kernel: x quantized per 32-block to int16 (act_bits=16, the default) or
-      int8 (act_bits=8, llama.cpp's q8 scheme), VNNI dot products against the codes,
-      float32 out.
-  T >  PREFILL_MIN_T (prefill)
-      weight rows dequantized chunk by chunk to float32, multiplied by torch's float32
-      GEMM: within 1e-4 of the exact product on SmolLM2's logits (the int16 kernel:
-      within 0.02). A bfloat16 GEMM (oneDNN/AMX) ran the 512-token prefill 2x faster
-      but moved logits by up to 0.5, so that a prompt prefilled alone (kernel) and in
-      a batch of 16 (GEMM) continued differently under greedy decoding.
-  no native library
-      dequantize the whole weight with torch ops and call F.linear (slow, exact).
-
-Packed format (see tokenmill/kernels/quant.c for the lane order of the codes):
+Packed format (see tokenmill/kernels/linear.c for the lane order of the codes):
 
     w = d * (c - Z) + m       per block of 32 values of a row
-    codes  uint8 [N, K/2] (4-bit) or [N, K] (8-bit), lane order
+    codes  uint8 [N, K/2] (4-bit) or [N, K] (8-bit), lane order for `group_blocks`
+           blocks per group (the loaded kernel library's vector width; repacked if a
+           library of another width is loaded later)
     scales float16 or float32 [N, K/32];  mins: same, or None (then Z = 8 or 128)
 
 GGUF types and how they map (exact = identical values to gguf.quants.dequantize):
@@ -42,30 +34,22 @@ from functools import lru_cache
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType as GT
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
-from torch import nn
 
 from tokenmill import kernels
+from tokenmill.layers.native_linear import PREFILL_MIN_T, NativeLinear
+
+__all__ = ["QuantLinear", "PREFILL_MIN_T", "EXACT_GGUF_TYPES", "REQUANT_GGUF_TYPES"]
 
 QK = 32  # values per block
-GROUP_BLOCKS = 16  # blocks per full lane-order group (quant.c: GB)
 
-# Above this many rows of x, dequantize-to-float32 + GEMM beats the VNNI kernel: on
-# SmolLM2's shapes (2 threads) the crossover lies between 64 and 96 rows
-# (re-measure with benchmarks/gemv.py --t).
-PREFILL_MIN_T = 80
 # Activation precision of the decode kernel: 16 (two VNNI passes, ~1.3x the arithmetic,
 # ~3-6% slower when streaming weights from memory) or 8 (llama.cpp's q8 scheme). On
 # SmolLM2, 8-bit moves logits by up to ~3 and flips greedy tokens within 10-20 steps;
 # 16-bit by ~0.01. Per layer: the `act_bits` attribute.
 DEFAULT_ACT_BITS = 16
-# Most bytes of dequantized W per GEMM call in the prefill path: bounds the
-# temporary (a 49152-row un-embedding would be 56 MB); cache-sized 1-4 MB chunks
-# measured no faster than whole layers, since every call re-packs its operands.
-_PREFILL_CHUNK_BYTES = 16 << 20
 
 _TORCH = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32}
 _RAW = {torch.float16: torch.int16, torch.float32: torch.int32}
@@ -81,34 +65,36 @@ REQUANT_GGUF_TYPES = frozenset({GT.Q6_K, GT.Q2_K, GT.Q3_K})
 
 
 @lru_cache(maxsize=64)
-def _lane_perm(k: int) -> np.ndarray:
-    """perm[p] = natural column of lane-order position p, for rows of k values.
+def _lane_perm(k: int, gb: int) -> np.ndarray:
+    """perm[p] = natural column of lane-order position p, for rows of k values and
+    groups of gb blocks.
 
-    Full groups of 16 blocks: block kb, value j = 4i + t of group g sits at
-    p = g*512 + i*64 + kb*4 + t. The tail (k/32 % 16 blocks) stays in natural order.
+    Full groups: block kb, value j = 4i + t of group g sits at p = g*32gb + i*4gb +
+    kb*4 + t. The tail (k/32 % gb blocks) stays in natural order.
     """
-    nfull = k // QK // GROUP_BLOCKS
+    nfull = k // QK // gb
     # natural index within a group, shaped [kb, i, t] -> lane order [i, kb, t]
-    group = np.arange(GROUP_BLOCKS * QK).reshape(GROUP_BLOCKS, 8, 4).transpose(1, 0, 2).reshape(-1)
-    full = (np.arange(nfull)[:, None] * GROUP_BLOCKS * QK + group).reshape(-1)
+    group = np.arange(gb * QK).reshape(gb, 8, 4).transpose(1, 0, 2).reshape(-1)
+    full = (np.arange(nfull)[:, None] * gb * QK + group).reshape(-1)
     return np.concatenate([full, np.arange(full.size, k)]).astype(np.int64)
 
 
 @lru_cache(maxsize=64)
-def _nibble_cols(k: int) -> tuple[np.ndarray, np.ndarray]:
+def _nibble_cols(k: int, gb: int) -> tuple[np.ndarray, np.ndarray]:
     """(lo, hi): natural columns of the low and high nibble of each 4-bit code byte.
 
-    Full group: byte c*64 + r holds lane positions (2c)*64 + r (low), (2c+1)*64 + r.
+    Full group (vectors of v = 4gb bytes): byte c*v + r holds lane positions
+    (2c)*v + r (low) and (2c+1)*v + r (high).
     Tail chunk of n values (64, or 32 for a last single block) starting at value o:
     byte r holds values o + r (low) and o + n/2 + r (high).
     """
-    perm = _lane_perm(k)
-    nfull = k // QK // GROUP_BLOCKS
-    pos = np.arange(256)
-    c, r = pos // 64, pos % 64
-    lo = [perm[g * 512 + 2 * c * 64 + r] for g in range(nfull)]
-    hi = [perm[g * 512 + (2 * c + 1) * 64 + r] for g in range(nfull)]
-    for o in range(nfull * 512, k, 64):
+    perm = _lane_perm(k, gb)
+    nfull, v, gw = k // QK // gb, 4 * gb, QK * gb
+    pos = np.arange(gw // 2)
+    c, r = pos // v, pos % v
+    lo = [perm[g * gw + 2 * c * v + r] for g in range(nfull)]
+    hi = [perm[g * gw + (2 * c + 1) * v + r] for g in range(nfull)]
+    for o in range(nfull * gw, k, 64):
         half = min(64, k - o) // 2
         lo.append(o + np.arange(half))
         hi.append(o + half + np.arange(half))
@@ -116,13 +102,13 @@ def _nibble_cols(k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @lru_cache(maxsize=64)
-def _unpack_index(k: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _unpack_index(k: int, bits: int, gb: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(byte, shift) per natural column: code = (codes[:, byte] >> shift) & mask."""
     if bits == 8:
         inv = np.empty(k, dtype=np.int64)
-        inv[_lane_perm(k)] = np.arange(k)
+        inv[_lane_perm(k, gb)] = np.arange(k)
         return torch.from_numpy(inv), torch.zeros(k, dtype=torch.uint8)
-    lo, hi = _nibble_cols(k)
+    lo, hi = _nibble_cols(k, gb)
     byte = np.empty(k, dtype=np.int64)
     shift = np.empty(k, dtype=np.uint8)
     byte[lo], shift[lo] = np.arange(k // 2), 0
@@ -130,12 +116,12 @@ def _unpack_index(k: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(byte), torch.from_numpy(shift)
 
 
-def _pack_codes(nat: np.ndarray, bits: int) -> np.ndarray:
-    """Natural-order codes uint8 [rows, K] (< 16 for 4-bit) -> packed lane order."""
+def _pack_codes(nat: np.ndarray, bits: int, gb: int) -> np.ndarray:
+    """Natural-order codes uint8 [rows, K] (< 16 for 4-bit) -> lane order for groups of gb."""
     k = nat.shape[1]
     if bits == 8:
-        return nat[:, _lane_perm(k)]
-    lo, hi = _nibble_cols(k)
+        return nat[:, _lane_perm(k, gb)]
+    lo, hi = _nibble_cols(k, gb)
     return nat[:, lo] | (nat[:, hi] << 4)
 
 
@@ -239,15 +225,15 @@ def _quantize_rows(w: torch.Tensor, scheme: str):
 # ----------------------------------------------------------------------------------
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(NativeLinear):
     """y = x W^T + b with W held in the packed 4/8-bit format above.
 
-    Same interface as layers.linear.Linear: forward(x [.., in]) -> [.., out] float32
-    (x's dtype if it is not float32). The packed tensors are buffers (saved by
-    state_dict, not parameters); `bias` is a float32 Parameter like Linear's, so the
-    loader can fill it by name. `act_bits` (8 or 16) picks the decode kernel's
-    activation precision (DEFAULT_ACT_BITS at construction).
+    The packed tensors are buffers (saved by state_dict, not parameters); `act_bits`
+    (8 or 16) picks the decode kernel's activation precision (DEFAULT_ACT_BITS at
+    construction). The rest of the interface: NativeLinear.
     """
+
+    lane_order = True
 
     def __init__(
         self,
@@ -258,8 +244,9 @@ class QuantLinear(nn.Module):
         in_features: int,
         out_features: int,
         bias: torch.Tensor | None = None,
+        group_blocks: int | None = None,
     ):
-        super().__init__()
+        super().__init__(in_features, out_features, bias)
         if in_features % QK or bits not in (4, 8):
             raise ValueError(f"need in_features % {QK} == 0 and bits in (4, 8)")
         if codes.shape != (out_features, in_features * bits // 8) or codes.dtype != torch.uint8:
@@ -270,20 +257,16 @@ class QuantLinear(nn.Module):
             raise ValueError(f"scales must be float16 or float32, got {scales.dtype}")
         if mins is not None and (mins.shape != scales.shape or mins.dtype != scales.dtype):
             raise ValueError("mins must match scales in shape and dtype")
-        self.in_features, self.out_features, self.bits = in_features, out_features, bits
+        self.bits = bits
+        # the lane order `codes` is packed in (None: that of the loaded kernels)
+        self.group_blocks = kernels.group_blocks() if group_blocks is None else group_blocks
         self.register_buffer("codes", codes.contiguous())
         # Scales and mins are stored as their raw bits (int16/int32 views): a float cast
         # of the model (model.to(torch.bfloat16)) must not touch the packed format.
         raw = _RAW[scales.dtype]
         self.register_buffer("scales_raw", scales.contiguous().view(raw))
         self.register_buffer("mins_raw", None if mins is None else mins.contiguous().view(raw))
-        self.bias = (
-            None
-            if bias is None
-            else nn.Parameter(bias.to(torch.float32).contiguous(), requires_grad=False)
-        )
         self.act_bits = DEFAULT_ACT_BITS
-        self._cw: kernels.TmWeight | None = None
 
     # -- construction -----------------------------------------------------------------
 
@@ -350,6 +333,7 @@ class QuantLinear(nn.Module):
         1M values per chunk: the transient memory beyond the result stays a few MB.
         """
         chunk = max(1, (1 << 20) // in_features)
+        gb = kernels.group_blocks()
         codes = scales = mins = None
         for r0 in range(0, out_features, chunk):
             r1 = min(out_features, r0 + chunk)
@@ -358,11 +342,11 @@ class QuantLinear(nn.Module):
                 codes = torch.empty(out_features, in_features * bits // 8, dtype=torch.uint8)
                 scales = torch.empty(out_features, in_features // QK, dtype=_TORCH[sc.dtype])
                 mins = None if mn is None else torch.empty_like(scales)
-            codes[r0:r1] = torch.from_numpy(_pack_codes(nat, bits))
+            codes[r0:r1] = torch.from_numpy(_pack_codes(nat, bits, gb))
             scales[r0:r1] = torch.from_numpy(np.ascontiguousarray(sc))
             if mins is not None:
                 mins[r0:r1] = torch.from_numpy(np.ascontiguousarray(mn))
-        return cls(codes, scales, mins, bits, in_features, out_features, bias)
+        return cls(codes, scales, mins, bits, in_features, out_features, bias, gb)
 
     @classmethod
     def cat(cls, parts: list[QuantLinear]) -> QuantLinear:
@@ -378,6 +362,7 @@ class QuantLinear(nn.Module):
                 or p.bits != first.bits
                 or p.scales.dtype != first.scales.dtype
                 or (p.mins is None) != (first.mins is None)
+                or p.group_blocks != first.group_blocks
             ):
                 raise ValueError("QuantLinear.cat: parts differ in input size or packed format")
         if any(p.bias is not None for p in parts) and not all(p.bias is not None for p in parts):
@@ -390,6 +375,7 @@ class QuantLinear(nn.Module):
             first.in_features,
             sum(p.out_features for p in parts),
             None if first.bias is None else torch.cat([p.bias for p in parts]),
+            first.group_blocks,
         )
 
     @property
@@ -405,74 +391,27 @@ class QuantLinear(nn.Module):
 
     # -- compute ----------------------------------------------------------------------
 
-    def _native(self) -> kernels.TmWeight | None:
-        """The C view of the packed tensors (built once), or None without the library."""
-        cw = self._cw
-        if cw is None and kernels.library() is not None:
-            cw = self._cw = kernels.TmWeight(
-                self.codes.data_ptr(),
-                self.scales_raw.data_ptr(),
-                None if self.mins_raw is None else self.mins_raw.data_ptr(),
-                self.bits,
-                int(self.scales.dtype == torch.float16),
-                self.out_features,
-                self.in_features,
-            )
-        return cw
+    def _make_native(self) -> kernels.TmWeight:
+        if self.group_blocks != kernels.group_blocks():
+            self._relayout(kernels.group_blocks())
+        return kernels.TmWeight(
+            self.codes.data_ptr(),
+            self.scales_raw.data_ptr(),
+            None if self.mins_raw is None else self.mins_raw.data_ptr(),
+            self.bits,
+            int(self.scales.dtype == torch.float16),
+            self.out_features,
+            self.in_features,
+        )
 
-    def _apply(self, fn, recurse=True):
-        self._cw = None  # .to(), .share_memory_()...: buffers may move, rebuild pointers
-        return super()._apply(fn, recurse)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype is torch.float32:  # the hot path: no reshapes
-            return self._forward2d(x.contiguous())
-        shape, dtype = x.shape, x.dtype
-        y = self._forward2d(x.reshape(-1, self.in_features).to(torch.float32).contiguous())
-        return y.reshape(*shape[:-1], self.out_features).to(dtype)
-
-    def _forward2d(self, x: torch.Tensor) -> torch.Tensor:
-        cw = self._cw or self._native()
-        if cw is None:
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x, self.dequantize(), bias)
-        if x.shape[0] <= PREFILL_MIN_T:
-            return kernels.linear(cw, x, self.bias, self.act_bits)
-        return self._prefill(cw, x)
-
-    def _prefill(self, cw: kernels.TmWeight, x: torch.Tensor) -> torch.Tensor:
-        """Many rows: float32 GEMM against W dequantized in lane order, x's columns
-        permuted to match (the permutation of the shared K axis cancels out)."""
-        xl = kernels.lanes_f32(x)  # [T, K]
-        n = self.out_features
-        chunk = max(64, _PREFILL_CHUNK_BYTES // (4 * self.in_features) // 64 * 64)
-        if chunk >= n:
-            return F.linear(xl, kernels.dequant_lanes(cw, 0, n), self.bias)
-        y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        for r0 in range(0, n, chunk):
-            r1 = min(n, r0 + chunk)
-            torch.mm(xl, kernels.dequant_lanes(cw, r0, r1).T, out=y[:, r0:r1])
-        if self.bias is not None:
-            y += self.bias
-        return y
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Embedding lookup: rows `ids` of W dequantized to float32 [*ids.shape, in].
-
-        Raises IndexError for ids outside [0, out_features).
-        """
-        flat = ids.reshape(-1)
-        if flat.dtype is not torch.int64:
-            flat = flat.long()
-        flat = flat.contiguous()
-        cw = self._cw or self._native()
-        if cw is not None:
-            rows = kernels.dequant_rows(cw, flat)
-        else:
-            if flat.numel() and (flat.min() < 0 or flat.max() >= self.out_features):
-                raise IndexError(f"id out of range [0, {self.out_features})")
-            rows = self.dequantize(flat)
-        return rows.view(*ids.shape, self.in_features)
+    def _relayout(self, gb: int) -> None:
+        """Repack the codes for groups of gb blocks (a library of another vector width)."""
+        byte, shift = _unpack_index(self.in_features, self.bits, self.group_blocks)
+        nat = self.codes[:, byte]
+        if self.bits == 4:
+            nat = (nat >> shift) & 15
+        self.codes = torch.from_numpy(_pack_codes(nat.numpy(), self.bits, gb))
+        self.group_blocks = gb
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """W (or its rows `rows`) as float32 [rows, in] in natural column order (torch ops).
@@ -485,7 +424,7 @@ class QuantLinear(nn.Module):
         if rows is not None:
             codes, scales = codes[rows], scales[rows]
             mins = None if mins is None else mins[rows]
-        byte, shift = _unpack_index(self.in_features, self.bits)
+        byte, shift = _unpack_index(self.in_features, self.bits, self.group_blocks)
         c = codes[:, byte]
         if self.bits == 4:
             c = (c >> shift) & 15
@@ -500,7 +439,6 @@ class QuantLinear(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the packed weight (what one full forward pass reads)."""
         tensors = [self.codes, self.scales] + ([] if self.mins is None else [self.mins])
         return sum(t.numel() * t.element_size() for t in tensors)
 

@@ -1,4 +1,4 @@
-"""The decode step of every layer in one native call (tm_decode_stack in kernels/quant.c).
+"""The decode step of every layer in one native call (tm_decode_stack in kernels/stack.c).
 
 Why: a decode step is ~120 small GEMVs plus ~300 tiny ops (norms, adds, the MLP
 activation). Each torch op costs ~5-30 us of dispatch on this CPU, as much as the
@@ -13,8 +13,8 @@ with the same kernels the per-op path calls (tm_linear, tm_decode_attention), an
 returns the final norm of the residual stream, ready for the un-embedding.
 
 It applies to RMSNorm models with a gated SiLU or tanh-GELU MLP (Llama, Mistral, Qwen2/3,
-Gemma 3) whose linear layers are all packed (QuantLinear with the native library), in
-float32 on CPU, for steps made only of decode rows and not traced. Everything else runs
+Gemma 3) whose linear layers the native kernels read (QuantLinear or FloatLinear, with
+the native library), in float32 on CPU, for steps made only of decode rows and not traced. Everything else runs
 the per-layer modules, which stay the reference (TOKENMILL_FUSED_DECODE=0 turns this off
 along with the fused attention).
 """
@@ -29,8 +29,8 @@ from torch import nn
 from tokenmill import kernels
 from tokenmill.layers import attention
 from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.layers.native_linear import NativeLinear
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.quant_linear import QuantLinear
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
@@ -64,9 +64,9 @@ class FusedDecodeStack:
             return t.data_ptr()
 
         def weight(lin: nn.Module) -> int | None:
-            if not isinstance(lin, QuantLinear):
+            if not isinstance(lin, NativeLinear):
                 return None
-            cw = lin._native()
+            cw = lin.native()
             if cw is None:
                 return None
             keep.append(cw)
@@ -87,7 +87,8 @@ class FusedDecodeStack:
                 return None
             if not all(isinstance(n, RMSNorm) for n in (block.attn_norm, block.mlp_norm)):
                 return None
-            if len({lin.act_bits for lin in linears}) != 1:
+            act_bits = {getattr(lin, "act_bits", 16) for lin in linears}
+            if len(act_bits) != 1:
                 return None
             desc.qkv, desc.o, desc.up, desc.down = ptrs
             desc.qkv_bias, desc.o_bias, desc.up_bias, desc.down_bias = (
@@ -103,7 +104,7 @@ class FusedDecodeStack:
             desc.rot_dim = 0 if rot is None else rot.cos.shape[1]
             desc.k_cache, desc.v_cache = a.k_cache.data_ptr(), a.v_cache.data_ptr()
             desc.window = a.window or 0
-            desc.act16 = int(a.qkv.act_bits == 16)
+            desc.act16 = int(act_bits == {16})
             desc.scale = a.head_dim**-0.5 if a.scale is None else a.scale
         if not isinstance(model.final_norm, RMSNorm):
             return None

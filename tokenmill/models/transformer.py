@@ -25,8 +25,8 @@ from tokenmill.config import ModelConfig
 from tokenmill.layers.attention import Attention, AttentionMetadata
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.mlp import MLP
+from tokenmill.layers.native_linear import NativeLinear
 from tokenmill.layers.norm import make_norm
-from tokenmill.layers.quant_linear import QuantLinear
 from tokenmill.layers.rotary import Rotary
 from tokenmill.loader import Checkpoint, LoadError
 from tokenmill.models import fused_stack
@@ -152,7 +152,7 @@ class Transformer(nn.Module):
         return super()._apply(fn, recurse)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.embed, QuantLinear):
+        if isinstance(self.embed, NativeLinear):
             return self.embed.embed(ids).to(self.dtype)
         return self.embed(ids)
 
@@ -161,7 +161,7 @@ class Transformer(nn.Module):
         head = self.embed if self.lm_head is None else self.lm_head
         if isinstance(head, nn.Embedding):
             logits = (x @ head.weight.t()).float()
-        else:  # Linear or QuantLinear
+        else:  # Linear, QuantLinear or FloatLinear
             logits = head(x).float()
         cap = self.cfg.final_logit_softcap
         if cap:
@@ -180,8 +180,9 @@ class Transformer(nn.Module):
     ) -> None:
         """Fill every parameter from the checkpoint; one clear error for any mismatch.
 
-        quantize: None keeps float weights in `dtype`; "gguf", "q8" or "q4" packs the
-        projections into QuantLinear layers first (see models/quantize.py).
+        quantize: None keeps float weights in `dtype`; "gguf", "float", "q8" or "q4" swaps
+        the projections for layers the native kernels read as stored (QuantLinear,
+        FloatLinear) first (see models/quantize.py).
         progress(done, total) is called after each tensor.
         """
         self.dtype = dtype

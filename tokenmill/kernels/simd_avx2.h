@@ -1,0 +1,97 @@
+/* x86-64 AVX2 + FMA + F16C (x86-64-v3) primitives: 256-bit vectors, 8 lanes.
+ * See simd.h for the contract every simd_*.h fulfils. */
+#include <immintrin.h>
+
+#define TM_W 8
+#define TM_SIMD_NAME "avx2"
+
+typedef __m256 vf;  /* 8 floats */
+typedef __m256i vi; /* 8 int32 */
+typedef __m256i vb; /* 32 bytes: lane k holds bytes 4k..4k+3 */
+/* int16 dot accumulators: lo for lanes (blocks) 0-3, hi for 4-7, two int32 per block */
+typedef struct {
+    __m256i lo, hi;
+} a16;
+
+static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
+static inline vf vf_set1(float a) { return _mm256_set1_ps(a); }
+static inline vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vf_store(float *p, vf a) { _mm256_storeu_ps(p, a); }
+static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vf_div(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vf_min(vf a, vf b) { return _mm256_min_ps(a, b); }
+static inline vf vf_abs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
+/* sign bit of s on the magnitude of a */
+static inline vf vf_copysign(vf a, vf s) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    return _mm256_or_ps(_mm256_andnot_ps(sign, a), _mm256_and_ps(sign, s));
+}
+/* a where x < 0, else b */
+static inline vf vf_select_neg(vf x, vf a, vf b) { return _mm256_blendv_ps(b, a, x); }
+static inline vf vf_round(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline float vf_sum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline float vf_hmax(vf a) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+/* lane u = the sum of v[u]'s lanes: a hadd tree, then the two 128-bit halves added */
+static inline vf vf_hsums(const vf v[8]) {
+    const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+static inline vf vf_load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline vf vf_load_bf16(const uint16_t *p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+static inline vi vi_zero(void) { return _mm256_setzero_si256(); }
+static inline vi vi_load(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
+static inline vi vi_sub(vi a, vi b) { return _mm256_sub_epi32(a, b); }
+static inline int32_t vi_sum(vi a) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+static inline vf vf_from_vi(vi a) { return _mm256_cvtepi32_ps(a); }
+static inline vi vi_round(vf a) { return _mm256_cvtps_epi32(a); } /* nearest, ties to even */
+static inline vf vf_pow2i(vi n) { /* 2^n for n in [-126, 127] */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23));
+}
+/* a's 8 lanes as int16 (they fit) */
+static inline void vi_store_i16(int16_t *p, vi a) {
+    _mm_storeu_si128((__m128i *)p, _mm_packs_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)));
+}
+
+static inline vb vb_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
+    const __m256i m = _mm256_set1_epi8(0x0f);
+    *lo = _mm256_and_si256(v, m);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+}
+
+static inline a16 a16_zero(void) { return (a16){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+/* Codes c (unsigned bytes) times 32 int16 activations: vpmovzxbw widens each half,
+ * vpmaddwd multiplies and adds pairs: two int32 per block (exact: |c x| < 2^23). */
+static inline a16 a16_dot(a16 a, vb c, const int16_t *x, int bits) {
+    (void)bits;
+    const __m256i lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(c));
+    const __m256i hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(c, 1));
+    a.lo = _mm256_add_epi32(a.lo, _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x)));
+    a.hi = _mm256_add_epi32(a.hi, _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
+    return a;
+}
+/* lane k = block k's sum: hadd gives [b0 b1 b4 b5 | b2 b3 b6 b7], the permute restores order */
+static inline vi a16_reduce(a16 a) { return _mm256_permute4x64_epi64(_mm256_hadd_epi32(a.lo, a.hi), 0xD8); }
