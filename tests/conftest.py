@@ -7,12 +7,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-# slow tests name themselves as they start (hooks are found by name in a conftest)
-from slow_progress import (  # noqa: E402, F401
-    pytest_configure,
-    pytest_report_collectionfinish,
-    pytest_runtest_logstart,
-)
+# slow tests name themselves as they start (a conftest's hooks are found by name)
+from slow_progress import pytest_configure  # noqa: E402, F401
 
 
 def real_model(name: str) -> Path:

@@ -14,37 +14,40 @@ from __future__ import annotations
 
 import pytest
 
-_slow: set[str] = set()
-_config: pytest.Config | None = None
-_last_file = [""]  # the file of the test that started last
+
+class SlowProgress:
+    """The hooks, with their state kept per pytest run (a run inside a test, as pytester
+    makes, gets its own instance)."""
+
+    def __init__(self, config: pytest.Config):
+        self.config = config
+        self.slow: set[str] = set()
+        self.last_file = ""  # the file of the test that started last
+
+    def pytest_report_collectionfinish(self, items: list[pytest.Item]) -> str:
+        self.slow = {item.nodeid for item in items if item.get_closest_marker("slow")}
+        if not self.slow:
+            return ""
+        return (
+            f"{len(self.slow)} of {len(items)} selected tests are slow (real models, named as "
+            f'they start); -m "not slow" runs only the fast ones'
+        )
+
+    @pytest.hookimpl(trylast=True)  # after the terminal reporter has written the file's name
+    def pytest_runtest_logstart(self, nodeid: str, location: tuple[str, int | None, str]) -> None:
+        # right after pytest writes a file's name the line already ends in a space
+        first_in_file = location[0] != self.last_file
+        self.last_file = location[0]
+        if nodeid not in self.slow or self.config.get_verbosity() > 0:
+            return
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is None:
+            return
+        name = location[2].removeprefix("test_")
+        reporter.write(f"{'' if first_in_file else ' '}{name} ", cyan=True)
+        reporter.flush()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    global _config
-    _config = config
-
-
-def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Item]) -> str:
-    _slow.clear()
-    _slow.update(item.nodeid for item in items if item.get_closest_marker("slow"))
-    if not _slow:
-        return ""
-    return (
-        f"{len(_slow)} of {len(items)} selected tests are slow (real models, named as they "
-        f'start); -m "not slow" runs only the fast ones'
-    )
-
-
-@pytest.hookimpl(trylast=True)  # after the terminal reporter has written the file's name
-def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
-    # right after pytest writes a file's name the line already ends in a space
-    first_in_file = location[0] != _last_file[0]
-    _last_file[0] = location[0]
-    if nodeid not in _slow or _config is None or _config.get_verbosity() > 0:
-        return
-    reporter = _config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is None:
-        return
-    name = location[2].removeprefix("test_")
-    reporter.write(f"{'' if first_in_file else ' '}{name} ", cyan=True)
-    reporter.flush()
+    if not config.pluginmanager.has_plugin("slow-progress"):
+        config.pluginmanager.register(SlowProgress(config), "slow-progress")
