@@ -189,7 +189,9 @@ class LlamaCppRunner:
         info = llama_cpp.llama_print_system_info().decode(errors="replace")
         wanted = ("AVX512", "AVX512_VNNI", "AVX512_BF16", "AMX_INT8", "AVX_VNNI", "AVX2")
         wanted += ("FMA", "F16C", "NEON", "ARM_FMA", "DOTPROD", "SVE")
-        on = {k.strip() for k, _, v in (p.partition("=") for p in info.split("|")) if v.strip() == "1"}
+        on = {
+            k.strip() for k, _, v in (p.partition("=") for p in info.split("|")) if v.strip() == "1"
+        }
         return " ".join(f for f in wanted if f in on) or "-"
 
     def _kv_bytes(self) -> int:

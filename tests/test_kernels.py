@@ -4,6 +4,8 @@ threads and builds."""
 
 from __future__ import annotations
 
+import os
+import platform
 import subprocess
 import sys
 import threading
@@ -376,6 +378,22 @@ def test_builds_agree(native, monkeypatch):
             assert_close_rel(big, big0.double(), 1e-5)
     if len(BUILDS) > 1 and not ran:
         pytest.skip("no other build runs on this CPU")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 targets")
+def test_tokenmill_march_picks_the_build(tmp_path):
+    """TOKENMILL_MARCH builds another target: the scalar path on any x86-64 host, and the
+    engine's load line names it."""
+    code = (
+        "from tokenmill import kernels; from tokenmill.kernels import build; "
+        "print(kernels.isa(), kernels.group_blocks(), build.default_arch_flags()[0])"
+    )
+    env = {**os.environ, "TOKENMILL_MARCH": "x86-64-v2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["scalar", "4", "-march=x86-64-v2"], out.stderr
+    env["TOKENMILL_MARCH"] = "x86-64-v2; rm -rf /"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert "TOKENMILL_MARCH" in out.stderr and "not a -march value" in out.stderr
 
 
 def test_concurrent_builds_share_one_library(tmp_path):

@@ -303,7 +303,7 @@ class TerminalView:
             f"{m['arch']} · {m['num_layers']} layers · d_model {m['hidden_size']} · "
             f"{m['num_heads']} query heads / {m['num_kv_heads']} K/V heads of {m['head_dim']} dims · "
             f"FFN {m['intermediate_size']} ({m['mlp']}, {m['activation']}) · vocab {m['vocab_size']:,} · "
-            f"{m['dtype']}"
+            f"{m['dtype']} · weights {m.get('weights', '?')} · kernels {m.get('kernels', '?')}"
         )
         if self.seed == DEFAULT_SEED:
             seed = f"seed {self.seed}, the default: a rerun draws the same tokens (--seed N for others)"

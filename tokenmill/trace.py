@@ -286,6 +286,8 @@ class Trace:
             "norm": c.norm,
             "tie_embeddings": c.tie_embeddings,
             "dtype": str(engine.dtype).removeprefix("torch."),
+            "weights": engine.info()["weights"],
+            "kernels": engine.info()["kernels"],
             "kv_bytes_per_token": engine.cache.bytes_per_token,
             "block_size": engine.cache.block_size,
             "kv_capacity_tokens": engine.cache.capacity_tokens,

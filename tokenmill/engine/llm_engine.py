@@ -155,6 +155,19 @@ class LLMEngine:
         return None if requested == "none" else requested
 
     # ------------------------------------------------------------------
+    def info(self) -> dict[str, str]:
+        """What runs: for /metrics' build info and the inspector."""
+        from tokenmill import __version__
+
+        return {
+            "version": __version__,
+            "model": self.path.name,
+            "device": self.device.type,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "weights": self.quantization or "torch",
+            "kernels": kernels.isa() if self.device.type == "cpu" else "torch",
+        }
+
     def describe(self) -> str:
         c = self.config
         return (

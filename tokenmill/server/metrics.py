@@ -78,10 +78,21 @@ class EngineStats:
     generation_tokens: int  # tokens generated
 
 
-class ServerMetrics:
-    """The latency histograms, plus rendering of the whole /metrics page."""
+def render_info(name: str, help_text: str, labels: dict[str, str]) -> str:
+    """An info metric: a gauge of value 1 whose labels carry the facts (Prometheus' *_info)."""
+    quoted = ",".join(
+        f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+        for k, v in labels.items()
+    )
+    return "\n".join([*_header(name, help_text, "gauge"), f"{name}{{{quoted}}} 1"])
 
-    def __init__(self) -> None:
+
+class ServerMetrics:
+    """The latency histograms, plus rendering of the whole /metrics page. `info`: labels of
+    tokenmill_build_info (version, kernel instruction set, weight format, ...)."""
+
+    def __init__(self, info: dict[str, str] | None = None) -> None:
+        self.info = dict(info or {})
         self.ttft = Histogram(
             "tokenmill_time_to_first_token_seconds",
             "Seconds from a request's arrival to its first generated token.",
@@ -119,5 +130,8 @@ class ServerMetrics:
              stats.generation_tokens),
         ]  # fmt: skip
         parts = [render_sample(*sample) for sample in samples]
+        if self.info:
+            parts.append(render_info("tokenmill_build_info",
+                                     "What this server runs: version, kernels, weights.", self.info))  # fmt: skip
         parts += [h.render() for h in (self.ttft, self.itl, self.e2e)]
         return "\n".join(parts) + "\n"
