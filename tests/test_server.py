@@ -18,8 +18,8 @@ import httpx
 import pytest
 from server_fixture import metric, running_server, sse_events
 
-from tokenmill.server.app import STATIC_DIR
 from tokenmill import kernels
+from tokenmill.server.app import STATIC_DIR
 from tokenmill.server.metrics import Histogram
 
 openai = pytest.importorskip("openai")
