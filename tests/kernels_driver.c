@@ -89,6 +89,31 @@ static void linear_cases(void) {
     free(x), free(o);
 }
 
+/* GGUF K-quant scales as stored: uint8 codes per block times float16 per 256 values */
+static void kquant_cases(void) {
+    for (int bits = 4; bits <= 8; bits += 4)
+        for (int ki = 1; ki <= 3; ki += 2) {
+            const int k = 256 * ki, n = 9, nb = k / 32;
+            uint8_t *sc = fill_bytes((size_t)n * nb), *mc = fill_bytes((size_t)n * nb);
+            for (int i = 0; i < n * nb; i++) sc[i] &= 63, mc[i] &= 63;
+            tm_weight w = {fill_bytes((size_t)n * k * bits / 8), sc, mc, bits, 0, n, k,
+                           fill_scales((size_t)n * k / 256, 1, 1e-3f), fill_scales((size_t)n * k / 256, 1, 1e-3f)};
+            char name[64];
+            for (int t = 1; t <= 5; t += 4) {
+                float *x = fill_floats((size_t)t * k, 1.f), *y = malloc((size_t)t * n * 4);
+                tm_linear(&w, x, t, y, NULL, 2, 1);
+                snprintf(name, sizeof name, "kquant b%d k%d t%d", bits, k, t);
+                emit(name, y, t * n);
+                free(x), free(y);
+            }
+            float *lanes = malloc((size_t)n * k * 4);
+            tm_dequant_lanes(&w, 0, n, lanes, 2);
+            snprintf(name, sizeof name, "lanes kquant b%d k%d", bits, k);
+            emit(name, lanes, n * k);
+            free(lanes), free((void *)w.codes), free(sc), free(mc), free((void *)w.dsup), free((void *)w.msup);
+        }
+}
+
 static void float_cases(void) {
     const int kinds[] = {TM_F16, TM_BF16, TM_F32}, ks[] = {8, 64, 1000};
     for (int ki = 0; ki < 3; ki++)
@@ -191,6 +216,7 @@ int main(int argc, char **argv) {
     if (!out) return 1;
     printf("%s %d\n", tm_isa(), tm_group_blocks());
     linear_cases();
+    kquant_cases();
     float_cases();
     attention_cases();
     stack_cases();

@@ -30,6 +30,7 @@ __all__ = [
     "load",
     "isa",
     "group_blocks",
+    "reads_kquant_scales",
     "uses_avx512",
     "linear",
     "dequant_lanes",
@@ -58,6 +59,8 @@ class TmWeight(ctypes.Structure):
         ("scale_f16", ctypes.c_int32),
         ("n", ctypes.c_int32),
         ("k", ctypes.c_int32),
+        ("dsup", ctypes.c_void_p),
+        ("msup", ctypes.c_void_p),
     ]
 
 
@@ -119,6 +122,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tm_decode_stack.argtypes = [vp, vp, i32, vp, vp, vp, i32, vp, i32]
     lib.tm_decode_stack.restype = i32
     lib.tm_group_blocks.restype = i32
+    lib.tm_kquant_scales.restype = i32
     lib.tm_isa.restype = ctypes.c_char_p
     lib.tm_struct_size.argtypes = [i32]
     lib.tm_struct_size.restype = i32
@@ -172,6 +176,13 @@ def group_blocks() -> int:
     return DEFAULT_GROUP_BLOCKS if lib is None else lib.tm_group_blocks()
 
 
+def reads_kquant_scales() -> bool:
+    """Whether the loaded library reads GGUF K-quant scales as stored (a uint8 code per
+    block times a float16 per 256 values); the AVX-512 build wants float32 ones."""
+    lib = library()
+    return lib is not None and bool(lib.tm_kquant_scales())
+
+
 def uses_avx512() -> bool:
     """Whether the loaded library took the AVX-512 VNNI/BF16 code path."""
     return isa() == "avx512"
@@ -201,6 +212,8 @@ def linear(
         torch.get_num_threads(),
         int(act_bits == 16),
     )
+    if ok == -1:
+        raise ValueError("tm_linear: this kernel build cannot read K-quant scales as stored")
     if not ok:
         raise MemoryError("tm_linear: cannot allocate activation scratch")
     return y

@@ -53,15 +53,22 @@
 #define TM_F32 32  /* float32 [n, k], natural order, no scales */
 
 /* One weight, filled once per layer from Python (ctypes.Structure mirror: TmWeight).
- * bits 4 or 8: the packed blocks of linear.c; TM_F16 / TM_BF16 / TM_F32: float rows. */
+ * bits 4 or 8: the packed blocks of linear.c; TM_F16 / TM_BF16 / TM_F32: float rows.
+ * Block scales (and mins) come in one of two forms:
+ *   plain       float16 (scale_f16 = 1) or float32 [n, k/32] each
+ *   K-quant     (dsup != NULL) GGUF Q4_K/Q5_K's own: a uint8 code per block [n, k/32]
+ *               (6 bits), times a float16 per 256 values [n, k/256]: d = dsup * scale
+ *               code, m = -msup * min code. 18.5 bytes per 32 values for 4-bit codes,
+ *               like the file (float32 scales would make it 24). */
 typedef struct {
     const uint8_t *codes;
     const void *scales;
     const void *mins;  /* NULL: no mins, zero point Z applies */
     int32_t bits;      /* 4, 8, TM_F16, TM_BF16 or TM_F32 */
-    int32_t scale_f16; /* 1: scales/mins are float16, 0: float32 */
+    int32_t scale_f16; /* plain scales: 1 float16, 0 float32 */
     int32_t n;         /* rows (out features) */
     int32_t k;         /* columns (in features); packed: a multiple of 32 */
+    const uint16_t *dsup, *msup; /* K-quant super-block scales [n, k/256], or NULL */
 } tm_weight;
 
 /* One transformer block for the native decode step (ctypes mirror: TmLayer). Linear
@@ -90,6 +97,7 @@ typedef struct {
 /* ---- the exported entry points (ctypes binds them: kernels/__init__.py) ---- */
 int tm_info(void);
 int tm_group_blocks(void);
+int tm_kquant_scales(void);
 const char *tm_isa(void);
 int tm_struct_size(int which);
 void tm_dequant_lanes(const tm_weight *w, int r0, int r1, float *out, int nthreads);
@@ -134,6 +142,20 @@ static inline void *tm_scratch(size_t bytes) {
 
 static inline float tm_scale_at(const void *p, int f16, size_t idx) {
     return f16 ? tm_half_to_float(((const uint16_t *)p)[idx]) : ((const float *)p)[idx];
+}
+
+/* Scale d and min m of block b of row r, in either form (see tm_weight). */
+static inline float tm_block_scale(const tm_weight *w, int r, int b) {
+    const size_t i = (size_t)r * (w->k / QK) + b;
+    if (!w->dsup) return tm_scale_at(w->scales, w->scale_f16, i);
+    return tm_half_to_float(w->dsup[(size_t)r * (w->k / 256) + b / 8]) * ((const uint8_t *)w->scales)[i];
+}
+
+static inline float tm_block_min(const tm_weight *w, int r, int b) {
+    const size_t i = (size_t)r * (w->k / QK) + b;
+    if (!w->mins) return 0.f;
+    if (!w->dsup) return tm_scale_at(w->mins, w->scale_f16, i);
+    return -(tm_half_to_float(w->msup[(size_t)r * (w->k / 256) + b / 8]) * ((const uint8_t *)w->mins)[i]);
 }
 
 /* ------------------------------------------------------------------------------ */

@@ -13,16 +13,19 @@ Packed format (see tokenmill/kernels/linear.c for the lane order of the codes):
     codes  uint8 [N, K/2] (4-bit) or [N, K] (8-bit), lane order for `group_blocks`
            blocks per group (the loaded kernel library's vector width; repacked if a
            library of another width is loaded later)
-    scales float16 or float32 [N, K/32];  mins: same, or None (then Z = 8 or 128)
+    scales float16 or float32 [N, K/32];  mins: same, or None (then Z = 8 or 128);
+           or, for GGUF K-quants, as the file has them: a uint8 code per block (6 bits)
+           times a float16 per 256 values (`dsup`, `msup` [N, K/256]): 18.5 bytes per 32
+           4-bit values like the file's 18, where float32 scales would make 24
 
 GGUF types and how they map (exact = identical values to gguf.quants.dequantize):
     Q4_0  4-bit, Z=8, f16 scales                 exact, 18 bytes / 32 values
     Q4_1  4-bit, f16 scales + mins               exact, 20 B / 32
-    Q4_K  4-bit, f32 scales + mins (d*sc, -dmin*m) exact, 24 B / 32 (file: 18)
+    Q4_K  4-bit, K-quant scales + mins            exact, 18.5 B / 32 (file: 18)
     Q8_0  8-bit, Z=128, f16 scales               exact, 34 B / 32
     Q5_0  8-bit, Z=128, f16 scales               exact, 34 B / 32 (file: 22)
     Q5_1  8-bit, f16 scales + mins               exact, 36 B / 32 (file: 24)
-    Q5_K  8-bit, f32 scales + mins               exact, 40 B / 32 (file: 22)
+    Q5_K  8-bit, K-quant scales + mins            exact, 34.5 B / 32 (file: 22)
     Q6_K, Q2_K, Q3_K (16-value sub-blocks)      requantized to 8-bit Z=128 with a
           per-32 f16 scale (as Q8_0 would): the added error is at most
           max|w_block| / 254 per value, about a quarter of Q6_K's own step.
@@ -149,7 +152,10 @@ def _k_scale_min(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _parse_exact(blocks: np.ndarray, qtype: GT):
-    """blocks [rows, nblk, type_size] -> (codes [rows, K] u8, scales, mins|None, bits)."""
+    """blocks [rows, nblk, type_size] -> (codes [rows, K] u8, scales, mins|None, bits, sup).
+
+    sup: None, or for K-quants (d, dmin) float16 [rows, K/256, 2] with scales and mins the
+    uint8 codes that multiply them."""
     rows = blocks.shape[0]
     if qtype in (GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.Q5_0, GT.Q5_1):
         d = _f16(blocks[..., 0:2])
@@ -158,22 +164,20 @@ def _parse_exact(blocks: np.ndarray, qtype: GT):
         off = 4 if has_min else 2
         if qtype == GT.Q8_0:  # int8 q -> q + 128 (Z = 128)
             codes = blocks[..., 2:34] ^ np.uint8(0x80)
-            return codes.reshape(rows, -1), d, None, 8
+            return codes.reshape(rows, -1), d, None, 8, None
         if qtype in (GT.Q4_0, GT.Q4_1):  # Q4_0: raw nibble, Z = 8; Q4_1: nibble with min
-            return _nibbles16(blocks[..., off : off + 16]).reshape(rows, -1), d, m, 4
+            return _nibbles16(blocks[..., off : off + 16]).reshape(rows, -1), d, m, 4, None
         # Q5_0 / Q5_1: 4 bytes of high bits (bit j of a little-endian u32 for value j)
         qh = np.ascontiguousarray(blocks[..., off : off + 4]).view("<u4")  # [rows, nblk, 1]
         high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
         q = _nibbles16(blocks[..., off + 4 : off + 20]) | high
         if qtype == GT.Q5_0:  # value d * (q - 16) = d * ((q + 112) - 128)
             q = q + np.uint8(112)
-        return q.reshape(rows, -1), d, m, 8
-    # K-quants: super-blocks of 256 = 8 sub-blocks of 32, each with a 6-bit scale/min.
-    d = _f16(blocks[..., 0:2]).astype(np.float32)
-    dmin = _f16(blocks[..., 2:4]).astype(np.float32)
+        return q.reshape(rows, -1), d, m, 8, None
+    # K-quants: super-blocks of 256 = 8 sub-blocks of 32, each with a 6-bit scale/min
+    # code: the sub-block's scale is d * code, its min -dmin * code (kept that way).
+    sup = np.ascontiguousarray(blocks[..., 0:4]).view(np.float16)  # [rows, nsup, 2]: d, dmin
     sc, mn = _k_scale_min(blocks[..., 4:16])
-    scales = d[..., None] * sc.astype(np.float32)  # [rows, nblk, 8], exact in float32
-    mins = -(dmin[..., None] * mn.astype(np.float32))
     if qtype == GT.Q4_K:
         # 4 chunks of 32 bytes: sub-block 2c = low nibbles of chunk c, 2c+1 = high
         qs = blocks[..., 16:144].reshape(rows, -1, 4, 1, 32)
@@ -188,7 +192,7 @@ def _parse_exact(blocks: np.ndarray, qtype: GT):
         bits = 8
     else:
         raise ValueError(f"not an exactly representable type: {qtype.name}")
-    return q.reshape(rows, -1), scales.reshape(rows, -1), mins.reshape(rows, -1), bits
+    return q.reshape(rows, -1), sc.reshape(rows, -1), mn.reshape(rows, -1), bits, sup
 
 
 # ----------------------------------------------------------------------------------
@@ -197,7 +201,8 @@ def _parse_exact(blocks: np.ndarray, qtype: GT):
 
 
 def _quantize_rows(w: torch.Tensor, scheme: str):
-    """w float32 [rows, K] -> (natural codes u8 [rows, K], f16 scales, f16 mins|None, bits).
+    """w float32 [rows, K] -> (natural codes u8 [rows, K], f16 scales, f16 mins|None, bits,
+    None: no K-quant super-block scales).
 
     q8: symmetric, d = max|w| / 127 (Q8_0). q4: asymmetric, d = (max - min) / 15,
     m = min (Q4_1). Codes are rounded against the float16-rounded d and m, so the
@@ -209,14 +214,14 @@ def _quantize_rows(w: torch.Tensor, scheme: str):
         d = (b.abs().amax(-1) / 127).half()
         inv = torch.where(d == 0, 0.0, 1.0 / d.float())
         q = torch.round(b * inv[..., None]).clamp(-127, 127).to(torch.int16) + 128
-        return q.to(torch.uint8).reshape(rows, k).numpy(), d.numpy(), None, 8
+        return q.to(torch.uint8).reshape(rows, k).numpy(), d.numpy(), None, 8, None
     if scheme == "q4":
         lo, hi = b.amin(-1), b.amax(-1)
         m = lo.half()
         d = ((hi - m.float()) / 15).half()
         inv = torch.where(d == 0, 0.0, 1.0 / d.float())
         q = torch.round((b - m.float()[..., None]) * inv[..., None]).clamp(0, 15)
-        return q.to(torch.uint8).reshape(rows, k).numpy(), d.numpy(), m.numpy(), 4
+        return q.to(torch.uint8).reshape(rows, k).numpy(), d.numpy(), m.numpy(), 4, None
     raise ValueError(f"unknown scheme {scheme!r} (use 'q8' or 'q4')")
 
 
@@ -245,7 +250,10 @@ class QuantLinear(NativeLinear):
         out_features: int,
         bias: torch.Tensor | None = None,
         group_blocks: int | None = None,
+        sup: torch.Tensor | None = None,
     ):
+        """sup: K-quant super-block scales (d, dmin) float16 [out, in/256, 2], with scales
+        and mins their uint8 codes per block; None: scales and mins are float."""
         super().__init__(in_features, out_features, bias)
         if in_features % QK or bits not in (4, 8):
             raise ValueError(f"need in_features % {QK} == 0 and bits in (4, 8)")
@@ -253,19 +261,33 @@ class QuantLinear(NativeLinear):
             raise ValueError(f"codes: expected uint8 {(out_features, in_features * bits // 8)}")
         if scales.shape != (out_features, in_features // QK):
             raise ValueError(f"scales: expected shape {(out_features, in_features // QK)}")
-        if scales.dtype not in _RAW:
+        if sup is None and scales.dtype not in _RAW:
             raise ValueError(f"scales must be float16 or float32, got {scales.dtype}")
+        if sup is not None and (
+            scales.dtype != torch.uint8
+            or sup.shape != (out_features, in_features // 256, 2)
+            or sup.dtype != torch.float16
+        ):
+            raise ValueError("K-quant scales: uint8 codes and float16 sup [out, in/256, 2]")
         if mins is not None and (mins.shape != scales.shape or mins.dtype != scales.dtype):
             raise ValueError("mins must match scales in shape and dtype")
         self.bits = bits
         # the lane order `codes` is packed in (None: that of the loaded kernels)
         self.group_blocks = kernels.group_blocks() if group_blocks is None else group_blocks
         self.register_buffer("codes", codes.contiguous())
-        # Scales and mins are stored as their raw bits (int16/int32 views): a float cast
-        # of the model (model.to(torch.bfloat16)) must not touch the packed format.
-        raw = _RAW[scales.dtype]
+        # Float scales and mins are stored as their raw bits (int16/int32 views): a float
+        # cast of the model (model.to(torch.bfloat16)) must not touch the packed format.
+        raw = torch.uint8 if sup is not None else _RAW[scales.dtype]
         self.register_buffer("scales_raw", scales.contiguous().view(raw))
         self.register_buffer("mins_raw", None if mins is None else mins.contiguous().view(raw))
+        # K-quants: d and dmin per 256 values, float16 bits, each [out, in/256]
+        self.register_buffer(
+            "dsup_raw", None if sup is None else sup[..., 0].contiguous().view(torch.int16)
+        )
+        self.register_buffer(
+            "msup_raw", None if sup is None else sup[..., 1].contiguous().view(torch.int16)
+        )
+        self._plain: tuple | None = None  # float32 scales for builds that need them
         self.act_bits = DEFAULT_ACT_BITS
 
     # -- construction -----------------------------------------------------------------
@@ -329,24 +351,30 @@ class QuantLinear(NativeLinear):
     def _assemble(cls, parse, in_features: int, out_features: int, bias) -> QuantLinear:
         """Packs rows chunk by chunk into preallocated tensors.
 
-        parse(r0, r1) -> (natural codes u8 [rows, K], scales, mins | None, bits). About
-        1M values per chunk: the transient memory beyond the result stays a few MB.
+        parse(r0, r1) -> (natural codes u8 [rows, K], scales, mins | None, bits, sup |
+        None). About 1M values per chunk: the transient memory beyond the result stays a
+        few MB.
         """
         chunk = max(1, (1 << 20) // in_features)
         gb = kernels.group_blocks()
-        codes = scales = mins = None
+        codes = scales = mins = sup = None
         for r0 in range(0, out_features, chunk):
             r1 = min(out_features, r0 + chunk)
-            nat, sc, mn, bits = parse(r0, r1)
+            nat, sc, mn, bits, su = parse(r0, r1)
             if codes is None:
                 codes = torch.empty(out_features, in_features * bits // 8, dtype=torch.uint8)
-                scales = torch.empty(out_features, in_features // QK, dtype=_TORCH[sc.dtype])
+                dtype = torch.uint8 if su is not None else _TORCH[sc.dtype]
+                scales = torch.empty(out_features, in_features // QK, dtype=dtype)
                 mins = None if mn is None else torch.empty_like(scales)
+                if su is not None:
+                    sup = torch.empty(out_features, in_features // 256, 2, dtype=torch.float16)
             codes[r0:r1] = torch.from_numpy(_pack_codes(nat, bits, gb))
             scales[r0:r1] = torch.from_numpy(np.ascontiguousarray(sc))
             if mins is not None:
                 mins[r0:r1] = torch.from_numpy(np.ascontiguousarray(mn))
-        return cls(codes, scales, mins, bits, in_features, out_features, bias, gb)
+            if sup is not None:
+                sup[r0:r1] = torch.from_numpy(np.ascontiguousarray(su))
+        return cls(codes, scales, mins, bits, in_features, out_features, bias, gb, sup)
 
     @classmethod
     def cat(cls, parts: list[QuantLinear]) -> QuantLinear:
@@ -360,48 +388,88 @@ class QuantLinear(NativeLinear):
             if (
                 p.in_features != first.in_features
                 or p.bits != first.bits
-                or p.scales.dtype != first.scales.dtype
+                or p.scales_raw.dtype != first.scales_raw.dtype
                 or (p.mins is None) != (first.mins is None)
+                or p.kquant != first.kquant
                 or p.group_blocks != first.group_blocks
             ):
                 raise ValueError("QuantLinear.cat: parts differ in input size or packed format")
         if any(p.bias is not None for p in parts) and not all(p.bias is not None for p in parts):
             raise ValueError("QuantLinear.cat: either all parts have a bias or none")
+
+        def stored(name: str) -> torch.Tensor | None:  # scales/mins as stored, float or codes
+            if getattr(first, f"{name}_raw") is None:
+                return None
+            raw = torch.cat([getattr(p, f"{name}_raw") for p in parts])
+            return raw if first.kquant else raw.view(_FLOAT[raw.dtype])
+
+        sup = None
+        if first.kquant:
+            sup = torch.stack([torch.cat([p.dsup_raw for p in parts]),
+                               torch.cat([p.msup_raw for p in parts])], -1).view(torch.float16)  # fmt: skip
         return cls(
             torch.cat([p.codes for p in parts]),
-            torch.cat([p.scales for p in parts]),
-            None if first.mins is None else torch.cat([p.mins for p in parts]),
+            stored("scales"),
+            stored("mins"),
             first.bits,
             first.in_features,
             sum(p.out_features for p in parts),
             None if first.bias is None else torch.cat([p.bias for p in parts]),
             first.group_blocks,
+            sup,
         )
 
     @property
+    def kquant(self) -> bool:
+        """Whether scales and mins are K-quant codes times super-block scales."""
+        return self.dsup_raw is not None
+
+    def _expand_sup(self, sup_raw: torch.Tensor) -> torch.Tensor:
+        """[out, in/256] float16 bits -> float32 [out, in/32], one per block."""
+        return sup_raw.view(torch.float16).float().repeat_interleave(8, dim=1)
+
+    @property
     def scales(self) -> torch.Tensor:
-        """Block scales, float16 or float32 [out, in/32]."""
+        """Block scales [out, in/32]: float16 or float32 as stored, or K-quant d * code in
+        float32 (exact: an 11-bit d times a 6-bit code)."""
+        if self.kquant:
+            return self._expand_sup(self.dsup_raw) * self.scales_raw.float()
         return self.scales_raw.view(_FLOAT[self.scales_raw.dtype])
 
     @property
     def mins(self) -> torch.Tensor | None:
-        """Block mins like `scales`, or None (zero point 8 or 128 instead)."""
+        """Block mins like `scales` (K-quants: -dmin * code), or None (zero point 8 or 128
+        instead)."""
         raw = self.mins_raw
-        return None if raw is None else raw.view(_FLOAT[raw.dtype])
+        if raw is None:
+            return None
+        if self.kquant:
+            return -(self._expand_sup(self.msup_raw) * raw.float())
+        return raw.view(_FLOAT[raw.dtype])
 
     # -- compute ----------------------------------------------------------------------
 
     def _make_native(self) -> kernels.TmWeight:
         if self.group_blocks != kernels.group_blocks():
             self._relayout(kernels.group_blocks())
+        scales, mins, dsup, msup = self.scales_raw, self.mins_raw, self.dsup_raw, self.msup_raw
+        if self.kquant and not kernels.reads_kquant_scales():
+            # a build that reads float scales only (AVX-512): float32 copies, kept alive here
+            self._plain = (
+                self.scales.contiguous(),
+                None if mins is None else self.mins.contiguous(),
+            )
+            (scales, mins), dsup = self._plain, None
         return kernels.TmWeight(
             self.codes.data_ptr(),
-            self.scales_raw.data_ptr(),
-            None if self.mins_raw is None else self.mins_raw.data_ptr(),
+            scales.data_ptr(),
+            None if mins is None else mins.data_ptr(),
             self.bits,
-            int(self.scales.dtype == torch.float16),
+            int(scales.dtype == torch.int16),
             self.out_features,
             self.in_features,
+            None if dsup is None else dsup.data_ptr(),
+            None if dsup is None else msup.data_ptr(),
         )
 
     def _relayout(self, gb: int) -> None:
@@ -439,9 +507,10 @@ class QuantLinear(NativeLinear):
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.codes, self.scales] + ([] if self.mins is None else [self.mins])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        tensors = [self.codes, self.scales_raw, self.mins_raw, self.dsup_raw, self.msup_raw]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def extra_repr(self) -> str:
-        kind = f"q{self.bits}{'+min' if self.mins is not None else ''}/{self.scales.dtype}"
+        scale = "kquant" if self.kquant else str(self.scales.dtype)
+        kind = f"q{self.bits}{'+min' if self.mins_raw is not None else ''}/{scale}"
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
