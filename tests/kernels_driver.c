@@ -163,8 +163,13 @@ static void attention_cases(void) {
                 newslot[b] = slots[b * cmax + lens[b] - 1];
             }
             float *o = malloc((size_t)Bd * H * hd * 4);
-            tm_decode_attention(qkv, Bd, H, Hkv, hd, c ? qn : NULL, c ? kn : NULL, 1e-6f, rc, rs, pos, rot, kc, vc,
-                                newslot, slots, cmax, lens, window, 1.f / sqrtf((float)hd), o, 2);
+            const tm_shape shape = {1, H * hd, H, Hkv, hd, 0, 0, 1e-6f};
+            tm_layer layer = {0};
+            layer.q_norm = c ? qn : NULL, layer.k_norm = c ? kn : NULL, layer.rcos = rc, layer.rsin = rs;
+            layer.k_cache = kc, layer.v_cache = vc, layer.rot_dim = rot, layer.window = window;
+            layer.scale = 1.f / sqrtf((float)hd);
+            const tm_rows rows = {pos, newslot, slots, lens, Bd, cmax};
+            tm_decode_attention(&shape, &layer, &rows, qkv, o, 2);
             char name[64];
             snprintf(name, sizeof name, "attention c%d w%d", c, window);
             emit(name, o, Bd * H * hd);
@@ -192,14 +197,16 @@ static void stack_cases(void) {
                                    act ? fill_floats(d, 1.f) : NULL, NULL, NULL, fill_floats(16 * hd, 1.f),
                                    fill_floats(16 * hd, 1.f), fill_floats((size_t)slots_n * Hkv * hd, 1.f),
                                    fill_floats((size_t)slots_n * Hkv * hd, 1.f), hd, act ? 4 : 0, 1, 0.25f};
-        tm_stack s = {layers, fill_floats(d, 1.f), L, d, H, Hkv, hd, f, act, 1e-6f};
+        const tm_shape shape = {L, d, H, Hkv, hd, f, act, 1e-6f};
+        tm_stack s = {&shape, layers, fill_floats(d, 1.f)};
         float *x = fill_floats((size_t)Bd * d, 1.f);
         int64_t pos[2] = {3, 11}, lens[2] = {4, 12}, newslot[2], slots[2 * 12];
         for (int b = 0; b < Bd; b++) {
             for (int j = 0; j < cmax; j++) slots[b * cmax + j] = b * cmax + (j * 5) % cmax;
             newslot[b] = slots[b * cmax + lens[b] - 1];
         }
-        tm_decode_stack(&s, x, Bd, pos, newslot, slots, cmax, lens, 2);
+        const tm_rows rows = {pos, newslot, slots, lens, Bd, cmax};
+        tm_decode_stack(&s, &rows, x, 2);
         char name[32];
         snprintf(name, sizeof name, "stack act%d", act);
         emit(name, x, Bd * d);

@@ -144,9 +144,9 @@ def test_from_gguf_checks_sizes():
 def test_from_gguf_reads_rows_in_chunks(monkeypatch):
     """Big tensors are converted a few rows at a time (no float32 copy of the weight)."""
     calls = []
-    parse = quant_linear._parse_exact
+    parse = quant_linear.parse_exact
     monkeypatch.setattr(
-        quant_linear, "_parse_exact", lambda b, q: calls.append(b.shape[0]) or parse(b, q)
+        quant_linear, "parse_exact", lambda b, q: calls.append(b.shape[0]) or parse(b, q)
     )
     n, k = 4096 + 3, 2048
     raw = gguf_bytes(GT.Q4_1, n, k)

@@ -501,6 +501,8 @@ int tm_struct_size(int which) {
     case 0: return (int)sizeof(tm_weight);
     case 1: return (int)sizeof(tm_layer);
     case 2: return (int)sizeof(tm_stack);
+    case 3: return (int)sizeof(tm_shape);
+    case 4: return (int)sizeof(tm_rows);
     default: return -1;
     }
 }

@@ -35,7 +35,7 @@
 #define TM_GB TM_W
 #endif
 
-#define TM_ABI 3 /* tm_info() / 1000: bumped when a struct or signature changes */
+#define TM_ABI 4 /* tm_info() / 1000: bumped when a struct or signature changes */
 
 #define QK 32            /* values per block */
 #define GW (TM_GB * QK)  /* values per full lane-order group */
@@ -71,9 +71,18 @@ typedef struct {
     const uint16_t *dsup, *msup; /* K-quant super-block scales [n, k/256], or NULL */
 } tm_weight;
 
-/* One transformer block for the native decode step (ctypes mirror: TmLayer). Linear
- * layers are tm_weights; every float pointer may be NULL where the family has no such
- * tensor (biases, sandwich norms, q/k norms, rotary). */
+/* The model's shapes, shared by every layer (ctypes mirror: TmShape). */
+typedef struct {
+    int32_t n_layers, d, H, Hkv, hd, f; /* f: the MLP's intermediate size */
+    int32_t act; /* MLP activation of the gate: 0 SiLU, 1 GELU (tanh approximation) */
+    float eps;   /* RMSNorm epsilon (also the q/k norms') */
+} tm_shape;
+
+/* One transformer block as the native decode paths see it (ctypes mirror: TmLayer),
+ * built once per layer and used by both: the per-layer decode attention reads its
+ * attention fields, the whole-step stack all of them. Linear layers are tm_weights (NULL
+ * where a layer is not native: the stack cannot run then); every float pointer may be
+ * NULL where the family has no such tensor (biases, sandwich norms, q/k norms, rotary). */
 typedef struct {
     const tm_weight *qkv, *o, *up, *down; /* up: [gate; up] stacked, [2f, d] */
     const float *qkv_bias, *o_bias, *up_bias, *down_bias;
@@ -87,12 +96,19 @@ typedef struct {
 } tm_layer;
 
 typedef struct {
-    const tm_layer *layers;
+    const tm_shape *shape;
+    const tm_layer *layers;  /* [shape->n_layers] */
     const float *final_norm; /* [d]: applied to x after the last layer */
-    int32_t n_layers, d, H, Hkv, hd, f;
-    int32_t act; /* MLP activation of the gate: 0 SiLU, 1 GELU (tanh approximation) */
-    float eps;   /* RMSNorm epsilon (also the q/k norms') */
 } tm_stack;
+
+/* The decode rows of one step (ctypes mirror: TmRows): Bd rows, one new token each. */
+typedef struct {
+    const int64_t *positions; /* [Bd] position of each row's token */
+    const int64_t *new_slots; /* [Bd] cache slot its k/v is written to */
+    const int64_t *slots;     /* [Bd, cmax] the context slots it reads (padded) */
+    const int64_t *ctx_lens;  /* [Bd] its context length, the new token included */
+    int32_t Bd, cmax;
+} tm_rows;
 
 /* ---- the exported entry points (ctypes binds them: kernels/__init__.py) ---- */
 int tm_info(void);
@@ -103,16 +119,11 @@ int tm_struct_size(int which);
 void tm_dequant_lanes(const tm_weight *w, int r0, int r1, float *out, int nthreads);
 void tm_lanes_f32(const float *x, int T, int K, float *out, int nthreads);
 int tm_dequant_rows(const tm_weight *w, const int64_t *ids, int n, float *out);
-int tm_decode_stack(const tm_stack *s, float *x, int Bd, const int64_t *positions,
-                    const int64_t *new_slots, const int64_t *slots, int cmax,
-                    const int64_t *ctx_lens, int nthreads);
+int tm_decode_stack(const tm_stack *s, const tm_rows *rows, float *x, int nthreads);
 int tm_linear(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads,
               int act16);
-int tm_decode_attention(const float *qkv, int Bd, int H, int Hkv, int hd, const float *q_norm,
-                        const float *k_norm, float eps, const float *rcos, const float *rsin,
-                        const int64_t *positions, int rot_dim, float *k_cache, float *v_cache,
-                        const int64_t *new_slots, const int64_t *slots, int cmax,
-                        const int64_t *ctx_lens, int window, float scale, float *out, int nthreads);
+int tm_decode_attention(const tm_shape *s, const tm_layer *L, const tm_rows *rows, const float *qkv,
+                        float *out, int nthreads);
 
 /* ---- small shared helpers ---- */
 

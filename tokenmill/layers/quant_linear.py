@@ -33,8 +33,6 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as GT
@@ -42,13 +40,15 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 
 from tokenmill import kernels
+from tokenmill.kernels.layout import pack_codes, unpack_index
 from tokenmill.layers.native_linear import PREFILL_MIN_T, NativeLinear
+from tokenmill.loader.gguf_blocks import EXACT_GGUF_TYPES, REQUANT_GGUF_TYPES, parse_exact
 
 __all__ = ["QuantLinear", "PREFILL_MIN_T", "EXACT_GGUF_TYPES", "REQUANT_GGUF_TYPES"]
 
 QK = 32  # values per block
 
-# Activation precision of the decode kernel: 16 (two VNNI passes, ~1.3x the arithmetic,
+# Activation precision of the decode kernel: 16 (two byte-plane dot passes, ~1.3x the arithmetic,
 # ~3-6% slower when streaming weights from memory) or 8 (llama.cpp's q8 scheme). On
 # SmolLM2, 8-bit moves logits by up to ~3 and flips greedy tokens within 10-20 steps;
 # 16-bit by ~0.01. Per layer: the `act_bits` attribute.
@@ -57,143 +57,6 @@ DEFAULT_ACT_BITS = 16
 _TORCH = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32}
 _RAW = {torch.float16: torch.int16, torch.float32: torch.int32}
 _FLOAT = {raw: f for f, raw in _RAW.items()}
-
-EXACT_GGUF_TYPES = frozenset({GT.Q4_0, GT.Q4_1, GT.Q4_K, GT.Q8_0, GT.Q5_0, GT.Q5_1, GT.Q5_K})
-REQUANT_GGUF_TYPES = frozenset({GT.Q6_K, GT.Q2_K, GT.Q3_K})
-
-
-# ----------------------------------------------------------------------------------
-# lane order: the column permutation of the packed codes (quant.c header)
-# ----------------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=64)
-def _lane_perm(k: int, gb: int) -> np.ndarray:
-    """perm[p] = natural column of lane-order position p, for rows of k values and
-    groups of gb blocks.
-
-    Full groups: block kb, value j = 4i + t of group g sits at p = g*32gb + i*4gb +
-    kb*4 + t. The tail (k/32 % gb blocks) stays in natural order.
-    """
-    nfull = k // QK // gb
-    # natural index within a group, shaped [kb, i, t] -> lane order [i, kb, t]
-    group = np.arange(gb * QK).reshape(gb, 8, 4).transpose(1, 0, 2).reshape(-1)
-    full = (np.arange(nfull)[:, None] * gb * QK + group).reshape(-1)
-    return np.concatenate([full, np.arange(full.size, k)]).astype(np.int64)
-
-
-@lru_cache(maxsize=64)
-def _nibble_cols(k: int, gb: int) -> tuple[np.ndarray, np.ndarray]:
-    """(lo, hi): natural columns of the low and high nibble of each 4-bit code byte.
-
-    Full group (vectors of v = 4gb bytes): byte c*v + r holds lane positions
-    (2c)*v + r (low) and (2c+1)*v + r (high).
-    Tail chunk of n values (64, or 32 for a last single block) starting at value o:
-    byte r holds values o + r (low) and o + n/2 + r (high).
-    """
-    perm = _lane_perm(k, gb)
-    nfull, v, gw = k // QK // gb, 4 * gb, QK * gb
-    pos = np.arange(gw // 2)
-    c, r = pos // v, pos % v
-    lo = [perm[g * gw + 2 * c * v + r] for g in range(nfull)]
-    hi = [perm[g * gw + (2 * c + 1) * v + r] for g in range(nfull)]
-    for o in range(nfull * gw, k, 64):
-        half = min(64, k - o) // 2
-        lo.append(o + np.arange(half))
-        hi.append(o + half + np.arange(half))
-    return np.concatenate(lo).astype(np.int64), np.concatenate(hi).astype(np.int64)
-
-
-@lru_cache(maxsize=64)
-def _unpack_index(k: int, bits: int, gb: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(byte, shift) per natural column: code = (codes[:, byte] >> shift) & mask."""
-    if bits == 8:
-        inv = np.empty(k, dtype=np.int64)
-        inv[_lane_perm(k, gb)] = np.arange(k)
-        return torch.from_numpy(inv), torch.zeros(k, dtype=torch.uint8)
-    lo, hi = _nibble_cols(k, gb)
-    byte = np.empty(k, dtype=np.int64)
-    shift = np.empty(k, dtype=np.uint8)
-    byte[lo], shift[lo] = np.arange(k // 2), 0
-    byte[hi], shift[hi] = np.arange(k // 2), 4
-    return torch.from_numpy(byte), torch.from_numpy(shift)
-
-
-def _pack_codes(nat: np.ndarray, bits: int, gb: int) -> np.ndarray:
-    """Natural-order codes uint8 [rows, K] (< 16 for 4-bit) -> lane order for groups of gb."""
-    k = nat.shape[1]
-    if bits == 8:
-        return nat[:, _lane_perm(k, gb)]
-    lo, hi = _nibble_cols(k, gb)
-    return nat[:, lo] | (nat[:, hi] << 4)
-
-
-# ----------------------------------------------------------------------------------
-# GGUF block parsing: raw bytes [rows, row_bytes] -> natural codes, scales, mins
-# ----------------------------------------------------------------------------------
-
-
-def _f16(b: np.ndarray) -> np.ndarray:
-    """[..., 2] uint8 -> [...] float16 (little-endian, as GGUF stores it)."""
-    return np.ascontiguousarray(b).view(np.float16)[..., 0]
-
-
-def _nibbles16(qs: np.ndarray) -> np.ndarray:
-    """Q4_0/Q4_1/Q5 low bits: [.., 16] bytes -> [.., 32]: value j<16 low, j>=16 high nibble."""
-    return np.concatenate([qs & 15, qs >> 4], axis=-1)
-
-
-def _k_scale_min(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K 12-byte packed 6-bit (scale, min) of 8 sub-blocks -> two [.., 8] arrays."""
-    d, m, md = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
-    scale = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
-    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return scale, mn
-
-
-def _parse_exact(blocks: np.ndarray, qtype: GT):
-    """blocks [rows, nblk, type_size] -> (codes [rows, K] u8, scales, mins|None, bits, sup).
-
-    sup: None, or for K-quants (d, dmin) float16 [rows, K/256, 2] with scales and mins the
-    uint8 codes that multiply them."""
-    rows = blocks.shape[0]
-    if qtype in (GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.Q5_0, GT.Q5_1):
-        d = _f16(blocks[..., 0:2])
-        has_min = qtype in (GT.Q4_1, GT.Q5_1)
-        m = _f16(blocks[..., 2:4]) if has_min else None
-        off = 4 if has_min else 2
-        if qtype == GT.Q8_0:  # int8 q -> q + 128 (Z = 128)
-            codes = blocks[..., 2:34] ^ np.uint8(0x80)
-            return codes.reshape(rows, -1), d, None, 8, None
-        if qtype in (GT.Q4_0, GT.Q4_1):  # Q4_0: raw nibble, Z = 8; Q4_1: nibble with min
-            return _nibbles16(blocks[..., off : off + 16]).reshape(rows, -1), d, m, 4, None
-        # Q5_0 / Q5_1: 4 bytes of high bits (bit j of a little-endian u32 for value j)
-        qh = np.ascontiguousarray(blocks[..., off : off + 4]).view("<u4")  # [rows, nblk, 1]
-        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
-        q = _nibbles16(blocks[..., off + 4 : off + 20]) | high
-        if qtype == GT.Q5_0:  # value d * (q - 16) = d * ((q + 112) - 128)
-            q = q + np.uint8(112)
-        return q.reshape(rows, -1), d, m, 8, None
-    # K-quants: super-blocks of 256 = 8 sub-blocks of 32, each with a 6-bit scale/min
-    # code: the sub-block's scale is d * code, its min -dmin * code (kept that way).
-    sup = np.ascontiguousarray(blocks[..., 0:4]).view(np.float16)  # [rows, nsup, 2]: d, dmin
-    sc, mn = _k_scale_min(blocks[..., 4:16])
-    if qtype == GT.Q4_K:
-        # 4 chunks of 32 bytes: sub-block 2c = low nibbles of chunk c, 2c+1 = high
-        qs = blocks[..., 16:144].reshape(rows, -1, 4, 1, 32)
-        q = (qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15
-        bits = 4
-    elif qtype == GT.Q5_K:
-        qh = blocks[..., 16:48].reshape(rows, -1, 1, 32)  # bit s = high bit, sub-block s
-        qs = blocks[..., 48:176].reshape(rows, -1, 4, 1, 32)
-        q = (qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15
-        high = (qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
-        q = q.reshape(rows, -1, 8, 32) | (high << 4)
-        bits = 8
-    else:
-        raise ValueError(f"not an exactly representable type: {qtype.name}")
-    return q.reshape(rows, -1), sc.reshape(rows, -1), mn.reshape(rows, -1), bits, sup
-
 
 # ----------------------------------------------------------------------------------
 # float -> packed quantization (HF checkpoints, and requantized GGUF types)
@@ -326,7 +189,7 @@ class QuantLinear(NativeLinear):
         def parse(r0: int, r1: int):
             rows = raw[r0:r1]
             if qtype in EXACT_GGUF_TYPES:
-                return _parse_exact(rows.reshape(r1 - r0, -1, type_size), qtype)
+                return parse_exact(rows.reshape(r1 - r0, -1, type_size), qtype)
             w = gguf_dequantize(np.ascontiguousarray(rows), qtype).reshape(r1 - r0, -1)
             return _quantize_rows(torch.from_numpy(w), "q8")
 
@@ -368,7 +231,7 @@ class QuantLinear(NativeLinear):
                 mins = None if mn is None else torch.empty_like(scales)
                 if su is not None:
                     sup = torch.empty(out_features, in_features // 256, 2, dtype=torch.float16)
-            codes[r0:r1] = torch.from_numpy(_pack_codes(nat, bits, gb))
+            codes[r0:r1] = torch.from_numpy(pack_codes(nat, bits, gb))
             scales[r0:r1] = torch.from_numpy(np.ascontiguousarray(sc))
             if mins is not None:
                 mins[r0:r1] = torch.from_numpy(np.ascontiguousarray(mn))
@@ -474,11 +337,11 @@ class QuantLinear(NativeLinear):
 
     def _relayout(self, gb: int) -> None:
         """Repack the codes for groups of gb blocks (a library of another vector width)."""
-        byte, shift = _unpack_index(self.in_features, self.bits, self.group_blocks)
+        byte, shift = unpack_index(self.in_features, self.bits, self.group_blocks)
         nat = self.codes[:, byte]
         if self.bits == 4:
             nat = (nat >> shift) & 15
-        self.codes = torch.from_numpy(_pack_codes(nat.numpy(), self.bits, gb))
+        self.codes = torch.from_numpy(pack_codes(nat.numpy(), self.bits, gb))
         self.group_blocks = gb
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -492,7 +355,7 @@ class QuantLinear(NativeLinear):
         if rows is not None:
             codes, scales = codes[rows], scales[rows]
             mins = None if mins is None else mins[rows]
-        byte, shift = _unpack_index(self.in_features, self.bits, self.group_blocks)
+        byte, shift = unpack_index(self.in_features, self.bits, self.group_blocks)
         c = codes[:, byte]
         if self.bits == 4:
             c = (c >> shift) & 15
