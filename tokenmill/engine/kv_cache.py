@@ -39,6 +39,19 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.from_numpy(raw).view(dtype).view(shape)
 
 
+def kv_blocks(
+    cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device, memory
+) -> int:
+    """Blocks of a pool of `memory` (bytes, "512MiB", "8192tok"; None: the default) for
+    the model `cfg`."""
+    per_token = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+    amount = parse_memory(memory)
+    if amount is None:
+        amount = default_kv_bytes(device)
+    tokens = -amount if amount < 0 else amount // per_token
+    return max(1, tokens // block_size)
+
+
 class KVCache:
     def __init__(
         self,
@@ -47,14 +60,15 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         memory: int | str | None = None,
+        num_blocks: int | None = None,
     ):
+        """num_blocks: the pool's size in blocks, overriding `memory` (the ranks of a
+        parallel run size their part of the pool from the whole model's)."""
         self.block_size = block_size
         self.bytes_per_token = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
-        amount = parse_memory(memory)
-        if amount is None:
-            amount = default_kv_bytes(device)
-        tokens = -amount if amount < 0 else amount // self.bytes_per_token
-        self.num_blocks = max(1, tokens // block_size)
+        if num_blocks is None:
+            num_blocks = kv_blocks(cfg, block_size, dtype, device, memory)
+        self.num_blocks = num_blocks
         slots = self.num_blocks * block_size
         shape = (slots, cfg.num_kv_heads, cfg.head_dim)
         self.k = [_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]

@@ -14,6 +14,7 @@ for offline use.
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import torch
 
 from tokenmill import kernels
 from tokenmill.engine.block_manager import BlockManager
-from tokenmill.engine.kv_cache import KVCache
+from tokenmill.engine.kv_cache import KVCache, kv_blocks
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence, Status
@@ -97,12 +98,16 @@ class LLMEngine:
         threads: int | None = None,
         quantization: str = "auto",
         progress=None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
     ):
         """quantization: "auto" keeps a GGUF file's weights as stored (packed blocks, 16-bit
         floats) and a float checkpoint's in its own dtype, for the native CPU kernels;
         "none" loads torch Linears in `dtype` (exact, what the oracle tests compare);
         "gguf", "float", "q8", "q4" force a scheme (see models/quantize.py).
-        progress(done, total) is called while weights load."""
+        progress(done, total) is called while weights load.
+        tensor_parallel_size / pipeline_parallel_size: run the model over that many
+        processes (tokenmill/distributed: spawned on this machine, or torchrun's)."""
         if device == "cpu":
             torch.set_num_threads(threads or os.cpu_count() or 1)
         self.device = torch.device(device)
@@ -120,20 +125,59 @@ class LLMEngine:
         )
 
         # ---- weights ----
-        self.model = Transformer(self.config)
         self.quantization = self._pick_quantization(quantization, ckpt.format)
-        self.model.load_weights(ckpt, dtype, progress, self.quantization)
-        self.model.to(self.device).eval()
+        self.parallel = None  # the distributed Runtime of a run over several processes
+        if tensor_parallel_size * pipeline_parallel_size > 1:
+            self._start_parallel(
+                ckpt, tensor_parallel_size, pipeline_parallel_size, block_size,
+                kv_cache_memory, threads, progress,
+            )  # fmt: skip
+        else:
+            self.model = Transformer(self.config)
+            self.model.load_weights(ckpt, dtype, progress, self.quantization)
+            self.model.to(self.device).eval()
+            # ---- KV cache pool, runner ----
+            self.cache = KVCache(self.config, block_size, dtype, self.device, kv_cache_memory)
+            self.runner = ModelRunner(self.model, self.cache, self.device)
 
-        # ---- KV cache pool, block manager, scheduler, runner ----
-        self.cache = KVCache(self.config, block_size, dtype, self.device, kv_cache_memory)
+        # ---- block manager, scheduler ----
         self.blocks = BlockManager(self.cache.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.cache, self.device)
         self.sampler = Sampler()
         self.max_model_len = min(self.config.max_position, self.cache.capacity_tokens)
         self.requests: dict[str, _Request] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens_computed": 0}
+
+    def _start_parallel(self, ckpt, tp, pp, block_size, kv_cache_memory, threads, progress):
+        """Rank 0 of a parallel run: start the other ranks, build our part of the model,
+        a pool of our heads (or layers) with as many blocks as the whole model's budget
+        gives, and a runner that sends each step to the others."""
+        from tokenmill.distributed import runtime as rt
+
+        if self.device.type != "cpu":
+            raise ValueError("parallel runs use the CPU (gloo); use device='cpu'")
+        num_blocks = kv_blocks(self.config, block_size, self.dtype, self.device, kv_cache_memory)
+        spec = rt.ParallelSpec(
+            tp, pp, str(self.path), str(self.dtype).removeprefix("torch."), self.quantization,
+            block_size, num_blocks, threads,
+        )  # fmt: skip
+        self.parallel = rt.Runtime(spec)
+        self.parallel_plan = rt.describe(ckpt, spec)
+        self.model, local_cfg, group = rt.build_part(ckpt, spec, 0, progress)
+        self.cache = KVCache(local_cfg, block_size, self.dtype, self.device, num_blocks=num_blocks)
+        if tp > 1:
+            self.runner = rt.TPRunner(self.model, self.cache, self.device, self.parallel, group)
+        else:
+            self.runner = rt.PPRunner(
+                self.model, self.cache, self.device, self.parallel, group, 2 * pp,
+                self.config.vocab_size,
+            )  # fmt: skip
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stop the other ranks of a parallel run (nothing to do on one process)."""
+        if self.parallel is not None:
+            self.parallel.stop()
 
     def _pick_quantization(self, requested: str, fmt: str) -> str | None:
         """The weight scheme of models/quantize.py for a request (None: torch Linears)."""
@@ -170,10 +214,13 @@ class LLMEngine:
 
     def describe(self) -> str:
         c = self.config
+        ranks = ""
+        if self.parallel is not None:
+            ranks = f"{self.parallel.world} ranks ({'; '.join(self.parallel_plan)}); "
         return (
             f"{self.path.name}: {c.arch}, {c.num_layers} layers, d={c.hidden_size}, "
             f"heads {c.num_heads}/{c.num_kv_heads}, vocab {c.vocab_size}, {self.dtype}, "
-            f"weights {self.quantization or 'torch'}, kernels {kernels.isa()}; "
+            f"weights {self.quantization or 'torch'}, kernels {kernels.isa()}; {ranks}"
             f"KV cache {self.cache.capacity_tokens} tokens in {self.cache.num_blocks} blocks "
             f"({self.cache.nbytes / 2**20:.0f} MiB)"
         )

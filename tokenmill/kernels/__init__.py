@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 
-ABI = 4  # tm_info() // 1000 of the sources this module binds
+ABI = 5  # tm_info() // 1000 of the sources this module binds
 F16, BF16, F32 = 16, 17, 32  # tm_weight.bits of float weights (4 and 8: packed blocks)
 DEFAULT_GROUP_BLOCKS = 16  # the packing used when no library is loaded (any would do)
 
@@ -99,13 +99,20 @@ class TmLayer(ctypes.Structure):
     ]
 
 
+# tm_allreduce_fn: (float *buf, int32 n, void *ctx), called back from tm_decode_stack
+ALLREDUCE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p)
+
+
 class TmStack(ctypes.Structure):
-    """Mirror of `tm_stack` in tm.h: the shapes, every layer, the final norm."""
+    """Mirror of `tm_stack` in tm.h: the shapes, every layer, the final norm, and the
+    tensor-parallel all-reduce (NULL on one rank)."""
 
     _fields_ = [
         ("shape", ctypes.c_void_p),
         ("layers", ctypes.c_void_p),
         ("final_norm", ctypes.c_void_p),
+        ("allreduce", ALLREDUCE_FN),
+        ("allreduce_ctx", ctypes.c_void_p),
     ]
 
 

@@ -107,6 +107,7 @@ int tm_decode_stack(const tm_stack *st, const tm_rows *rows, float *x, int nthre
         TRY(tm_linear(L->qkv, h, Bd, qkv, L->qkv_bias, nthreads, L->act16));
         TRY(tm_decode_attention(s, L, rows, qkv, att, nthreads));
         TRY(tm_linear(L->o, att, Bd, proj, L->o_bias, nthreads, L->act16));
+        if (st->allreduce) st->allreduce(proj, Bd * d, st->allreduce_ctx); /* sum over ranks */
         add_residual(x, proj, Bd, d, L->post_attn_norm, s->eps);
         /* ---- MLP sublayer ---- */
         norm_rows(x, Bd, d, L->mlp_norm, s->eps, h);
@@ -116,10 +117,11 @@ int tm_decode_stack(const tm_stack *st, const tm_rows *rows, float *x, int nthre
             gated_act(ub, ub + f, f, s->act, mid + (size_t)b * f);
         }
         TRY(tm_linear(L->down, mid, Bd, proj, L->down_bias, nthreads, L->act16));
+        if (st->allreduce) st->allreduce(proj, Bd * d, st->allreduce_ctx);
         add_residual(x, proj, Bd, d, L->post_mlp_norm, s->eps);
     }
 #undef TRY
-    norm_rows(x, Bd, d, st->final_norm, s->eps, x);
+    if (st->final_norm) norm_rows(x, Bd, d, st->final_norm, s->eps, x); /* NULL: a pipeline stage */
     return 1;
 }
 

@@ -35,7 +35,7 @@
 #define TM_GB TM_W
 #endif
 
-#define TM_ABI 4 /* tm_info() / 1000: bumped when a struct or signature changes */
+#define TM_ABI 5 /* tm_info() / 1000: bumped when a struct or signature changes */
 
 #define QK 32            /* values per block */
 #define GW (TM_GB * QK)  /* values per full lane-order group */
@@ -95,10 +95,16 @@ typedef struct {
     float scale;                                  /* attention score scale */
 } tm_layer;
 
+/* Tensor parallelism: called with a row-parallel projection's partial sums [n] (the
+ * output and down projections), which it replaces by their sum over the ranks. */
+typedef void (*tm_allreduce_fn)(float *buf, int32_t n, void *ctx);
+
 typedef struct {
     const tm_shape *shape;
     const tm_layer *layers;  /* [shape->n_layers] */
     const float *final_norm; /* [d]: applied to x after the last layer */
+    tm_allreduce_fn allreduce; /* NULL: one rank holds every head (no tensor parallelism) */
+    void *allreduce_ctx;
 } tm_stack;
 
 /* The decode rows of one step (ctypes mirror: TmRows): Bd rows, one new token each. */

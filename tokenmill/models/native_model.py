@@ -49,13 +49,16 @@ class NativeModel:
         self.layers = (kernels.TmLayer * cfg.num_layers)()
         for desc, block in zip(self.layers, model.layers, strict=True):
             self._describe(desc, block)
-        final = model.final_norm
+        final = model.final_norm  # None on a pipeline stage before the last
+        tp = model.tp
         self.stack = kernels.TmStack(
             ctypes.addressof(self.shape),
             ctypes.addressof(self.layers),
             self._ptr(final.weight) if isinstance(final, RMSNorm) else None,
+            tp.c_allreduce if tp is not None else kernels.ALLREDUCE_FN(),
+            None,
         )
-        if cfg.norm != "rms" or not isinstance(final, RMSNorm):
+        if cfg.norm != "rms" or not (final is None or isinstance(final, RMSNorm)):
             self._block("the stack needs RMSNorm (this family uses LayerNorm)")
         elif cfg.mlp != "gated" or cfg.activation not in ACTIVATIONS:
             self._block(f"the stack needs a gated SiLU/GELU MLP, not {cfg.mlp} {cfg.activation}")

@@ -62,15 +62,20 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.post_attn_norm = make_norm(cfg.norm, d, cfg.norm_eps) if cfg.sandwich_norm else None
         self.post_mlp_norm = make_norm(cfg.norm, d, cfg.norm_eps) if cfg.sandwich_norm else None
+        self.tp = None  # tensor parallelism: the rank's TPGroup (distributed/group.py)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.attn(self.attn_norm(x), meta)
+        if self.tp is not None:  # the output projection was row-parallel: sum the ranks'
+            self.tp.all_reduce(h)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
         if meta.trace is not None:
             meta.trace.on_residual(meta, self.attn.layer_idx, "attention", x)
         h = self.mlp(self.mlp_norm(x))
+        if self.tp is not None:  # the down projection too
+            self.tp.all_reduce(h)
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
         x = x + h
@@ -111,6 +116,31 @@ class Transformer(nn.Module):
         # use: the runner attaches the KV cache after construction.
         self._native: NativeModel | None = None
         self._paths_seen: set[paths.DecodePath] = set()  # logged once each (paths.choose)
+        # Parallel runs (tokenmill/distributed): the rank's TPGroup, or the pipeline stage
+        # this model is (the embedding only on the first, the head only on the last).
+        self.tp = None
+        self.stage = None
+
+    def set_tensor_parallel(self, tp) -> None:
+        """Make this (sharded) model one rank of a tensor-parallel group."""
+        self.tp = tp
+        for layer in self.layers:
+            layer.tp = tp
+        self._native = None
+
+    def set_pipeline_stage(self, stage) -> None:
+        """Keep only what pipeline stage `stage` runs: its layers are this model's; the
+        embedding stays on the first stage (and the last, when tied to the head), the
+        final norm and the head on the last."""
+        self.stage = stage
+        tied = self.lm_head is None
+        if not stage.first:
+            self.pos_embed = None
+            if not (stage.last and tied):
+                self.embed = None
+        if not stage.last:
+            self.final_norm = self.lm_head = None
+        self._native = None
 
     # ------------------------------------------------------------------
     # forward: packed tokens of a batch -> logits at the requested rows
@@ -120,15 +150,22 @@ class Transformer(nn.Module):
         input_ids: torch.Tensor,  # [T]
         meta: AttentionMetadata,
         logits_rows: torch.Tensor | None = None,  # [B] rows to un-embed; None = all rows
+        hidden: torch.Tensor | None = None,  # [T, d]: a later pipeline stage's input
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, d]
-        if self.cfg.embed_scale != 1.0:
-            # Gemma: scale computed in the activation dtype, as the reference does.
-            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
-        if self.pos_embed is not None:
-            x = x + self.pos_embed(meta.positions)
-        if meta.trace is not None:
-            meta.trace.on_embedding(meta, input_ids, x)
+        """logits [B, vocab] of the rows that sample (or of every row); a pipeline stage
+        before the last returns its hidden states [T, d] for the next stage instead."""
+        if hidden is not None:
+            x = hidden
+        else:
+            x = self.embed_tokens(input_ids)  # [T, d]
+            if self.cfg.embed_scale != 1.0:
+                # Gemma: scale computed in the activation dtype, as the reference does.
+                x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+            if self.pos_embed is not None:
+                x = x + self.pos_embed(meta.positions)
+            if meta.trace is not None:
+                meta.trace.on_embedding(meta, input_ids, x)
+        last = self.final_norm is not None
         # ---- which code runs the decode rows (models/paths.py) ----
         path = paths.choose(self, meta, x.shape[0])
         if path.name != paths.TORCH:
@@ -139,9 +176,12 @@ class Transformer(nn.Module):
             )  # fmt: skip
         if path.name == paths.STACK:
             # every layer and the final norm in one native call; all decode rows sample
-            return self.unembed(meta.native.run_stack(x, meta.native_rows))
+            x = meta.native.run_stack(x, meta.native_rows)
+            return self.unembed(x) if last else x
         for layer in self.layers:
             x = layer(x, meta)
+        if not last:
+            return x
         if logits_rows is not None:
             x = x[logits_rows]  # [B, d]: only the rows whose next token we sample
         x = self.final_norm(x)
@@ -168,6 +208,11 @@ class Transformer(nn.Module):
         return super()._apply(fn, recurse)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None:  # each rank holds a range of the vocabulary
+            return self.tp.embed(self._embed_rows, ids)
+        return self._embed_rows(ids)
+
+    def _embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, NativeLinear):
             return self.embed.embed(ids).to(self.dtype)
         return self.embed(ids)
@@ -182,6 +227,8 @@ class Transformer(nn.Module):
         cap = self.cfg.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap
+        if self.tp is not None:  # each rank computed its range of the vocabulary
+            logits = self.tp.gather_logits(logits)
         return logits
 
     # ------------------------------------------------------------------
