@@ -11,6 +11,18 @@ import sys
 from tokenmill import hub
 
 
+def _memory_size(text: str) -> str:
+    """Check a --kv-cache-memory value when the command line is read, not after the model
+    has loaded; the engine parses it again."""
+    from tokenmill.engine.kv_cache import parse_memory
+
+    try:
+        parse_memory(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("kv_cache_memory ")) from None
+    return text
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
@@ -30,6 +42,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-cache-memory",
         default=None,
+        type=_memory_size,
         help="KV cache pool size: bytes ('512MiB', '2GB') or tokens ('8192tok')",
     )
 

@@ -8,26 +8,35 @@ takes a modest share of the machine's memory. Capacity is reported at start-up.
 
 from __future__ import annotations
 
-import os
+import math
 
 import numpy as np
 import torch
 
 from tokenmill.config import ModelConfig
+from tokenmill.loader.checks import physical_memory_bytes
 
 
 def default_kv_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.5)
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(min(1 << 30, total // 16))
+    return int(min(1 << 30, physical_memory_bytes() // 16))
 
 
 def parse_memory(value: int | str | None) -> int | None:
-    """'2GiB', '512MB', '1e9', 1073741824 -> bytes; '8192tok' stays a token count (negative)."""
-    if value is None or isinstance(value, int):
+    """'2GiB', '512MB', '1e9', 1073741824 -> bytes; '8192tok' stays a token count (negative).
+
+    Raises ValueError for anything that is not a positive, finite amount ('-1MiB', '0',
+    'nan', 'lots'): a sign typo must not become a different pool size."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {value}")
         return value
+    if not isinstance(value, str):
+        raise ValueError(f"kv_cache_memory must be bytes or a size string, got {value!r}")
     text = value.strip().lower().replace(" ", "")
     units = {
         "kib": 1 << 10,
@@ -41,12 +50,23 @@ def parse_memory(value: int | str | None) -> int | None:
         "g": 1 << 30,
         "b": 1,
     }
-    if text.endswith(("tok", "tokens")):
-        return -int(float(text.removesuffix("tokens").removesuffix("tok")))
-    for suffix, mult in units.items():
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * mult)
-    return int(float(text))
+    tokens = text.endswith(("tok", "tokens"))
+    number, mult = text.removesuffix("tokens").removesuffix("tok"), 1
+    if not tokens:
+        for suffix, unit in units.items():
+            if number.endswith(suffix):
+                number, mult = number[: -len(suffix)], unit
+                break
+    try:
+        amount = float(number) * mult
+    except ValueError:
+        amount = math.nan
+    if not (math.isfinite(amount) and amount >= 1):
+        raise ValueError(
+            f"kv_cache_memory must be a positive size such as '512MiB', '2GB' or '8192tok', "
+            f"got {value!r}"
+        )
+    return -int(amount) if tokens else int(amount)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -79,6 +99,14 @@ class KVCache:
             amount = default_kv_bytes(device)
         tokens = -amount if amount < 0 else amount // self.bytes_per_token
         self.num_blocks = max(1, tokens // block_size)
+        if device.type == "cpu" and self.num_blocks * block_size * self.bytes_per_token > (
+            memory_total := physical_memory_bytes()
+        ):
+            raise ValueError(
+                f"kv_cache_memory {memory!r} means {self.num_blocks * block_size} tokens, "
+                f"{self.num_blocks * block_size * self.bytes_per_token / 2**30:.1f} GiB: more "
+                f"than this machine's {memory_total / 2**30:.1f} GiB of memory"
+            )
         slots = self.num_blocks * block_size
         shape = (slots, cfg.num_kv_heads, cfg.head_dim)
         self.k = [_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
