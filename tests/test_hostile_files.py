@@ -1,7 +1,7 @@
 """Hostile model files: every one gives a one-line LoadError naming the file (and the key),
 in bounded time and memory. Issue 11, findings 2 and 4.
 
-Each load runs in a sandboxed child (file_sandbox.py: a fork with RLIMIT_AS and a
+Each load runs in a sandboxed child (sandbox.py: a fork with RLIMIT_AS and a
 timeout), so a regression shows up as a failed case ("timeout", "killed", "crash"),
 not as a hung or swapping test run. The cases are the ones the issue found, then
 property-based fuzzing (hypothesis) of GGUF headers (bytes and fields), HF config.json
@@ -17,11 +17,11 @@ import struct
 from pathlib import Path
 
 import pytest
-from file_sandbox import load_bounded
 from gguf import GGUFValueType as V
 from helpers import build_hf_model, write_llama_gguf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sandbox import load_bounded
 
 from tokenmill.loader.gguf_reader import GGUFFile
 

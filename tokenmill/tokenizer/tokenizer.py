@@ -39,8 +39,8 @@ from .gguf_vocab import load_gguf_vocab
 
 # Private-use characters (plane 15, used by no vocabulary or template) that stand in for the
 # special-token text found in chat messages while the template renders: each distinct text in
-# one conversation gets one. Added to a copy of the backend as plain added tokens, so the
-# text around them splits exactly as it does around real special tokens.
+# one conversation gets one, so the rendered prompt holds no special-token text but the
+# template's own.
 PLACEHOLDERS = tuple(chr(0xF0000 + i) for i in range(256))
 
 
@@ -93,9 +93,8 @@ class Tokenizer:
         backend.no_truncation()
         self._backend = backend
         self._literal: Backend | None = None  # a copy that leaves special-token text alone
-        self._placeholder: Backend | None = None  # a copy that also knows PLACEHOLDERS
-        self._placeholder_ids: dict[int, str] = {}
         self._specials: Backend | None = None  # finds special-token text (and placeholders)
+        self._finder_ids: dict[int, int] = {}  # its id of each special token -> ours
         self._lazy = threading.Lock()  # the copies are made on first use, from any thread
         self.name = name
         self.bos_token_id = bos_token_id
@@ -233,15 +232,42 @@ class Tokenizer:
             self.check_length(text, max_tokens)
         if not forged:
             return _encode(self._backend, text).ids  # the template wrote BOS
-        backend = self._placeholder_backend()
-        ids = []
-        for i in _encode(backend, text).ids:
-            placeholder = self._placeholder_ids.get(i)
-            if placeholder is None:
-                ids.append(i)
-            else:  # a user's special-token text: its characters, not the control token
-                literal = forged.get(placeholder, placeholder)
-                ids += self.encode(literal, add_special_tokens=False, parse_special=False)
+        return self._encode_keeping_forged(text, forged)
+
+    def _encode_keeping_forged(self, text: str, forged: dict[str, str]) -> list[int]:
+        """Token ids of rendered `text` whose placeholders stand for users' special-token text.
+
+        The text is cut at the template's own special tokens, as the library cuts it, and
+        each run between them tokenized on its own; a run holding a placeholder gets its
+        user's text back and is tokenized without parsing special tokens, so the text reads
+        as typed (no extra split inside it) but yields no control token."""
+        finder, to_model_id = self._special_finder(), self._finder_ids
+        ids: list[int] = []
+        run: list[str] = []
+        literal = False
+
+        def flush() -> None:
+            nonlocal literal
+            if run and literal:
+                ids.extend(self.encode("".join(run), add_special_tokens=False, parse_special=False))
+            elif run:
+                ids.extend(_encode(self._backend, "".join(run)).ids)
+            run.clear()
+            literal = False
+
+        encoding = _encode(finder, text)
+        for i, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
+            piece = text[start:end]
+            model_id = to_model_id.get(i)
+            if model_id is not None:  # a special token the template wrote
+                flush()
+                ids.append(model_id)
+            elif i != 0:  # a placeholder: the user's text, inside the current run
+                run.append(forged.get(piece, piece))
+                literal = True
+            else:
+                run.append(piece)
+        flush()
         return ids
 
     def _text_kept_as_text(self, message: Any, forged: dict[str, str]) -> Any:
@@ -304,15 +330,6 @@ class Tokenizer:
                 self._literal = literal
         return self._literal
 
-    def _placeholder_backend(self) -> Backend:
-        with self._lazy:
-            if self._placeholder is None:
-                backend = Backend.from_str(self._backend.to_str())
-                backend.add_tokens([AddedToken(p, normalized=False) for p in PLACEHOLDERS])
-                self._placeholder_ids = {backend.token_to_id(p): p for p in PLACEHOLDERS}
-                self._placeholder = backend
-        return self._placeholder
-
     def _special_finder(self) -> Backend:
         """A backend that only finds special tokens: each match gets id >= 1, and each run of
         other text one id-0 token, with character offsets (the matching is the library's own
@@ -335,7 +352,12 @@ class Tokenizer:
                 ]
                 finder.add_special_tokens(specials)
                 finder.add_special_tokens([AddedToken(p, normalized=False) for p in PLACEHOLDERS])
-                finder.normalizer = self._backend.normalizer
+                if any(t.normalized for t in specials):  # matched after normalizing
+                    finder.normalizer = self._backend.normalizer
+                self._finder_ids = {
+                    finder.token_to_id(t.content): self._backend.token_to_id(t.content)
+                    for t in specials
+                }
                 self._specials = finder
         return self._specials
 
