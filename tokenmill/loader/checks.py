@@ -6,9 +6,8 @@ vocabulary x hidden size the embedding, the context length the RoPE tables. So b
 
 - layers: tensors for exactly layers 0..N-1 of the N the config claims (a block_count of
   10^8 would otherwise build 10^8 blocks, minutes and gigabytes, before anything looked);
-- tensors: every parameter the model will have is in the file, with the shape the config
-  implies. The model is built on torch's meta device for this (shapes, no memory), so the
-  expected shapes come from the one place that defines them;
+- tensors: every tensor the model will load is in the file, with the shape the config
+  implies (`models.transformer.checkpoint_shapes`, next to the model it describes);
 - tables sized from the config alone (RoPE cos/sin: positions x rotary dims x 2) fit in
   this machine's memory.
 
@@ -22,8 +21,6 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-
-import torch
 
 from tokenmill.loader import Checkpoint, LoadError
 
@@ -70,48 +67,29 @@ def _check_layers(ckpt: Checkpoint, layer_key: str) -> None:
 
 
 def _check_tensors(ckpt: Checkpoint) -> None:
-    from tokenmill.models.transformer import Transformer, checkpoint_parts
+    from tokenmill.models.transformer import checkpoint_shapes
 
-    with torch.device("meta"):
-        model = Transformer(ckpt.config)
-    gated = ckpt.config.mlp == "gated"
+    expected = checkpoint_shapes(ckpt.config)
     shapes = dict(ckpt.shapes)
     available = set(ckpt.tensors)
-    if "embed.weight" in available and model.lm_head is not None:
+    if "embed.weight" in available and "lm_head.weight" in expected:
         available.add("lm_head.weight")  # tied in the file, not the config: load_weights copies
         shapes.setdefault("lm_head.weight", shapes.get("embed.weight"))
-    plan = {name: checkpoint_parts(name, gated) for name, _ in model.named_parameters()}
-    missing = [p for parts in plan.values() for p in parts if p not in available]
+    missing = [name for name in expected if name not in available]
     if missing:
         raise LoadError(ckpt.path, f"missing tensor {missing[0]!r} ({len(missing)} missing)")
-    for name, param in model.named_parameters():
-        parts = [shapes.get(p) for p in plan[name]]
-        if any(s is None for s in parts):
-            continue  # a checkpoint without header shapes: load_weights checks after reading
-        _check_stack(ckpt.path, plan[name], parts, tuple(param.shape))
-    if "rope_freqs" in shapes and model.rotary is not None:
-        expected = (model.rotary.dim // 2,)
-        if tuple(shapes["rope_freqs"]) != expected:
+    for name, shape in expected.items():
+        found = shapes.get(name)  # None: a checkpoint without header shapes
+        if found is not None and tuple(found) != shape:
             raise LoadError(
-                ckpt.path,
-                f"tensor 'rope_freqs' has shape {shapes['rope_freqs']}, expected {expected}",
+                ckpt.path, f"tensor {name!r} has shape {tuple(found)}, expected {shape}"
             )
-
-
-def _check_stack(
-    path: Path, names: list[str], shapes: list[tuple[int, ...]], expected: tuple[int, ...]
-) -> None:
-    """The tensors `names` stacked along rows (torch.cat, dim 0) must make shape `expected`."""
-    rest = {tuple(s[1:]) for s in shapes}
-    stacked = None
-    if all(len(s) == len(expected) for s in shapes) and len(rest) == 1:
-        stacked = (sum(s[0] for s in shapes), *shapes[0][1:])
-    if stacked == expected:
-        return
-    if len(names) == 1:
-        raise LoadError(path, f"tensor {names[0]!r} has shape {shapes[0]}, expected {expected}")
-    shown = stacked if stacked is not None else " + ".join(str(s) for s in shapes)
-    raise LoadError(path, f"tensor {'+'.join(names)!r} has shape {shown}, expected {expected}")
+    rotary_dim = (ckpt.config.rope.dim or ckpt.config.head_dim) // 2
+    if "rope_freqs" in shapes and tuple(shapes["rope_freqs"]) != (rotary_dim,):
+        raise LoadError(
+            ckpt.path,
+            f"tensor 'rope_freqs' has shape {tuple(shapes['rope_freqs'])}, expected {(rotary_dim,)}",
+        )
 
 
 def _check_tables(ckpt: Checkpoint) -> None:
