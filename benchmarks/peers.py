@@ -176,8 +176,23 @@ class LlamaCppRunner:
             "load_s": time.perf_counter() - start,
             "decode_bytes_per_token": None,
             "kv_pool_bytes": self._kv_bytes(),
+            "kernels": self._kernels(),
             "notes": ["GGUF weights as stored (--dtype does not apply), f16 KV cache, n_batch 512"],
         }
+
+    @staticmethod
+    def _kernels() -> str:
+        """The SIMD features ggml was built with, from llama_print_system_info()
+        ("... AVX2 = 1 | F16C = 1 | ..."), e.g. "AVX2 FMA F16C"."""
+        import llama_cpp
+
+        info = llama_cpp.llama_print_system_info().decode(errors="replace")
+        wanted = ("AVX512", "AVX512_VNNI", "AVX512_BF16", "AMX_INT8", "AVX_VNNI", "AVX2")
+        wanted += ("FMA", "F16C", "NEON", "ARM_FMA", "DOTPROD", "SVE")
+        on = {
+            k.strip() for k, _, v in (p.partition("=") for p in info.split("|")) if v.strip() == "1"
+        }
+        return " ".join(f for f in wanted if f in on) or "-"
 
     def _kv_bytes(self) -> int:
         """The KV cache llama.cpp allocated: n_ctx tokens of f16 K and V in every layer."""

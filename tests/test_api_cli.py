@@ -115,4 +115,4 @@ def test_cli_errors_are_one_line():
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("tokenmill: error:") and "Traceback" not in r.stderr
     r = _cli("generate", "hi", "--top-p", "1.5")
-    assert r.returncode != 0 and "top_p" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode != 0 and "--top-p" in r.stderr and "Traceback" not in r.stderr

@@ -9,7 +9,7 @@ import json
 import pytest
 from helpers import build_hf_model, write_llama_gguf
 
-from tokenmill import bench, cli
+from tokenmill import bench, cli, kernels
 
 PROMPT_LENS = [8, 16]
 NUM_REQUESTS = 3
@@ -42,12 +42,15 @@ def test_report_shape(tiny_model, tmp_path):
     machine = report["machine"]
     assert machine["read_gb_s"] > 0 and machine["copy_gb_s"] > 0
     assert set(machine["gemm_gflop_s"]) == {"float32", "bfloat16"}
+    if not bench.has_native_bf16():  # an emulated bf16 GEMM is no machine limit: skipped
+        assert machine["gemm_gflop_s"]["bfloat16"] is None
     assert set(machine["working_set_read_gb_s"]) == {"tokenmill"}
     assert report["model"]["gguf_decode_bytes_per_token"] is None  # a checkpoint folder
 
     assert list(report["engines"]) == ["tokenmill"]
     tm = report["engines"]["tokenmill"]
     assert tm["status"] == "ok"
+    assert tm["kernels"] == kernels.isa()  # the instruction set the worker's kernels ran
     assert tm["peak_rss_bytes"] > 0 and tm["kv_pool_bytes"] > 0 and tm["decode_bytes_per_token"] > 0
     assert set(tm["latency"]) == {str(p) for p in PROMPT_LENS}
     for p in PROMPT_LENS:

@@ -1,9 +1,11 @@
-"""Quantized linear layers: GGUF conversion exactness, native kernels vs references,
-the pure-torch fallback, the portable (non-AVX-512) C path, threads and builds."""
+"""Quantized and float linear layers: GGUF conversion exactness, the native kernels of
+every instruction-set build vs references and vs each other, the pure-torch fallback,
+threads and builds."""
 
 from __future__ import annotations
 
-import ctypes
+import os
+import platform
 import subprocess
 import sys
 import threading
@@ -16,10 +18,12 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as GT
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
+from kernel_builds import BUILDS, use_build
 
 from tokenmill import kernels
 from tokenmill.kernels import build
-from tokenmill.layers import quant_linear
+from tokenmill.layers import native_linear, quant_linear
+from tokenmill.layers.native_linear import FloatLinear
 from tokenmill.layers.quant_linear import PREFILL_MIN_T, QuantLinear
 
 SIMPLE = [GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.Q5_0, GT.Q5_1]  # gguf.quants can quantize these
@@ -86,6 +90,13 @@ def native():
         pytest.skip("native kernels unavailable")
 
 
+@pytest.fixture(params=BUILDS)
+def kbuild(request, monkeypatch):
+    """Runs the test once per kernel build (native, AVX2, scalar), each the active library."""
+    use_build(monkeypatch, request.param)
+    return request.param
+
+
 # ----------------------------------------------------------------------------------
 # conversion
 # ----------------------------------------------------------------------------------
@@ -133,9 +144,9 @@ def test_from_gguf_checks_sizes():
 def test_from_gguf_reads_rows_in_chunks(monkeypatch):
     """Big tensors are converted a few rows at a time (no float32 copy of the weight)."""
     calls = []
-    parse = quant_linear._parse_exact
+    parse = quant_linear.parse_exact
     monkeypatch.setattr(
-        quant_linear, "_parse_exact", lambda b, q: calls.append(b.shape[0]) or parse(b, q)
+        quant_linear, "parse_exact", lambda b, q: calls.append(b.shape[0]) or parse(b, q)
     )
     n, k = 4096 + 3, 2048
     raw = gguf_bytes(GT.Q4_1, n, k)
@@ -164,7 +175,7 @@ def test_from_float(scheme, bound):
 
 @pytest.mark.parametrize("act_bits", [8, 16])
 @pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS + [GT.Q6_K])
-def test_decode_kernel_matches_reference(native, qtype, act_bits):
+def test_decode_kernel_matches_reference(kbuild, qtype, act_bits):
     torch.manual_seed(0)
     shapes = K_SHAPES if qtype in K_QUANTS + [GT.Q6_K] else SHAPES
     for n, k in shapes:
@@ -180,7 +191,7 @@ def test_decode_kernel_matches_reference(native, qtype, act_bits):
 
 @pytest.mark.parametrize("act_bits,rel", [(8, 2e-2), (16, 2e-4)])
 @pytest.mark.parametrize("scheme", ["q4", "q8"])
-def test_decode_kernel_close_to_float(native, scheme, act_bits, rel):
+def test_decode_kernel_close_to_float(kbuild, scheme, act_bits, rel):
     """Quantized activations cost little against the exact float product."""
     torch.manual_seed(1)
     layer = QuantLinear.from_float(torch.randn(96, 1536) * 0.02, scheme)
@@ -191,7 +202,7 @@ def test_decode_kernel_close_to_float(native, scheme, act_bits, rel):
 
 @pytest.mark.parametrize("qtype", [GT.Q4_1, GT.Q4_0, GT.Q8_0, GT.Q5_1, GT.Q4_K])
 @pytest.mark.parametrize("t", [PREFILL_MIN_T + 1, 200])
-def test_prefill_path_is_the_exact_float32_product(native, monkeypatch, qtype, t):
+def test_prefill_path_is_the_exact_float32_product(kbuild, monkeypatch, qtype, t):
     torch.manual_seed(2)
     n, k = (130, 768) if qtype == GT.Q4_K else (130, 576)
     layer = QuantLinear.from_gguf(gguf_bytes(qtype, n, k), qtype, n, k, bias=torch.randn(n))
@@ -199,12 +210,48 @@ def test_prefill_path_is_the_exact_float32_product(native, monkeypatch, qtype, t
     ref = x.double() @ layer.dequantize().double().T + layer.bias.double()
     assert_close_rel(layer(x), ref, 1e-5)
     # row-chunked GEMMs (big layers) give the same result
-    monkeypatch.setattr(quant_linear, "_PREFILL_CHUNK_BYTES", 64 * 4 * k)
+    monkeypatch.setattr(native_linear, "_PREFILL_CHUNK_BYTES", 64 * 4 * k)
     assert_close_rel(layer(x), ref, 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_float_weights_match_reference(kbuild, dtype):
+    """FloatLinear: the native float GEMV (and the prefill tiles, and embedding rows)
+    against float64 products of the same 16/32-bit weights."""
+    torch.manual_seed(4)
+    for n, k in [(1, 8), (7, 64), (33, 576), (5, 1000)]:  # k with and without a tail
+        w = (torch.randn(n, k) * 0.05).to(dtype)
+        layer = FloatLinear(w, bias=torch.randn(n))
+        for t in [1, 3, 8, 9, PREFILL_MIN_T + 1]:
+            x = torch.randn(t, k)
+            ref = x.double() @ w.double().T + layer.bias.double()
+            err = (layer(x).double() - ref).abs()
+            assert (err <= 1e-5 * (x.double().abs() @ w.double().abs().T)).all(), (n, k, t)
+        assert torch.equal(layer.embed(torch.tensor([n - 1, 0])), w[[n - 1, 0]].float())
+    layer.to(torch.bfloat16)  # a model-wide cast leaves the stored weights alone
+    assert layer.weight.dtype is dtype
+
+
+def test_kquant_scales_stay_compact(kbuild, monkeypatch):
+    """Q4_K/Q5_K keep the file's scale codes (18.5 bytes per 32 4-bit values, not 24); a
+    build that reads float scales only (AVX-512) gets float32 copies, same results."""
+    torch.manual_seed(5)
+    for qtype, per32 in ((GT.Q4_K, 18.5), (GT.Q5_K, 34.5)):
+        n, k = 33, 768
+        layer = QuantLinear.from_gguf(gguf_bytes(qtype, n, k), qtype, n, k)
+        assert layer.kquant and layer.nbytes == n * k // 32 * per32
+        x = torch.randn(3, k)
+        compact = layer(x)
+        monkeypatch.setattr(kernels, "reads_kquant_scales", lambda: False)
+        layer._cw = None
+        assert_close_rel(layer(x), compact.double(), 1e-6)
+        assert layer._plain is not None and layer._plain[0].dtype is torch.float32
+        monkeypatch.undo()
+        use_build(monkeypatch, kbuild)
+
+
 @pytest.mark.parametrize("qtype", [GT.Q8_0, GT.Q4_1, GT.Q4_0, GT.Q5_0])
-def test_embedding_rows_are_exact(native, qtype):
+def test_embedding_rows_are_exact(kbuild, qtype):
     n, k = 50, 576
     raw = gguf_bytes(qtype, n, k)
     layer = QuantLinear.from_gguf(raw, qtype, n, k)
@@ -233,7 +280,7 @@ def test_float_casts_leave_the_packed_format_alone(native):
     assert torch.allclose(layer(x), y, atol=0.05)  # only the bias lost precision
 
 
-def test_cat_fuses_projections(native):
+def test_cat_fuses_projections(kbuild):
     parts = [
         QuantLinear.from_gguf(gguf_bytes(q, n, 576, seed=n), q, n, 576, bias=torch.randn(n))
         for q, n in [(GT.Q5_0, 64), (GT.Q8_0, 16), (GT.Q5_0, 16)]
@@ -265,7 +312,7 @@ def test_concurrent_callers_get_their_own_results(native):
     assert not errors
 
 
-def test_single_and_multi_thread_agree(native):
+def test_single_and_multi_thread_agree(kbuild):
     layer = QuantLinear.from_float(torch.randn(1000, 576), "q4")
     x = torch.randn(5, 576)
     old = torch.get_num_threads()
@@ -296,7 +343,7 @@ def test_fallback_without_library(monkeypatch):
 
 
 def test_build_failure_warns_once_and_falls_back(monkeypatch):
-    def fail():
+    def fail(*_args):
         raise build.BuildError("no C compiler found")
 
     monkeypatch.setattr(kernels, "_lib", None)
@@ -310,32 +357,61 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch):
     assert torch.allclose(layer(x), x @ layer.dequantize().T, atol=1e-5)
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="x86-64 Linux build flags")
-def test_portable_c_path_matches_avx512(native, tmp_path, monkeypatch):
-    """The scalar code hosts without AVX-512 run gives the same numbers."""
-    if not kernels.uses_avx512():
-        pytest.skip("the loaded library already is the portable build")
-    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path))
-    portable = kernels._bind(ctypes.CDLL(str(build.compile_library(("-march=x86-64",)))))
-    assert portable.tm_info() == 2000
+def test_builds_agree(native, monkeypatch):
+    """Every build the host can run (native, AVX2, scalar) gives the native numbers:
+    the same integer block dots, float sums in another order. Each packs the codes
+    for its own vector width."""
     cases = [
         (GT.Q4_1, 21, 576, 8),
         (GT.Q8_0, 9, 1024 + 96, 16),
         (GT.Q4_K, 5, 768, 16),
         (GT.Q4_0, 5, 576, 16),
+        (GT.Q5_1, 7, 1024 + 480, 16),
     ]
-    for qtype, n, k, act_bits in cases:
-        layer = QuantLinear.from_gguf(gguf_bytes(qtype, n, k), qtype, n, k)
-        layer.act_bits = act_bits
-        x = torch.randn(3, k)
-        fast, fast_rows = layer(x), layer.embed(torch.tensor([1, 0]))
-        fast_lanes = kernels.dequant_lanes(layer._native(), 0, n)
-        with monkeypatch.context() as m:
-            m.setattr(kernels, "_lib", portable)
-            assert_close_rel(layer(x), fast.double(), 1e-5)
-            assert torch.equal(layer.embed(torch.tensor([1, 0])), fast_rows)
-            lanes = kernels.dequant_lanes(layer._native(), 0, n)
-            assert torch.equal(lanes, fast_lanes)
+    torch.manual_seed(3)
+    xs = {k: torch.randn(3, k) for _, _, k, _ in cases}
+
+    def outputs():
+        out = []
+        for qtype, n, k, act_bits in cases:
+            layer = QuantLinear.from_gguf(gguf_bytes(qtype, n, k), qtype, n, k)
+            layer.act_bits = act_bits
+            rows = layer.embed(torch.tensor([1, 0]))
+            big = layer(torch.cat([xs[k]] * 40))  # the prefill path
+            out.append((layer(xs[k]), rows, big))
+        return out
+
+    use_build(monkeypatch, "native")
+    ref = outputs()
+    ran = []
+    for name in BUILDS[1:]:
+        try:
+            use_build(monkeypatch, name)
+        except pytest.skip.Exception:
+            continue
+        ran.append(name)
+        for (y, rows, big), (y0, rows0, big0) in zip(outputs(), ref, strict=True):
+            assert_close_rel(y, y0.double(), 1e-5)
+            assert torch.equal(rows, rows0)  # dequantization is exact everywhere
+            assert_close_rel(big, big0.double(), 1e-5)
+    if len(BUILDS) > 1 and not ran:
+        pytest.skip("no other build runs on this CPU")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 targets")
+def test_tokenmill_march_picks_the_build(tmp_path):
+    """TOKENMILL_MARCH builds another target: the scalar path on any x86-64 host, and the
+    engine's load line names it."""
+    code = (
+        "from tokenmill import kernels; from tokenmill.kernels import build; "
+        "print(kernels.isa(), kernels.group_blocks(), build.default_arch_flags()[0])"
+    )
+    env = {**os.environ, "TOKENMILL_MARCH": "x86-64-v2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["scalar", "4", "-march=x86-64-v2"], out.stderr
+    env["TOKENMILL_MARCH"] = "x86-64-v2; rm -rf /"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert "TOKENMILL_MARCH" in out.stderr and "not a -march value" in out.stderr
 
 
 def test_concurrent_builds_share_one_library(tmp_path):

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from server_fixture import metric, running_server, sse_events
 
+from tokenmill import kernels
 from tokenmill.server.app import STATIC_DIR
 from tokenmill.server.metrics import Histogram
 
@@ -106,6 +107,10 @@ def test_health_models_and_metrics(base_url, client):
         name = f"tokenmill_{histogram}_seconds"
         assert f"# TYPE {name} histogram" in text
         assert f'{name}_bucket{{le="+Inf"}}' in text
+    # which code runs: the server (same machine, same environment) names the kernels' ISA
+    [info] = [ln for ln in text.splitlines() if ln.startswith("tokenmill_build_info{")]
+    assert f'kernels="{kernels.isa()}"' in info and 'weights="gguf"' in info
+    assert info.endswith("} 1")
 
 
 @pytest.mark.slow

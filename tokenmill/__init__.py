@@ -1,7 +1,38 @@
-"""tokenmill: an LLM inference engine in Python that runs real models and shows its work."""
+"""tokenmill: an LLM inference engine in Python that runs real models and shows its work.
 
-from tokenmill.llm import LLM, Completion, Output
-from tokenmill.sampling import SamplingParams
+The public names are imported on first use (PEP 562), not here: `import tokenmill`
+must stay free of torch, so that `tokenmill --help` and argument errors answer at
+once, and so that `python -m tokenmill.hub` does not find its own module already
+imported by this package (runpy's RuntimeWarning).
+"""
 
-__all__ = ["LLM", "Completion", "Output", "SamplingParams"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+__all__ = ["LLM", "Completion", "Output", "SamplingParams"]
+
+_EXPORTS = {
+    "LLM": "tokenmill.llm",
+    "Completion": "tokenmill.llm",
+    "Output": "tokenmill.llm",
+    "SamplingParams": "tokenmill.sampling.params",
+}
+
+if TYPE_CHECKING:  # for type checkers and editors; never executed
+    from tokenmill.llm import LLM, Completion, Output
+    from tokenmill.sampling.params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -194,6 +194,18 @@ def copy_bandwidth(nbytes: int, repeats: int = 10) -> float:
     return 2 * src.nbytes / _best_time(lambda: dst.copy_(src), repeats) / 1e9
 
 
+def has_native_bf16() -> bool:
+    """Whether the CPU multiplies bfloat16 in hardware (AVX-512 BF16, AMX, Arm BF16). Without
+    it torch emulates a bf16 GEMM, minutes for 4096^3 and meaningless as a limit."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = {f for line in text.splitlines() if line.startswith(("flags", "Features"))
+             for f in line.split(":", 1)[1].split()}  # fmt: skip
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
 def gemm_gflops(size: int, dtype, repeats: int = 3) -> float:
     """GFLOP/s of a size x size x size matrix product in `dtype`."""
     import torch
@@ -220,7 +232,7 @@ def measure_machine(
         "working_set_read_gb_s": {n: read_bandwidth(b) for n, b in working_sets.items()},
         "gemm_gflop_s": {
             "float32": gemm_gflops(gemm_size, torch.float32),
-            "bfloat16": gemm_gflops(gemm_size, torch.bfloat16),
+            "bfloat16": gemm_gflops(gemm_size, torch.bfloat16) if has_native_bf16() else None,
         },
         "bandwidth_buffer_mib": buffer_mib,
         "gemm_size": gemm_size,
@@ -289,6 +301,7 @@ class TokenmillRunner:
     """tokenmill in a bench worker. Prefix caching is off: every run computes its prompt."""
 
     def __init__(self, work: Workload):
+        from tokenmill import kernels
         from tokenmill.llm import LLM
 
         start = time.perf_counter()
@@ -307,6 +320,7 @@ class TokenmillRunner:
             "decode_bytes_per_token": torch_decode_bytes(engine.model, tied),
             "weight_bytes_by_dtype": weight_bytes_by_dtype(engine.model),
             "kv_pool_bytes": engine.cache.nbytes,
+            "kernels": kernels.isa(),
             "notes": ["prefix caching off"],
         }
 
@@ -674,7 +688,8 @@ def _results_table(report: dict):
     n = report["settings"]["num_requests"]
     title = f"tokenmill bench: {Path(report['model']['path']).name}, {report['settings']['dtype']}"
     table = Table(title=title)
-    columns = ["engine", *(f"TTFT ms @{p}" for p in lens), *(f"prefill tok/s @{p}" for p in lens)]
+    columns = ["engine", "kernels"]
+    columns += [*(f"TTFT ms @{p}" for p in lens), *(f"prefill tok/s @{p}" for p in lens)]
     columns += ["decode tok/s", "ceiling tok/s", "vs ceiling"]
     columns += ["vs tokenmill", f"throughput tok/s ({n} req)", "peak RSS MiB"]
     table.add_column(columns[0], no_wrap=True)
@@ -686,6 +701,7 @@ def _results_table(report: dict):
         lat = e.get("latency", {})
         table.add_row(
             name,
+            e.get("kernels", "-"),
             *(_fmt(lat[p]["ttft_ms"], 0) if p in lat else "-" for p in lens),
             *(_fmt(lat[p]["prefill_tok_s"]) if p in lat else "-" for p in lens),
             _fmt(e.get("decode_tok_s")),
@@ -699,13 +715,15 @@ def _results_table(report: dict):
 
 
 def _machine_line(m: dict) -> str:
+    bf = m["gemm_gflop_s"]["bfloat16"]
+    bf16 = "bf16 not measured (no native bf16)" if bf is None else f"bf16 {bf:.0f} GFLOP/s"
     working_sets = ", ".join(f"{n} {v:.1f}" for n, v in m["working_set_read_gb_s"].items())
     return (
         f"machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads; memory read "
         f"{m['read_gb_s']:.1f} GB/s ({m['bandwidth_buffer_mib']} MiB buffer), copy "
         f"{m['copy_gb_s']:.1f} GB/s, read at each engine's working set: {working_sets} GB/s; "
         f"GEMM {m['gemm_size']}^3 fp32 {m['gemm_gflop_s']['float32']:.0f} GFLOP/s, "
-        f"bf16 {m['gemm_gflop_s']['bfloat16']:.0f} GFLOP/s; load average "
+        f"{bf16}; load average "
         f"{m['load_average_before'][0]:.1f} before, {m['load_average_after'][0]:.1f} after"
     )
 

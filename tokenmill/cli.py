@@ -1,20 +1,72 @@
-"""The `tokenmill` command: generate, chat, serve, inspect, bench.
+"""The `tokenmill` command: generate, chat, serve, inspect, bench, info.
 
-Errors are one clear line on stderr and a non-zero exit status.
+Startup is kept light on purpose. Building the parsers imports no torch, and before the
+engine is imported every command has its arguments parsed and checked (sampling values
+by SamplingParams itself), its model resolved to a path and that file's header read
+(`prepare_model`). So `--help`, a bad value, a missing file or a file that is not a
+model answer in a fraction of a second instead of after the seconds torch takes.
+
+Errors are one line on stderr and a non-zero exit status: argparse's own errors say
+which option is wrong and point at --help instead of printing the whole usage block.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import Any, NoReturn
 
+import tokenmill
 from tokenmill import hub
 
 
-def _memory_size(text: str) -> str:
-    """Check a --kv-cache-memory value when the command line is read, not after the model
-    has loaded; the engine parses it again."""
-    from tokenmill.engine.kv_cache import parse_memory
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" after each option's help, except where there is nothing to show
+    (no default, a flag that is off) or the help text already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or action.default is None
+            or action.default is False  # a flag that is off (`in` would also match 0)
+            or action.default == argparse.SUPPRESS
+            or "default" in text
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line that names the problem and points at
+    --help (argparse prints the whole usage block, which buries the one line that matters).
+    Subcommand parsers are made with this class too (argparse uses the parent's type)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# ---------------------------------------------------------------------- argument types
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def memory_size(text: str) -> str:
+    """Checks a --kv-cache-memory value now; the engine parses the same text later."""
+    from tokenmill.units import parse_memory
 
     try:
         parse_memory(text)
@@ -27,39 +79,98 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
+        metavar="M",
         help=f"checkpoint folder, .gguf file or known model name ({', '.join(hub.KNOWN_MODELS)}); "
-        f"default {hub.DEFAULT_MODEL}",
+        f"default: {hub.DEFAULT_MODEL}",
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of activations, KV cache and unquantized weights",
+    )
+    p.add_argument("--device", default="cpu", metavar="DEV", help="cpu or cuda")
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="CPU threads (default: all cores)",
+    )
     p.add_argument(
         "--quantization",
         default="auto",
-        choices=["auto", "none", "gguf", "q8", "q4"],
-        help="auto: keep a GGUF file's quantized weights packed (fast); none: float weights",
+        choices=["auto", "none", "gguf", "float", "q8", "q4"],
+        help="auto: keep weights as the file stores them for the native kernels (fast); "
+        "none: torch float weights",
     )
     p.add_argument(
         "--kv-cache-memory",
+        type=memory_size,
         default=None,
-        type=_memory_size,
-        help="KV cache pool size: bytes ('512MiB', '2GB') or tokens ('8192tok')",
+        metavar="SIZE",
+        help="KV cache pool size: bytes ('512MiB', '2GB') or tokens ('8192tok') "
+        "(default: min(1 GiB, RAM/16) on CPU, half the free memory on a GPU)",
     )
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+def _add_sampling_args(
+    p: argparse.ArgumentParser, max_tokens: int, seed: int | None = None
+) -> None:
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=max_tokens,
+        metavar="N",
+        help="most tokens to generate per answer",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.7,
+        metavar="T",
+        help="sampling temperature; 0 = greedy (the most likely token, same text every run)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="nucleus sampling: keep the top mass P (1 = off)",
+    )
+    p.add_argument(
+        "--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (0 = off)"
+    )
+    p.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="drop tokens below P times the top token's probability (0 = off)",
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="divide the logits of tokens already seen by this (1 = off)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=seed,
+        metavar="S",
+        help="random seed (default: a fresh one each run)"
+        if seed is None
+        else "random seed; fixed, so that two runs draw the same tokens",
+    )
+    p.add_argument(
+        "--stop", action="append", default=None, metavar="STR", help="stop string (repeatable)"
+    )
 
 
-def _params(args):
-    from tokenmill.sampling import SamplingParams
+def _params(args: argparse.Namespace):
+    from tokenmill.sampling.params import SamplingParams  # torch-free
 
     return SamplingParams(
         max_tokens=args.max_tokens,
@@ -73,26 +184,41 @@ def _params(args):
     )
 
 
-def load_llm(args, **engine_kwargs):
-    """Load the model with a progress bar on stderr."""
+# ---------------------------------------------------------------------- loading
+
+
+def prepare_model(args: argparse.Namespace) -> Path:
+    """Resolve --model to a path (fetching a known model on first use) and check that it
+    looks like a checkpoint, without importing torch. Raises LoadError / FetchError."""
+    from tokenmill.loader import sniff_format
+
+    path = hub.resolve_model(args.model)
+    sniff_format(path)
+    return path
+
+
+def load_llm(args: argparse.Namespace, **engine_kwargs: Any):
+    """Load the model, with a progress bar on stderr when stderr is a terminal."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from tokenmill.engine.llm_engine import resolve_model
     from tokenmill.llm import LLM
 
-    path = resolve_model(args.model)  # fetches a known model first, with its own message
+    path = getattr(args, "model_path", None) or prepare_model(args)
+    console = stderr_console()
     with Progress(
         TextColumn("loading {task.description}"),
         BarColumn(),
-        TextColumn("{task.completed}/{task.total} tensors"),
+        TextColumn("{task.fields[count]}"),
         TimeElapsedColumn(),
         transient=True,
-        console=_stderr_console(),
+        console=console,
+        # off a terminal a transient bar has nothing to erase and leaves a blank line
+        disable=not console.is_terminal,
     ) as bar:
-        task = bar.add_task(path.name, total=None)
+        task = bar.add_task(path.name, total=None, count="")  # the total comes with the first tick
 
         def tick(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
+            bar.update(task, completed=done, total=total, count=f"{done}/{total} tensors")
 
         llm = LLM(
             path,
@@ -104,136 +230,180 @@ def load_llm(args, **engine_kwargs):
             progress=tick,
             **engine_kwargs,
         )
-    _stderr_console().print(f"[dim]{llm.engine.describe()}[/dim]", soft_wrap=True)
+    console.print(f"[dim]{llm.engine.describe()}[/dim]", soft_wrap=True, highlight=False)
     return llm
 
 
-def _stderr_console():
+def stderr_console():
     from rich.console import Console
 
     return Console(stderr=True)
 
 
-def _speed_line(out) -> str:
+# ---------------------------------------------------------------------- streaming
+
+
+def speed_line(out) -> str:
+    from tokenmill.units import format_rate
+
     t = out.timings
     return (
         f"time to first token {t.time_to_first_token * 1000:.0f} ms | "
-        f"prefill {t.prefill_tokens} tok at {t.prefill_tokens_per_s:.1f} tok/s | "
-        f"decode {t.output_tokens} tok at {t.decode_tokens_per_s:.1f} tok/s | "
+        f"prefill {t.prefill_tokens} tok at {format_rate(t.prefill_tokens_per_s)} tok/s | "
+        f"decode {t.output_tokens} tok at {format_rate(t.decode_tokens_per_s)} tok/s | "
         f"finish: {out.finish_reason}"
     )
 
 
-def _stream_answer(llm, prompt, params) -> tuple[str, object]:
-    """Stream one completion to stdout; returns its text and a final Output-like record."""
+def stream_answer(llm, prompt, params, console=None) -> tuple[str, Any]:
+    """Stream one completion to stdout; returns its text and a Completion with timings.
+
+    On a terminal a spinner runs on stderr until the first text arrives, so the wait for
+    the prefill does not look like a hang (ollama does the same)."""
+    from contextlib import closing
+
     from tokenmill.llm import Completion, _timings
 
-    pieces = []
+    console = console or stderr_console()
+    spinner = console.status("[dim]thinking…", spinner="dots") if console.is_terminal else None
+    pieces: list[str] = []
     last = None
-    for out in llm.stream_outputs(prompt, params):
-        if out.text:
-            sys.stdout.write(out.text)
-            sys.stdout.flush()
-            pieces.append(out.text)
-        last = out
+    if spinner is not None:
+        spinner.start()
+    try:
+        # closing(): an interrupted answer aborts its request and frees its KV blocks at once
+        with closing(llm.stream_outputs(prompt, params)) as outputs:
+            for out in outputs:
+                if out.text:
+                    if spinner is not None:
+                        spinner.stop()
+                        spinner = None
+                    sys.stdout.write(out.text)
+                    sys.stdout.flush()
+                    pieces.append(out.text)
+                last = out
+    finally:
+        if spinner is not None:
+            spinner.stop()
     text = "".join(pieces)
     timings = _timings(last, last.num_prompt_tokens - last.num_cached_tokens)
     return text, Completion(text, [], last.finish_reason, None, timings)
 
 
-def cmd_generate(args) -> None:
-    params = _params(args)  # validate before the (slow) model load
-    llm = load_llm(args)
-    _, done = _stream_answer(llm, args.prompt, params)
-    sys.stdout.write("\n")
-    print(_speed_line(done), file=sys.stderr)
+# ---------------------------------------------------------------------- commands
 
 
-def cmd_chat(args) -> None:
+def cmd_generate(args: argparse.Namespace) -> None:
     params = _params(args)
     llm = load_llm(args)
-    messages: list[dict] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    interactive = sys.stdin.isatty()
-    while True:
-        if interactive:
-            sys.stdout.write("\n> ")
-            sys.stdout.flush()
-        line = sys.stdin.readline()
-        if not line:
-            break
-        line = line.strip()
-        if not line:
-            continue
-        if line in ("/exit", "/quit"):
-            break
-        messages.append({"role": "user", "content": line})
-        answer, done = _stream_answer(llm, llm.chat_prompt(messages), params)
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-        if args.verbose:
-            print(_speed_line(done), file=sys.stderr)
-        messages.append({"role": "assistant", "content": answer})
+    prompt = (
+        llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    )
+    console = stderr_console()
+    _, done = stream_answer(llm, prompt, params, console)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    console.print(speed_line(done), style="dim", highlight=False, soft_wrap=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="tokenmill", description="An LLM inference engine that shows its work."
+    parser = Parser(
+        prog="tokenmill",
+        description="An LLM inference engine that shows its work. "
+        "Run `tokenmill COMMAND --help` for a command's options.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"tokenmill {tokenmill.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    g = sub.add_parser("generate", help="stream a continuation of PROMPT")
-    g.add_argument("prompt")
+    g = sub.add_parser(
+        "generate",
+        help="stream a continuation of PROMPT (or, with --chat, the model's answer to it)",
+        description="Stream a continuation of PROMPT, then print time to first token and "
+        "speeds on stderr.",
+    )
+    g.add_argument(
+        "prompt",
+        metavar="PROMPT",
+        help="the text to continue (with --chat: the question to answer)",
+    )
+    g.add_argument(
+        "--chat",
+        action="store_true",
+        help="send PROMPT as a user message through the model's chat template, the way an "
+        "instruct model was trained to be used (tokenmill chat does this every turn)",
+    )
     _add_model_args(g)
     _add_sampling_args(g, max_tokens=128)
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", help="interactive chat with the model's chat template")
-    _add_model_args(c)
-    _add_sampling_args(c, max_tokens=512)
-    c.add_argument("--system", default=None, help="system message")
-    c.add_argument("--verbose", action="store_true", help="print speeds after each answer")
-    c.set_defaults(func=cmd_chat)
-
-    for register in _optional_commands():
-        register(sub, _add_model_args, _add_sampling_args)
+    for module in ("tokenmill.chat_cli", *_OPTIONAL_COMMANDS, "tokenmill.info"):
+        register = _registrar(module)
+        if register is not None:
+            register(sub, _add_model_args, _add_sampling_args)
     return parser
 
 
-def _optional_commands():
-    """Commands defined next to the code they drive (server, inspector, benchmark)."""
-    registrars = []
-    for module in ("tokenmill.server.cli", "tokenmill.inspect_cli", "tokenmill.bench"):
-        try:
-            mod = __import__(module, fromlist=["register"])
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            continue
-        registrars.append(mod.register)
-    return registrars
+# Commands defined next to the code they drive; a build without one just lacks it.
+_OPTIONAL_COMMANDS = ("tokenmill.server.cli", "tokenmill.inspect_cli", "tokenmill.bench")
+
+
+def _registrar(module: str):
+    try:
+        mod = __import__(module, fromlist=["register"])
+    except ModuleNotFoundError as e:
+        if e.name != module or module not in _OPTIONAL_COMMANDS:
+            raise
+        return None
+    return mod.register
+
+
+def _check_sampling_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Check the sampling values with SamplingParams (the one place that knows the allowed
+    ranges) before any model work; its message names the field, this names the option."""
+    try:
+        _params(args)
+    except ValueError as e:
+        field, _, problem = str(e).partition(" ")
+        option = "--" + field.replace("_", "-")
+        if problem and option in _option_strings(parser, args.command):
+            message = f"argument {option}: {problem}"
+        else:
+            message = str(e)
+        prog = f"{parser.prog} {args.command}"
+        parser.exit(2, f"{prog}: error: {message} (see {prog} --help)\n")
+
+
+def _option_strings(parser: argparse.ArgumentParser, command: str) -> set[str]:
+    for action in parser._subparsers._group_actions:  # argparse keeps subparsers here
+        if command in action.choices:
+            return set(action.choices[command]._option_string_actions)
+    return set()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # bare `tokenmill`: show what there is to run
+        parser.print_help()
+        return
+    from tokenmill.hub import FetchError
+    from tokenmill.loader import LoadError
+
+    if hasattr(args, "max_tokens"):
+        _check_sampling_args(parser, args)
     try:
+        if hasattr(args, "model"):
+            args.model_path = prepare_model(args)
         args.func(args)
     except KeyboardInterrupt:
         sys.exit(130)
     except BrokenPipeError:
         sys.exit(0)
-    except Exception as e:  # one line, no traceback, for every error a user can cause
-        from tokenmill.engine.llm_engine import RequestError
-        from tokenmill.hub import FetchError
-        from tokenmill.loader import LoadError
-        from tokenmill.tokenizer import ChatTemplateError
-
-        if isinstance(e, LoadError | FetchError | RequestError | ChatTemplateError | ValueError):
-            print(f"tokenmill: error: {e}", file=sys.stderr)
-            sys.exit(1)
-        raise
+    # One line, no traceback, for every error a user can cause. These classes are all
+    # torch-free to import; RequestError and ChatTemplateError are ValueErrors.
+    except (LoadError, FetchError, ValueError, OSError) as e:
+        print(f"tokenmill: error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

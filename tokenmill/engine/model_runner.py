@@ -38,7 +38,7 @@ class ModelRunner:
         the indices (into `chunks`) of those chunks, in the same order.
         all_logits=True returns logits [T, vocab] for every packed row instead
         (tests and the inspector compare whole prompts)."""
-        decode = [i for i, c in enumerate(chunks) if c.num_tokens == 1 and c.seq.num_computed > 0]
+        decode = [i for i, c in enumerate(chunks) if c.is_decode]
         is_decode = set(decode)
         prefill = [i for i in range(len(chunks)) if i not in is_decode]
         ids: list[int] = []

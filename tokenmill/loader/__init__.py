@@ -10,10 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from tokenmill.config import ModelConfig
+
+if TYPE_CHECKING:  # annotations only: the CLI checks a path with sniff_format before torch loads
+    import torch
 
 
 class LoadError(RuntimeError):
@@ -54,14 +56,28 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     from tokenmill.loader import gguf_file, hf_folder
 
     path = Path(path)
+    if sniff_format(path) == "hf":
+        return hf_folder.open_folder(path)
+    return gguf_file.open_gguf(path)
+
+
+def sniff_format(path: str | Path) -> str:
+    """ "hf" (a folder) or "gguf" (a file starting with the GGUF magic), else LoadError.
+
+    Reads at most 4 bytes and imports nothing heavy, so the CLI can refuse a wrong
+    path before it spends seconds importing torch."""
+    path = Path(path)
     if not path.exists():
         raise LoadError(path, "no such file or folder")
     if path.is_dir():
-        return hf_folder.open_folder(path)
-    with open(path, "rb") as f:
-        magic = f.read(4)
+        return "hf"
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise LoadError(path, e.strerror or str(e)) from None
     if magic == b"GGUF":
-        return gguf_file.open_gguf(path)
+        return "gguf"
     if path.suffix == ".gguf":
         raise LoadError(path, f"not a GGUF file (magic {magic!r}, expected b'GGUF')")
     raise LoadError(path, "not a checkpoint folder or .gguf file")

@@ -1,23 +1,30 @@
-"""Swap the model's float projections for QuantLinear layers that keep weights compressed.
+"""Swap the model's float projections for layers the native kernels read as stored.
 
-Decode reads every weight once per token, so bytes per weight set its speed. Two ways in:
+Decode reads every weight once per token, so bytes per weight set its speed. The ways in:
   "gguf"      keep the GGUF file's own blocks (Q4_0/Q4_1/Q8_0/Q5_x/Q4_K exactly; Q6_K and
-              the 2/3-bit K types requantized to 8 bits), never making a float32 copy;
+              the 2/3-bit K types requantized to 8 bits) as QuantLinear, never making a
+              float32 copy, and its F16/BF16/F32 tensors as FloatLinear;
+  "float"     keep a checkpoint's float tensors in their own dtype (FloatLinear): a
+              bf16 safetensors folder is read at 2 bytes per weight, not 4;
   "q8", "q4"  quantize float weights (HF checkpoints) per 32-value block.
-Layers whose source can't be packed (F32/F16 tensors, fused parts of different packed
-formats) stay float `Linear`s.
+Layers whose parts can't be joined (fused parts of different formats) stay `Linear`s.
 """
 
 from __future__ import annotations
 
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as GT
 from torch import nn
 
 from tokenmill.layers.linear import Linear
+from tokenmill.layers.native_linear import FloatLinear, NativeLinear
 from tokenmill.layers.quant_linear import EXACT_GGUF_TYPES, REQUANT_GGUF_TYPES, QuantLinear
 from tokenmill.loader import Checkpoint, LoadError
 
 PACKABLE = EXACT_GGUF_TYPES | REQUANT_GGUF_TYPES
-SCHEMES = ("gguf", "q8", "q4")
+FLOAT_GGUF = {GT.F16: torch.float16, GT.BF16: torch.bfloat16, GT.F32: torch.float32}
+SCHEMES = ("gguf", "float", "q8", "q4")
 
 
 def quantize_model(model: nn.Module, ckpt: Checkpoint, scheme: str, parts_of) -> None:
@@ -50,27 +57,42 @@ def quantize_model(model: nn.Module, ckpt: Checkpoint, scheme: str, parts_of) ->
         setattr(model.get_submodule(parent) if parent else model, child, packed)
 
 
-def _pack(ckpt: Checkpoint, parts: list[str], scheme: str) -> QuantLinear | None:
+def _pack(ckpt: Checkpoint, parts: list[str], scheme: str) -> NativeLinear | None:
     if any(p not in ckpt.tensors for p in parts):
         return None  # the float loader reports the missing tensor
     if scheme == "gguf":
         if any(p not in ckpt.raw for p in parts):
             return None
         raws = [ckpt.raw[p]() for p in parts]
-        if any(qtype not in PACKABLE for qtype, _ in raws):
+        if any(qtype not in PACKABLE and qtype not in FLOAT_GGUF for qtype, _ in raws):
             return None
-        layers = [
-            QuantLinear.from_gguf(data, qtype, data.shape[0], _in_features(qtype, data))
-            for qtype, data in raws
-        ]
+        layers = [_from_gguf(qtype, data) for qtype, data in raws]
         for p in parts:
             ckpt.release(p)  # packed: the file's pages need not stay resident
+    elif scheme == "float":
+        tensors = [ckpt.tensors[p]() for p in parts]
+        if any(t.dim() != 2 or t.dtype not in FLOAT_GGUF.values() for t in tensors):
+            return None
+        layers = [FloatLinear(t) for t in tensors]
     else:
         layers = [QuantLinear.from_float(ckpt.tensors[p](), scheme) for p in parts]
+    if len(layers) == 1:
+        return layers[0]
+    kind = type(layers[0])
+    if any(type(layer) is not kind for layer in layers):
+        return None  # e.g. a packed q next to an F16 k: keep float
     try:
-        return layers[0] if len(layers) == 1 else QuantLinear.cat(layers)
+        return kind.cat(layers)
     except ValueError:
         return None  # parts pack differently (e.g. Q4_K next to Q6_K): keep float
+
+
+def _from_gguf(qtype, data: np.ndarray) -> NativeLinear:
+    """A layer holding one GGUF tensor's data [rows, ...] in its own encoding."""
+    if qtype in FLOAT_GGUF:  # float rows: F16/F32 come as their dtype, BF16 as bytes
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1)
+        return FloatLinear(torch.from_numpy(raw.copy()).view(FLOAT_GGUF[qtype]))
+    return QuantLinear.from_gguf(data, qtype, data.shape[0], _in_features(qtype, data))
 
 
 def _in_features(qtype, data) -> int:

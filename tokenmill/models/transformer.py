@@ -21,15 +21,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill import kernels
 from tokenmill.config import ModelConfig
 from tokenmill.layers.attention import Attention, AttentionMetadata
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.mlp import MLP
+from tokenmill.layers.native_linear import NativeLinear
 from tokenmill.layers.norm import make_norm
-from tokenmill.layers.quant_linear import QuantLinear
 from tokenmill.layers.rotary import Rotary
 from tokenmill.loader import Checkpoint, LoadError
-from tokenmill.models import fused_stack
+from tokenmill.models import paths
+from tokenmill.models.native_model import NativeModel
 from tokenmill.models.quantize import quantize_model
 
 # A fused parameter -> the checkpoint tensors stacked (along rows) to make it.
@@ -143,9 +145,10 @@ class Transformer(nn.Module):
         self.final_norm = make_norm(cfg.norm, d, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else Linear(d, cfg.vocab_size)
         self.dtype = torch.float32  # activation dtype; set by load_weights
-        # The all-layers native decode step; built at first use (the runner attaches the
-        # KV cache after construction); False: this model cannot take it.
-        self._fused: fused_stack.FusedDecodeStack | None | bool = None
+        # The native kernels' view of the model (models/native_model.py), built at first
+        # use: the runner attaches the KV cache after construction.
+        self._native: NativeModel | None = None
+        self._paths_seen: set[paths.DecodePath] = set()  # logged once each (paths.choose)
 
     # ------------------------------------------------------------------
     # forward: packed tokens of a batch -> logits at the requested rows
@@ -164,9 +167,17 @@ class Transformer(nn.Module):
             x = x + self.pos_embed(meta.positions)
         if meta.trace is not None:
             meta.trace.on_embedding(meta, input_ids, x)
-        if fused_stack.applies(meta, x.shape[0]) and self._fused_stack() is not None:
+        # ---- which code runs the decode rows (models/paths.py) ----
+        path = paths.choose(self, meta, x.shape[0])
+        if path.name != paths.TORCH:
+            meta.native = self.native_model()
+            meta.native_rows = kernels.decode_rows(
+                meta.positions[: meta.num_decode], meta.slot_mapping[: meta.num_decode],
+                meta.decode_slots, meta.decode_context_lens,
+            )  # fmt: skip
+        if path.name == paths.STACK:
             # every layer and the final norm in one native call; all decode rows sample
-            return self.unembed(self._fused.run(x, meta))
+            return self.unembed(meta.native.run_stack(x, meta.native_rows))
         for layer in self.layers:
             x = layer(x, meta)
         if logits_rows is not None:
@@ -178,19 +189,24 @@ class Transformer(nn.Module):
         """Give each layer its view of the cache pool ([num_slots, Hkv, hd] per layer)."""
         for layer, k_layer, v_layer in zip(self.layers, k, v, strict=True):
             layer.attn.k_cache, layer.attn.v_cache = k_layer, v_layer
-        self._fused = None
+        self._native = None
 
-    def _fused_stack(self) -> fused_stack.FusedDecodeStack | None:
-        if self._fused is None:
-            self._fused = fused_stack.FusedDecodeStack.build(self) or False
-        return self._fused or None
+    def native_model(self) -> NativeModel:
+        """The native kernels' descriptors of this model (built once, after the cache)."""
+        if self._native is None:
+            self._native = NativeModel(self)
+        return self._native
+
+    def decode_path(self) -> paths.DecodePath:
+        """The path an untraced step of decode rows only takes (models/paths.py)."""
+        return paths.best_decode_path(self)
 
     def _apply(self, fn, recurse=True):
-        self._fused = None  # weights or caches may move: rebuild the native description
+        self._native = None  # weights or caches may move: rebuild the native description
         return super()._apply(fn, recurse)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.embed, QuantLinear):
+        if isinstance(self.embed, NativeLinear):
             return self.embed.embed(ids).to(self.dtype)
         return self.embed(ids)
 
@@ -199,7 +215,7 @@ class Transformer(nn.Module):
         head = self.embed if self.lm_head is None else self.lm_head
         if isinstance(head, nn.Embedding):
             logits = (x @ head.weight.t()).float()
-        else:  # Linear or QuantLinear
+        else:  # Linear, QuantLinear or FloatLinear
             logits = head(x).float()
         cap = self.cfg.final_logit_softcap
         if cap:
@@ -218,8 +234,9 @@ class Transformer(nn.Module):
     ) -> None:
         """Fill every parameter from the checkpoint; one clear error for any mismatch.
 
-        quantize: None keeps float weights in `dtype`; "gguf", "q8" or "q4" packs the
-        projections into QuantLinear layers first (see models/quantize.py).
+        quantize: None keeps float weights in `dtype`; "gguf", "float", "q8" or "q4" swaps
+        the projections for layers the native kernels read as stored (QuantLinear,
+        FloatLinear) first (see models/quantize.py).
         progress(done, total) is called after each tensor.
         """
         self.dtype = dtype

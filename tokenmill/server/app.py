@@ -45,7 +45,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -105,10 +105,14 @@ def create_app(
     *,
     model_name: str,
     api_key: str | None = None,
+    aliases: Sequence[str] = (),
     limits: ServerLimits | None = None,
 ) -> FastAPI:
     """An app serving `engine` under the name `model_name`; `api_key` guards /v1 paths;
-    `limits` bounds request bodies (the default size follows the context length)."""
+    `limits` bounds request bodies (the default size follows the context length).
+
+    Requests may also name the model by any of `aliases` (e.g. its file name); responses
+    and /v1/models always use `model_name`, as vLLM does with several served names."""
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty: pass None to serve without a key")
     limits = limits or ServerLimits()
@@ -134,6 +138,7 @@ def create_app(
     )
     app.state.engine = engine
     app.state.model_name = model_name
+    app.state.model_names = {model_name, *aliases}
     app.state.created = int(time.time())
     app.state.max_body_bytes = max_body
     _add_error_handlers(app)
@@ -339,7 +344,7 @@ def _shorter(text: str, limit: int = 100) -> str:
 
 def _check_model(request: Request, model: str | None) -> str:
     served = request.app.state.model_name
-    if model is not None and model != served:
+    if model is not None and model not in request.app.state.model_names:
         raise APIError(
             404,
             f"The model '{_shorter(model)}' does not exist; this server serves '{served}'",

@@ -174,7 +174,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, max_waiting: int | None = None):
         self.engine = engine
         self.max_waiting = max_waiting
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(engine.info())
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._pending = 0  # engine requests submitted, not yet added (guarded by _lock)

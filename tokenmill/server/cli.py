@@ -35,7 +35,7 @@ def _seconds(text: str) -> float:
 
 
 def _byte_size(text: str) -> int:
-    from tokenmill.engine.kv_cache import parse_memory
+    from tokenmill.units import parse_memory
 
     try:
         value = parse_memory(text)
@@ -59,16 +59,20 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
     )
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument(
         "--api-key",
         default=None,
-        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})",
+        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, "
+        "else none)",
     )
     p.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the model name clients send and /v1/models lists (default: the model's name)",
+        metavar="NAME",
+        help="the model names clients may send; the first is the one responses and "
+        "/v1/models use (default: the model's known name, its aliases and its file name)",
     )
     p.add_argument(
         "--max-num-seqs", type=_positive_int, default=64, help="most sequences in one batch"
@@ -117,18 +121,17 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         help="on SIGTERM, seconds running requests may take to finish",
     )
     p.add_argument(
-        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="server log verbosity",
     )
     p.set_defaults(func=cmd_serve)
 
 
-def served_model_name(args: argparse.Namespace) -> str:
-    if args.served_model_name:
-        return args.served_model_name
-    if args.model is None:
-        return hub.DEFAULT_MODEL
-    known = hub.lookup(str(args.model))
-    return known.name if known else Path(args.model).name
+def served_model_names(args: argparse.Namespace, path: Path) -> list[str]:
+    """The names the server answers to, the one it reports first."""
+    return list(args.served_model_name or hub.names_for(args.model, path))
 
 
 def api_key_from(args: argparse.Namespace) -> str | None:
@@ -159,7 +162,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
     )
     engine = AsyncEngine(llm.engine, max_waiting=args.max_waiting)
-    name = served_model_name(args)
+    name, *aliases = served_model_names(args, llm.engine.path)
     limits = ServerLimits(
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout,
@@ -167,7 +170,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         keep_alive_s=args.keep_alive_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
     )
-    app = create_app(engine, model_name=name, api_key=api_key, limits=limits)
+    app = create_app(engine, model_name=name, api_key=api_key, aliases=aliases, limits=limits)
     log.info(
         "serving %s at http://%s:%d/v1 (request bodies up to %d bytes)",
         name,

@@ -148,10 +148,21 @@ class CountRequests:
             self.requests.by_code[status if finished and status else CLIENT_CLOSED_REQUEST] += 1
 
 
-class ServerMetrics:
-    """The latency histograms and HTTP counters, plus rendering of the whole /metrics page."""
+def render_info(name: str, help_text: str, labels: dict[str, str]) -> str:
+    """An info metric: a gauge of value 1 whose labels carry the facts (Prometheus' *_info)."""
+    quoted = ",".join(
+        f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+        for k, v in labels.items()
+    )
+    return "\n".join([*_header(name, help_text, "gauge"), f"{name}{{{quoted}}} 1"])
 
-    def __init__(self) -> None:
+
+class ServerMetrics:
+    """The latency histograms and HTTP counters, plus rendering of the whole /metrics page.
+    `info`: labels of tokenmill_build_info (version, kernel instruction set, weight format)."""
+
+    def __init__(self, info: dict[str, str] | None = None) -> None:
+        self.info = dict(info or {})
         self.http = HTTPRequests()
         self.ttft = Histogram(
             "tokenmill_time_to_first_token_seconds",
@@ -191,5 +202,8 @@ class ServerMetrics:
         ]  # fmt: skip
         parts = [render_sample(*sample) for sample in samples]
         parts.append(self.http.render())
+        if self.info:
+            parts.append(render_info("tokenmill_build_info",
+                                     "What this server runs: version, kernels, weights.", self.info))  # fmt: skip
         parts += [h.render() for h in (self.ttft, self.itl, self.e2e)]
         return "\n".join(parts) + "\n"

@@ -90,10 +90,12 @@ _UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {  # field -> values meani
     "best_of": (None, 1),
 }
 _UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
+    # Until tool calls exist, an empty list of tools is refused like a full one: a client
+    # that sends tools expects tool calling, and a 200 would hide that it does not happen.
+    "tools": (None,),
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None,),
-    "functions": (None, []),
+    "functions": (None,),
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),

@@ -1,0 +1,231 @@
+/* Runs every exported kernel of tokenmill/kernels on seeded random inputs and writes the
+ * outputs, so that builds for different instruction sets can be compared (used by
+ * tests/test_kernels_aarch64.py, which builds it for AArch64 with NEON + dotprod, plain
+ * NEON and no SIMD at all and runs it under qemu-user).
+ *
+ *     kernels_driver OUT      OUT: records [int32 name length][name][int32 n][n float32]
+ *
+ * Random packed codes are random bytes: every byte string is a valid packed row, and
+ * builds with the same vector width (NEON and scalar: 4 blocks per group) read the same
+ * bytes the same way. Inputs depend only on the seed, never on the build. */
+#include <stdio.h>
+
+#include "../tokenmill/kernels/tm.h"
+
+static uint64_t rng = 88172645463325252ull;
+static uint32_t next_u32(void) { /* xorshift64 */
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (uint32_t)(rng >> 32);
+}
+static float uniform(void) { return (float)(next_u32() >> 8) / 16777216.f * 2.f - 1.f; } /* [-1, 1) */
+
+static void *fill_bytes(size_t n) {
+    uint8_t *p = malloc(n);
+    for (size_t i = 0; i < n; i++) p[i] = (uint8_t)next_u32();
+    return p;
+}
+static float *fill_floats(size_t n, float scale) {
+    float *p = malloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) p[i] = uniform() * scale;
+    return p;
+}
+static uint16_t to_half(float f) { /* positive normal range only: scales */
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    return (uint16_t)(((b >> 31) << 15) | ((((b >> 23) & 0xff) - 112) << 10) | ((b >> 13) & 0x3ff));
+}
+static void *fill_scales(size_t n, int f16, float scale) {
+    if (!f16) return fill_floats(n, scale);
+    uint16_t *p = malloc(n * 2);
+    for (size_t i = 0; i < n; i++) p[i] = to_half(scale * (0.5f + 0.5f * (uniform() + 1.f)));
+    return p;
+}
+
+static FILE *out;
+static void emit(const char *name, const float *v, int n) {
+    const int len = (int)strlen(name);
+    fwrite(&len, 4, 1, out);
+    fwrite(name, 1, len, out);
+    fwrite(&n, 4, 1, out);
+    fwrite(v, 4, n, out);
+}
+
+static void linear_cases(void) {
+    const int ks[] = {32, 64, 128 + 96, 576, 1024 + 480}, ns[] = {1, 7, 33}, ts[] = {1, 3, 8, 9};
+    for (int bits = 4; bits <= 8; bits += 4)
+        for (int mins = 0; mins < 2; mins++)
+            for (int f16 = 0; f16 < 2; f16++)
+                for (int ki = 0; ki < 5; ki++)
+                    for (int ni = 0; ni < 3; ni++) {
+                        const int k = ks[ki], n = ns[ni];
+                        tm_weight w = {fill_bytes((size_t)n * k * bits / 8), fill_scales((size_t)n * k / 32, f16, 0.01f),
+                                       mins ? fill_scales((size_t)n * k / 32, f16, 0.01f) : NULL, bits, f16, n, k};
+                        float *bias = fill_floats(n, 1.f), *lanes = malloc((size_t)(n < 2 ? 2 : n) * k * 4);
+                        char name[128];
+                        for (int ti = 0; ti < 4; ti++)
+                            for (int act16 = 0; act16 < 2; act16++) {
+                                const int t = ts[ti];
+                                float *x = fill_floats((size_t)t * k, 2.f), *y = malloc((size_t)t * n * 4);
+                                tm_linear(&w, x, t, y, ti == 1 ? bias : NULL, 2, act16);
+                                snprintf(name, sizeof name, "linear b%d m%d f%d k%d n%d t%d a%d", bits, mins, f16, k, n, t,
+                                         act16 ? 16 : 8);
+                                emit(name, y, t * n);
+                                free(x), free(y);
+                            }
+                        tm_dequant_lanes(&w, 0, n, lanes, 2);
+                        snprintf(name, sizeof name, "lanes b%d m%d f%d k%d n%d", bits, mins, f16, k, n);
+                        emit(name, lanes, n * k);
+                        int64_t ids[2] = {n - 1, 0};
+                        tm_dequant_rows(&w, ids, 2, lanes);
+                        snprintf(name, sizeof name, "rows b%d m%d f%d k%d n%d", bits, mins, f16, k, n);
+                        emit(name, lanes, 2 * k);
+                        free((void *)w.codes), free((void *)w.scales), free((void *)w.mins), free(bias), free(lanes);
+                    }
+    float *x = fill_floats(3 * 1504, 1.f), *o = malloc(3 * 1504 * 4);
+    tm_lanes_f32(x, 3, 1504, o, 2);
+    emit("lanes_f32", o, 3 * 1504);
+    free(x), free(o);
+}
+
+/* GGUF K-quant scales as stored: uint8 codes per block times float16 per 256 values */
+static void kquant_cases(void) {
+    for (int bits = 4; bits <= 8; bits += 4)
+        for (int ki = 1; ki <= 3; ki += 2) {
+            const int k = 256 * ki, n = 9, nb = k / 32;
+            uint8_t *sc = fill_bytes((size_t)n * nb), *mc = fill_bytes((size_t)n * nb);
+            for (int i = 0; i < n * nb; i++) sc[i] &= 63, mc[i] &= 63;
+            tm_weight w = {fill_bytes((size_t)n * k * bits / 8), sc, mc, bits, 0, n, k,
+                           fill_scales((size_t)n * k / 256, 1, 1e-3f), fill_scales((size_t)n * k / 256, 1, 1e-3f)};
+            char name[64];
+            for (int t = 1; t <= 5; t += 4) {
+                float *x = fill_floats((size_t)t * k, 1.f), *y = malloc((size_t)t * n * 4);
+                tm_linear(&w, x, t, y, NULL, 2, 1);
+                snprintf(name, sizeof name, "kquant b%d k%d t%d", bits, k, t);
+                emit(name, y, t * n);
+                free(x), free(y);
+            }
+            float *lanes = malloc((size_t)n * k * 4);
+            tm_dequant_lanes(&w, 0, n, lanes, 2);
+            snprintf(name, sizeof name, "lanes kquant b%d k%d", bits, k);
+            emit(name, lanes, n * k);
+            free(lanes), free((void *)w.codes), free(sc), free(mc), free((void *)w.dsup), free((void *)w.msup);
+        }
+}
+
+static void float_cases(void) {
+    const int kinds[] = {TM_F16, TM_BF16, TM_F32}, ks[] = {8, 64, 1000};
+    for (int ki = 0; ki < 3; ki++)
+        for (int kk = 0; kk < 3; kk++) {
+            const int kind = kinds[ki], k = ks[kk], n = 5, es = kind == TM_F32 ? 4 : 2;
+            void *codes;
+            if (kind == TM_F32) {
+                codes = fill_floats((size_t)n * k, 0.1f);
+            } else {
+                uint16_t *h = malloc((size_t)n * k * 2);
+                for (size_t i = 0; i < (size_t)n * k; i++) {
+                    const float f = uniform() * 0.1f;
+                    uint32_t b;
+                    memcpy(&b, &f, 4);
+                    h[i] = kind == TM_BF16 ? (uint16_t)(b >> 16) : (uint16_t)(to_half(fabsf(f) + 1e-3f) | (f < 0) << 15);
+                }
+                codes = h;
+            }
+            (void)es;
+            tm_weight w = {codes, NULL, NULL, kind, 0, n, k};
+            for (int t = 1; t <= 9; t += 4) {
+                float *x = fill_floats((size_t)t * k, 1.f), *y = malloc((size_t)t * n * 4);
+                tm_linear(&w, x, t, y, NULL, 2, 1);
+                char name[64];
+                snprintf(name, sizeof name, "float kind%d k%d t%d", kind, k, t);
+                emit(name, y, t * n);
+                free(x), free(y);
+            }
+            free(codes);
+        }
+}
+
+static void attention_cases(void) {
+    /* Bd rows decoding over a paged cache, each row over its own slots (a row writes its
+     * new k/v while the others read theirs); GQA 4/2, MHA 2/2 and MQA 6/1, hd 16 and 64 */
+    const int cfg[][3] = {{4, 2, 16}, {2, 2, 64}, {6, 1, 64}};
+    for (int c = 0; c < 3; c++)
+        for (int window = 0; window <= 8; window += 8) {
+            const int H = cfg[c][0], Hkv = cfg[c][1], hd = cfg[c][2], Bd = 3, slots_n = 128, cmax = 40, rot = hd;
+            float *qkv = fill_floats((size_t)Bd * (H + 2 * Hkv) * hd, 1.f);
+            float *kc = fill_floats((size_t)slots_n * Hkv * hd, 1.f), *vc = fill_floats((size_t)slots_n * Hkv * hd, 1.f);
+            float *qn = fill_floats(hd, 1.f), *kn = fill_floats(hd, 1.f);
+            float *rc = fill_floats((size_t)64 * rot, 1.f), *rs = fill_floats((size_t)64 * rot, 1.f);
+            int64_t pos[3] = {5, 39, 17}, lens[3] = {6, 40, 18}, newslot[3], slots[3 * 40];
+            for (int b = 0; b < Bd; b++) {
+                for (int j = 0; j < cmax; j++) slots[b * cmax + j] = b * cmax + (j * 7) % cmax;
+                newslot[b] = slots[b * cmax + lens[b] - 1];
+            }
+            float *o = malloc((size_t)Bd * H * hd * 4);
+            const tm_shape shape = {1, H * hd, H, Hkv, hd, 0, 0, 1e-6f};
+            tm_layer layer = {0};
+            layer.q_norm = c ? qn : NULL, layer.k_norm = c ? kn : NULL, layer.rcos = rc, layer.rsin = rs;
+            layer.k_cache = kc, layer.v_cache = vc, layer.rot_dim = rot, layer.window = window;
+            layer.scale = 1.f / sqrtf((float)hd);
+            const tm_rows rows = {pos, newslot, slots, lens, Bd, cmax};
+            tm_decode_attention(&shape, &layer, &rows, qkv, o, 2);
+            char name[64];
+            snprintf(name, sizeof name, "attention c%d w%d", c, window);
+            emit(name, o, Bd * H * hd);
+            snprintf(name, sizeof name, "kcache c%d w%d", c, window);
+            emit(name, kc, slots_n * Hkv * hd);
+            free(qkv), free(kc), free(vc), free(qn), free(kn), free(rc), free(rs), free(o);
+        }
+}
+
+static tm_weight *packed(int n, int k, int bits) {
+    tm_weight *w = malloc(sizeof *w);
+    *w = (tm_weight){fill_bytes((size_t)n * k * bits / 8), fill_scales((size_t)n * k / 32, 1, 0.003f),
+                     bits == 4 ? fill_scales((size_t)n * k / 32, 1, 0.003f) : NULL, bits, 1, n, k};
+    return w;
+}
+
+static void stack_cases(void) {
+    const int L = 2, d = 64, H = 4, Hkv = 2, hd = 16, f = 96, Bd = 2, slots_n = 32, cmax = 12;
+    for (int act = 0; act < 2; act++) {
+        tm_layer layers[2];
+        for (int l = 0; l < L; l++)
+            layers[l] = (tm_layer){packed((H + 2 * Hkv) * hd, d, 4), packed(d, H * hd, 8), packed(2 * f, d, 4),
+                                   packed(d, f, 8), NULL, fill_floats(d, 0.1f), NULL, NULL, fill_floats(d, 1.f),
+                                   fill_floats(d, 1.f), act ? fill_floats(d, 1.f) : NULL,
+                                   act ? fill_floats(d, 1.f) : NULL, NULL, NULL, fill_floats(16 * hd, 1.f),
+                                   fill_floats(16 * hd, 1.f), fill_floats((size_t)slots_n * Hkv * hd, 1.f),
+                                   fill_floats((size_t)slots_n * Hkv * hd, 1.f), hd, act ? 4 : 0, 1, 0.25f};
+        const tm_shape shape = {L, d, H, Hkv, hd, f, act, 1e-6f};
+        tm_stack s = {&shape, layers, fill_floats(d, 1.f)};
+        float *x = fill_floats((size_t)Bd * d, 1.f);
+        int64_t pos[2] = {3, 11}, lens[2] = {4, 12}, newslot[2], slots[2 * 12];
+        for (int b = 0; b < Bd; b++) {
+            for (int j = 0; j < cmax; j++) slots[b * cmax + j] = b * cmax + (j * 5) % cmax;
+            newslot[b] = slots[b * cmax + lens[b] - 1];
+        }
+        const tm_rows rows = {pos, newslot, slots, lens, Bd, cmax};
+        tm_decode_stack(&s, &rows, x, 2);
+        char name[32];
+        snprintf(name, sizeof name, "stack act%d", act);
+        emit(name, x, Bd * d);
+        free(x);
+    }
+}
+
+int main(int argc, char **argv) {
+    if (argc != 2) {
+        fprintf(stderr, "usage: %s OUT\n", argv[0]);
+        return 2;
+    }
+    out = fopen(argv[1], "wb");
+    if (!out) return 1;
+    printf("%s %d\n", tm_isa(), tm_group_blocks());
+    linear_cases();
+    kquant_cases();
+    float_cases();
+    attention_cases();
+    stack_cases();
+    return fclose(out) != 0;
+}

@@ -1,0 +1,222 @@
+"""README.md, run as a reader runs it, so that it cannot drift from the code again.
+
+Every fenced block is one of three kinds, and each kind is checked:
+
+  bash    Each `tokenmill ...` command runs on the real default model and must succeed
+          (and show what the README says it shows), except the few in NOT_RUN, whose
+          arguments are parsed instead. Install steps must be the ones scripts/test.sh,
+          which CI runs, performs.
+  python  Each snippet runs in a fresh interpreter, from a folder outside the clone; one
+          that talks to http://127.0.0.1:8000 runs against a real `tokenmill serve` (on a
+          free port) with the real `openai` client.
+  text    Usage synopses: every option they show exists on that command, and every value
+          shown that is not a PLACEHOLDER is the option's default or among its choices.
+
+A block of any other kind fails the test, so nothing in the README escapes checking.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tokenmill import cli
+
+REPO = Path(__file__).resolve().parent.parent
+README = (REPO / "README.md").read_text()
+TEST_SH = (REPO / "scripts" / "test.sh").read_text()
+SERVER_URL = "http://127.0.0.1:8000"
+
+# Commands a reader would run but a test cannot: their arguments are parsed instead.
+NOT_RUN = {
+    "bench": "runs for many minutes and pip-installs its peers",
+    "serve": "runs until stopped; the server snippets run against one instead",
+}
+# What the README promises a command prints (stdout), checked when it runs.
+PROMISED = {
+    "generate": "The capital of France is Paris.",
+    "inspect": "Timing: prefill vs decode",
+}
+
+
+def blocks(text: str) -> list[tuple[int, str, str]]:
+    """(line number, language, code) of each fenced block."""
+    found = []
+    for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.M | re.S):
+        found.append((text.count("\n", 0, m.start()) + 1, m[1], m[2]))
+    return found
+
+
+BLOCKS = blocks(README)
+
+
+def cases(kind: str) -> list:
+    """The blocks of one kind as test cases; those that run a model are marked slow."""
+    out = []
+    for line, lang, code in BLOCKS:
+        if lang == kind:
+            slow = kind == "python" or (kind == "bash" and _runs_a_model(code))
+            marks = [pytest.mark.slow] if slow else []
+            out.append(pytest.param(code, id=f"README.md:{line}", marks=marks))
+    return out
+
+
+def _runs_a_model(code: str) -> bool:
+    return any(w[0] == "tokenmill" and w[1] not in NOT_RUN for w in commands(code))
+
+
+def test_every_block_is_of_a_kind_this_file_checks():
+    assert BLOCKS, "no code blocks found in README.md"
+    assert {lang for _, lang, _ in BLOCKS} <= {"bash", "python", "text"}, BLOCKS
+
+
+def test_quickstart_promise_is_the_one_checked():
+    assert f"prints `{PROMISED['generate']}`" in README
+
+
+# ---------------------------------------------------------------------- bash
+
+
+def commands(code: str) -> list[list[str]]:
+    """The simple commands of a bash block: lines joined at `\\`, split at `&&`."""
+    out = []
+    for line in code.replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        while words:
+            head, _, words = _partition(words, "&&")
+            out.append(head)
+    return out
+
+
+def _partition(words: list[str], sep: str) -> tuple[list[str], str, list[str]]:
+    if sep in words:
+        i = words.index(sep)
+        return words[:i], sep, words[i + 1 :]
+    return words, "", []
+
+
+def check_install_step(words: list[str]) -> None:
+    """The README's install steps are the ones CI performs through scripts/test.sh."""
+    line = " ".join(words)
+    if words[:2] == ["pip", "install"]:
+        torch = [w for w in words if w.startswith("torch")]
+        if torch:
+            assert f"pip install -q {torch[0]}" in TEST_SH, f"README pins {torch[0]}"
+        else:
+            assert words[2:] == ["-e", "."] and "pip install -q -e '.[test]'" in TEST_SH
+    elif words[:2] == ["bash", "scripts/test.sh"]:
+        assert "exec bash scripts/test.sh" in (REPO / ".ci" / "run").read_text()
+        if "-m" in words:  # a marker expression: its markers must be registered
+            registered = (REPO / "pyproject.toml").read_text()
+            for marker in re.findall(r"\w+", words[words.index("-m") + 1]):
+                assert marker in ("not", "and", "or") or f'"{marker}:' in registered
+    else:
+        assert line in TEST_SH, f"README step {line!r} is not what scripts/test.sh does"
+
+
+def run_tokenmill(words: list[str], tmp_path: Path) -> None:
+    command = words[1]
+    if command in NOT_RUN:
+        cli.build_parser().parse_args(words[1:])  # exits (fails the test) if they are wrong
+        return
+    r = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", *words[1:]],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+    )
+    assert r.returncode == 0, f"{shlex.join(words)}:\n{r.stderr}"
+    assert PROMISED.get(command, "") in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("code", cases("bash"))
+def test_bash_block(code, tmp_path):
+    for words in commands(code):
+        if words[0] == "tokenmill":
+            run_tokenmill(words, tmp_path)
+        else:
+            check_install_step(words)
+
+
+# ---------------------------------------------------------------------- python
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    from server_fixture import running_server
+
+    with running_server() as url:  # the default model, with its default served names
+        yield url
+
+
+@pytest.mark.parametrize("code", cases("python"))
+def test_python_block(code, tmp_path, request):
+    if SERVER_URL in code:
+        code = code.replace(SERVER_URL, request.getfixturevalue("server_url"))
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,  # outside the clone, as a user's script is
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() and r.stdout.endswith("\n")
+
+
+# ---------------------------------------------------------------------- text (synopses)
+
+PLACEHOLDER = re.compile(r"[A-Z][A-Z_]*(\.\.\.)?")
+
+
+def synopses(code: str) -> list[str]:
+    """Each `tokenmill ...` usage line with its indented continuation lines."""
+    out: list[str] = []
+    for line in code.splitlines():
+        if line.startswith("tokenmill"):
+            out.append(line)
+        elif line.startswith(" ") and out:
+            out[-1] += " " + line.strip()
+    return out
+
+
+def _subparser(command: str | None) -> argparse.ArgumentParser:
+    parser = cli.build_parser()
+    if command is None:
+        return parser
+    for action in parser._subparsers._group_actions:
+        if command in action.choices:
+            return action.choices[command]
+    raise AssertionError(f"README shows `tokenmill {command}`, which does not exist")
+
+
+@pytest.mark.parametrize("code", cases("text"))
+def test_usage_block(code):
+    usages = synopses(code)
+    assert usages, "a text block that is not a usage synopsis"
+    for usage in usages:
+        words = usage.split()
+        command = None if words[1].startswith("-") else words[1]
+        parser = _subparser(command)
+        options = parser._option_string_actions
+        for option in re.findall(r"(?<![\w\[])--[\w-]+", usage):  # bare options
+            assert option in options, f"{usage}: no {option}"
+        for option, value in re.findall(r"\[(--[\w-]+)(?: ([^\]]+))?\]", usage):
+            assert option in options, f"{usage}: no {option}"
+            action = options[option]
+            if not value or PLACEHOLDER.fullmatch(value):
+                continue
+            if "|" in value:
+                assert set(value.split("|")) <= set(action.choices), f"{option} {value}"
+            else:
+                assert value == str(action.default) or (
+                    isinstance(action.default, float) and float(value) == action.default
+                ), f"README shows {option} {value}; its default is {action.default}"

@@ -1,0 +1,128 @@
+"""`tokenmill chat`: an interactive conversation through the model's chat template.
+
+It behaves the way users of `ollama run` and `llama-cli` expect: a one-line header
+names the model and says how to leave; on a terminal a spinner runs until the first
+token arrives; each answer streams to stdout and is followed by a dim speed line on
+stderr. Slash commands manage the conversation (`COMMANDS`). Ctrl-C stops an answer
+and returns to the prompt; Ctrl-D, /exit, /quit or /bye leave.
+
+Status text (header, speeds, command replies) goes to stderr, answers to stdout, so
+`tokenmill chat < questions.txt > answers.txt` keeps the answers clean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+
+EXIT_COMMANDS = ("/exit", "/quit", "/bye")
+COMMANDS = {
+    "/help": "show these commands",
+    "/clear": "start a new conversation (the system message stays)",
+    "/system TEXT": "set the system message and start a new conversation; no TEXT: show it",
+    "/exit": "leave (also /quit, /bye or Ctrl-D); Ctrl-C stops an answer",
+}
+
+
+def register(subparsers, add_model_args, add_sampling_args) -> None:
+    p = subparsers.add_parser(
+        "chat",
+        help="interactive chat with the model's chat template",
+        description="Chat with the model: each turn is rendered with its chat template. "
+        "Type /help in the chat for its commands; /exit or Ctrl-D leaves.",
+    )
+    add_model_args(p)
+    add_sampling_args(p, max_tokens=512)
+    p.add_argument("--system", default=None, help="system message")
+    p.set_defaults(func=cmd_chat)
+
+
+@dataclass
+class Conversation:
+    """The messages of one chat and the slash commands that change them (no I/O here)."""
+
+    system: str | None = None
+    turns: list[dict[str, str]] = field(default_factory=list)
+
+    def messages(self) -> list[dict[str, str]]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.turns
+
+    def command(self, line: str) -> str | None:
+        """Run slash command `line`. Returns the text to show, or None to leave."""
+        name, _, rest = line.partition(" ")
+        rest = rest.strip()
+        if name in EXIT_COMMANDS:
+            return None
+        if name in ("/help", "/?"):
+            width = max(len(c) for c in COMMANDS)
+            return "\n".join(f"{c.ljust(width)}  {what}" for c, what in COMMANDS.items())
+        if name == "/clear":
+            self.turns.clear()
+            return "new conversation"
+        if name == "/system":
+            if not rest:
+                return f"system message: {self.system!r}" if self.system else "no system message"
+            self.system = rest
+            self.turns.clear()
+            return "system message set; new conversation"
+        return f"unknown command {name!r}; /help lists the commands"
+
+
+def header(model_name: str) -> str:
+    return f"tokenmill chat · {model_name} · /help for commands · /exit or Ctrl-D to leave"
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from tokenmill import hub
+    from tokenmill.cli import _params, load_llm, speed_line, stderr_console, stream_answer
+
+    params = _params(args)
+    llm = load_llm(args)
+    if llm.tokenizer.chat_template is None:  # say so now, not after the first question
+        from tokenmill.tokenizer import ChatTemplateError
+
+        raise ChatTemplateError(
+            f"{hub.display_name(args.model)} has no chat template; use tokenmill generate"
+        )
+    console = stderr_console()
+    interactive = sys.stdin.isatty()
+    if interactive:
+        import readline  # noqa: F401  (importing it gives input() line editing and history)
+    conversation = Conversation(system=args.system)
+    console.print(header(hub.display_name(args.model)), style="bold", highlight=False)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            if interactive:  # Ctrl-D: end the "> " line so the shell prompt starts clean
+                sys.stdout.write("\n")
+            break
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            console.print("(Ctrl-D or /exit to leave)", style="dim", highlight=False)
+            continue
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            reply = conversation.command(line)
+            if reply is None:
+                break
+            console.print(reply, style="dim", highlight=False)
+            continue
+        conversation.turns.append({"role": "user", "content": line})
+        try:
+            answer, done = stream_answer(
+                llm, llm.chat_prompt(conversation.messages()), params, console
+            )
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            conversation.turns.pop()  # a cut-off answer is not kept in the conversation
+            console.print("(answer stopped)", style="dim", highlight=False)
+            continue
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        console.print(speed_line(done), style="dim", highlight=False, soft_wrap=True)
+        conversation.turns.append({"role": "assistant", "content": answer})

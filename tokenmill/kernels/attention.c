@@ -1,0 +1,248 @@
+/* Decode attention over the paged KV cache, float32: one call per layer does, for every
+ * decode row and K/V head, the q/k RMSNorm, RoPE, the cache write of the new k/v and
+ * softmax(q K^T * scale) V. The inner loops are written once over simd.h; AVX-512 builds
+ * keep their 512-bit versions of the three hot loops (scores, values, softmax). */
+#include "tm.h"
+
+#if TM_AVX512
+/* The 16 horizontal sums of v[0..15] as one vector (element u = sum of v[u]): a
+ * transpose-and-add tree, ~3 instructions per sum instead of a full reduction each. */
+static inline __m512 hsum16(const __m512 v[16]) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [v2i 0+2, v2i+1 0+2, v2i 1+3, v2i+1 1+3] */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: the lane sums of v4i .. v4i+3 */
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    /* add the four 128-bit lanes: 0x88 picks lanes (0, 2), 0xDD lanes (1, 3) */
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+#endif
+
+/* RoPE ("rotate half") of the first `dim` features of x [hd] in place, with the cos/sin
+ * row of the token's position (sin's first half carries the minus sign, rotary.py). */
+static inline void rope_inplace(float *x, int dim, const float *c, const float *s) {
+    const int half = dim / 2;
+    for (int i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * c[i] + b * s[i];
+        x[i + half] = b * c[i + half] + a * s[i + half];
+    }
+}
+
+/* sc [m] = scale * (q . K_j), K_j = base + sl[j] * stride: float32 [hd] each. */
+static void attn_scores(const float *q, const float *base, const int64_t *sl, size_t stride, int m,
+                        int hd, float scale, float *sc) {
+    int j = 0;
+#if TM_AVX512
+    if (hd % 16 == 0)
+        for (; j + 16 <= m; j += 16) { /* 16 keys at a time: one horizontal-sum tree */
+            __m512 v[16];
+            for (int u = 0; u < 16; u++) {
+                const float *k = base + (size_t)sl[j + u] * stride;
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+                for (int i = 16; i < hd; i += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), a);
+                v[u] = a;
+            }
+            _mm512_storeu_ps(sc + j, _mm512_mul_ps(hsum16(v), _mm512_set1_ps(scale)));
+        }
+#else
+    if (hd % TM_W == 0)
+        for (; j + TM_W <= m; j += TM_W) { /* TM_W keys at a time: one horizontal-sum tree */
+            vf v[TM_W];
+            for (int u = 0; u < TM_W; u++) {
+                const float *k = base + (size_t)sl[j + u] * stride;
+                vf a = vf_mul(vf_load(q), vf_load(k));
+                for (int i = TM_W; i < hd; i += TM_W) a = vf_fma(vf_load(q + i), vf_load(k + i), a);
+                v[u] = a;
+            }
+            vf_store(sc + j, vf_mul(vf_hsums(v), vf_set1(scale)));
+        }
+#endif
+    for (; j < m; j++) sc[j] = tm_dot(q, base + (size_t)sl[j] * stride, hd) * scale;
+}
+
+/* acc [rep, hd] = sum_j p[r * m + j] * V_j for each of the rep rows of p, V_j as in
+ * attn_scores. The accumulators of a few rows x 4 vectors of features stay in registers
+ * while the keys stream by (instead of a load and a store of acc per key and row). */
+#define VROWS (TM_W == 4 ? 4 : 2) /* rows per register block: 16 (AVX2) or 32 (NEON) registers */
+static void attn_values(const float *p, int m, int rep, const float *base, const int64_t *sl,
+                        size_t stride, int hd, float *acc) {
+#if TM_AVX512
+    if (hd % 16 == 0) {
+        for (int r0 = 0; r0 < rep; r0 += 4) {
+            const int nr = rep - r0 < 4 ? rep - r0 : 4;
+            for (int d0 = 0; d0 < hd; d0 += 64) {
+                const int nv = (hd - d0 < 64 ? hd - d0 : 64) / 16;
+                __m512 a[4][4], vv[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+                for (int r = 0; r < 4; r++)
+                    for (int i = 0; i < 4; i++) a[r][i] = _mm512_setzero_ps();
+                for (int j = 0; j < m; j++) {
+                    const float *v = base + (size_t)sl[j] * stride + d0;
+                    for (int i = 0; i < 4; i++)
+                        if (i < nv) vv[i] = _mm512_loadu_ps(v + 16 * i);
+                    for (int r = 0; r < 4; r++)
+                        if (r < nr) {
+                            const __m512 pr = _mm512_set1_ps(p[(size_t)(r0 + r) * m + j]);
+                            for (int i = 0; i < 4; i++)
+                                if (i < nv) a[r][i] = _mm512_fmadd_ps(pr, vv[i], a[r][i]);
+                        }
+                }
+                for (int r = 0; r < 4; r++)
+                    for (int i = 0; i < 4; i++)
+                        if (r < nr && i < nv) _mm512_storeu_ps(acc + (size_t)(r0 + r) * hd + d0 + 16 * i, a[r][i]);
+            }
+        }
+        return;
+    }
+#else
+    if (hd % TM_W == 0) {
+        for (int r0 = 0; r0 < rep; r0 += VROWS) {
+            const int nr = rep - r0 < VROWS ? rep - r0 : VROWS;
+            for (int d0 = 0; d0 < hd; d0 += 4 * TM_W) {
+                const int nv = (hd - d0 < 4 * TM_W ? hd - d0 : 4 * TM_W) / TM_W;
+                vf a[VROWS][4], vv[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};
+                for (int r = 0; r < VROWS; r++)
+                    for (int i = 0; i < 4; i++) a[r][i] = vf_zero();
+                for (int j = 0; j < m; j++) {
+                    const float *v = base + (size_t)sl[j] * stride + d0;
+                    for (int i = 0; i < 4; i++)
+                        if (i < nv) vv[i] = vf_load(v + TM_W * i);
+                    for (int r = 0; r < VROWS; r++)
+                        if (r < nr) {
+                            const vf pr = vf_set1(p[(size_t)(r0 + r) * m + j]);
+                            for (int i = 0; i < 4; i++)
+                                if (i < nv) a[r][i] = vf_fma(pr, vv[i], a[r][i]);
+                        }
+                }
+                for (int r = 0; r < VROWS; r++)
+                    for (int i = 0; i < 4; i++)
+                        if (r < nr && i < nv) vf_store(acc + (size_t)(r0 + r) * hd + d0 + TM_W * i, a[r][i]);
+            }
+        }
+        return;
+    }
+#endif
+    memset(acc, 0, (size_t)rep * hd * sizeof(float));
+    for (int j = 0; j < m; j++) {
+        const float *vj = base + (size_t)sl[j] * stride;
+        for (int r = 0; r < rep; r++) tm_axpy(acc + (size_t)r * hd, p[(size_t)r * m + j], vj, hd);
+    }
+}
+
+/* s [n] = exp(s - max(s)); returns the sum. */
+static inline float softmax_exp(float *s, int n) {
+    float mx = -INFINITY;
+    int j = 0;
+#if !TM_AVX512
+    if (n >= TM_W) {
+        vf vmx = vf_load(s);
+        for (j = TM_W; j + TM_W <= n; j += TM_W) vmx = vf_max(vmx, vf_load(s + j));
+        mx = vf_hmax(vmx);
+    }
+#endif
+    for (; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    j = 0;
+    float sum = 0.f;
+#if TM_AVX512
+    const __m512 vm = _mm512_set1_ps(mx);
+    __m512 acc = _mm512_setzero_ps();
+    for (; j < n; j += 16) {
+        const __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vm));
+        _mm512_mask_storeu_ps(s + j, m, e);
+        acc = _mm512_mask_add_ps(acc, m, acc, e);
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#else
+    const vf vm = vf_set1(mx);
+    vf acc = vf_zero();
+    for (; j + TM_W <= n; j += TM_W) {
+        const vf e = vf_exp(vf_sub(vf_load(s + j), vm));
+        vf_store(s + j, e);
+        acc = vf_add(acc, e);
+    }
+    sum = vf_sum(acc);
+#endif
+    for (; j < n; j++) {
+        s[j] = expf(s[j] - mx);
+        sum += s[j];
+    }
+    return sum;
+}
+
+/* Attention of Bd decode rows (one new token each) over a paged KV cache, whole layer
+ * in one call: per row and K/V head, q/k RMSNorm (optional), RoPE, the cache write of
+ * the new k/v, then softmax(q K^T * scale) V for the `rep` = H/Hkv query heads sharing
+ * that K/V head. The layer L gives the q/k norms, the rotary tables [P, rot_dim], the
+ * cache [num_slots, Hkv, hd], the sliding window (> 0: only the last `window` keys are
+ * seen) and the score scale; `rows` the step's decode rows (see tm_rows).
+ *
+ *   qkv        [Bd, (H + 2 Hkv) hd]  fused projection output (q heads, k heads, v heads)
+ *   out        [Bd, H hd]
+ * Returns 1, or 0 if per-thread scratch could not be allocated. */
+int tm_decode_attention(const tm_shape *sh, const tm_layer *L, const tm_rows *rows, const float *qkv,
+                        float *out, int nthreads) {
+    const int H = sh->H, Hkv = sh->Hkv, hd = sh->hd, Bd = rows->Bd, cmax = rows->cmax;
+    const int rot_dim = L->rot_dim, window = L->window;
+    const float eps = sh->eps, scale = L->scale, *q_norm = L->q_norm, *k_norm = L->k_norm;
+    const float *rcos = L->rcos, *rsin = L->rsin;
+    float *k_cache = L->k_cache, *v_cache = L->v_cache;
+    const int64_t *positions = rows->positions, *new_slots = rows->new_slots;
+    const int64_t *slots = rows->slots, *ctx_lens = rows->ctx_lens;
+    const int rep = H / Hkv, stride = (H + 2 * Hkv) * hd, ntask = Bd * Hkv;
+    int nt = tm_threads(nthreads);
+    nt = nt < ntask ? nt : ntask;
+    int ok = 1;
+    (void)nt;
+#pragma omp parallel num_threads(nt) if (nt > 1) reduction(& : ok)
+    {
+        /* per thread: q [rep, hd], accumulators [rep, hd], scores [rep, cmax] */
+        float *q = tm_scratch(((size_t)2 * rep * hd + (size_t)rep * cmax) * sizeof(float));
+        if (!q) ok = 0;
+#pragma omp for schedule(static)
+        for (int task = 0; task < ntask; task++) {
+            if (!q) continue;
+            const int b = task / Hkv, g = task % Hkv;
+            float *acc = q + (size_t)rep * hd, *sc = acc + (size_t)rep * hd;
+            const float *row = qkv + (size_t)b * stride;
+            const float *c = rcos ? rcos + positions[b] * rot_dim : NULL;
+            const float *s = rsin ? rsin + positions[b] * rot_dim : NULL;
+            /* ---- new k, v: norm, rotate, write to the cache ---- */
+            float *kd = k_cache + ((size_t)new_slots[b] * Hkv + g) * hd;
+            memcpy(kd, row + (size_t)(H + g) * hd, hd * sizeof(float));
+            if (k_norm) tm_rms_norm(kd, hd, k_norm, eps, kd);
+            if (c) rope_inplace(kd, rot_dim, c, s);
+            memcpy(v_cache + ((size_t)new_slots[b] * Hkv + g) * hd, row + (size_t)(H + Hkv + g) * hd,
+                   hd * sizeof(float));
+            /* ---- the rep query heads of this group ---- */
+            for (int r = 0; r < rep; r++) {
+                float *qr = q + (size_t)r * hd;
+                memcpy(qr, row + (size_t)(g * rep + r) * hd, hd * sizeof(float));
+                if (q_norm) tm_rms_norm(qr, hd, q_norm, eps, qr);
+                if (c) rope_inplace(qr, rot_dim, c, s);
+            }
+            /* ---- scores over the visible context [j0, n) ---- */
+            const int n = (int)ctx_lens[b], j0 = window > 0 && n > window ? n - window : 0, m = n - j0;
+            const int64_t *sl = slots + (size_t)b * cmax + j0;
+            const size_t stride = (size_t)Hkv * hd; /* floats from one slot to the next */
+            for (int r = 0; r < rep; r++)
+                attn_scores(q + (size_t)r * hd, k_cache + (size_t)g * hd, sl, stride, m, hd, scale,
+                            sc + (size_t)r * m);
+            /* ---- softmax, then the weighted sum of values ---- */
+            float inv[rep];
+            for (int r = 0; r < rep; r++) inv[r] = 1.f / softmax_exp(sc + (size_t)r * m, m);
+            attn_values(sc, m, rep, v_cache + (size_t)g * hd, sl, stride, hd, acc);
+            for (int r = 0; r < rep; r++) {
+                float *o = out + (size_t)b * H * hd + (size_t)(g * rep + r) * hd;
+                for (int i = 0; i < hd; i++) o[i] = acc[(size_t)r * hd + i] * inv[r];
+            }
+        }
+    }
+    return ok;
+}

@@ -1,0 +1,508 @@
+/* Linear layers: y [T, N] = x [T, K] @ W^T (+ bias) over weights kept compressed.
+ *
+ * Packed weight format (built by tokenmill/layers/quant_linear.py)
+ * ----------------------------------------------------------------
+ * A weight W [N, K] (K a multiple of 32) is cut, per row, into blocks of 32 values
+ * with one scale d and optionally one min m per block:
+ *
+ *     w = d * (c - Z) + m          c: the unsigned code (4 or 8 bits)
+ *     Z = 0 when the format has mins, else 8 (4-bit) or 128 (8-bit)
+ *
+ * This holds GGUF Q4_0 (Z=8), Q4_1 / Q4_K (mins), Q8_0 / Q5_0 (Z=128, codes biased
+ * by +128) and Q5_1 / Q5_K (8-bit codes 0..31 with mins) exactly.
+ *
+ *   codes   uint8 [N, K/2] (bits=4) or [N, K] (bits=8), rows dense, no padding
+ *   scales  float16 or float32 [N, K/32]
+ *   mins    same dtype as scales [N, K/32], or absent
+ *
+ * Column order of the codes in a row ("lane order"), for G = TM_GB blocks per group
+ * (the build's vector width in 32-bit lanes: 16 AVX-512, 8 AVX2, 4 NEON and scalar;
+ * tm_group_blocks() tells Python, which packs for the host at load):
+ *  - full groups of G blocks (32 G values) first. Value j = 4*i + t (i < 8, t < 4) of
+ *    block k of a group sits at position p = i*4G + k*4 + t, so vector i (4G bytes)
+ *    holds in 32-bit lane k four consecutive values of block k: dot products over the
+ *    8 vectors leave block k's whole int32 dot in lane k, with no horizontal reduction
+ *    per block, and one float multiply-add applies the G blocks' scales at once.
+ *  - then the tail (nb % G blocks) in natural order, in chunks of 64 values (two
+ *    blocks; the last chunk may hold one block, 32 values).
+ * 8-bit codes sit at byte p. 4-bit codes: in a full group, byte c*4G + r holds
+ * position 2c*4G + r in its low nibble and (2c+1)*4G + r in its high nibble; in a
+ * tail chunk of n values, byte r holds value r (low) and value n/2 + r (high).
+ *
+ * Activations are quantized per 32-block in the same lane order, to 8 bits like
+ * llama.cpp's q8 (xq = round(x / dx), dx = max|x| / 127) or to 16 bits (dx = max|x| /
+ * 32767: ~250x smaller error, the default). The dot of a block is then
+ *     d * dx * (sum c*xq - Z * sum xq) + m * sum x
+ * in exact int32 arithmetic up to the final float scaling (sum x is the exact float
+ * sum: the min term adds no activation-quantization error). Every build computes the
+ * same integers; results differ only in the order of the float sums.
+ *
+ * How each build multiplies codes by activations:
+ *   AVX-512  activations as two VNNI operands (signed high byte, unsigned low byte):
+ *            two vpdpbusd per 64 values (linear_avx512.h)
+ *   others   the same two byte planes, multiplied by group_dot of the simd.h layer:
+ *            vpmaddubsw (4-bit codes) or vpmaddwd on AVX2, sdot/udot or smlal on NEON,
+ *            plain C on scalar
+ *
+ * Float weights (bits TM_F16 / TM_BF16 / TM_F32): [N, K] in natural order, converted to
+ * float32 in registers (F16C / shifts / NEON fcvtl) and multiplied by float32 x.
+ */
+#include "tm.h"
+
+static inline int zero_point(const tm_weight *w) {
+    return w->mins ? 0 : (w->bits == 4 ? 8 : 128);
+}
+
+static inline size_t row_bytes(const tm_weight *w) {
+    return (size_t)w->k * (size_t)w->bits / 8;
+}
+
+/* Lane-order position of value j of block b in a row of nb blocks (= 8-bit code byte). */
+static inline size_t lane_pos(int nb, int b, int j) {
+    const int full = nb / TM_GB * TM_GB;
+    if (b >= full) return (size_t)b * QK + j; /* tail: natural order */
+    return (size_t)(b / TM_GB) * GW + (size_t)(j >> 2) * 4 * TM_GB + (b % TM_GB) * 4 + (j & 3);
+}
+
+/* The 32 codes of tail block u (of nbt) in natural order, from the row's tail bytes. */
+static inline void tail_block_codes(const uint8_t *tail, int bits, int u, int nbt, uint8_t out[QK]) {
+    if (bits == 8) {
+        memcpy(out, tail + (size_t)QK * u, QK);
+        return;
+    }
+    const uint8_t *p = tail + QK * (u / 2); /* chunk u/2: 32 bytes, or 16 if a lone block */
+    if (u / 2 * 2 + 1 < nbt) {
+        const int shift = (u & 1) * 4; /* 64-value chunk: block 2q low nibbles, 2q+1 high */
+        for (int j = 0; j < QK; j++) out[j] = (p[j] >> shift) & 15;
+    } else {
+        for (int j = 0; j < QK / 2; j++) {
+            out[j] = p[j] & 15;
+            out[QK / 2 + j] = p[j] >> 4;
+        }
+    }
+}
+
+#if TM_AVX512
+#include "linear_avx512.h"
+#else
+
+/* ------------------------------------------------------------------------------ */
+/* Activation quantization (per call, on the calling thread: T*K is small)         */
+/* ------------------------------------------------------------------------------ */
+
+typedef struct {
+    int8_t *q;   /* [T][kpad] high bytes (signed) of the int16 activations, lane order */
+    uint8_t *ql; /* [T][kpad] their low bytes (unsigned): q16 = 256 q + ql */
+    float *dx;   /* [T][gpad] block scales (0 in padding) */
+    float *sx;   /* [T][gpad] exact float sums of x per block */
+    int32_t *zc; /* [T][gpad] Z * sum(q) per block */
+    int kpad, gpad;
+} xq_t;
+
+/* Quantizes x [T, K] float32 per 32-block for a weight with zero point z: q = round(x /
+ * dx), dx = max|x| / qmax, qmax 127 (8-bit) or 32767 (act16), stored in lane order as two
+ * byte planes (the operands of byte dot products; see group_dot in simd.h). Returns 0 on
+ * OOM. */
+static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, xq_t *xq) {
+    const int nb = K / QK, full = nb / TM_GB * TM_GB;
+    xq->gpad = (nb + TM_GB - 1) / TM_GB * TM_GB;
+    xq->kpad = xq->gpad * QK;
+    const size_t fbytes = ((size_t)T * xq->gpad * 4 + 63) & ~(size_t)63;
+    const size_t qbytes = ((size_t)T * xq->kpad + 63) & ~(size_t)63;
+    const size_t total = 3 * fbytes + 2 * qbytes;
+    char *buf = tm_scratch(total);
+    if (!buf) return 0;
+    memset(buf, 0, total);
+    xq->dx = (float *)buf;
+    xq->sx = (float *)(buf + fbytes);
+    xq->zc = (int32_t *)(buf + 2 * fbytes);
+    xq->q = (int8_t *)(buf + 3 * fbytes);
+    xq->ql = (uint8_t *)(buf + 3 * fbytes + qbytes);
+    const float qmax = act16 ? 32767.f : 127.f;
+    for (int r = 0; r < T; r++) {
+        int8_t *hr = xq->q + (size_t)r * xq->kpad;
+        uint8_t *lr = xq->ql + (size_t)r * xq->kpad;
+        for (int b = 0; b < nb; b++) {
+            const float *v = x + (size_t)r * K + (size_t)b * QK;
+            vf mx = vf_zero(), sm = vf_zero();
+            for (int c = 0; c < QK; c += TM_W) {
+                const vf a = vf_load(v + c);
+                mx = vf_max(mx, vf_abs(a));
+                sm = vf_add(sm, a);
+            }
+            const float amax = vf_hmax(mx), sum = vf_sum(sm);
+            const vf inv = vf_set1(amax > 0.f ? qmax / amax : 0.f);
+            int16_t qv[QK];
+            vi qs = vi_zero();
+            for (int c = 0; c < QK; c += TM_W) {
+                const vi q = vi_round(vf_mul(vf_load(v + c), inv));
+                qs = vi_add(qs, q);
+                vi_store_i16(qv + c, q);
+            }
+            int8_t hv[QK];
+            uint8_t lv[QK];
+            int32_t hsum = 0;
+            for (int j = 0; j < QK; j++) {
+                hv[j] = (int8_t)(qv[j] >> 8); /* arithmetic: q = 256 (q >> 8) + (q & 255) */
+                lv[j] = (uint8_t)(qv[j] & 255);
+                hsum += hv[j];
+            }
+            /* what the layer's group_dot leaves out (simd.h), only in full groups */
+            const int32_t left_out = TM_A16_HI8_BIAS && bits == 8 && b < full ? -32768 * hsum : 0;
+            const size_t pos = lane_pos(nb, b, 0);
+            if (b < full) { /* four values at a time to their lanes */
+                for (int i = 0; i < 8; i++) {
+                    memcpy(hr + pos + i * 4 * TM_GB, hv + 4 * i, 4);
+                    memcpy(lr + pos + i * 4 * TM_GB, lv + 4 * i, 4);
+                }
+            } else {
+                memcpy(hr + pos, hv, QK);
+                memcpy(lr + pos, lv, QK);
+            }
+            const size_t xi = (size_t)r * xq->gpad + b;
+            xq->dx[xi] = amax / qmax;
+            xq->sx[xi] = sum;
+            xq->zc[xi] = z * vi_sum(qs) + left_out;
+        }
+    }
+    return 1;
+}
+
+/* ------------------------------------------------------------------------------ */
+/* Packed GEMV / small-T GEMM                                                      */
+/* ------------------------------------------------------------------------------ */
+
+/* sum c[j] * q[j] over one natural-order block (the tail; the compiler vectorizes it). */
+static inline int32_t dot_block(const uint8_t c[QK], const int8_t *xh, const uint8_t *xl) {
+    int32_t s = 0;
+    for (int j = 0; j < QK; j++) s += c[j] * (256 * xh[j] + xl[j]);
+    return s;
+}
+
+/* Rows [r0, r1) of W against T (<= TCHUNK) activation rows starting at t0; T and bits
+ * are constants after inlining. Per full group: the 8 code vectors are loaded once and
+ * reused by every activation row; per row one group_dot and one float multiply-add that
+ * scales the group's TM_GB blocks at once. */
+static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, const xq_t *xq,
+                                                           int r0, int r1, int t0, int T, int bits,
+                                                           float *y, const float *bias) {
+    const int nb = w->k / QK, nfull = nb / TM_GB, nbt = nb % TM_GB, f16 = w->scale_f16;
+    const size_t rb = row_bytes(w), es = f16 ? 2 : 4;
+    for (int r = r0; r < r1; r++) {
+        const uint8_t *row = w->codes + (size_t)r * rb;
+        const size_t srow = (size_t)r * nb;
+        { /* software prefetch PREFETCH bytes of codes ahead (and the matching scales) */
+            for (size_t off = 0; off < rb; off += 64) __builtin_prefetch(row + PREFETCH + off, 0, 3);
+            const size_t ahead = srow * es + PREFETCH * es / (4 * (size_t)bits);
+            __builtin_prefetch((const char *)w->scales + ahead, 0, 3);
+            if (w->mins) __builtin_prefetch((const char *)w->mins + ahead, 0, 3);
+        }
+        vf acc[TCHUNK];
+        for (int t = 0; t < T; t++) acc[t] = vf_zero();
+        for (int g = 0; g < nfull; g++) {
+            vb c[8];
+            if (bits == 4) {
+                const uint8_t *p = row + (size_t)g * (GW / 2);
+                for (int i = 0; i < 4; i++) vb_nibbles(vb_load(p + i * 4 * TM_GB), &c[2 * i], &c[2 * i + 1]);
+            } else {
+                const uint8_t *p = row + (size_t)g * GW;
+                for (int i = 0; i < 8; i++) c[i] = vb_load(p + i * 4 * TM_GB);
+            }
+            vf d, m = vf_zero();
+            if (w->dsup) { /* K-quant: codes times the super-block's scale (256 values) */
+                const size_t su = (size_t)r * (nb / 8) + (size_t)g * TM_GB / 8;
+                d = vf_mul(vf_load_u8((const uint8_t *)w->scales + srow + (size_t)g * TM_GB),
+                           vf_set1(tm_half_to_float(w->dsup[su])));
+                if (w->mins)
+                    m = vf_mul(vf_load_u8((const uint8_t *)w->mins + srow + (size_t)g * TM_GB),
+                               vf_set1(-tm_half_to_float(w->msup[su])));
+            } else {
+                d = vf_scales(w->scales, f16, srow + (size_t)g * TM_GB);
+                if (w->mins) m = vf_scales(w->mins, f16, srow + (size_t)g * TM_GB);
+            }
+            for (int t = 0; t < T; t++) {
+                const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + (size_t)g * TM_GB;
+                const size_t xo = tt * xq->kpad + (size_t)g * GW;
+                const vi s = vi_sub(group_dot(c, xq->q + xo, xq->ql + xo, bits), vi_load(xq->zc + xi));
+                acc[t] = vf_fma(vf_mul(vf_from_vi(s), vf_load(xq->dx + xi)), d, acc[t]);
+                if (w->mins) acc[t] = vf_fma(m, vf_load(xq->sx + xi), acc[t]);
+            }
+        }
+        float tail[TCHUNK] = {0};
+        if (nbt) {
+            const uint8_t *tc = row + (size_t)nfull * GW * bits / 8;
+            for (int u = 0; u < nbt; u++) {
+                uint8_t cb[QK];
+                tail_block_codes(tc, bits, u, nbt, cb);
+                const int b = nfull * TM_GB + u;
+                const float d = tm_block_scale(w, r, b), m = tm_block_min(w, r, b);
+                for (int t = 0; t < T; t++) {
+                    const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + b;
+                    const size_t xo = tt * xq->kpad + (size_t)b * QK;
+                    const int32_t s = dot_block(cb, xq->q + xo, xq->ql + xo) - xq->zc[xi];
+                    tail[t] += d * (xq->dx[xi] * (float)s) + m * xq->sx[xi];
+                }
+            }
+        }
+        const float bv = bias ? bias[r] : 0.f;
+        for (int t = 0; t < T; t++) y[(size_t)(t0 + t) * w->n + r] = vf_sum(acc[t]) + tail[t] + bv;
+    }
+}
+
+#define DEF_ROWS(B, T)                                                                        \
+    static void rows_b##B##_t##T(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, \
+                                 float *y, const float *bias) {                               \
+        rows_dot(w, xq, r0, r1, t0, T, B, y, bias);                                           \
+    }
+typedef void (*rows_fn)(const tm_weight *, const xq_t *, int, int, int, float *, const float *);
+/* Instantiated for T = 1, 2, 4, 8 only (compile time); other counts are split. */
+#define DEF_ROWS_ALL(B)                                                \
+    DEF_ROWS(B, 1) DEF_ROWS(B, 2) DEF_ROWS(B, 4) DEF_ROWS(B, 8)        \
+    static const rows_fn ROWS_B##B[4] = {rows_b##B##_t1, rows_b##B##_t2, \
+                                         rows_b##B##_t4, rows_b##B##_t8};
+DEF_ROWS_ALL(4)
+DEF_ROWS_ALL(8)
+
+/* T (<= TCHUNK) rows as power-of-two pieces, e.g. 7 = 4 + 2 + 1: the rows [r0, r1)
+ * (ROWBLOCK of them) stay in L1 between the pieces. */
+static void rows_any(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, int T,
+                     float *y, const float *bias) {
+    const rows_fn *table = w->bits == 4 ? ROWS_B4 : ROWS_B8;
+    for (int p = 3; p >= 0; p--)
+        if (T & (1 << p)) {
+            table[p](w, xq, r0, r1, t0, y, bias);
+            t0 += 1 << p;
+        }
+}
+
+/* ------------------------------------------------------------------------------ */
+/* Dequantization of packed rows (the prefill GEMM's weight tiles)                 */
+/* ------------------------------------------------------------------------------ */
+
+/* Row r of W to out [K] float32 in lane order (the order of the packed codes). Each
+ * element of a code vector belongs to block (element / 4) of its group: the scales
+ * are spread that way once per group, so the inner loops are plain element-wise. */
+static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
+    const int nb = w->k / QK, nfull = nb / TM_GB, nbt = nb % TM_GB, z = zero_point(w);
+    const int vb_bytes = 4 * TM_GB;
+    const uint8_t *row = w->codes + (size_t)r * row_bytes(w);
+    for (int g = 0; g < nfull; g++) {
+        float de[4 * TM_GB], me[4 * TM_GB]; /* per element: its block's d and m */
+        for (int k = 0; k < TM_GB; k++) {
+            const float d = tm_block_scale(w, r, g * TM_GB + k), m = tm_block_min(w, r, g * TM_GB + k);
+            for (int t = 0; t < 4; t++) de[4 * k + t] = d, me[4 * k + t] = m;
+        }
+        float *o = out + (size_t)g * GW;
+        for (int i = 0; i < 8; i++) {
+            const uint8_t *p = w->bits == 8 ? row + (size_t)g * GW + i * vb_bytes
+                                            : row + (size_t)g * (GW / 2) + (i >> 1) * vb_bytes;
+            const int shift = w->bits == 4 ? (i & 1) * 4 : 0, mask = w->bits == 4 ? 15 : 255;
+            for (int e = 0; e < vb_bytes; e++)
+                o[i * vb_bytes + e] = (float)(((p[e] >> shift) & mask) - z) * de[e] + me[e];
+        }
+    }
+    const uint8_t *tail = row + (size_t)nfull * GW * w->bits / 8;
+    for (int u = 0; u < nbt; u++) {
+        uint8_t cb[QK];
+        tail_block_codes(tail, w->bits, u, nbt, cb);
+        const int b = nfull * TM_GB + u;
+        const float d = tm_block_scale(w, r, b), m = tm_block_min(w, r, b);
+        float *o = out + (size_t)b * QK;
+        for (int j = 0; j < QK; j++) o[j] = (float)(cb[j] - z) * d + m;
+    }
+}
+#endif /* TM_AVX512 */
+
+/* ------------------------------------------------------------------------------ */
+/* Float weights: y = x W^T with W float16, bfloat16 or float32, float32 arithmetic */
+/* ------------------------------------------------------------------------------ */
+
+static inline int is_float(const tm_weight *w) {
+    return w->bits == TM_F16 || w->bits == TM_BF16 || w->bits == TM_F32;
+}
+
+/* TM_W weights from column k of a float row, as float32. */
+static inline vf load_w(const void *row, int kind, int k) {
+    if (kind == TM_F32) return vf_load((const float *)row + k);
+    const uint16_t *h = (const uint16_t *)row + k;
+    return kind == TM_BF16 ? vf_load_bf16(h) : vf_load_f16(h);
+}
+
+static inline float w_at(const void *row, int kind, int k) {
+    if (kind == TM_F32) return ((const float *)row)[k];
+    const uint16_t h = ((const uint16_t *)row)[k];
+    return kind == TM_BF16 ? tm_bf16_to_float(h) : tm_half_to_float(h);
+}
+
+/* Rows [r0, r1) against T (<= TCHUNK) rows of x from t0; T and KIND constant after
+ * inlining. Two accumulators per activation row hide the FMA latency at T = 1. */
+static inline __attribute__((always_inline)) void float_rows(const tm_weight *w, const float *x,
+                                                             int r0, int r1, int t0, int T, int KIND,
+                                                             float *y, const float *bias) {
+    const int K = w->k, kv = K / (2 * TM_W) * (2 * TM_W), es = KIND == TM_F32 ? 4 : 2;
+    for (int r = r0; r < r1; r++) {
+        const char *row = (const char *)w->codes + (size_t)r * K * es;
+        for (int off = 0; off < K * es; off += 64) __builtin_prefetch(row + PREFETCH + off, 0, 3);
+        vf a0[TCHUNK], a1[TCHUNK];
+        for (int t = 0; t < T; t++) a0[t] = a1[t] = vf_zero();
+        for (int k = 0; k < kv; k += 2 * TM_W) {
+            const vf w0 = load_w(row, KIND, k), w1 = load_w(row, KIND, k + TM_W);
+            for (int t = 0; t < T; t++) {
+                const float *xt = x + (size_t)(t0 + t) * K + k;
+                a0[t] = vf_fma(w0, vf_load(xt), a0[t]);
+                a1[t] = vf_fma(w1, vf_load(xt + TM_W), a1[t]);
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            const float *xt = x + (size_t)(t0 + t) * K;
+            float s = vf_sum(vf_add(a0[t], a1[t]));
+            for (int k = kv; k < K; k++) s += w_at(row, KIND, k) * xt[k];
+            y[(size_t)(t0 + t) * w->n + r] = s + (bias ? bias[r] : 0.f);
+        }
+    }
+}
+
+typedef void (*float_fn)(const tm_weight *, const float *, int, int, int, float *, const float *);
+#define DEF_FLOAT(KIND, T)                                                                      \
+    static void float_k##KIND##_t##T(const tm_weight *w, const float *x, int r0, int r1, int t0, \
+                                     float *y, const float *bias) {                              \
+        float_rows(w, x, r0, r1, t0, T, KIND, y, bias);                                          \
+    }
+#define DEF_FLOAT_ALL(KIND)                                                   \
+    DEF_FLOAT(KIND, 1) DEF_FLOAT(KIND, 2) DEF_FLOAT(KIND, 4) DEF_FLOAT(KIND, 8) \
+    static const float_fn FLOAT_K##KIND[4] = {float_k##KIND##_t1, float_k##KIND##_t2, \
+                                              float_k##KIND##_t4, float_k##KIND##_t8};
+DEF_FLOAT_ALL(16) /* TM_F16 */
+DEF_FLOAT_ALL(17) /* TM_BF16 */
+DEF_FLOAT_ALL(32) /* TM_F32 */
+
+static void float_any(const tm_weight *w, const float *x, int r0, int r1, int t0, int T, float *y,
+                      const float *bias) {
+    const float_fn *table = w->bits == TM_F32 ? FLOAT_K32 : w->bits == TM_BF16 ? FLOAT_K17 : FLOAT_K16;
+    for (int p = 3; p >= 0; p--)
+        if (T & (1 << p)) {
+            table[p](w, x, r0, r1, t0, y, bias);
+            t0 += 1 << p;
+        }
+}
+
+/* ------------------------------------------------------------------------------ */
+/* The entry points                                                                */
+/* ------------------------------------------------------------------------------ */
+
+/* y [T, N] = x [T, K] @ W^T (+ bias). Packed weights: activations quantized per block
+ * to 8 bits, or to 16 bits if act16; float weights: x stays float32. Returns 0 if
+ * scratch memory ran out, -1 for K-quant scales on a build that reads plain ones only. */
+int tm_linear(const tm_weight *w, const float *x, int T, float *y, const float *bias,
+              int nthreads, int act16) {
+    if (TM_AVX512 && w->dsup) return -1; /* the 512-bit kernels read plain scales only */
+    const int fw = is_float(w);
+    xq_t xq;
+    if (!fw && !quantize_x(x, T, w->k, zero_point(w), w->bits, act16, &xq)) return 0;
+    const int n = w->n, nblk = (n + ROWBLOCK - 1) / ROWBLOCK;
+    int nt = tm_threads(nthreads);
+    nt = nt < nblk ? nt : nblk;
+    (void)nt;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int rb = 0; rb < nblk; rb++) {
+        int r0 = rb * ROWBLOCK, r1 = r0 + ROWBLOCK < n ? r0 + ROWBLOCK : n;
+        for (int t0 = 0; t0 < T; t0 += TCHUNK) {
+            const int tc = T - t0 < TCHUNK ? T - t0 : TCHUNK;
+            if (fw)
+                float_any(w, x, r0, r1, t0, tc, y, bias);
+            else
+                rows_any(w, &xq, r0, r1, t0, tc, y, bias);
+        }
+    }
+    return 1;
+}
+
+/* Row r of a float weight to out [K] float32 (natural order = its lane order). */
+static void float_row(const tm_weight *w, int r, float *out) {
+    const char *row = (const char *)w->codes + (size_t)r * w->k * (w->bits == TM_F32 ? 4 : 2);
+    int k = 0;
+    for (; k + TM_W <= w->k; k += TM_W) vf_store(out + k, load_w(row, w->bits, k));
+    for (; k < w->k; k++) out[k] = w_at(row, w->bits, k);
+}
+
+static void row_lanes(const tm_weight *w, int r, float *out) {
+    if (is_float(w))
+        float_row(w, r, out);
+    else
+        dequant_row_lanes(w, r, out);
+}
+
+/* Rows [r0, r1) of W to out [r1 - r0, K] float32 in lane order (the caller permutes
+ * x's columns the same way before its GEMM: tm_lanes_f32; 16-bit floats: natural). */
+void tm_dequant_lanes(const tm_weight *w, int r0, int r1, float *out, int nthreads) {
+    const int nt = tm_threads(nthreads);
+    (void)nt;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int r = r0; r < r1; r++) row_lanes(w, r, out + (size_t)(r - r0) * w->k);
+}
+
+/* x [T, K] float32 -> out [T, K] with columns in lane order: the activation side of the
+ * prefill GEMM against tm_dequant_lanes' weights (16-byte moves, one pass). */
+void tm_lanes_f32(const float *x, int T, int K, float *out, int nthreads) {
+    const int nfull = K / GW, nt = tm_threads(nthreads);
+    (void)nt;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && (size_t)T * K > 65536)
+    for (int t = 0; t < T; t++) {
+        const float *xr = x + (size_t)t * K;
+        float *o = out + (size_t)t * K;
+        for (int g = 0; g < nfull; g++) /* value j = 4i + u of block k -> i * 4G + k * 4 + u */
+            for (int k = 0; k < TM_GB; k++)
+                for (int i = 0; i < 8; i++)
+                    memcpy(o + (size_t)g * GW + i * 4 * TM_GB + k * 4, xr + (size_t)g * GW + k * QK + 4 * i, 16);
+        memcpy(o + (size_t)nfull * GW, xr + (size_t)nfull * GW, (size_t)(K - nfull * GW) * sizeof(float));
+    }
+}
+
+/* Rows ids[0..n) of W to out [n, K] float32 in natural column order: the embedding
+ * lookup of a quantized (tied) embedding table. Returns 1, -1 if an id is outside
+ * [0, N) (nothing written), 0 on OOM. */
+int tm_dequant_rows(const tm_weight *w, const int64_t *ids, int n, float *out) {
+    const int K = w->k, nfull = is_float(w) ? 0 : K / GW;
+    for (int e = 0; e < n; e++)
+        if (ids[e] < 0 || ids[e] >= w->n) return -1;
+    float *tmp = tm_scratch((size_t)K * sizeof(float));
+    if (!tmp) return 0;
+    for (int e = 0; e < n; e++) {
+        float *o = out + (size_t)e * K;
+        row_lanes(w, (int)ids[e], tmp);
+        for (int g = 0; g < nfull; g++) /* un-transpose full groups, 4 values at a time */
+            for (int k = 0; k < TM_GB; k++)
+                for (int i = 0; i < 8; i++)
+                    memcpy(o + (size_t)g * GW + k * QK + 4 * i, tmp + (size_t)g * GW + i * 4 * TM_GB + 4 * k, 16);
+        memcpy(o + (size_t)nfull * GW, tmp + (size_t)nfull * GW, (size_t)(K - nfull * GW) * sizeof(float));
+    }
+    return 1;
+}
+
+/* ------------------------------------------------------------------------------ */
+/* What this build is: Python checks these once at load                           */
+/* ------------------------------------------------------------------------------ */
+
+/* ABI version * 1000 + 1 if the AVX-512 specializations are in. */
+int tm_info(void) { return TM_ABI * 1000 + TM_AVX512; }
+
+/* Blocks per lane-order group: the packing Python must produce for this build. */
+int tm_group_blocks(void) { return TM_GB; }
+
+/* Whether this build reads K-quant scales as stored (else Python passes float32 ones). */
+int tm_kquant_scales(void) { return !TM_AVX512; }
+
+/* The instruction set the kernels were compiled for (see tm.h). */
+const char *tm_isa(void) { return TM_AVX512 ? "avx512" : TM_SIMD_NAME; }
+
+/* Sizes of the structs Python mirrors with ctypes: caught at load if they drift. */
+int tm_struct_size(int which) {
+    switch (which) {
+    case 0: return (int)sizeof(tm_weight);
+    case 1: return (int)sizeof(tm_layer);
+    case 2: return (int)sizeof(tm_stack);
+    case 3: return (int)sizeof(tm_shape);
+    case 4: return (int)sizeof(tm_rows);
+    default: return -1;
+    }
+}

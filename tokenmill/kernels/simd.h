@@ -1,0 +1,123 @@
+/* The per-instruction-set layer: the few vector primitives that differ between CPUs,
+ * so that the kernels (linear.c, attention.c, stack.c) write their block loops once.
+ *
+ * Exactly one layer is compiled in, chosen from the compiler's target (-march):
+ *
+ *   simd_avx2.h    x86-64 AVX2 + FMA + F16C (x86-64-v3)        TM_W = 8
+ *   simd_neon.h    AArch64 Advanced SIMD                       TM_W = 4
+ *   simd_scalar.h  anything else: plain C loops, the reference TM_W = 4
+ *
+ * (Hosts with AVX-512 VNNI/BF16 also compile the AVX2 layer, and override the hottest
+ * kernels with the 512-bit specializations in avx512.h.)
+ *
+ * The contract. TM_W is the number of 32-bit lanes of a vector; it is also the number of
+ * 32-value blocks in one lane-order group of the packed weights (linear.c).
+ *   vf   TM_W floats      vf_zero vf_set1 vf_load vf_store vf_add vf_sub vf_mul vf_div
+ *                         vf_fma(a, b, c) = a*b + c, vf_max vf_min vf_abs vf_copysign
+ *                         vf_select_neg(x, a, b) = x < 0 ? a : b (by sign bit), vf_round
+ *                         (to nearest, ties to even), vf_sum / vf_hmax (horizontal),
+ *                         vf_hsums(v[TM_W]) (lane u = the sum of v[u]),
+ *                         vf_load_f16 / vf_load_bf16 (TM_W 16-bit floats -> float32),
+ *                         vf_load_u8 (TM_W bytes -> float32)
+ *   vi   TM_W int32       vi_zero vi_load vi_add vi_sub vi_sum, vf_from_vi, vi_round
+ *                         (float -> int32, ties to even), vf_pow2i (2^n), vi_store_i16
+ *   vb   4*TM_W bytes     vb_load, vb_nibbles (low and high 4 bits of every byte)
+ *   group_dot(c[8], xh, xl, bits) -> vi: the integer core of the packed GEMV. c: one
+ *                         lane-order group's 8 code vectors (vb, unsigned 4- or 8-bit codes,
+ *                         lane k = block k); xh / xl: the 16-bit activations q = 256 hi + lo
+ *                         at the same positions, as signed high bytes and unsigned low bytes.
+ *                         Lane k of the result: the exact sum of c * q over block k (less
+ *                         32768 * its sum of high bytes for 8-bit codes where the layer
+ *                         defines TM_A16_HI8_BIAS: quantize_x adds it back).
+ */
+#ifndef TM_SIMD_H
+#define TM_SIMD_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* IEEE half -> float, bit exact (subnormals, inf and NaN included). */
+static inline float tm_half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp == 0) {
+        float f = ldexpf((float)man, -24);
+        return sign ? -f : f;
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* bfloat16 -> float: the high half of a float32. */
+static inline float tm_bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "simd_avx2.h"
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include "simd_neon.h"
+#else
+#include "simd_scalar.h"
+#endif
+#ifndef TM_A16_HI8_BIAS
+#define TM_A16_HI8_BIAS 0
+#endif
+
+/* ---- derived operations, written once over the primitives ---- */
+
+/* TM_W block scales (or mins) from index idx of a float16 or float32 array. */
+static inline vf vf_scales(const void *p, int f16, size_t idx) {
+    return f16 ? vf_load_f16((const uint16_t *)p + idx) : vf_load((const float *)p + idx);
+}
+
+/* exp(x) for x in [-87, 88], ~1 ulp (Cephes expf): x = n ln2 + r, |r| <= ln2/2, exp(r) by
+ * a degree-6 polynomial, times 2^n. Below -87 it returns exp(-87) ~ 1.6e-38: the callers
+ * (softmax weights, sigmoid) add it to numbers >= 1, where it is 0. */
+static inline vf vf_exp(vf x) {
+    x = vf_min(vf_max(x, vf_set1(-87.f)), vf_set1(88.f));
+    const vf n = vf_round(vf_mul(x, vf_set1(1.44269504088896341f)));
+    vf r = vf_fma(n, vf_set1(-0.693359375f), x);
+    r = vf_fma(n, vf_set1(2.12194440e-4f), r);
+    vf p = vf_set1(1.9875691500e-4f);
+    p = vf_fma(p, r, vf_set1(1.3981999507e-3f));
+    p = vf_fma(p, r, vf_set1(8.3334519073e-3f));
+    p = vf_fma(p, r, vf_set1(4.1665795894e-2f));
+    p = vf_fma(p, r, vf_set1(1.6666665459e-1f));
+    p = vf_fma(p, r, vf_set1(5.0000001201e-1f));
+    p = vf_fma(p, vf_mul(r, r), vf_add(r, vf_set1(1.f)));
+    return vf_mul(p, vf_pow2i(vi_round(n)));
+}
+
+/* sum a[i] * b[i], two accumulators (FMA latency), then the scalar remainder. */
+static inline float vf_dot(const float *a, const float *b, int n) {
+    vf s0 = vf_zero(), s1 = vf_zero();
+    int i = 0;
+    for (; i + 2 * TM_W <= n; i += 2 * TM_W) {
+        s0 = vf_fma(vf_load(a + i), vf_load(b + i), s0);
+        s1 = vf_fma(vf_load(a + i + TM_W), vf_load(b + i + TM_W), s1);
+    }
+    for (; i + TM_W <= n; i += TM_W) s0 = vf_fma(vf_load(a + i), vf_load(b + i), s0);
+    float acc = vf_sum(vf_add(s0, s1));
+    for (; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+/* y [n] += a * x [n] */
+static inline void vf_axpy(float *y, float a, const float *x, int n) {
+    const vf va = vf_set1(a);
+    int i = 0;
+    for (; i + TM_W <= n; i += TM_W) vf_store(y + i, vf_fma(va, vf_load(x + i), vf_load(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+#endif

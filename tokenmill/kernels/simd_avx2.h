@@ -1,0 +1,113 @@
+/* x86-64 AVX2 + FMA + F16C (x86-64-v3) primitives: 256-bit vectors, 8 lanes.
+ * See simd.h for the contract every simd_*.h fulfils. */
+#include <immintrin.h>
+
+#define TM_W 8
+#define TM_SIMD_NAME "avx2"
+
+typedef __m256 vf;  /* 8 floats */
+typedef __m256i vi; /* 8 int32 */
+typedef __m256i vb; /* 32 bytes: lane k holds bytes 4k..4k+3 */
+static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
+static inline vf vf_set1(float a) { return _mm256_set1_ps(a); }
+static inline vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vf_store(float *p, vf a) { _mm256_storeu_ps(p, a); }
+static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vf_div(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vf_min(vf a, vf b) { return _mm256_min_ps(a, b); }
+static inline vf vf_abs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
+/* sign bit of s on the magnitude of a */
+static inline vf vf_copysign(vf a, vf s) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    return _mm256_or_ps(_mm256_andnot_ps(sign, a), _mm256_and_ps(sign, s));
+}
+/* a where x < 0, else b */
+static inline vf vf_select_neg(vf x, vf a, vf b) { return _mm256_blendv_ps(b, a, x); }
+static inline vf vf_round(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline float vf_sum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline float vf_hmax(vf a) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+/* lane u = the sum of v[u]'s lanes: a hadd tree, then the two 128-bit halves added */
+static inline vf vf_hsums(const vf v[8]) {
+    const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+static inline vf vf_load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline vf vf_load_u8(const uint8_t *p) { /* 8 bytes -> 8 floats */
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline vf vf_load_bf16(const uint16_t *p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+static inline vi vi_zero(void) { return _mm256_setzero_si256(); }
+static inline vi vi_load(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
+static inline vi vi_sub(vi a, vi b) { return _mm256_sub_epi32(a, b); }
+static inline int32_t vi_sum(vi a) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+static inline vf vf_from_vi(vi a) { return _mm256_cvtepi32_ps(a); }
+static inline vi vi_round(vf a) { return _mm256_cvtps_epi32(a); } /* nearest, ties to even */
+static inline vf vf_pow2i(vi n) { /* 2^n for n in [-126, 127] */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23));
+}
+/* a's 8 lanes as int16 (they fit) */
+static inline void vi_store_i16(int16_t *p, vi a) {
+    _mm_storeu_si128((__m128i *)p, _mm_packs_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)));
+}
+
+static inline vb vb_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
+    const __m256i m = _mm256_set1_epi8(0x0f);
+    *lo = _mm256_and_si256(v, m);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+}
+
+/* One lane-order group: 8 code vectors c (32 codes each, lane k = block k) against the
+ * activations q = 256 hi + lo, given as their signed high bytes xh and unsigned low bytes
+ * xl at the same positions. Lane k of the result: block k's sum of c * q, exact.
+ * 4-bit codes (<= 15): vpmaddubsw multiplies bytes without widening and never saturates
+ *   (|pair| <= 2 * 15 * 255); eight high-byte or four low-byte products stay below 2^15
+ *   in int16, so three vpmaddwd per group finish the sums in int32.
+ * 8-bit codes: bytes unpacked to int16 (in-lane, beside the activation's two bytes), then
+ *   vpmaddwd; hadd puts the blocks back in order. */
+static inline vi group_dot(const vb c[8], const int8_t *xh, const uint8_t *xl, int bits) {
+    const __m256i zero = _mm256_setzero_si256();
+    if (bits == 4) {
+        __m256i h = zero, l0 = zero, l1 = zero;
+        for (int i = 0; i < 8; i++)
+            h = _mm256_add_epi16(h, _mm256_maddubs_epi16(c[i], _mm256_loadu_si256((const __m256i *)(xh + 32 * i))));
+        for (int i = 0; i < 4; i++) {
+            l0 = _mm256_add_epi16(l0, _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xl + 32 * i)), c[i]));
+            l1 = _mm256_add_epi16(l1, _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xl + 32 * i + 128)), c[i + 4]));
+        }
+        const __m256i ones = _mm256_set1_epi16(1);
+        const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(l0, ones), _mm256_madd_epi16(l1, ones));
+        return _mm256_add_epi32(_mm256_madd_epi16(h, _mm256_set1_epi16(256)), lo);
+    }
+    __m256i a = zero, b = zero; /* blocks [0 1 | 4 5] and [2 3 | 6 7], two int32 each */
+    for (int i = 0; i < 8; i++) {
+        const __m256i lo = _mm256_loadu_si256((const __m256i *)(xl + 32 * i));
+        const __m256i hi = _mm256_loadu_si256((const __m256i *)(xh + 32 * i));
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_unpacklo_epi8(c[i], zero), _mm256_unpacklo_epi8(lo, hi)));
+        b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_unpackhi_epi8(c[i], zero), _mm256_unpackhi_epi8(lo, hi)));
+    }
+    return _mm256_hadd_epi32(a, b);
+}

@@ -1,0 +1,89 @@
+/* Portable C primitives: a "vector" of 4 lanes held in a small array, one loop per
+ * operation. This is the reference the SIMD layers are tested against, and what a
+ * CPU without AVX2 or NEON runs; at -O3 the compiler turns most of these loops into
+ * the host's 128-bit instructions (SSE on x86-64-v2). See simd.h for the contract. */
+#include <math.h>
+
+#define TM_W 4
+#define TM_SIMD_NAME "scalar"
+
+typedef struct {
+    float v[4];
+} vf;
+typedef struct {
+    int32_t v[4];
+} vi;
+typedef struct {
+    uint8_t v[16];
+} vb;
+
+#define TM_MAP(T, expr) \
+    T r;                \
+    for (int i = 0; i < 4; i++) r.v[i] = (expr); \
+    return r
+
+static inline vf vf_zero(void) { TM_MAP(vf, 0.f); }
+static inline vf vf_set1(float a) { TM_MAP(vf, a); }
+static inline vf vf_load(const float *p) { TM_MAP(vf, p[i]); }
+static inline void vf_store(float *p, vf a) {
+    for (int i = 0; i < 4; i++) p[i] = a.v[i];
+}
+static inline vf vf_add(vf a, vf b) { TM_MAP(vf, a.v[i] + b.v[i]); }
+static inline vf vf_sub(vf a, vf b) { TM_MAP(vf, a.v[i] - b.v[i]); }
+static inline vf vf_mul(vf a, vf b) { TM_MAP(vf, a.v[i] * b.v[i]); }
+static inline vf vf_div(vf a, vf b) { TM_MAP(vf, a.v[i] / b.v[i]); }
+static inline vf vf_fma(vf a, vf b, vf c) { TM_MAP(vf, fmaf(a.v[i], b.v[i], c.v[i])); }
+static inline vf vf_max(vf a, vf b) { TM_MAP(vf, a.v[i] > b.v[i] ? a.v[i] : b.v[i]); }
+static inline vf vf_min(vf a, vf b) { TM_MAP(vf, a.v[i] < b.v[i] ? a.v[i] : b.v[i]); }
+static inline vf vf_abs(vf a) { TM_MAP(vf, fabsf(a.v[i])); }
+static inline vf vf_copysign(vf a, vf s) { TM_MAP(vf, copysignf(a.v[i], s.v[i])); }
+static inline vf vf_select_neg(vf x, vf a, vf b) { TM_MAP(vf, signbit(x.v[i]) ? a.v[i] : b.v[i]); }
+static inline vf vf_round(vf a) { TM_MAP(vf, rintf(a.v[i])); } /* current mode: ties to even */
+static inline float vf_sum(vf a) { return (a.v[0] + a.v[2]) + (a.v[1] + a.v[3]); }
+static inline float vf_hmax(vf a) {
+    const float x = a.v[0] > a.v[1] ? a.v[0] : a.v[1], y = a.v[2] > a.v[3] ? a.v[2] : a.v[3];
+    return x > y ? x : y;
+}
+static inline vf vf_hsums(const vf v[4]) { TM_MAP(vf, vf_sum(v[i])); }
+static inline vf vf_load_f16(const uint16_t *p) { TM_MAP(vf, tm_half_to_float(p[i])); }
+static inline vf vf_load_u8(const uint8_t *p) { TM_MAP(vf, (float)p[i]); }
+static inline vf vf_load_bf16(const uint16_t *p) { TM_MAP(vf, tm_bf16_to_float(p[i])); }
+
+static inline vi vi_zero(void) { TM_MAP(vi, 0); }
+static inline vi vi_load(const int32_t *p) { TM_MAP(vi, p[i]); }
+static inline vi vi_add(vi a, vi b) { TM_MAP(vi, a.v[i] + b.v[i]); }
+static inline vi vi_sub(vi a, vi b) { TM_MAP(vi, a.v[i] - b.v[i]); }
+static inline int32_t vi_sum(vi a) { return a.v[0] + a.v[1] + a.v[2] + a.v[3]; }
+static inline vf vf_from_vi(vi a) { TM_MAP(vf, (float)a.v[i]); }
+static inline vi vi_round(vf a) { TM_MAP(vi, (int32_t)lrintf(a.v[i])); }
+static inline vf vf_pow2i(vi n) { TM_MAP(vf, ldexpf(1.f, n.v[i])); }
+static inline void vi_store_i16(int16_t *p, vi a) {
+    for (int i = 0; i < 4; i++) p[i] = (int16_t)a.v[i];
+}
+
+static inline vb vb_load(const void *p) {
+    vb r;
+    memcpy(r.v, p, 16);
+    return r;
+}
+static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
+    for (int i = 0; i < 16; i++) {
+        lo->v[i] = v.v[i] & 15;
+        hi->v[i] = v.v[i] >> 4;
+    }
+}
+
+/* lane k = block k's sum of c * q, q = 256 hi + lo, over the group's 8 code vectors */
+static inline vi group_dot(const vb c[8], const int8_t *xh, const uint8_t *xl, int bits) {
+    (void)bits;
+    vi r = vi_zero();
+    for (int i = 0; i < 8; i++)
+        for (int k = 0; k < 4; k++)
+            for (int t = 0; t < 4; t++) {
+                const int p = 16 * i + 4 * k + t;
+                r.v[k] += c[i].v[4 * k + t] * (256 * xh[p] + xl[p]);
+            }
+    return r;
+}
+
+#undef TM_MAP

@@ -1,0 +1,125 @@
+/* The decode step of every layer in one call (tm_decode_stack): per layer, RMSNorm, the
+ * fused QKV projection, decode attention (attention.c), the output projection, the
+ * residual adds (with Gemma's sandwich norms), the gated MLP. The linear layers are
+ * tm_linear (linear.c) on packed or 16-bit float weights. */
+#include "tm.h"
+
+/* out [f] = act(g [f]) * u [f]; act(x) = x * sigmoid(x) (SiLU) or the tanh-GELU
+ * 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), both through exp(-|.|) <= 1. */
+static void gated_act(const float *g, const float *u, int f, int act, float *out) {
+    int i = 0;
+#if TM_AVX512
+    const __m512 one = _mm512_set1_ps(1.f), half = _mm512_set1_ps(0.5f);
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    for (; i + 16 <= f; i += 16) {
+        const __m512 x = _mm512_loadu_ps(g + i);
+        __m512 a;
+        if (act == 0) {
+            const __m512 e = exp_ps(_mm512_or_ps(_mm512_abs_ps(x), sign)); /* exp(-|x|) */
+            const __m512 r = _mm512_div_ps(one, _mm512_add_ps(one, e));
+            const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+            a = _mm512_mul_ps(x, _mm512_mask_mul_ps(r, neg, r, e)); /* x<0: e/(1+e) */
+        } else {
+            const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+            const __m512 z = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                           _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
+            const __m512 e = exp_ps(_mm512_mul_ps(_mm512_set1_ps(-2.f), _mm512_abs_ps(z)));
+            __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e)); /* tanh|z| */
+            t = _mm512_or_ps(t, _mm512_and_ps(z, sign));                           /* sign of z */
+            a = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, t));
+        }
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(a, _mm512_loadu_ps(u + i)));
+    }
+#else
+    const vf one = vf_set1(1.f), half = vf_set1(0.5f);
+    for (; i + TM_W <= f; i += TM_W) {
+        const vf x = vf_load(g + i);
+        vf a;
+        if (act == 0) {
+            const vf e = vf_exp(vf_sub(vf_zero(), vf_abs(x))); /* exp(-|x|) */
+            const vf r = vf_div(one, vf_add(one, e));
+            a = vf_mul(x, vf_select_neg(x, vf_mul(r, e), r)); /* x<0: e/(1+e) */
+        } else {
+            const vf x3 = vf_mul(vf_mul(x, x), x);
+            const vf z = vf_mul(vf_set1(0.7978845608028654f), vf_fma(vf_set1(0.044715f), x3, x));
+            const vf e = vf_exp(vf_mul(vf_set1(-2.f), vf_abs(z)));
+            const vf t = vf_copysign(vf_div(vf_sub(one, e), vf_add(one, e)), z); /* tanh z */
+            a = vf_mul(vf_mul(half, x), vf_add(one, t));
+        }
+        vf_store(out + i, vf_mul(a, vf_load(u + i)));
+    }
+#endif
+    for (; i < f; i++) {
+        const float x = g[i];
+        float a;
+        if (act == 0) {
+            a = x / (1.f + expf(-x));
+        } else {
+            a = 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+        }
+        out[i] = a * u[i];
+    }
+}
+
+/* dst [Bd, d] = rmsnorm of each row of src (in place when dst == src). */
+static void norm_rows(const float *src, int Bd, int d, const float *w, float eps, float *dst) {
+    for (int b = 0; b < Bd; b++) tm_rms_norm(src + (size_t)b * d, d, w, eps, dst + (size_t)b * d);
+}
+
+/* The residual add of a sublayer's output h [Bd, d]: x += post_norm ? rmsnorm(h) : h. */
+static void add_residual(float *x, float *h, int Bd, int d, const float *post_norm, float eps) {
+    if (post_norm) norm_rows(h, Bd, d, post_norm, eps, h);
+    for (size_t i = 0; i < (size_t)Bd * d; i++) x[i] += h[i];
+}
+
+/* Grow-only buffers of tm_decode_stack, separate from scratch(): the kernels it calls
+ * use scratch() on this same thread. */
+static __thread float *stack_buf = NULL;
+static __thread size_t stack_cap = 0;
+
+/* x [Bd, d]: the embedded decode rows in, the final norm of the residual stream out.
+ * Per layer, for the Bd rows together:
+ *     h = rmsnorm(x); qkv = h Wqkv^T; attention over the paged cache (writes k/v);
+ *     x += [post_norm](attn Wo^T); h = rmsnorm(x); x += [post_norm](down(act(gate) * up))
+ * Returns 1, 0 on OOM, or tm_linear's error code. */
+int tm_decode_stack(const tm_stack *st, const tm_rows *rows, float *x, int nthreads) {
+    const tm_shape *s = st->shape;
+    const int Bd = rows->Bd, d = s->d, f = s->f, qdim = s->H * s->hd, qkvdim = (s->H + 2 * s->Hkv) * s->hd;
+    const size_t need = (size_t)Bd * (d + qkvdim + qdim + d + 2 * f + f);
+    if (need > stack_cap) {
+        free(stack_buf);
+        stack_cap = need + need / 2;
+        stack_buf = aligned_alloc(64, ((stack_cap * sizeof(float)) + 63) & ~(size_t)63);
+        if (!stack_buf) {
+            stack_cap = 0;
+            return 0;
+        }
+    }
+    float *h = stack_buf, *qkv = h + (size_t)Bd * d, *att = qkv + (size_t)Bd * qkvdim;
+    float *proj = att + (size_t)Bd * qdim, *up = proj + (size_t)Bd * d, *mid = up + (size_t)Bd * 2 * f;
+    int rc;
+#define TRY(call) \
+    if ((rc = (call)) != 1) return rc
+    for (int l = 0; l < s->n_layers; l++) {
+        const tm_layer *L = st->layers + l;
+        /* ---- attention sublayer ---- */
+        norm_rows(x, Bd, d, L->attn_norm, s->eps, h);
+        TRY(tm_linear(L->qkv, h, Bd, qkv, L->qkv_bias, nthreads, L->act16));
+        TRY(tm_decode_attention(s, L, rows, qkv, att, nthreads));
+        TRY(tm_linear(L->o, att, Bd, proj, L->o_bias, nthreads, L->act16));
+        add_residual(x, proj, Bd, d, L->post_attn_norm, s->eps);
+        /* ---- MLP sublayer ---- */
+        norm_rows(x, Bd, d, L->mlp_norm, s->eps, h);
+        TRY(tm_linear(L->up, h, Bd, up, L->up_bias, nthreads, L->act16));
+        for (int b = 0; b < Bd; b++) {
+            const float *ub = up + (size_t)b * 2 * f;
+            gated_act(ub, ub + f, f, s->act, mid + (size_t)b * f);
+        }
+        TRY(tm_linear(L->down, mid, Bd, proj, L->down_bias, nthreads, L->act16));
+        add_residual(x, proj, Bd, d, L->post_mlp_norm, s->eps);
+    }
+#undef TRY
+    norm_rows(x, Bd, d, st->final_norm, s->eps, x);
+    return 1;
+}
+

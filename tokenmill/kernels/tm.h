@@ -1,0 +1,231 @@
+/* Shared declarations of tokenmill's native kernels (linear.c, attention.c, stack.c).
+ *
+ * The library is plain C compiled at first use with the system gcc (kernels/build.py),
+ * loaded with ctypes, -march=native by default (TOKENMILL_MARCH overrides it). Which
+ * vector code a build runs (tm_isa()):
+ *
+ *   avx512     AVX-512 F/BW/VL + VNNI + BF16: the 512-bit specializations of avx512.h
+ *              for the packed GEMV, activation quantization, dequantization and the
+ *              attention inner loops; the AVX2 layer for everything else
+ *   avx2       x86-64-v3 (AVX2, FMA, F16C): simd_avx2.h
+ *   neon       AArch64: simd_neon.h
+ *   scalar     anything else: simd_scalar.h (the reference every other path is tested
+ *              against)
+ */
+#ifndef TM_H
+#define TM_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "simd.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#define TM_AVX512 1
+#include <immintrin.h>
+#define TM_GB 16 /* blocks per lane-order group: one 512-bit vector of 32-bit lanes */
+#else
+#define TM_AVX512 0
+#define TM_GB TM_W
+#endif
+
+#define TM_ABI 4 /* tm_info() / 1000: bumped when a struct or signature changes */
+
+#define QK 32            /* values per block */
+#define GW (TM_GB * QK)  /* values per full lane-order group */
+#define TCHUNK 8         /* activation rows computed together per weight row */
+#define ROWBLOCK 16      /* weight rows a thread keeps hot while looping over T chunks */
+/* Software prefetch distance in code bytes (conclusion of the measurements in
+ * benchmarks/README.md: 8 KB ahead is best on the whole decode step). */
+#ifndef PREFETCH
+#define PREFETCH 8192
+#endif
+
+/* Weight kinds (tm_weight.bits). */
+#define TM_F16 16  /* float16 [n, k], natural order, no scales */
+#define TM_BF16 17 /* bfloat16 [n, k], natural order, no scales */
+#define TM_F32 32  /* float32 [n, k], natural order, no scales */
+
+/* One weight, filled once per layer from Python (ctypes.Structure mirror: TmWeight).
+ * bits 4 or 8: the packed blocks of linear.c; TM_F16 / TM_BF16 / TM_F32: float rows.
+ * Block scales (and mins) come in one of two forms:
+ *   plain       float16 (scale_f16 = 1) or float32 [n, k/32] each
+ *   K-quant     (dsup != NULL) GGUF Q4_K/Q5_K's own: a uint8 code per block [n, k/32]
+ *               (6 bits), times a float16 per 256 values [n, k/256]: d = dsup * scale
+ *               code, m = -msup * min code. 18.5 bytes per 32 values for 4-bit codes,
+ *               like the file (float32 scales would make it 24). */
+typedef struct {
+    const uint8_t *codes;
+    const void *scales;
+    const void *mins;  /* NULL: no mins, zero point Z applies */
+    int32_t bits;      /* 4, 8, TM_F16, TM_BF16 or TM_F32 */
+    int32_t scale_f16; /* plain scales: 1 float16, 0 float32 */
+    int32_t n;         /* rows (out features) */
+    int32_t k;         /* columns (in features); packed: a multiple of 32 */
+    const uint16_t *dsup, *msup; /* K-quant super-block scales [n, k/256], or NULL */
+} tm_weight;
+
+/* The model's shapes, shared by every layer (ctypes mirror: TmShape). */
+typedef struct {
+    int32_t n_layers, d, H, Hkv, hd, f; /* f: the MLP's intermediate size */
+    int32_t act; /* MLP activation of the gate: 0 SiLU, 1 GELU (tanh approximation) */
+    float eps;   /* RMSNorm epsilon (also the q/k norms') */
+} tm_shape;
+
+/* One transformer block as the native decode paths see it (ctypes mirror: TmLayer),
+ * built once per layer and used by both: the per-layer decode attention reads its
+ * attention fields, the whole-step stack all of them. Linear layers are tm_weights (NULL
+ * where a layer is not native: the stack cannot run then); every float pointer may be
+ * NULL where the family has no such tensor (biases, sandwich norms, q/k norms, rotary). */
+typedef struct {
+    const tm_weight *qkv, *o, *up, *down; /* up: [gate; up] stacked, [2f, d] */
+    const float *qkv_bias, *o_bias, *up_bias, *down_bias;
+    const float *attn_norm, *mlp_norm;            /* RMSNorm weights [d] */
+    const float *post_attn_norm, *post_mlp_norm;  /* Gemma's sandwich norms [d] or NULL */
+    const float *q_norm, *k_norm;                 /* [hd] or NULL */
+    const float *rcos, *rsin;                     /* [P, rot_dim] or NULL */
+    float *k_cache, *v_cache;                     /* [num_slots, Hkv, hd] */
+    int32_t rot_dim, window, act16;               /* act16: activation bits of the linears */
+    float scale;                                  /* attention score scale */
+} tm_layer;
+
+typedef struct {
+    const tm_shape *shape;
+    const tm_layer *layers;  /* [shape->n_layers] */
+    const float *final_norm; /* [d]: applied to x after the last layer */
+} tm_stack;
+
+/* The decode rows of one step (ctypes mirror: TmRows): Bd rows, one new token each. */
+typedef struct {
+    const int64_t *positions; /* [Bd] position of each row's token */
+    const int64_t *new_slots; /* [Bd] cache slot its k/v is written to */
+    const int64_t *slots;     /* [Bd, cmax] the context slots it reads (padded) */
+    const int64_t *ctx_lens;  /* [Bd] its context length, the new token included */
+    int32_t Bd, cmax;
+} tm_rows;
+
+/* ---- the exported entry points (ctypes binds them: kernels/__init__.py) ---- */
+int tm_info(void);
+int tm_group_blocks(void);
+int tm_kquant_scales(void);
+const char *tm_isa(void);
+int tm_struct_size(int which);
+void tm_dequant_lanes(const tm_weight *w, int r0, int r1, float *out, int nthreads);
+void tm_lanes_f32(const float *x, int T, int K, float *out, int nthreads);
+int tm_dequant_rows(const tm_weight *w, const int64_t *ids, int n, float *out);
+int tm_decode_stack(const tm_stack *s, const tm_rows *rows, float *x, int nthreads);
+int tm_linear(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads,
+              int act16);
+int tm_decode_attention(const tm_shape *s, const tm_layer *L, const tm_rows *rows, const float *qkv,
+                        float *out, int nthreads);
+
+/* ---- small shared helpers ---- */
+
+static inline int tm_threads(int requested) {
+#ifdef _OPENMP
+    return requested > 0 ? requested : omp_get_max_threads();
+#else
+    (void)requested;
+    return 1;
+#endif
+}
+
+/* Grow-only scratch per calling thread (and per file): no malloc on the decode path.
+ * Returns NULL on OOM. */
+static __thread void *tm_scratch_buf = NULL;
+static __thread size_t tm_scratch_cap = 0;
+
+static inline void *tm_scratch(size_t bytes) {
+    if (bytes > tm_scratch_cap) {
+        free(tm_scratch_buf);
+        tm_scratch_cap = (bytes + bytes / 2 + 63) & ~(size_t)63;
+        tm_scratch_buf = aligned_alloc(64, tm_scratch_cap);
+        if (!tm_scratch_buf) tm_scratch_cap = 0;
+    }
+    return tm_scratch_buf;
+}
+
+static inline float tm_scale_at(const void *p, int f16, size_t idx) {
+    return f16 ? tm_half_to_float(((const uint16_t *)p)[idx]) : ((const float *)p)[idx];
+}
+
+/* Scale d and min m of block b of row r, in either form (see tm_weight). */
+static inline float tm_block_scale(const tm_weight *w, int r, int b) {
+    const size_t i = (size_t)r * (w->k / QK) + b;
+    if (!w->dsup) return tm_scale_at(w->scales, w->scale_f16, i);
+    return tm_half_to_float(w->dsup[(size_t)r * (w->k / 256) + b / 8]) * ((const uint8_t *)w->scales)[i];
+}
+
+static inline float tm_block_min(const tm_weight *w, int r, int b) {
+    const size_t i = (size_t)r * (w->k / QK) + b;
+    if (!w->mins) return 0.f;
+    if (!w->dsup) return tm_scale_at(w->mins, w->scale_f16, i);
+    return -(tm_half_to_float(w->msup[(size_t)r * (w->k / 256) + b / 8]) * ((const uint8_t *)w->mins)[i]);
+}
+
+/* ------------------------------------------------------------------------------ */
+/* Float helpers shared by attention.c and stack.c                                 */
+/* ------------------------------------------------------------------------------ */
+
+#if TM_AVX512
+/* exp(x) for x <= 0 (max-subtracted scores), ~1 ulp: x = n ln2 + r, |r| <= ln2/2,
+ * exp(r) by a degree-6 polynomial (Cephes expf), times 2^n; x < -87 gives 0. */
+static inline __m512 exp_ps(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.f);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lo);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_maskz_scalef_ps(~under, p, n); /* p * 2^n */
+}
+#endif
+
+static inline float tm_dot(const float *a, const float *b, int n) {
+#if TM_AVX512
+    int i = 0;
+    __m512 v = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), v);
+    float acc = _mm512_reduce_add_ps(v);
+    for (; i < n; i++) acc += a[i] * b[i];
+    return acc;
+#else
+    return vf_dot(a, b, n);
+#endif
+}
+
+/* y [n] += a * x [n] */
+static inline void tm_axpy(float *y, float a, const float *x, int n) {
+#if TM_AVX512
+    int i = 0;
+    const __m512 va = _mm512_set1_ps(a);
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+#else
+    vf_axpy(y, a, x, n);
+#endif
+}
+
+/* RMSNorm: out [n] = x * w / sqrt(mean(x^2) + eps), the sum of squares accumulated in
+ * float like F.rms_norm; out may be x (in place). */
+static inline void tm_rms_norm(const float *x, int n, const float *w, float eps, float *out) {
+    const float inv = 1.f / sqrtf(tm_dot(x, x, n) / n + eps);
+    for (int i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
+}
+
+#endif

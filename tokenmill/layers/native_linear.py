@@ -1,0 +1,201 @@
+"""Linear layers whose weights the native kernels read as stored, and how they run.
+
+Decode on CPU is memory-bound: every token reads every weight once, so a weight kept in
+its checkpoint's encoding (4/8-bit blocks, or 16-bit floats) is read 2-8x faster than a
+float32 copy. Two kinds share the machinery here:
+
+  QuantLinear (quant_linear.py)  4/8-bit blocks with per-block scales (GGUF Q4/Q5/Q8...)
+  FloatLinear (below)            float16, bfloat16 or float32 rows, as the file has them
+
+How a forward pass of x [T, in] runs:
+  T <= PREFILL_MIN_T (decode, small batches)
+      the native GEMV/small-T GEMM (kernels.linear): packed weights multiply quantized
+      activations in exact integer arithmetic, float weights multiply float32 x.
+  T >  PREFILL_MIN_T (prefill)
+      weight rows converted chunk by chunk to float32 tiles (kernels.dequant_lanes),
+      multiplied by torch's float32 GEMM: within 1e-4 of the exact product on SmolLM2's
+      logits. (A bfloat16 GEMM ran a 512-token prefill 2x faster on AMX but moved logits
+      by up to 0.5, so that a prompt prefilled alone and in a batch continued differently.)
+  no native library
+      the whole weight converted with torch ops, then F.linear (slow, exact).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill import kernels
+
+# Above this many rows of x, dequantize-to-float32 + GEMM beats the native kernel: on
+# SmolLM2's shapes (2 threads) the crossover lies between 64 and 96 rows
+# (re-measure with benchmarks/gemv.py --t).
+PREFILL_MIN_T = 80
+# Most bytes of float32 W per GEMM call in the prefill path: bounds the temporary (a
+# 49152-row un-embedding would be 56 MB); cache-sized 1-4 MB chunks measured no faster
+# than whole layers, since every call re-packs its operands.
+_PREFILL_CHUNK_BYTES = 16 << 20
+
+
+class NativeLinear(nn.Module):
+    """y = x W^T + b with W in a format the native kernels read (subclasses define it).
+
+    Same interface as layers.linear.Linear: forward(x [.., in]) -> [.., out] float32
+    (x's dtype if it is not float32). `bias` is a float32 Parameter like Linear's, so the
+    loader can fill it by name. Subclasses provide `_make_native` (the C view of the
+    weight), `dequantize` (W as float32 with torch ops) and `nbytes`; `lane_order` says
+    whether the float32 tiles come out in the packed column order (x is then permuted
+    to match) or in natural order.
+    """
+
+    lane_order = False
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = (
+            None
+            if bias is None
+            else nn.Parameter(bias.to(torch.float32).contiguous(), requires_grad=False)
+        )
+        self._cw: kernels.TmWeight | None = None
+
+    def _make_native(self) -> kernels.TmWeight:
+        raise NotImplementedError
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """W (or its rows `rows`) as float32 [rows, in], natural column order (torch ops)."""
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the weight (what one full forward pass reads)."""
+        raise NotImplementedError
+
+    def native(self) -> kernels.TmWeight | None:
+        """The C view of the weight (built once), or None without the native library."""
+        cw = self._cw
+        if cw is None and kernels.library() is not None:
+            cw = self._cw = self._make_native()
+        return cw
+
+    def _apply(self, fn, recurse=True):
+        self._cw = None  # .to(), .share_memory_()...: buffers may move, rebuild pointers
+        return super()._apply(fn, recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype is torch.float32:  # the hot path: no reshapes
+            return self._forward2d(x.contiguous())
+        shape, dtype = x.shape, x.dtype
+        y = self._forward2d(x.reshape(-1, self.in_features).to(torch.float32).contiguous())
+        return y.reshape(*shape[:-1], self.out_features).to(dtype)
+
+    def _forward2d(self, x: torch.Tensor) -> torch.Tensor:
+        cw = self._cw or self.native()
+        if cw is None:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x, self.dequantize(), bias)
+        if x.shape[0] <= PREFILL_MIN_T:
+            return kernels.linear(cw, x, self.bias, getattr(self, "act_bits", 16))
+        return self._prefill(cw, x)
+
+    def _prefill(self, cw: kernels.TmWeight, x: torch.Tensor) -> torch.Tensor:
+        """Many rows: float32 GEMM against W converted tile by tile; for packed weights
+        x's columns are permuted to the lane order (the permutation of the shared K axis
+        cancels out)."""
+        xl = kernels.lanes_f32(x) if self.lane_order else x  # [T, K]
+        n = self.out_features
+        chunk = max(64, _PREFILL_CHUNK_BYTES // (4 * self.in_features) // 64 * 64)
+        if chunk >= n:
+            return F.linear(xl, kernels.dequant_lanes(cw, 0, n), self.bias)
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        for r0 in range(0, n, chunk):
+            r1 = min(n, r0 + chunk)
+            torch.mm(xl, kernels.dequant_lanes(cw, r0, r1).T, out=y[:, r0:r1])
+        if self.bias is not None:
+            y += self.bias
+        return y
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding lookup: rows `ids` of W as float32 [*ids.shape, in].
+
+        Raises IndexError for ids outside [0, out_features).
+        """
+        flat = ids.reshape(-1)
+        if flat.dtype is not torch.int64:
+            flat = flat.long()
+        flat = flat.contiguous()
+        cw = self._cw or self.native()
+        if cw is not None:
+            rows = kernels.dequant_rows(cw, flat)
+        else:
+            if flat.numel() and (flat.min() < 0 or flat.max() >= self.out_features):
+                raise IndexError(f"id out of range [0, {self.out_features})")
+            rows = self.dequantize(flat)
+        return rows.view(*ids.shape, self.in_features)
+
+
+# The float weights the native GEMV reads, by dtype: (kernel kind, raw-bits view dtype).
+_FLOAT_KINDS = {
+    torch.float16: (kernels.F16, torch.int16),
+    torch.bfloat16: (kernels.BF16, torch.int16),
+    torch.float32: (kernels.F32, torch.int32),
+}
+
+
+class FloatLinear(NativeLinear):
+    """y = x W^T + b with W kept as float16, bfloat16 or float32 [out, in], the way the
+    checkpoint stores it (a bf16 safetensors folder, an F16 GGUF file): the native GEMV
+    converts 8 (AVX2) or 4 (NEON) values at a time to float32 in registers, so a 16-bit
+    weight is read at half the bytes of a float32 copy, and the fused decode step
+    (models/native_model.py) takes these layers like packed ones.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        out_features, in_features = weight.shape
+        super().__init__(in_features, out_features, bias)
+        if weight.dtype not in _FLOAT_KINDS:
+            raise ValueError(f"FloatLinear holds float16, bfloat16 or float32, not {weight.dtype}")
+        self.weight_dtype = weight.dtype
+        # Stored as raw bits (an int view): a float cast of the model (model.to(dtype))
+        # must not convert the weights.
+        self.register_buffer("weight_raw", weight.contiguous().view(_FLOAT_KINDS[weight.dtype][1]))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight in its stored dtype [out, in]."""
+        return self.weight_raw.view(self.weight_dtype)
+
+    @classmethod
+    def cat(cls, parts: list[FloatLinear]) -> FloatLinear:
+        """Stack layers with the same input and dtype along out_features (fused QKV, gate+up)."""
+        first = parts[0]
+        if any(
+            p.in_features != first.in_features or p.weight_dtype != first.weight_dtype
+            for p in parts
+        ):
+            raise ValueError("FloatLinear.cat: parts differ in input size or dtype")
+        if any(p.bias is not None for p in parts) and not all(p.bias is not None for p in parts):
+            raise ValueError("FloatLinear.cat: either all parts have a bias or none")
+        bias = None if first.bias is None else torch.cat([p.bias for p in parts])
+        return cls(torch.cat([p.weight for p in parts]), bias)
+
+    def _make_native(self) -> kernels.TmWeight:
+        kind = _FLOAT_KINDS[self.weight_dtype][0]
+        return kernels.TmWeight(
+            self.weight_raw.data_ptr(), None, None, kind, 0, self.out_features, self.in_features
+        )
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.weight if rows is None else self.weight[rows]
+        return w.to(torch.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight_raw.numel() * self.weight_raw.element_size()
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, {self.weight_dtype}"
+        )
