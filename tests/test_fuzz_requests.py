@@ -11,6 +11,7 @@ sequence, KV block or request left).
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -27,6 +28,13 @@ HOSTILE_TEMPLATE = """{%- for m in messages -%}
 {%- elif m.content == 'bloat' -%}{{ 'a' * 4000000000 }}
 {%- else -%}{{ m.role }}: {{ m.content }} {% endif -%}
 {%- endfor -%}{%- if add_generation_prompt -%}assistant: {% endif -%}"""
+
+
+def _examples(n: int) -> int:
+    """n, times $TOKENMILL_FUZZ_SCALE (default 1): CI runs a bounded number of cases, a
+    deeper local run sets the scale."""
+    return max(1, round(n * float(os.environ.get("TOKENMILL_FUZZ_SCALE", "1"))))
+
 
 FUZZ = settings(
     deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
@@ -184,19 +192,19 @@ def _post(http: httpx.Client, path: str, body, *, stream_default: bool = False) 
         _check(response, stream=stream, inspect=path == "/v1/inspect")
 
 
-@settings(FUZZ, max_examples=150)
+@settings(FUZZ, max_examples=_examples(150))
 @given(body=_body({"prompt": _prompt}) | _valid_completion | _json)
 def test_fuzz_completions(http, body):
     _post(http, "/v1/completions", body)
 
 
-@settings(FUZZ, max_examples=100)
+@settings(FUZZ, max_examples=_examples(100))
 @given(body=_body({"messages": _messages}) | _valid_chat | _json)
 def test_fuzz_chat(http, body):
     _post(http, "/v1/chat/completions", body)
 
 
-@settings(FUZZ, max_examples=30)
+@settings(FUZZ, max_examples=_examples(30))
 @given(
     body=st.fixed_dictionaries(
         {},
@@ -210,7 +218,7 @@ def test_fuzz_inspect(http, body):
     _post(http, "/v1/inspect", body, stream_default=True)
 
 
-@settings(FUZZ, max_examples=30)
+@settings(FUZZ, max_examples=_examples(30))
 @given(
     raw=st.binary(max_size=64), path=st.sampled_from(["/v1/completions", "/v1/chat/completions"])
 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -24,6 +25,13 @@ from hypothesis import strategies as st
 from sandbox import load_bounded
 
 from tokenmill.loader.gguf_reader import GGUFFile
+
+
+def _examples(n: int) -> int:
+    """n, times $TOKENMILL_FUZZ_SCALE (default 1): CI runs a bounded number of cases, a
+    deeper local run sets the scale."""
+    return max(1, round(n * float(os.environ.get("TOKENMILL_FUZZ_SCALE", "1"))))
+
 
 FUZZ = settings(
     deadline=None,
@@ -183,7 +191,7 @@ def test_real_gguf_header_bytes(real_gguf, mutate, key):
 
 
 @pytest.mark.slow
-@settings(FUZZ, max_examples=15)
+@settings(FUZZ, max_examples=_examples(15))
 @given(data=st.data())
 def test_fuzz_real_gguf_header(real_gguf, data):
     """Extreme u32/u64 values in the real file's structure: the model's keys (before the
@@ -211,7 +219,7 @@ def test_fuzz_real_gguf_header(real_gguf, data):
         _assert_acceptable(path, timeout_s=120, memory_bytes=2 << 30)
 
 
-@settings(FUZZ, max_examples=40)
+@settings(FUZZ, max_examples=_examples(40))
 @given(data=st.data())
 def test_fuzz_gguf_header_bytes(tmp_path_factory, tiny_gguf, data):
     """Random bytes, extreme u32/u64 values and truncation anywhere in a GGUF header."""
@@ -259,7 +267,7 @@ def _typed(value) -> tuple:
     return value, V.ARRAY
 
 
-@settings(FUZZ, max_examples=40)
+@settings(FUZZ, max_examples=_examples(40))
 @given(
     key=st.sampled_from(_GGUF_KEYS),
     value=st.sampled_from(_HOSTILE_NUMBERS)
@@ -347,7 +355,7 @@ _JSON_VALUES = st.recursive(
 )  # fmt: skip
 
 
-@settings(FUZZ, max_examples=40)
+@settings(FUZZ, max_examples=_examples(40))
 @given(key=st.sampled_from(_CONFIG_KEYS), value=_JSON_VALUES)
 def test_fuzz_hf_config(tmp_path_factory, hf_folder, key, value):
     if isinstance(value, float) and not math.isfinite(value):
@@ -356,7 +364,7 @@ def test_fuzz_hf_config(tmp_path_factory, hf_folder, key, value):
     _assert_acceptable(folder, timeout_s=60)
 
 
-@settings(FUZZ, max_examples=30)
+@settings(FUZZ, max_examples=_examples(30))
 @given(data=st.data())
 def test_fuzz_safetensors_header(tmp_path_factory, hf_folder, data):
     """The JSON header of model.safetensors: a tensor's dtype, shape or offsets changed,

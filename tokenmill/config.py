@@ -233,9 +233,13 @@ class ConfigFields:
         self.cfg = cfg
 
     def raw(self, key: str, default: Any = _REQUIRED) -> Any:
-        value = self.cfg.get(key, default)
-        if value is _REQUIRED:
-            raise ConfigError(f"missing field {key!r}")
+        """The key's value; its default when absent or null (configs write null for
+        "unset"); ConfigError when a key without a default is either."""
+        value = self.cfg.get(key)
+        if value is None:
+            if default is _REQUIRED:
+                raise ConfigError(f"missing field {key!r}")
+            return default
         return value
 
     def int(self, key: str, default: Any = _REQUIRED, *, lo: int = 1, hi: int | None = None):

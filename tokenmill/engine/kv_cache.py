@@ -8,8 +8,6 @@ takes a modest share of the machine's memory. Capacity is reported at start-up.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 

@@ -28,7 +28,7 @@ from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence, Status
 from tokenmill.hub import resolve_model
-from tokenmill.loader import open_checkpoint
+from tokenmill.loader import LoadError, open_checkpoint
 from tokenmill.models.transformer import Transformer
 from tokenmill.sampling import (
     Sampler,
