@@ -26,12 +26,9 @@ pytestmark = pytest.mark.slow
 
 BODY_TIMEOUT_S = 2.0
 HEADER_TIMEOUT_S = 2.0
-# Float weights: the packed-weight kernels fall back to slow scalar code on some CPUs, and
-# these tests are about the server, not the kernels.
 ARGS = (
     "--kv-cache-memory", "128MiB", "--max-num-seqs", "8", "--max-waiting", "8",
     "--body-timeout", str(BODY_TIMEOUT_S), "--header-timeout", str(HEADER_TIMEOUT_S),
-    "--quantization", "none",
 )  # fmt: skip
 MIB = 1 << 20
 
@@ -298,7 +295,7 @@ def test_bad_kv_cache_memory_is_refused_before_loading(value):
 def test_sigterm_drains_then_exits_0(smollm_path):
     """SIGTERM mid-stream: the listening socket closes at once, the running stream still
     gets all its tokens and [DONE], and the process exits 0."""
-    args = ("--kv-cache-memory", "64MiB", "--shutdown-timeout", "60", "--quantization", "none")
+    args = ("--kv-cache-memory", "64MiB", "--shutdown-timeout", "60")
     with server_process(*args) as server:
         body = {"prompt": "Count: 1, 2,", "max_tokens": 24, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as r:

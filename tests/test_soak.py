@@ -1,4 +1,4 @@
-"""A short soak of a real `tokenmill serve` (SmolLM2-135M, float weights, on 127.0.0.1):
+"""A short soak of a real `tokenmill serve` (SmolLM2-135M, on 127.0.0.1):
 a minute of mixed streaming load with random aborts, bad requests and a full queue,
 from benchmarks/soak.py (which runs the same load for as long as asked). Issue 11.
 
@@ -27,8 +27,7 @@ RSS_GROWTH_BOUND = 64 << 20  # after warm-up; the KV pool below is 32 MiB
 
 
 def test_short_soak(smollm_path):
-    args = ("--kv-cache-memory", "32MiB", "--max-num-seqs", "6", "--max-waiting", "3",
-            "--quantization", "none")  # fmt: skip
+    args = ("--kv-cache-memory", "32MiB", "--max-num-seqs", "6", "--max-waiting", "3")
     with server_process(*args) as server:
         report = Soak(server.base_url, pid=server.pid, workers=8, seed=1).run(SECONDS, 2.0)
         log = server.log()
