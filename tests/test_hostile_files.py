@@ -113,6 +113,25 @@ def test_gguf_field(tmp_path, tiny_model, metadata, key):
     _assert_load_error(path, key)
 
 
+def test_cli_refuses_a_hostile_file_in_one_line(tmp_path, tiny_model):
+    """Finding 2 from the command line: `tokenmill generate` on a file claiming 10^8 layers
+    ends at once with one line (it used to run for minutes into gigabytes)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "model.gguf"
+    write_llama_gguf(tiny_model, path, metadata={"llama.block_count": (100_000_000, V.UINT32)})
+    r = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "generate", "hi", "--model", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[-1].startswith("tokenmill: error:") and "llama.block_count" in lines[-1]
+
+
 def _u64_at(data: bytearray, offset: int, value: int) -> None:
     data[offset : offset + 8] = struct.pack("<Q", value)
 

@@ -555,6 +555,48 @@ def test_engine_failure_is_500_and_the_loop_survives(tiny_app, monkeypatch):
         assert http.get("/health").status_code == 200
 
 
+def test_prompts_are_prepared_off_the_event_loop(tiny_app, monkeypatch):
+    """Tokenizing and template rendering run on the prep threads, never on the event loop
+    (issue 11, finding 1): for completions, chat and the inspector alike."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    engine = tiny_app.state.engine.engine
+    threads = []
+    for name in ("encode_prompt", "encode_chat"):
+        real = getattr(engine, name)
+
+        def recording(*args, _real=real, **kwargs):
+            threads.append(threading.current_thread().name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(engine, name, recording)
+    with TestClient(tiny_app) as http:
+        http.post("/v1/completions", json={"prompt": "t1 t2", "max_tokens": 1})
+        http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1})
+        http.post("/v1/inspect", json={"prompt": "t1", "max_tokens": 1, "stream": False})
+    prepared = [name for name in threads if not name.startswith("tokenmill-engine")]
+    assert len(prepared) >= 3 and all(n.startswith("tokenmill-prep") for n in prepared), threads
+
+
+def test_a_draining_server_answers_503(tiny_app):
+    from fastapi.testclient import TestClient
+
+    engine = tiny_app.state.engine
+    with TestClient(tiny_app) as http:
+        engine.drain()
+        try:
+            response = http.post("/v1/completions", json={"prompt": "t1", "max_tokens": 1})
+        finally:
+            engine.draining = False
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+        assert response.json()["error"]["code"] == "shutting_down"
+        assert (
+            http.post("/v1/completions", json={"prompt": "t1", "max_tokens": 1}).status_code == 200
+        )
+
+
 def test_histogram_exposition():
     h = Histogram("x_seconds", "help text", (0.1, 1.0))
     for value in (0.05, 0.1, 0.5, 3.0):
