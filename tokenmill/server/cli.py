@@ -185,10 +185,7 @@ def serve(app, engine, host: str, port: int, limits, log_level: str) -> None:
     """Run `app` with uvicorn until SIGTERM or SIGINT, then shut down gracefully."""
     import uvicorn
 
-    from tokenmill.server.limits import HeaderTimeoutProtocol
-
-    class Protocol(HeaderTimeoutProtocol):
-        header_timeout_s = limits.header_timeout_s
+    from tokenmill.server.limits import header_timeout_protocol
 
     class Server(uvicorn.Server):
         """uvicorn's server, draining the engine as soon as a signal arrives and ending
@@ -211,7 +208,7 @@ def serve(app, engine, host: str, port: int, limits, log_level: str) -> None:
         host=host,
         port=port,
         log_level=log_level,
-        http=Protocol,
+        http=header_timeout_protocol(limits.header_timeout_s),
         timeout_keep_alive=limits.keep_alive_s,
         timeout_graceful_shutdown=limits.shutdown_timeout_s,
     )

@@ -5,9 +5,12 @@
                                   is refused before one byte is read) and each chunk within
                                   `body_timeout_s` of the last (408: a client that promised
                                   more bytes than it sends no longer holds a connection)
-    HeaderTimeoutProtocol         uvicorn's h11 protocol, plus a deadline for the request
+    header_timeout_protocol()     uvicorn's h11 protocol, plus a deadline for the request
                                   line and headers of each request on a connection (h11
                                   already caps their size at 16 KiB)
+
+Imports nothing heavy at module level: `tokenmill serve --help` reads ServerLimits'
+defaults, and the CLI's start-up should not pay for uvicorn.
 
 Reading the whole body first is what every JSON route does anyway; doing it here bounds it
 once, for every route, before FastAPI parses anything. The app then gets the body from
@@ -21,12 +24,14 @@ non-ASCII character), and never less than 1 MiB.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
+if TYPE_CHECKING:
+    import asyncio
+
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 MIN_BODY_BYTES = 1 << 20
 BODY_BYTES_PER_TOKEN = 64
@@ -70,6 +75,8 @@ class BodyLimit:
         self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        import asyncio  # here, not at the top: see the module's docstring
+
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -139,50 +146,52 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-class HeaderTimeoutProtocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline for each request's line and headers.
+def header_timeout_protocol(header_timeout_s: float) -> type:
+    """uvicorn's h11 protocol class with a deadline for each request's line and headers
+    (pass it to uvicorn as `http=`; uvicorn builds the protocol objects itself).
 
     uvicorn closes an idle keep-alive connection (timeout_keep_alive) but not one that has
     sent part of a request line or header and stalls: that one would hold its connection
     forever. The deadline runs from the connection's start, or from the first byte of each
     later request, to the end of that request's headers (the body has its own timeout, in
-    BodyLimit). Set `header_timeout_s` on the class before uvicorn starts: uvicorn builds
-    protocol objects itself, from the class."""
+    BodyLimit)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    header_timeout_s: float = ServerLimits.header_timeout_s
+    class HeaderTimeoutProtocol(H11Protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            self._header_deadline: asyncio.TimerHandle | None = None
+            super().connection_made(transport)
+            self._arm_header_deadline()
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        self._header_deadline: asyncio.TimerHandle | None = None
-        super().connection_made(transport)
-        self._arm_header_deadline()
+        def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            between_requests = cycle is None or cycle.response_complete
+            super().data_received(data)
+            if self.cycle is not cycle:  # this data completed a new request's headers
+                self._disarm_header_deadline()
+            elif between_requests and self._header_deadline is None:
+                self._arm_header_deadline()  # the first bytes of the next request
 
-    def data_received(self, data: bytes) -> None:
-        cycle = self.cycle
-        between_requests = cycle is None or cycle.response_complete
-        super().data_received(data)
-        if self.cycle is not cycle:  # this data completed a new request's headers
+        def on_response_complete(self) -> None:
+            self._disarm_header_deadline()  # idle from here: timeout_keep_alive applies
+            super().on_response_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
             self._disarm_header_deadline()
-        elif between_requests and self._header_deadline is None:
-            self._arm_header_deadline()  # the first bytes of the next request
+            super().connection_lost(exc)
 
-    def on_response_complete(self) -> None:
-        self._disarm_header_deadline()  # idle from here: timeout_keep_alive applies
-        super().on_response_complete()
+        def _arm_header_deadline(self) -> None:
+            self._disarm_header_deadline()
+            self._header_deadline = self.loop.call_later(header_timeout_s, self._headers_late)
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_header_deadline()
-        super().connection_lost(exc)
+        def _disarm_header_deadline(self) -> None:
+            if self._header_deadline is not None:
+                self._header_deadline.cancel()
+                self._header_deadline = None
 
-    def _arm_header_deadline(self) -> None:
-        self._disarm_header_deadline()
-        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._headers_late)
-
-    def _disarm_header_deadline(self) -> None:
-        if self._header_deadline is not None:
-            self._header_deadline.cancel()
+        def _headers_late(self) -> None:
             self._header_deadline = None
+            if not self.transport.is_closing():
+                self.transport.close()
 
-    def _headers_late(self) -> None:
-        self._header_deadline = None
-        if not self.transport.is_closing():
-            self.transport.close()
+    return HeaderTimeoutProtocol
