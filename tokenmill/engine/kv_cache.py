@@ -8,12 +8,11 @@ takes a modest share of the machine's memory. Capacity is reported at start-up.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
 from tokenmill.config import ModelConfig
+from tokenmill.loader.checks import physical_memory_bytes
 from tokenmill.units import parse_memory
 
 
@@ -21,8 +20,7 @@ def default_kv_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.5)
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(min(1 << 30, total // 16))
+    return int(min(1 << 30, physical_memory_bytes() // 16))
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -69,6 +67,14 @@ class KVCache:
         if num_blocks is None:
             num_blocks = kv_blocks(cfg, block_size, dtype, device, memory)
         self.num_blocks = num_blocks
+        if device.type == "cpu" and self.num_blocks * block_size * self.bytes_per_token > (
+            memory_total := physical_memory_bytes()
+        ):
+            raise ValueError(
+                f"kv_cache_memory {memory!r} means {self.num_blocks * block_size} tokens, "
+                f"{self.num_blocks * block_size * self.bytes_per_token / 2**30:.1f} GiB: more "
+                f"than this machine's {memory_total / 2**30:.1f} GiB of memory"
+            )
         slots = self.num_blocks * block_size
         shape = (slots, cfg.num_kv_heads, cfg.head_dim)
         self.k = [_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]

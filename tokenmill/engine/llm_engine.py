@@ -29,7 +29,7 @@ from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence, Status
 from tokenmill.hub import resolve_model
-from tokenmill.loader import open_checkpoint
+from tokenmill.loader import LoadError, open_checkpoint
 from tokenmill.models.transformer import Transformer
 from tokenmill.sampling import (
     Sampler,
@@ -39,6 +39,7 @@ from tokenmill.sampling import (
     check_stop_token,
 )
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
+from tokenmill.tokenizer.tokenizer import TextTooLong
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,7 +74,14 @@ class RequestOutput:
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
-    return Tokenizer.from_pretrained(path) if path.is_dir() else Tokenizer.from_gguf(path)
+    """The model's tokenizer; LoadError (one line) for a vocabulary that cannot be built."""
+    try:
+        return Tokenizer.from_pretrained(path) if path.is_dir() else Tokenizer.from_gguf(path)
+    except LoadError:
+        raise
+    except Exception as e:  # the vocabulary checks' ValueError, or the tokenizers library's
+        message = str(e).removeprefix(f"{path}: ").splitlines()[0] if str(e) else ""
+        raise LoadError(path, f"tokenizer: {message or type(e).__name__}") from None
 
 
 class _Request:
@@ -226,8 +234,15 @@ class LLMEngine:
         )
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt (text, or ids checked against the vocabulary). A text that
+        cannot fit in the context is refused before it is tokenized."""
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            try:
+                ids = self.tokenizer.encode(
+                    prompt, add_special_tokens=True, max_tokens=self.max_model_len
+                )
+            except TextTooLong as e:
+                raise RequestError(self._too_long(e)) from None
         elif isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
@@ -242,6 +257,22 @@ class LLMEngine:
         if not ids:
             raise RequestError("prompt is empty")
         return ids
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template, messages'
+        text kept as text. ChatTemplateError (a ValueError) for a template that fails or
+        goes over its limits; RequestError for a prompt that cannot fit in the context."""
+        try:
+            return self.tokenizer.encode_chat(messages, max_tokens=self.max_model_len)
+        except TextTooLong as e:
+            raise RequestError(self._too_long(e)) from None
+
+    def _too_long(self, e: TextTooLong) -> str:
+        return (
+            f"prompt has {e.num_bytes} bytes of text, at least {e.min_tokens} tokens: more "
+            f"than the model's context of {self.max_model_len - 1} "
+            "(leaving room for at least one generated token)"
+        )
 
     def add_request(
         self,

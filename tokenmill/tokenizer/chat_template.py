@@ -5,6 +5,10 @@ Models ship their template as Jinja source (`tokenizer_config.json` or the GGUF 
 one the model saw in training: a sandboxed environment with `trim_blocks` and `lstrip_blocks`,
 the `loopcontrols` extension, a `tojson` filter that leaves non-ASCII text alone, and the
 `raise_exception` and `strftime_now` helpers templates call.
+
+The template comes from the model file, so it is untrusted code: it renders in a sandbox with a
+budget (template_limits.py: steps, wall clock, sizes), and whatever goes wrong inside it (a limit,
+a Python error, runaway recursion) becomes one ChatTemplateError for that request.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from functools import lru_cache
 from typing import Any
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .template_limits import LimitedSandbox, RenderLimits, TemplateLimitError
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -50,11 +55,16 @@ def render_chat_template(
     add_generation_prompt: bool = True,
     bos_token: str | None = None,
     eos_token: str | None = None,
+    limits: RenderLimits = RenderLimits(),  # noqa: B008 (frozen)
 ) -> str:
-    """Render `template` for `messages` (validated first); errors become ChatTemplateError."""
+    """Render `template` for `messages` (validated first) within `limits`; every failure
+    is a one-line ChatTemplateError."""
     validate_messages(messages)
+    compiled = _compile(template)
     try:
-        return _compile(template).render(
+        return _ENV.render(
+            compiled,
+            limits,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token or "",
@@ -62,8 +72,21 @@ def render_chat_template(
             tools=None,
             documents=None,
         )
+    except ChatTemplateError:
+        raise  # the template's own raise_exception
+    except TemplateLimitError as e:
+        raise ChatTemplateError(str(e)) from None
     except jinja2.TemplateError as e:
-        raise ChatTemplateError(f"chat template failed: {e}") from e
+        raise ChatTemplateError(f"chat template failed: {_first_line(e)}") from None
+    except (Exception, RecursionError) as e:  # TypeError, ZeroDivisionError... in its code
+        raise ChatTemplateError(
+            f"chat template failed: {type(e).__name__}: {_first_line(e)}"
+        ) from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else ""
 
 
 def _raise_exception(message: str) -> None:
@@ -87,15 +110,27 @@ def _tojson(
     )
 
 
-@lru_cache(maxsize=32)
-def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
+def _environment() -> LimitedSandbox:
+    env = LimitedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.finish_setup()
+    return env
+
+
+_ENV = _environment()  # one environment: compiled templates are cached per source below
+
+
+@lru_cache(maxsize=32)
+def _compile(template: str) -> jinja2.Template:
     try:
-        return env.from_string(template)
+        return _ENV.from_string(template)
     except jinja2.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"chat template does not parse: {e}") from e
+        raise ChatTemplateError(f"chat template does not parse: {_first_line(e)}") from None
+    except (Exception, RecursionError) as e:  # e.g. nesting deep enough to exhaust the parser
+        raise ChatTemplateError(
+            f"chat template does not compile: {type(e).__name__}: {_first_line(e)}"
+        ) from None
