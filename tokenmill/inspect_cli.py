@@ -314,6 +314,14 @@ class TerminalView:
                     style="dim",
                 )
             )
+        if m.get("parallel"):
+            self.console.print(
+                Text(
+                    "parallel run: " + "; ".join(m["parallel"]) + " (the attention and "
+                    "residual views show what rank 0 computed)",
+                    style="dim",
+                )
+            )
         if self.seed == DEFAULT_SEED:
             seed = f"seed {self.seed}, the default: a rerun draws the same tokens (--seed N for others)"
         else:

@@ -293,6 +293,8 @@ class Trace:
             # what an untraced decode step would run (a traced one runs the torch path)
             "decode_path": path.name,
             "decode_path_reason": path.reason,
+            # a parallel run: what each rank holds (the trace records rank 0's part)
+            "parallel": engine.parallel_plan if engine.parallel is not None else None,
             "kv_bytes_per_token": engine.cache.bytes_per_token,
             "block_size": engine.cache.block_size,
             "kv_capacity_tokens": engine.cache.capacity_tokens,

@@ -142,6 +142,7 @@ class Runtime:
         self.spec, self.world = spec, spec.world_size
         self.procs: list = []
         self._stopped = False
+        self._restore = None
         if launched_by_torchrun():
             if int(os.environ["WORLD_SIZE"]) != self.world:
                 raise ValueError(
@@ -152,6 +153,11 @@ class Runtime:
             send_spec(spec)  # the workers build their parts from rank 0's choices
         else:
             port = _free_port()
+            # our own cores and threads, given back at stop() (an API user's process)
+            self._restore = (
+                os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None,
+                torch.get_num_threads(),
+            )
             ctx = torch.multiprocessing.get_context("spawn")
             for rank in range(1, self.world):
                 p = ctx.Process(
@@ -193,6 +199,11 @@ class Runtime:
                 p.terminate()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self._restore is not None:
+            cores, threads = self._restore
+            if cores is not None:
+                os.sched_setaffinity(0, cores)
+            torch.set_num_threads(threads)
 
 
 def _exit_now(msg: str) -> None:
