@@ -147,8 +147,8 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
                 lv[j] = (uint8_t)(qv[j] & 255);
                 hsum += hv[j];
             }
-            /* what the layer's group_dot leaves out (simd.h), only in full groups */
-            const int32_t left_out = TM_A16_HI8_BIAS && bits == 8 && b < full ? -32768 * hsum : 0;
+            /* what the layer's group_dot leaves out (simd.h): tail blocks go through it too */
+            const int32_t left_out = TM_A16_HI8_BIAS && bits == 8 ? -32768 * hsum : 0;
             const size_t pos = lane_pos(nb, b, 0);
             if (b < full) { /* four values at a time to their lanes */
                 for (int i = 0; i < 8; i++) {
@@ -172,11 +172,41 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
 /* Packed GEMV / small-T GEMM                                                      */
 /* ------------------------------------------------------------------------------ */
 
-/* sum c[j] * q[j] over one natural-order block (the tail; the compiler vectorizes it). */
-static inline int32_t dot_block(const uint8_t c[QK], const int8_t *xh, const uint8_t *xl) {
-    int32_t s = 0;
-    for (int j = 0; j < QK; j++) s += c[j] * (256 * xh[j] + xl[j]);
-    return s;
+/* The nb % TM_GB tail blocks of row r (codes at `tc`, natural order in chunks of two
+ * blocks) against T activation rows from t0, into tail[t]: each block as 32 / (4 TM_W)
+ * code vectors through group_dot, whose lanes sum to the block's dot. A chunk of two
+ * 4-bit blocks is one nibble split: low nibbles block 2q, high nibbles block 2q+1. */
+enum { TAIL_NV = QK / (4 * TM_GB) > 0 ? QK / (4 * TM_GB) : 1 }; /* vectors per block */
+
+static inline __attribute__((always_inline)) void tail_dot(const tm_weight *w, const xq_t *xq, int r,
+                                                           int t0, int T, int bits,
+                                                           const uint8_t *tc, float *tail) {
+    const int nb = w->k / QK, nfull = nb / TM_GB, nbt = nb % TM_GB;
+    for (int u = 0; u < nbt;) {
+        vb ca[TAIL_NV], cb[TAIL_NV];
+        int n = 1;
+        if (bits == 8) {
+            for (int v = 0; v < TAIL_NV; v++) cb[v] = ca[v] = vb_load(tc + (size_t)QK * u + 4 * TM_GB * v);
+        } else if (u + 1 < nbt) { /* a 64-value chunk: two blocks from one nibble split */
+            for (int v = 0; v < TAIL_NV; v++) vb_nibbles(vb_load(tc + QK * (u / 2) + 4 * TM_GB * v), &ca[v], &cb[v]);
+            n = 2;
+        } else { /* the last, lone block: 16 bytes, value j low (j < 16) or high nibble */
+            uint8_t cv[QK];
+            tail_block_codes(tc, bits, u, nbt, cv);
+            for (int v = 0; v < TAIL_NV; v++) cb[v] = ca[v] = vb_load(cv + 4 * TM_GB * v);
+        }
+        for (int h = 0; h < n; h++) {
+            const int b = nfull * TM_GB + u + h;
+            const float d = tm_block_scale(w, r, b), m = tm_block_min(w, r, b);
+            for (int t = 0; t < T; t++) {
+                const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + b;
+                const size_t xo = tt * xq->kpad + (size_t)b * QK;
+                const int32_t s = vi_sum(group_dot(h ? cb : ca, TAIL_NV, xq->q + xo, xq->ql + xo, bits)) - xq->zc[xi];
+                tail[t] += d * (xq->dx[xi] * (float)s) + m * xq->sx[xi];
+            }
+        }
+        u += n;
+    }
 }
 
 /* Rows [r0, r1) of W against T (<= TCHUNK) activation rows starting at t0; T and bits
@@ -223,27 +253,14 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
             for (int t = 0; t < T; t++) {
                 const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + (size_t)g * TM_GB;
                 const size_t xo = tt * xq->kpad + (size_t)g * GW;
-                const vi s = vi_sub(group_dot(c, xq->q + xo, xq->ql + xo, bits), vi_load(xq->zc + xi));
+                const vi s = vi_sub(group_dot(c, 8, xq->q + xo, xq->ql + xo, bits), vi_load(xq->zc + xi));
                 acc[t] = vf_fma(vf_mul(vf_from_vi(s), vf_load(xq->dx + xi)), d, acc[t]);
                 if (w->mins) acc[t] = vf_fma(m, vf_load(xq->sx + xi), acc[t]);
             }
         }
         float tail[TCHUNK] = {0};
-        if (nbt) {
-            const uint8_t *tc = row + (size_t)nfull * GW * bits / 8;
-            for (int u = 0; u < nbt; u++) {
-                uint8_t cb[QK];
-                tail_block_codes(tc, bits, u, nbt, cb);
-                const int b = nfull * TM_GB + u;
-                const float d = tm_block_scale(w, r, b), m = tm_block_min(w, r, b);
-                for (int t = 0; t < T; t++) {
-                    const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + b;
-                    const size_t xo = tt * xq->kpad + (size_t)b * QK;
-                    const int32_t s = dot_block(cb, xq->q + xo, xq->ql + xo) - xq->zc[xi];
-                    tail[t] += d * (xq->dx[xi] * (float)s) + m * xq->sx[xi];
-                }
-            }
-        }
+        if (nbt) /* the tail blocks, natural order, through group_dot too (tail_dot) */
+            tail_dot(w, xq, r, t0, T, bits, row + (size_t)nfull * GW * bits / 8, tail);
         const float bv = bias ? bias[r] : 0.f;
         for (int t = 0; t < T; t++) y[(size_t)(t0 + t) * w->n + r] = vf_sum(acc[t]) + tail[t] + bv;
     }

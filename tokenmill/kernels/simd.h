@@ -22,13 +22,15 @@
  *   vi   TM_W int32       vi_zero vi_load vi_add vi_sub vi_sum, vf_from_vi, vi_round
  *                         (float -> int32, ties to even), vf_pow2i (2^n), vi_store_i16
  *   vb   4*TM_W bytes     vb_load, vb_nibbles (low and high 4 bits of every byte)
- *   group_dot(c[8], xh, xl, bits) -> vi: the integer core of the packed GEMV. c: one
- *                         lane-order group's 8 code vectors (vb, unsigned 4- or 8-bit codes,
- *                         lane k = block k); xh / xl: the 16-bit activations q = 256 hi + lo
- *                         at the same positions, as signed high bytes and unsigned low bytes.
- *                         Lane k of the result: the exact sum of c * q over block k (less
- *                         32768 * its sum of high bytes for 8-bit codes where the layer
- *                         defines TM_A16_HI8_BIAS: quantize_x adds it back).
+ *   group_dot(c, n, xh, xl, bits) -> vi: the integer core of the packed GEMV. c: n (<= 8)
+ *                         code vectors (vb, unsigned 4- or 8-bit codes); xh / xl: the 16-bit
+ *                         activations q = 256 hi + lo at the same positions, as signed high
+ *                         bytes and unsigned low bytes. Lane k of the result: the exact sum
+ *                         of c * q over bytes 4k..4k+3 of every vector (less 32768 * their
+ *                         high bytes' sum for 8-bit codes where the layer defines
+ *                         TM_A16_HI8_BIAS: quantize_x adds it back). A full lane-order group
+ *                         (n = 8) gives block k's dot in lane k; one natural-order tail
+ *                         block (n = 32 / (4 TM_W)) its dot as the sum of the lanes.
  */
 #ifndef TM_SIMD_H
 #define TM_SIMD_H

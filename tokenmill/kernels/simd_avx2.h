@@ -80,7 +80,7 @@ static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
     *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
 }
 
-/* One lane-order group: 8 code vectors c (32 codes each, lane k = block k) against the
+/* n (<= 8) code vectors c (32 codes each, lane k = block k of a group) against the
  * activations q = 256 hi + lo, given as their signed high bytes xh and unsigned low bytes
  * xl at the same positions. Lane k of the result: block k's sum of c * q, exact.
  * 4-bit codes (<= 15): vpmaddubsw multiplies bytes without widening and never saturates
@@ -88,22 +88,25 @@ static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
  *   in int16, so three vpmaddwd per group finish the sums in int32.
  * 8-bit codes: bytes unpacked to int16 (in-lane, beside the activation's two bytes), then
  *   vpmaddwd; hadd puts the blocks back in order. */
-static inline vi group_dot(const vb c[8], const int8_t *xh, const uint8_t *xl, int bits) {
+static inline vi group_dot(const vb *c, int n, const int8_t *xh, const uint8_t *xl, int bits) {
     const __m256i zero = _mm256_setzero_si256();
     if (bits == 4) {
         __m256i h = zero, l0 = zero, l1 = zero;
-        for (int i = 0; i < 8; i++)
+        for (int i = 0; i < n; i++)
             h = _mm256_add_epi16(h, _mm256_maddubs_epi16(c[i], _mm256_loadu_si256((const __m256i *)(xh + 32 * i))));
-        for (int i = 0; i < 4; i++) {
-            l0 = _mm256_add_epi16(l0, _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xl + 32 * i)), c[i]));
-            l1 = _mm256_add_epi16(l1, _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xl + 32 * i + 128)), c[i + 4]));
+        for (int i = 0; i < n; i++) { /* at most four low-byte products per int16 sum */
+            const __m256i p = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xl + 32 * i)), c[i]);
+            if (i < 4)
+                l0 = _mm256_add_epi16(l0, p);
+            else
+                l1 = _mm256_add_epi16(l1, p);
         }
         const __m256i ones = _mm256_set1_epi16(1);
         const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(l0, ones), _mm256_madd_epi16(l1, ones));
         return _mm256_add_epi32(_mm256_madd_epi16(h, _mm256_set1_epi16(256)), lo);
     }
     __m256i a = zero, b = zero; /* blocks [0 1 | 4 5] and [2 3 | 6 7], two int32 each */
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < n; i++) {
         const __m256i lo = _mm256_loadu_si256((const __m256i *)(xl + 32 * i));
         const __m256i hi = _mm256_loadu_si256((const __m256i *)(xh + 32 * i));
         a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_unpacklo_epi8(c[i], zero), _mm256_unpacklo_epi8(lo, hi)));

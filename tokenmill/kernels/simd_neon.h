@@ -69,15 +69,15 @@ static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
     *hi = vshrq_n_u8(v, 4);
 }
 
-/* One lane-order group: 8 code vectors c (16 codes each, lane k = block k) against the
+/* n (<= 8) code vectors c (16 codes each, lane k = block k of a group) against the
  * activations q = 256 hi + lo, given as their signed high bytes xh and unsigned low bytes
  * xl at the same positions. Lane k of the result: block k's sum of c * q (for 8-bit codes
  * with dotprod, less 32768 * the block's sum of high bytes: TM_A16_HI8_BIAS). */
 #if defined(__ARM_FEATURE_DOTPROD)
-static inline vi group_dot(const vb c[8], const int8_t *xh, const uint8_t *xl, int bits) {
+static inline vi group_dot(const vb *c, int n, const int8_t *xh, const uint8_t *xl, int bits) {
     int32x4_t h = vdupq_n_s32(0);
     uint32x4_t l = vdupq_n_u32(0);
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < n; i++) {
         const uint8x16_t cs = bits == 8 ? veorq_u8(c[i], vdupq_n_u8(0x80)) : c[i];
         h = vdotq_s32(h, vreinterpretq_s8_u8(cs), vld1q_s8(xh + 16 * i)); /* sdot */
         l = vdotq_u32(l, c[i], vld1q_u8(xl + 16 * i));                      /* udot */
@@ -87,10 +87,10 @@ static inline vi group_dot(const vb c[8], const int8_t *xh, const uint8_t *xl, i
 #else
 /* Without dotprod: the activation bytes zipped back into int16, the codes widened, then
  * smlal multiplies and accumulates four values of one block per instruction. */
-static inline vi group_dot(const vb c[8], const int8_t *xh, const uint8_t *xl, int bits) {
+static inline vi group_dot(const vb *c, int n, const int8_t *xh, const uint8_t *xl, int bits) {
     (void)bits;
     int32x4_t b0 = vdupq_n_s32(0), b1 = b0, b2 = b0, b3 = b0;
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < n; i++) {
         const uint8x16_t lo = vld1q_u8(xl + 16 * i), hi = vreinterpretq_u8_s8(vld1q_s8(xh + 16 * i));
         const int16x8_t x0 = vreinterpretq_s16_u8(vzip1q_u8(lo, hi)), x1 = vreinterpretq_s16_u8(vzip2q_u8(lo, hi));
         const int16x8_t cl = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(c[i])));

@@ -73,11 +73,11 @@ static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
     }
 }
 
-/* lane k = block k's sum of c * q, q = 256 hi + lo, over the group's 8 code vectors */
-static inline vi group_dot(const vb c[8], const int8_t *xh, const uint8_t *xl, int bits) {
+/* lane k = block k's sum of c * q, q = 256 hi + lo, over n (<= 8) code vectors */
+static inline vi group_dot(const vb *c, int n, const int8_t *xh, const uint8_t *xl, int bits) {
     (void)bits;
     vi r = vi_zero();
-    for (int i = 0; i < 8; i++)
+    for (int i = 0; i < n; i++)
         for (int k = 0; k < 4; k++)
             for (int t = 0; t < 4; t++) {
                 const int p = 16 * i + 4 * k + t;

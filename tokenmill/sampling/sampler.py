@@ -411,6 +411,16 @@ def _logprobs(
     return chosen, top
 
 
+def first_argmax(x: Tensor) -> Tensor:
+    """[B, V] -> [B]: the first index of each row's maximum. On the CPU through numpy, a
+    visible part of a decode step otherwise: for a 49152-wide row 6 us against 52 for
+    argmax(-1) and 103 for max(-1).indices (Zen 3, 2 threads; on a Xeon max() was the
+    faster torch call, 30 us)."""
+    if x.device.type == "cpu" and x.is_contiguous():
+        return torch.from_numpy(x.numpy().argmax(-1))
+    return x.max(-1).indices
+
+
 class Sampler:
     """Chooses the next token for every row of a step: `sampler(logits, states)`."""
 
@@ -421,13 +431,11 @@ class Sampler:
         if any(s.vocab_size != logits.shape[-1] for s in states):
             raise ValueError(f"logits have width {logits.shape[-1]}, states expect another vocab")
         raw = logits.float()
-        # max(-1).indices, not argmax(-1): the same first index of the maximum, ~2.5x
-        # faster on CPU (30 vs 78 us for a 49152-wide row), a visible part of a decode step.
         if all(s.plain_greedy for s in states):
-            token_ids = raw.max(-1).indices  # [B] fast path: nothing to process
+            token_ids = first_argmax(raw)  # [B] fast path: nothing to process
         else:
             adjusted = _adjust(raw, states)  # [B, V]
-            token_ids = adjusted.max(-1).indices  # [B] right for greedy rows; others overwritten
+            token_ids = first_argmax(adjusted)  # [B] right for greedy rows; others overwritten
             rows = [i for i, s in enumerate(states) if not s.params.greedy]
             if rows:
                 sub = [states[i] for i in rows]
