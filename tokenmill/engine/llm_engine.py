@@ -3,7 +3,8 @@
     add_request -> Scheduler.waiting
     step():  Scheduler.schedule()        which sequences, how many tokens each
              ModelRunner.run()           one forward pass -> logits of the rows that sample
-             Sampler()                   next token per sequence (per-request params)
+             Sampler()                   next token per sequence (per-request params,
+                                         grammar masks for constrained rows)
              detokenize + stop checks    text delta, finish_reason
              free finished sequences' blocks at once
     abort(request_id) frees a request's blocks at once.
@@ -37,6 +38,7 @@ from tokenmill.sampling import (
     StopStringMatcher,
     check_stop_token,
 )
+from tokenmill.sampling.grammar import CompiledGrammar, GrammarCompiler
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -133,6 +135,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.max_model_len = min(self.config.max_position, self.cache.capacity_tokens)
         self.requests: dict[str, _Request] = {}
+        self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens_computed": 0}
 
     def _pick_quantization(self, requested: str, fmt: str) -> str | None:
@@ -196,6 +199,15 @@ class LLMEngine:
             raise RequestError("prompt is empty")
         return ids
 
+    def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """Compile params' structured-output constraint (None without one).
+
+        Thread-safe and cached by source; the server calls it off the engine thread and
+        before queueing, so a bad schema is a 400 and a slow one never stalls a step.
+        Raises GrammarError (a ValueError) naming the problem."""
+        constraint = params.constraint
+        return None if constraint is None else self.grammars.compile(*constraint)
+
     def add_request(
         self,
         request_id: str,
@@ -204,10 +216,13 @@ class LLMEngine:
         *,
         completion_index: int = 0,
         trace=None,
+        grammar: CompiledGrammar | None = None,
     ) -> int:
         """Queue a request; returns its prompt length in tokens.
 
-        trace: a tokenmill.trace.Trace to record this request's pipeline step by step."""
+        trace: a tokenmill.trace.Trace to record this request's pipeline step by step.
+        grammar: params' constraint already compiled by compile_grammar; compiled here
+        (on the caller's thread) when not given."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running")
@@ -218,14 +233,17 @@ class LLMEngine:
                 f"{self.max_model_len - 1} (leaving room for at least one generated token)"
             )
         try:
+            if grammar is None:
+                grammar = self.compile_grammar(params)
             state = SamplingState.create(
                 params,
                 ids,
                 self.device,
                 vocab_size=self.config.vocab_size,
                 completion_index=completion_index,
+                grammar=grammar,
             )
-        except ValueError as e:
+        except ValueError as e:  # GrammarError included
             raise RequestError(str(e)) from None
         seq = Sequence(request_id, ids, params, state, trace=trace)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids)
@@ -300,6 +318,11 @@ class LLMEngine:
             text, hit = req.stops.feed(req.detok.add(token))
             if hit:
                 reason = "stop"
+            elif seq.sampling.grammar is not None and seq.sampling.grammar.finished:
+                # The output is complete: the grammar would allow only EOS next, so end
+                # now rather than spend a forward pass on it.
+                reason = "stop"
+                text += self._drain(req)
             elif reason == "length" or len(seq) >= self.max_model_len:
                 reason = "length"
                 text += self._drain(req)

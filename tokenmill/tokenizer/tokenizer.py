@@ -149,6 +149,20 @@ class Tokenizer:
             return self._backend.decode(ids, skip_special_tokens=False)
         return self._decoding.decode(ids)
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special (control) tokens, such as BOS, EOS and <|im_start|>."""
+        return self._special_ids
+
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each id stands for in decoded text, indexed by id (constrained decoding
+        matches grammars against these)."""
+        if self._decoding is not None:
+            return list(self._decoding.token_bytes)
+        # An unknown decoder: one id at a time is the best we can do (a partial character
+        # comes out as U+FFFD).
+        return [self._backend.decode([i]).encode() for i in range(self.vocab_size)]
+
     def id_to_piece(self, i: int) -> str:
         """The raw vocabulary piece of id `i` (e.g. "ĠHello" or "▁Hello"), for display."""
         piece = self._backend.id_to_token(i) if 0 <= i < self.vocab_size else None
@@ -161,9 +175,13 @@ class Tokenizer:
     # --- chat ----------------------------------------------------------------------------------
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The prompt text for a conversation, rendered with the model's own chat template."""
+        """The prompt text for a conversation, rendered with the model's own chat template
+        (with `tools`, function definitions, for a template that renders them)."""
         if self.chat_template is None:
             raise ChatTemplateError(f"model {self.name} has no chat template; use plain completion")
         return render_chat_template(
@@ -172,6 +190,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self._piece_or_none(self.bos_token_id),
             eos_token=self._piece_or_none(self.eos_token_id),
+            tools=tools,
         )
 
     def __repr__(self) -> str:
