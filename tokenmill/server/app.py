@@ -47,6 +47,7 @@ from starlette.types import Receive, Scope, Send
 
 from tokenmill.engine.llm_engine import LLMEngine, RequestError
 from tokenmill.sampling import SamplingParams
+from tokenmill.sampling.grammar import GrammarError
 from tokenmill.server.async_engine import AsyncEngine, EngineFailure, QueueFull, RequestStream
 from tokenmill.server.metrics import CONTENT_TYPE
 from tokenmill.server.protocol import (
@@ -60,6 +61,7 @@ from tokenmill.server.protocol import (
     invalid,
     pydantic_errors_to_api_error,
 )
+from tokenmill.server.tools import ToolRequest, prepare_chat
 
 log = logging.getLogger("tokenmill.server")
 
@@ -210,7 +212,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     engine = _engine(request)
     model = _check_model(request, body.model)
     body.check_extra_fields()
-    prompt_ids = _chat_prompt(engine.engine, body)
+    tools = body.tool_request(engine.engine.tokenizer)
+    prompt_ids = _chat_prompt(engine.engine, body, tools)
     max_model_len = engine.engine.max_model_len
     params = body.sampling_params(default_max_tokens=max(1, max_model_len - len(prompt_ids)))
     check_fits(
@@ -221,7 +224,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         max_param=body.max_tokens_param,
     )
     request_id = uuid.uuid4().hex
-    fmt = ChatFormat(request_id, model, _decoder(engine.engine), body.logprobs)
+    fmt = ChatFormat(request_id, model, _decoder(engine.engine), body.logprobs, tools)
     return await _run(request, body, fmt, request_id, prompt_ids, params)
 
 
@@ -308,11 +311,16 @@ def _completion_prompt(
     return ids, prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids)
 
 
-def _chat_prompt(engine: LLMEngine, body: ChatCompletionRequest) -> list[int]:
-    """Render the messages with the model's chat template and tokenize them."""
+def _chat_prompt(
+    engine: LLMEngine, body: ChatCompletionRequest, tools: ToolRequest | None = None
+) -> list[int]:
+    """Render the messages (and tools) with the model's chat template and tokenize them."""
     messages = [message.as_template_input() for message in body.messages]
+    messages, tool_defs = prepare_chat(messages, tools, engine.tokenizer.chat_template)
     try:
-        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tools=tool_defs
+        )
     except ValueError as e:  # ChatTemplateError, or a message validate_messages refused
         raise invalid(str(e), "messages") from None
     return engine.tokenizer.encode(text, add_special_tokens=False)  # the template wrote BOS
@@ -337,7 +345,12 @@ async def _run(
         body.user,
     )
     try:
-        stream = await _engine(request).generate(request_id, prompt_ids, params)
+        # compiled before anything is queued: a schema the engine refuses is a 400
+        grammar = await _engine(request).compile_grammar(params)
+    except GrammarError as e:
+        raise invalid(str(e), body.constraint_param) from None
+    try:
+        stream = await _engine(request).generate(request_id, prompt_ids, params, grammar=grammar)
     except QueueFull as e:
         raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
     except RequestError as e:  # e.g. a logit_bias id beyond the vocabulary

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.llm_engine import LLMEngine, RequestError, RequestOutput, TokenLogprob
 from tokenmill.sampling import SamplingParams
+from tokenmill.sampling.grammar import CompiledGrammar
 from tokenmill.server.metrics import EngineStats, ServerMetrics
 
 log = logging.getLogger("tokenmill.server")
@@ -139,6 +140,7 @@ class _Add:
     prompt_ids: list[int]
     params: SamplingParams
     trace: object | None
+    grammar: CompiledGrammar | None = None
 
 
 @dataclass
@@ -195,8 +197,14 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         trace: object | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> RequestStream:
-        """Queue a request (params.n engine requests); raises QueueFull or EngineFailure."""
+        """Queue a request (params.n engine requests); raises QueueFull or EngineFailure.
+
+        grammar: params' constraint, compiled (`compile_grammar`); every constrained
+        request must bring it, so that no compilation ever runs on the engine thread."""
+        if (grammar is None) != (params.constraint is None):
+            raise ValueError("a constrained request must be submitted with its compiled grammar")
         if not self.alive:
             raise EngineFailure("the engine loop is not running")
         with self._lock:
@@ -209,8 +217,15 @@ class AsyncEngine:
             self._pending += params.n
         request_ids = [f"{request_id}-{i}" for i in range(params.n)]
         stream = RequestStream(request_ids, lambda ids: self._commands.put(_Abort(ids)))
-        self._commands.put(_Add(stream, prompt_ids, params, trace))
+        self._commands.put(_Add(stream, prompt_ids, params, trace, grammar))
         return stream
+
+    async def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """Compile params' output constraint in a worker thread (the event loop and the
+        engine thread go on meanwhile). Raises GrammarError naming the problem."""
+        if params.constraint is None:
+            return None
+        return await asyncio.to_thread(self.engine.compile_grammar, params)
 
     async def generate(
         self,
@@ -219,22 +234,28 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         trace: object | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> RequestStream:
         """Submit and wait until the engine has taken the request.
 
         Raises QueueFull, EngineFailure, or RequestError (a request the engine refuses)."""
-        stream = self.submit(request_id, prompt_ids, params, trace=trace)
+        stream = self.submit(request_id, prompt_ids, params, trace=trace, grammar=grammar)
         await stream.admitted()
         return stream
 
     async def run_traced(
-        self, prompt_ids: list[int], params: SamplingParams, trace: object
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        trace: object,
+        grammar: CompiledGrammar | None = None,
     ) -> Generation:
         """Run one request with a tokenmill.trace.Trace recording every step; for the
         inspector (POST /v1/inspect). The request is aborted if the caller is cancelled."""
         if params.n != 1:
             raise ValueError(f"a traced request makes one completion, not n={params.n}")
-        stream = await self.generate(f"trace-{uuid.uuid4().hex}", prompt_ids, params, trace=trace)
+        request_id = f"trace-{uuid.uuid4().hex}"
+        stream = await self.generate(request_id, prompt_ids, params, trace=trace, grammar=grammar)
         return (await stream.collect())[0]
 
     def stats(self) -> EngineStats:
@@ -294,6 +315,7 @@ class AsyncEngine:
                     command.params,
                     completion_index=index,
                     trace=command.trace,
+                    grammar=command.grammar,
                 )
                 added.append(request_id)
         except Exception as e:  # RequestError is the client's fault; others are ours
