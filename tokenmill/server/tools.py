@@ -148,6 +148,7 @@ class ToolRequest:
     fmt: str
     native: bool  # the template renders tools; else the Hermes prompt is added
     special_ids: dict[str, int] = field(default_factory=dict)  # Mistral's control tokens
+    named_form: bool = False  # Mistral's newer [TOOL_CALLS]name[ARGS]{...}
 
     @classmethod
     def create(
@@ -194,6 +195,7 @@ class ToolRequest:
             fmt=fmt,
             native=renders_tools(template),
             special_ids=special,
+            named_form=fmt == MISTRAL and "[ARGS]" in (template or ""),
         )
 
     @property
@@ -232,7 +234,7 @@ class ToolRequest:
 
     def _mistral_grammar(self, tools: list[dict[str, Any]], many: bool) -> str:
         marker = self._token("[TOOL_CALLS]")
-        if "[ARGS]" in self.special_ids:  # [TOOL_CALLS]name[ARGS]{...}, newer templates
+        if self.named_form:  # [TOOL_CALLS]name[ARGS]{...}, newer templates
             alternatives = " | ".join(
                 f"{json.dumps(t['function']['name'])} {self._token('[ARGS]')} "
                 + _json_directive(
