@@ -112,9 +112,10 @@ def _message(kind: str, error: str) -> str:
 class GrammarMatcher:
     """One sequence's position in its grammar. `allowed()` is computed once per position."""
 
-    def __init__(self, kind: str, matcher: Any, vocab_size: int):
+    def __init__(self, kind: str, matcher: Any, vocab_size: int, eos_token_ids: Sequence[int]):
         self.kind = kind
         self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
         self._matcher = matcher  # llguidance.LLMatcher
         self._allowed: Tensor | None = None  # [V] bool, for the current position
         self._warned = False
@@ -149,10 +150,13 @@ class CompiledGrammar:
     kind: str
     template: Any  # llguidance.LLMatcher at the start, never advanced
     vocab_size: int
+    eos_token_ids: tuple[int, ...]
     compile_ms: float
 
     def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self.kind, self.template.deep_copy(), self.vocab_size)
+        return GrammarMatcher(
+            self.kind, self.template.deep_copy(), self.vocab_size, self.eos_token_ids
+        )
 
 
 _executor_lock = threading.Lock()
@@ -196,6 +200,11 @@ def allowed_tokens(matchers: Sequence[GrammarMatcher]) -> Tensor:
             )
         allowed = unpack_bitmask(bitmask, vocab)
         for m, row in zip(todo, allowed, strict=True):
+            if not row.any():
+                # No token can continue the text (a vocabulary that cannot spell what the
+                # grammar needs): end the sequence rather than let argmax pick token 0.
+                log.warning("grammar allows no token here; ending the sequence")
+                row[m.eos_token_ids] = True
             m._allowed = row
         if len(todo) == len(matchers):  # the usual step: every row moved on
             return allowed
@@ -292,7 +301,11 @@ class GrammarCompiler:
         if matcher.is_error():
             raise GrammarError(kind, _message(kind, matcher.get_error()))
         compiled = CompiledGrammar(
-            kind, matcher, self.vocab_size, (time.perf_counter() - t0) * 1000
+            kind,
+            matcher,
+            self.vocab_size,
+            tuple(self.eos_token_ids),
+            (time.perf_counter() - t0) * 1000,
         )
         with self._lock:
             self._cache[key] = compiled
