@@ -315,15 +315,20 @@ def _chat_prompt(
     engine: LLMEngine, body: ChatCompletionRequest, tools: ToolRequest | None = None
 ) -> list[int]:
     """Render the messages (and tools) with the model's chat template and tokenize them."""
+    text = chat_text(engine, body, tools)
+    return engine.tokenizer.encode(text, add_special_tokens=False)  # the template wrote BOS
+
+
+def chat_text(engine: LLMEngine, body: ChatCompletionRequest, tools: ToolRequest | None) -> str:
+    """The prompt text of a chat request: its messages (and tools) through the template."""
     messages = [message.as_template_input() for message in body.messages]
     messages, tool_defs = prepare_chat(messages, tools, engine.tokenizer.chat_template)
     try:
-        text = engine.tokenizer.apply_chat_template(
+        return engine.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tools=tool_defs
         )
     except ValueError as e:  # ChatTemplateError, or a message validate_messages refused
         raise invalid(str(e), "messages") from None
-    return engine.tokenizer.encode(text, add_special_tokens=False)  # the template wrote BOS
 
 
 async def _run(

@@ -352,15 +352,16 @@ def make_sampling_params(renames: dict[str, str] | None = None, **kwargs: Any) -
     """SamplingParams(**kwargs), its ValueError turned into a 400 naming the parameter.
 
     renames maps SamplingParams' names to the request's own (chat's top_logprobs is
-    SamplingParams.logprobs), in both `param` and the message."""
+    SamplingParams.logprobs, guided_regex is regex), in both `param` and the message."""
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
         message = str(e)
         match = re.match(r"[a-z_]+", message)
         param = match.group(0) if match else None
+        for name, renamed in (renames or {}).items():
+            message = re.sub(rf"\b{name}\b", renamed, message)
         if renames and param in renames:
-            message = renames[param] + message[len(param) :]
             param = renames[param]
         raise invalid(message, param) from None
 
