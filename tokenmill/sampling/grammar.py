@@ -46,6 +46,11 @@ log = logging.getLogger("tokenmill.grammar")
 # its "x-guidance" key (llguidance applies defaults, then the schema's, then overrides).
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 64  # compiled grammars kept per model
+# From this many rows on, masks are filled by llguidance's thread pool; below it, one
+# after another on the engine thread. Handing 4 rows to the pool took 1.9-2.1 ms a step
+# on 2 busy cores (its thread competes with torch's), filling them in turn 0.75 ms
+# (benchmarks/structured.py).
+PARALLEL_MIN_ROWS = 16
 _LIMITS = {"verbose_errors": False}  # no parser dumps in error messages
 
 
@@ -176,21 +181,23 @@ def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
     bool [R, V].
 
     numpy's unpackbits, one pass in C: ~15 us for 50k tokens, where the same in torch ops
-    (shift, and, view, bool) takes 5-10x longer and far more on a busy machine."""
+    (shift, and, view, bool) takes 5-10x longer and far more on a busy machine (torch
+    splits small ops over its threads, which then wait on each other)."""
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")
     return torch.from_numpy(bits[:, :vocab_size].view(np.bool_))
 
 
 def allowed_tokens(matchers: Sequence[GrammarMatcher]) -> Tensor:
     """[R, V] bool: the next tokens each matcher allows. Masks not yet known for the
-    current positions are filled in one call, in parallel across rows."""
+    current positions are filled into one bitmask (by a thread pool for many rows)."""
     todo = [m for m in matchers if m._allowed is None]
     if todo:
         vocab = todo[0].vocab_size
         words = (vocab + 31) // 32
         bitmask = torch.zeros((len(todo), words), dtype=torch.int32)
-        if len(todo) == 1:
-            todo[0]._matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), words * 4)
+        if len(todo) < PARALLEL_MIN_ROWS:
+            for i, m in enumerate(todo):
+                m._matcher.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), words * 4)
         else:
             _shared_executor().unsafe_compute_mask_ptr(
                 [(m._matcher, i) for i, m in enumerate(todo)],
@@ -199,8 +206,9 @@ def allowed_tokens(matchers: Sequence[GrammarMatcher]) -> Tensor:
                 len(todo),
             )
         allowed = unpack_bitmask(bitmask, vocab)
-        for m, row in zip(todo, allowed, strict=True):
-            if not row.any():
+        empty = ~bitmask.numpy().any(axis=-1)  # numpy: see unpack_bitmask
+        for m, row, none in zip(todo, allowed, empty, strict=True):
+            if none:
                 # No token can continue the text (a vocabulary that cannot spell what the
                 # grammar needs): end the sequence rather than let argmax pick token 0.
                 log.warning("grammar allows no token here; ending the sequence")
