@@ -26,6 +26,7 @@ from tokenmill.server.tools import (
     as_plain_chat,
     parse_tool_calls,
     prepare_chat,
+    render_chat,
     renders_tools,
     tool_format,
 )
@@ -187,15 +188,42 @@ def test_a_template_without_tools_gets_the_hermes_instructions():
         '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
         '{"city": "Paris", "unit": "celsius"}}\n</tool_call><|im_end|>' in text
     )
-    # both results in one user turn: templates like Gemma's need turns to alternate
+    # both results in one tool turn
     assert (
-        '<|im_start|>user\n<tool_response>\n{"temp": 21}\n</tool_response>\n'
+        '<|im_start|>tool\n<tool_response>\n{"temp": 21}\n</tool_response>\n'
         '<tool_response>\n{"humidity": 40}\n</tool_response><|im_end|>'
     ) in text
     # a history with calls but no tools in this request is still written out
     messages, _ = prepare_chat(HISTORY, None, PLAIN_CHATML)
     assert messages == as_plain_chat(HISTORY, None)
     assert all(set(m) <= {"role", "content"} for m in messages)
+    plain = HISTORY[:2]
+    assert prepare_chat(plain, None, PLAIN_CHATML) == (plain, None)
+
+
+class _Tok:
+    """Just what render_chat uses of a Tokenizer."""
+
+    def __init__(self, template: str):
+        self.chat_template = template
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None):
+        return render_chat_template(self.chat_template, messages, tools=tools)
+
+
+def test_results_become_a_user_turn_for_templates_that_refuse_tool_turns():
+    # shaped like Gemma's: user and model turns only, alternating
+    gemma_like = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+        "<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+    )
+    history = [m for m in HISTORY if m["role"] != "system"]
+    text = render_chat(_Tok(gemma_like), history, None)
+    assert '<start_of_turn>user\n<tool_response>\n{"temp": 21}' in text
+    assert render_chat(_Tok(PLAIN_CHATML), history, None).count("<|im_start|>tool\n") == 1
+    with pytest.raises(ValueError, match="alternate"):  # a refusal for another reason stays one
+        render_chat(_Tok(gemma_like), [*history, {"role": "user", "content": "again"}], None)
 
 
 # --------------------------------------------------------------------------- parsing

@@ -61,7 +61,7 @@ from tokenmill.server.protocol import (
     invalid,
     pydantic_errors_to_api_error,
 )
-from tokenmill.server.tools import ToolRequest, prepare_chat
+from tokenmill.server.tools import ToolRequest, render_chat
 
 log = logging.getLogger("tokenmill.server")
 
@@ -322,11 +322,8 @@ def _chat_prompt(
 def chat_text(engine: LLMEngine, body: ChatCompletionRequest, tools: ToolRequest | None) -> str:
     """The prompt text of a chat request: its messages (and tools) through the template."""
     messages = [message.as_template_input() for message in body.messages]
-    messages, tool_defs = prepare_chat(messages, tools, engine.tokenizer.chat_template)
     try:
-        return engine.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tools=tool_defs
-        )
+        return render_chat(engine.tokenizer, messages, tools)
     except ValueError as e:  # ChatTemplateError, or a message validate_messages refused
         raise invalid(str(e), "messages") from None
 

@@ -204,14 +204,14 @@ class ToolRequest:
 
     # ---- the prompt ----
     def template_inputs(
-        self, messages: list[dict[str, Any]]
+        self, messages: list[dict[str, Any]], results_as: str = "tool"
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """(messages, tools) for the chat template. With tool_choice "none" the model is
-        not told about the tools."""
+        not told about the tools. results_as: see as_plain_chat."""
         offered = self.tools if self.choice != "none" else None
         if self.native:
             return messages, offered
-        return as_plain_chat(messages, offered), None
+        return as_plain_chat(messages, offered, results_as), None
 
     # ---- the output ----
     def grammar(self) -> str | None:
@@ -282,26 +282,48 @@ def _json_directive(schema: dict[str, Any]) -> str:
     return f"%json {json.dumps(schema, ensure_ascii=False)}"
 
 
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolRequest | None) -> str:
+    """The prompt text of a chat, with or without tools (a history may hold calls and
+    results even when this request offers no tools). Raises ChatTemplateError.
+
+    A template that knows nothing of tools gets the results as "tool" turns first: a
+    ChatML template renders any role, and a small model answers from a tool turn where it
+    only echoes a user turn. A template that refuses the role (Gemma's allows user and
+    model turns only, alternating) gets them as a user turn instead."""
+    template = tokenizer.chat_template
+    prepared, defs = prepare_chat(messages, tools, template)
+    try:
+        return tokenizer.apply_chat_template(prepared, add_generation_prompt=True, tools=defs)
+    except ValueError:
+        if prepared is messages or not any(m["role"] == "tool" for m in prepared):
+            raise
+    prepared, defs = prepare_chat(messages, tools, template, results_as="user")
+    return tokenizer.apply_chat_template(prepared, add_generation_prompt=True, tools=defs)
+
+
 def prepare_chat(
-    messages: list[dict[str, Any]], tools: ToolRequest | None, template: str | None
+    messages: list[dict[str, Any]],
+    tools: ToolRequest | None,
+    template: str | None,
+    results_as: str = "tool",
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """(messages, tools) for the chat template, for a request with or without tools (a
-    history may hold calls and results even when this request offers no tools)."""
+    """(messages, tools) for the chat template, for a request with or without tools.
+    Messages come back as they are (the same list) when they need no change."""
     if tools is not None:
-        return tools.template_inputs(messages)
+        return tools.template_inputs(messages, results_as)
     has_calls = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if not has_calls or renders_tools(template):
         return messages, None
-    return as_plain_chat(messages, None), None
+    return as_plain_chat(messages, None, results_as), None
 
 
 def as_plain_chat(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, results_as: str = "tool"
 ) -> list[dict[str, Any]]:
     """A tool conversation for a template that knows nothing of tools: the Hermes
-    instructions in the system message, calls as <tool_call> text, results as a user
-    turn of <tool_response> blocks (templates such as Gemma's accept only user and
-    assistant turns, alternating)."""
+    instructions in the system message, calls as <tool_call> text, and each run of
+    results as one turn of <tool_response> blocks, whose role is results_as ("tool",
+    or "user" for templates that allow only user and assistant turns)."""
     out: list[dict[str, Any]] = []
     for message in messages:
         role, content = message["role"], message.get("content") or ""
@@ -316,7 +338,7 @@ def as_plain_chat(
             if out and out[-1].get("tool_results"):
                 out[-1]["content"] += "\n" + block
             else:
-                out.append({"role": "user", "content": block, "tool_results": True})
+                out.append({"role": results_as, "content": block, "tool_results": True})
         else:
             out.append({k: v for k, v in message.items() if k in ("role", "content", "name")})
     for message in out:
