@@ -1,12 +1,14 @@
 """Structured output through the engine with the real default model (the Python API):
 answers that validate, and the engine features a constraint must survive — preemption
 (the matcher's state across recomputation), prefix caching, stop strings, n > 1, and
-greedy neighbours whose tokens must not change."""
+greedy neighbours whose tokens must not change — and `tokenmill inspect` showing the mask."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -114,3 +116,30 @@ def test_greedy_neighbours_are_unchanged_and_constraints_hold(float_llm):
     jsonschema.validate(json.loads(texts["c0"]), PERSON)
     assert texts["c2"] in ("yes", "no")
     assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", texts["c1"])
+
+
+def test_inspect_shows_the_grammar_mask(smollm_path, tmp_path):
+    trace_path = tmp_path / "trace.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "inspect", "Is the sky blue?", "--chat",
+         "--model", str(smollm_path), "--choice", "yes", "--choice", "no", "--max-tokens", "3",
+         "--json", str(trace_path)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert re.search(
+        r"9b\. Grammar mask \(choice\): 5 of 49,152 vocabulary entries allowed", r.stdout
+    )
+    assert "masked" in r.stdout
+    trace = json.loads(trace_path.read_text())
+    sample = trace["steps"][0]["sample"]
+    grammar = sample["grammar"]
+    # y, ye, yes, n, no: the tokens that can begin "yes" or "no"
+    assert grammar["kind"] == "choice" and grammar["allowed"] == 5
+    masked = [c for c in sample["candidates"] if not c["allowed"]]
+    assert [c["id"] for c in masked] == grammar["masked"] and masked
+    assert all(c["final_prob"] == 0 and c["unconstrained_prob"] > 0 for c in masked)
+    assert trace["summary"]["text"] in ("yes", "no")
