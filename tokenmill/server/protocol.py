@@ -223,7 +223,7 @@ class ChatMessage(_Strict):
         where = f"messages[{i}]"
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             if not (self.role == "assistant" and self.refusal is not None):
-                raise invalid(f"{where}.content is required for a {self.role} message", "messages")
+                raise invalid(f"{where}.content is required (role {self.role!r})", "messages")
         if self.tool_calls is not None and self.role != "assistant":
             raise invalid(f"{where}.tool_calls is only allowed in assistant messages", "messages")
         if self.role == "tool" and self.tool_call_id is None:
