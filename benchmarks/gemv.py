@@ -94,7 +94,7 @@ def main() -> None:
     native = kernels.library() is not None
     print(
         f"threads {torch.get_num_threads()}, clock {clock.__name__}, native kernels {native}"
-        f" (avx512 {kernels.uses_avx512()}), PREFILL_MIN_T {PREFILL_MIN_T}"
+        f" (kernels {kernels.isa()}), PREFILL_MIN_T {PREFILL_MIN_T}"
     )
     copy, total = bandwidth(clock, 3)
     print(f"memory bandwidth (256 MB): copy {copy:.1f} GB/s (read+write), sum {total:.1f} GB/s\n")

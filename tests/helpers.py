@@ -102,11 +102,14 @@ def _permute_qk(w, n_head: int):
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(model, path: Path, qtype=None, arch: str = "llama", drop=(), reshape=()):
+def write_llama_gguf(
+    model, path: Path, qtype=None, arch: str = "llama", drop=(), reshape=(), metadata=None
+):
     """Write a tiny HF Llama model as a GGUF file the way llama.cpp's converter does.
 
     qtype: a GGMLQuantizationType for every 2-D weight (None = F32). `drop` leaves
-    tensors out and `reshape` corrupts their shape, for the error tests.
+    tensors out and `reshape` corrupts their shape, for the error tests. `metadata`
+    {key: (value, GGUFValueType) or None} replaces (or, with None, removes) header keys.
     Returns the model with its weights replaced by their quantize/dequantize round trip,
     so it computes exactly what the file holds.
     """
@@ -180,6 +183,12 @@ def write_llama_gguf(model, path: Path, qtype=None, arch: str = "llama", drop=()
                 model.state_dict()[hf_name].copy_(back)
         else:
             w.add_tensor(name, np.ascontiguousarray(data))
+    for key, typed in (metadata or {}).items():
+        if typed is None:
+            w.kv_data[0].pop(key, None)
+        else:
+            w.kv_data[0].pop(key, None)
+            w.add_key_value(key, *typed)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -89,6 +89,31 @@ static void linear_cases(void) {
     free(x), free(o);
 }
 
+/* GGUF K-quant scales as stored: uint8 codes per block times float16 per 256 values */
+static void kquant_cases(void) {
+    for (int bits = 4; bits <= 8; bits += 4)
+        for (int ki = 1; ki <= 3; ki += 2) {
+            const int k = 256 * ki, n = 9, nb = k / 32;
+            uint8_t *sc = fill_bytes((size_t)n * nb), *mc = fill_bytes((size_t)n * nb);
+            for (int i = 0; i < n * nb; i++) sc[i] &= 63, mc[i] &= 63;
+            tm_weight w = {fill_bytes((size_t)n * k * bits / 8), sc, mc, bits, 0, n, k,
+                           fill_scales((size_t)n * k / 256, 1, 1e-3f), fill_scales((size_t)n * k / 256, 1, 1e-3f)};
+            char name[64];
+            for (int t = 1; t <= 5; t += 4) {
+                float *x = fill_floats((size_t)t * k, 1.f), *y = malloc((size_t)t * n * 4);
+                tm_linear(&w, x, t, y, NULL, 2, 1);
+                snprintf(name, sizeof name, "kquant b%d k%d t%d", bits, k, t);
+                emit(name, y, t * n);
+                free(x), free(y);
+            }
+            float *lanes = malloc((size_t)n * k * 4);
+            tm_dequant_lanes(&w, 0, n, lanes, 2);
+            snprintf(name, sizeof name, "lanes kquant b%d k%d", bits, k);
+            emit(name, lanes, n * k);
+            free(lanes), free((void *)w.codes), free(sc), free(mc), free((void *)w.dsup), free((void *)w.msup);
+        }
+}
+
 static void float_cases(void) {
     const int kinds[] = {TM_F16, TM_BF16, TM_F32}, ks[] = {8, 64, 1000};
     for (int ki = 0; ki < 3; ki++)
@@ -138,8 +163,13 @@ static void attention_cases(void) {
                 newslot[b] = slots[b * cmax + lens[b] - 1];
             }
             float *o = malloc((size_t)Bd * H * hd * 4);
-            tm_decode_attention(qkv, Bd, H, Hkv, hd, c ? qn : NULL, c ? kn : NULL, 1e-6f, rc, rs, pos, rot, kc, vc,
-                                newslot, slots, cmax, lens, window, 1.f / sqrtf((float)hd), o, 2);
+            const tm_shape shape = {1, H * hd, H, Hkv, hd, 0, 0, 1e-6f};
+            tm_layer layer = {0};
+            layer.q_norm = c ? qn : NULL, layer.k_norm = c ? kn : NULL, layer.rcos = rc, layer.rsin = rs;
+            layer.k_cache = kc, layer.v_cache = vc, layer.rot_dim = rot, layer.window = window;
+            layer.scale = 1.f / sqrtf((float)hd);
+            const tm_rows rows = {pos, newslot, slots, lens, Bd, cmax};
+            tm_decode_attention(&shape, &layer, &rows, qkv, o, 2);
             char name[64];
             snprintf(name, sizeof name, "attention c%d w%d", c, window);
             emit(name, o, Bd * H * hd);
@@ -167,14 +197,16 @@ static void stack_cases(void) {
                                    act ? fill_floats(d, 1.f) : NULL, NULL, NULL, fill_floats(16 * hd, 1.f),
                                    fill_floats(16 * hd, 1.f), fill_floats((size_t)slots_n * Hkv * hd, 1.f),
                                    fill_floats((size_t)slots_n * Hkv * hd, 1.f), hd, act ? 4 : 0, 1, 0.25f};
-        tm_stack s = {layers, fill_floats(d, 1.f), L, d, H, Hkv, hd, f, act, 1e-6f};
+        const tm_shape shape = {L, d, H, Hkv, hd, f, act, 1e-6f};
+        tm_stack s = {&shape, layers, fill_floats(d, 1.f)};
         float *x = fill_floats((size_t)Bd * d, 1.f);
         int64_t pos[2] = {3, 11}, lens[2] = {4, 12}, newslot[2], slots[2 * 12];
         for (int b = 0; b < Bd; b++) {
             for (int j = 0; j < cmax; j++) slots[b * cmax + j] = b * cmax + (j * 5) % cmax;
             newslot[b] = slots[b * cmax + lens[b] - 1];
         }
-        tm_decode_stack(&s, x, Bd, pos, newslot, slots, cmax, lens, 2);
+        const tm_rows rows = {pos, newslot, slots, lens, Bd, cmax};
+        tm_decode_stack(&s, &rows, x, 2);
         char name[32];
         snprintf(name, sizeof name, "stack act%d", act);
         emit(name, x, Bd * d);
@@ -191,6 +223,7 @@ int main(int argc, char **argv) {
     if (!out) return 1;
     printf("%s %d\n", tm_isa(), tm_group_blocks());
     linear_cases();
+    kquant_cases();
     float_cases();
     attention_cases();
     stack_cases();

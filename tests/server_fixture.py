@@ -16,6 +16,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -29,9 +30,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    base_url: str  # http://127.0.0.1:PORT, no /v1
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
 @contextmanager
-def running_server(*args: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    """Start `tokenmill serve` on a free loopback port; yield its base URL (no /v1)."""
+def server_process(*args: str, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    """Start `tokenmill serve` on a free loopback port and wait until /health answers;
+    stop it (SIGTERM, then SIGKILL) on exit unless the test already did."""
     port = free_port()
     command = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), *args]
     with tempfile.TemporaryDirectory() as tmp:
@@ -47,7 +63,7 @@ def running_server(*args: str, env: dict[str, str] | None = None) -> Iterator[st
         base_url = f"http://127.0.0.1:{port}"
         try:
             _wait_healthy(proc, base_url, log_path)
-            yield base_url
+            yield ServerProcess(proc, base_url, log_path)
         finally:
             proc.terminate()
             try:
@@ -55,6 +71,31 @@ def running_server(*args: str, env: dict[str, str] | None = None) -> Iterator[st
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@contextmanager
+def running_server(*args: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """Start `tokenmill serve` on a free loopback port; yield its base URL (no /v1)."""
+    with server_process(*args, env=env) as server:
+        yield server.base_url
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process, from /proc (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def metric_by_label(text: str, name: str) -> dict[str, float]:
+    """The samples of a labelled metric, by their single label's value."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels.split('"')[1]] = float(value)
+    return out
 
 
 def _wait_healthy(proc: subprocess.Popen, base_url: str, log_path: Path) -> None:

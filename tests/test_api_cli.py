@@ -21,8 +21,9 @@ def llm(smollm_path):
 def test_generate_paris(llm):
     out = llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))[0]
     assert out.text.startswith(" Paris")
-    assert out.finish_reason in ("length", "stop")
-    assert len(out.token_ids) <= 8 and out.timings.time_to_first_token > 0
+    # greedy: " Paris." and the model goes on, so the 8-token budget ends it
+    assert out.finish_reason == "length" and len(out.token_ids) == 8
+    assert out.timings.time_to_first_token > 0
 
 
 def test_stream_equals_generate(llm):

@@ -261,3 +261,10 @@ def test_parse_memory(text, value):
 def test_parse_memory_refuses_with_the_forms_it_takes(text):
     with pytest.raises(ValueError, match="'512MiB'"):
         parse_memory(text)
+
+
+@pytest.mark.parametrize("value", [0, -1, -(2**20)])
+def test_parse_memory_refuses_non_positive_byte_counts(value):
+    """A negative int is how parse_memory spells a token count; as input it is a typo."""
+    with pytest.raises(ValueError, match="positive number of bytes"):
+        parse_memory(value)

@@ -1,10 +1,11 @@
-"""The fused native decode paths equal the torch path.
+"""The native decode paths (models/paths.py) equal the torch path.
 
-Same steps run twice, with tokenmill.layers.attention.FUSED_DECODE on and off: several
+Same steps run twice, with tokenmill.models.paths.NATIVE_DECODE on and off: several
 sequences of different lengths (contexts over several 16-token blocks) decoding together,
 then a mixed step (decode rows plus a prefill chunk). Compared: every layer's attention
-output (the o projection's input) and the logits. With packed weights, the pure decode
-steps run every layer in one native call (models/fused_stack.py); compared: the logits.
+output (the o projection's input) and the logits. With native weights, the pure decode
+steps run every layer in one native call (the stack, models/native_model.py); compared:
+the logits. Every test runs on each kernel build the host can execute.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from tokenmill.engine.kv_cache import KVCache
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.scheduler import ScheduledChunk
 from tokenmill.engine.sequence import Sequence
-from tokenmill.layers import attention
 from tokenmill.layers.rotary import Rotary
 from tokenmill.loader import open_checkpoint
-from tokenmill.models import fused_stack
+from tokenmill.models import paths
+from tokenmill.models.native_model import NativeModel
 from tokenmill.models.transformer import Transformer
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="native kernels unavailable")
@@ -43,7 +44,7 @@ CASES = {
 def _run(folder, fused: bool, monkeypatch, partial_rotary: int | None, quantize=None):
     """Prefill 3 sequences, 6 batched decode steps, then one mixed decode + prefill step.
     Returns per step (logits [T, vocab], [attention outputs [T, q_size] per layer])."""
-    monkeypatch.setattr(attention, "FUSED_DECODE", fused)
+    monkeypatch.setattr(paths, "NATIVE_DECODE", fused)
     ckpt = open_checkpoint(folder)
     model = Transformer(ckpt.config)
     model.load_weights(ckpt, torch.float32, quantize=quantize)
@@ -120,12 +121,15 @@ def test_fused_stack_matches_per_layer_path(kbuild, tmp_path, monkeypatch, name,
     partial = overrides.pop("partial_rotary", None)
     build_hf_model(arch, tmp_path, **overrides)
     runs = []
-    real_run = fused_stack.FusedDecodeStack.run
-    monkeypatch.setattr(
-        fused_stack.FusedDecodeStack, "run", lambda *a: runs.append(1) or real_run(*a)
-    )
-    with monkeypatch.context() as m:
-        m.setattr(fused_stack, "applies", lambda meta, rows: False)
+    real_run = NativeModel.run_stack
+    monkeypatch.setattr(NativeModel, "run_stack", lambda *a: runs.append(1) or real_run(*a))
+    real_best = paths.best_decode_path
+    with monkeypatch.context() as m:  # the per-layer native path only
+        m.setattr(
+            paths, "best_decode_path",
+            lambda model: paths.DecodePath(paths.NATIVE_ATTENTION, "test")
+            if real_best(model).name == paths.STACK else real_best(model),
+        )  # fmt: skip
         ref = _run(tmp_path, True, monkeypatch, partial, scheme)
     assert not runs
     got = _run(tmp_path, True, monkeypatch, partial, scheme)
@@ -153,13 +157,51 @@ def test_fused_stack_takes_float_weights(kbuild, tmp_path, monkeypatch, name, dt
     model = build_hf_model(arch, tmp_path, **overrides)
     model.to(dtype).save_pretrained(tmp_path)  # a bf16 / f16 safetensors folder
     runs = []
-    real_run = fused_stack.FusedDecodeStack.run
-    monkeypatch.setattr(
-        fused_stack.FusedDecodeStack, "run", lambda *a: runs.append(1) or real_run(*a)
-    )
+    real_run = NativeModel.run_stack
+    monkeypatch.setattr(NativeModel, "run_stack", lambda *a: runs.append(1) or real_run(*a))
     got = _run(tmp_path, True, monkeypatch, None, "float")
     assert len(runs) == 6
     # the same 16-bit weights, widened to float32 torch Linears: the reference path
     ref = _run(tmp_path, False, monkeypatch, None, None)
     for (a, _), (b, _) in zip(got, ref, strict=True):
         assert (a - b).abs().max().item() < 1e-4 * b.abs().max().item()
+
+
+def test_decode_path_is_chosen_in_one_place_with_a_reason(tmp_path, monkeypatch):
+    """models/paths.py: every step's path and why, for the cases that send a step off
+    the fastest path."""
+    from types import SimpleNamespace
+
+    def model_for(arch, quantize):
+        folder = tmp_path / f"{arch}-{quantize}"
+        build_hf_model(arch, folder)
+        ckpt = open_checkpoint(folder)
+        model = Transformer(ckpt.config)
+        model.load_weights(ckpt, torch.float32, quantize=quantize)
+        cache = KVCache(ckpt.config, 16, torch.float32, torch.device("cpu"), "256tok")
+        model.attach_kv_cache(cache.k, cache.v)
+        return model
+
+    def step(num_decode, rows, trace=None):
+        return SimpleNamespace(num_decode=num_decode, trace=trace), rows
+
+    llama = model_for("llama", "q8")
+    assert paths.choose(llama, *step(3, 3)).name == paths.STACK
+    mixed = paths.choose(llama, *step(3, 12))
+    assert mixed.name == paths.NATIVE_ATTENTION and "prefill rows" in mixed.reason
+    traced = paths.choose(llama, *step(3, 3, trace=object()))
+    assert traced.name == paths.TORCH and "traced" in traced.reason
+    assert paths.choose(llama, *step(0, 9)).name == paths.TORCH
+
+    gpt2 = model_for("gpt2", "q8").decode_path()
+    assert gpt2.name == paths.NATIVE_ATTENTION and "RMSNorm" in gpt2.reason
+    torch_linears = model_for("llama", None).decode_path()
+    assert torch_linears.name == paths.NATIVE_ATTENTION and "torch Linear" in torch_linears.reason
+
+    monkeypatch.setattr(paths, "NATIVE_DECODE", False)
+    off = llama.decode_path()
+    assert off.name == paths.TORCH and "TOKENMILL_FUSED_DECODE" in off.reason
+    monkeypatch.setattr(paths, "NATIVE_DECODE", True)
+    monkeypatch.setattr(kernels, "_lib", None)
+    monkeypatch.setattr(kernels, "_tried", True)
+    assert "no native kernel library" in llama.decode_path().reason

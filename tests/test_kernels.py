@@ -144,9 +144,9 @@ def test_from_gguf_checks_sizes():
 def test_from_gguf_reads_rows_in_chunks(monkeypatch):
     """Big tensors are converted a few rows at a time (no float32 copy of the weight)."""
     calls = []
-    parse = quant_linear._parse_exact
+    parse = quant_linear.parse_exact
     monkeypatch.setattr(
-        quant_linear, "_parse_exact", lambda b, q: calls.append(b.shape[0]) or parse(b, q)
+        quant_linear, "parse_exact", lambda b, q: calls.append(b.shape[0]) or parse(b, q)
     )
     n, k = 4096 + 3, 2048
     raw = gguf_bytes(GT.Q4_1, n, k)
@@ -230,6 +230,24 @@ def test_float_weights_match_reference(kbuild, dtype):
         assert torch.equal(layer.embed(torch.tensor([n - 1, 0])), w[[n - 1, 0]].float())
     layer.to(torch.bfloat16)  # a model-wide cast leaves the stored weights alone
     assert layer.weight.dtype is dtype
+
+
+def test_kquant_scales_stay_compact(kbuild, monkeypatch):
+    """Q4_K/Q5_K keep the file's scale codes (18.5 bytes per 32 4-bit values, not 24); a
+    build that reads float scales only (AVX-512) gets float32 copies, same results."""
+    torch.manual_seed(5)
+    for qtype, per32 in ((GT.Q4_K, 18.5), (GT.Q5_K, 34.5)):
+        n, k = 33, 768
+        layer = QuantLinear.from_gguf(gguf_bytes(qtype, n, k), qtype, n, k)
+        assert layer.kquant and layer.nbytes == n * k // 32 * per32
+        x = torch.randn(3, k)
+        compact = layer(x)
+        monkeypatch.setattr(kernels, "reads_kquant_scales", lambda: False)
+        layer._cw = None
+        assert_close_rel(layer(x), compact.double(), 1e-6)
+        assert layer._plain is not None and layer._plain[0].dtype is torch.float32
+        monkeypatch.undo()
+        use_build(monkeypatch, kbuild)
 
 
 @pytest.mark.parametrize("qtype", [GT.Q8_0, GT.Q4_1, GT.Q4_0, GT.Q5_0])

@@ -3,6 +3,7 @@ one clear error for each kind of bad file."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -139,3 +140,26 @@ def test_hf_folder_errors(tmp_path):
     _one_line_error(arch, "unsupported architecture 'mamba'")
     # no such path
     _one_line_error(tmp_path / "nope", "no such file")
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt2"])
+def test_checkpoint_shapes_match_the_model(tmp_path, arch):
+    """The shapes a file is checked against before loading (computed from the config) are
+    the shapes of the model's parameters (built on the meta device), fused ones included."""
+    from tokenmill.config import from_hf_config
+    from tokenmill.models.transformer import checkpoint_parts, checkpoint_shapes
+
+    for tie in (True, False):
+        build_hf_model(arch, tmp_path, tie_word_embeddings=tie)
+        cfg = from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+        expected = checkpoint_shapes(cfg)
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        seen = set()
+        for name, param in model.named_parameters():
+            parts = checkpoint_parts(name, cfg.mlp == "gated")
+            shapes = [expected[p] for p in parts]
+            assert all(s[1:] == tuple(param.shape[1:]) for s in shapes), (name, shapes)
+            assert sum(s[0] for s in shapes) == param.shape[0], (name, shapes, param.shape)
+            seen.update(parts)
+        assert seen == set(expected)

@@ -21,6 +21,13 @@ def _count_packed(llm: LLM) -> int:
     return sum(isinstance(m, QuantLinear) for m in llm.engine.model.modules())
 
 
+def _packable(llm: LLM) -> int:
+    """Layers a fully packed model has: per block q/k/v fused, o, gate+up fused and down,
+    plus the embedding table, plus the un-embedding when it is not tied."""
+    cfg = llm.engine.config
+    return 4 * cfg.num_layers + 1 + (0 if cfg.tie_embeddings else 1)
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1, Q.Q4_0])
 def test_gguf_packed_weights_match_float(tmp_path, qtype):
     hf = build_hf_model("llama", tmp_path / "hf", initializer_range=0.05)
@@ -43,7 +50,7 @@ def test_hf_checkpoint_quantized_q8(tmp_path):
     build_hf_model("llama", tmp_path, initializer_range=0.05)
     q8 = LLM(tmp_path, quantization="q8", kv_cache_memory="2048tok")
     exact = LLM(tmp_path, kv_cache_memory="2048tok")
-    assert _count_packed(q8) > 0
+    assert _count_packed(q8) == _packable(q8) == 3 * 4 + 2
     prompt = list(range(30, 50))
     assert (
         q8.generate([prompt], GREEDY)[0].token_ids == exact.generate([prompt], GREEDY)[0].token_ids
@@ -60,7 +67,7 @@ def test_bad_quantization_name(tmp_path):
 def test_real_model_packed_greedy_matches_float(smollm_path):
     prompt = "The capital of France is"
     packed = LLM(smollm_path, kv_cache_memory="64MiB")
-    assert packed.engine.quantization == "gguf" and _count_packed(packed) > 0
+    assert packed.engine.quantization == "gguf" and _count_packed(packed) == _packable(packed)
     exact = LLM(smollm_path, quantization="none", kv_cache_memory="64MiB")
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     assert (

@@ -295,6 +295,14 @@ def test_logit_bias_bans_and_forces() -> None:
     assert set(Sampler()(logits.expand(500, 4), forced).token_ids) == {2}
 
 
+def test_logit_bias_keys_are_ascii_digits() -> None:
+    """str.isdecimal() and int() also read other scripts' digits: "١٢" must not be token 12."""
+    for key in ("\u0661\u0662", "\uff11\uff12", "1\u0662", "+12", " 12"):
+        with pytest.raises(ValueError, match="logit_bias keys must be token ids"):
+            SamplingParams(logit_bias={key: 1.0})
+    assert SamplingParams(logit_bias={"12": 1.0}).logit_bias == {12: 1.0}
+
+
 def test_apply_logit_bias_is_sparse_per_row() -> None:
     logits = torch.zeros(2, 3)
     out = apply_logit_bias(

@@ -36,7 +36,7 @@ CHAT = [{"role": "user", "content": "Name three colors."}]
 
 @pytest.fixture(scope="module")
 def base_url(smollm_path) -> str:
-    with running_server(*KV, "--max-num-seqs", "32") as url:
+    with running_server(*KV, "--max-num-seqs", "32", "--max-waiting", "64") as url:
         yield url
 
 
@@ -384,7 +384,18 @@ BAD_REQUESTS = [
     ("prompt type", "completions", {"prompt": 5}, 400, "prompt"),
     ("prompt too long", "completions", {"prompt": [1] * 6000}, 400, "prompt"),
     ("prompt token id", "completions", {"prompt": [10**7]}, 400, "prompt"),
-    ("prompt batch", "completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("prompt batch mixed", "completions", {"prompt": ["a", [1]]}, 400, "prompt"),
+    ("prompt batch empty item", "completions", {"prompt": ["a", ""]}, 400, "prompt"),
+    ("n over 128", "completions", {"prompt": "x", "n": 1000}, 400, "n"),
+    ("n over the queue", "completions", {"prompt": "x", "n": 100}, 400, "n"),
+    ("logit_bias non-ASCII digits", "completions", {"prompt": "x", "logit_bias": {"١٢": 1}}, 400, "logit_bias"),
+    ("lone surrogate prompt", "completions", '{"prompt": "a\\ud800b"}', 400, "prompt"),
+    ("lone surrogate in batch", "completions", '{"prompt": ["ok", "\\udfff"]}', 400, "prompt"),
+    ("lone surrogate stop", "completions", '{"prompt": "x", "stop": "\\ud800"}', 400, "stop"),
+    ("lone surrogate model", "completions", '{"prompt": "x", "model": "\\ud800"}', 400, "model"),
+    ("lone surrogate chat", "chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages"),
+    ("lone surrogate chat part", "chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}', 400, "messages"),
+    ("lone surrogate inspect", "inspect", '{"prompt": "\\ud800"}', 400, "prompt"),
     ("bad json", "completions", '{"prompt": "x",', 400, None),
     ("body not object", "completions", "[1, 2]", 400, None),
     ("unknown field", "completions", {"prompt": "x", "foo": 1}, 400, "foo"),
@@ -457,6 +468,9 @@ def test_api_key(guarded_url):
         assert _assert_openai_error(response, 401, None)["code"] == "invalid_api_key"
     response = httpx.post(f"{guarded_url}/v1/completions", json={"prompt": 5})
     assert response.status_code == 401  # the key is checked before the body
+    for method, path in (("GET", "nothing"), ("POST", "models/x/y"), ("GET", "completions")):
+        response = httpx.request(method, f"{guarded_url}/v1/{path}")  # no route enumeration
+        assert _assert_openai_error(response, 401, None)["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{guarded_url}/v1", api_key="wrong", max_retries=0).models.list()
     good = openai.OpenAI(base_url=f"{guarded_url}/v1", api_key=API_KEY, max_retries=0)
@@ -478,6 +492,7 @@ def test_full_queue_is_429_at_once(guarded_url):
                 assert waiting.status_code == 200  # admitted: waiting for the batch slot
                 refused = http.post(url, json={**body, "stream": False}, timeout=5)
                 assert refused.status_code == 429
+                assert int(refused.headers["retry-after"]) >= 1
                 error = refused.json()["error"]
                 assert error["code"] == "queue_full" and error["type"] == "rate_limit_error"
                 assert list(sse_events(waiting))[-1] == "[DONE]"
@@ -538,6 +553,48 @@ def test_engine_failure_is_500_and_the_loop_survives(tiny_app, monkeypatch):
         assert events[-2]["error"]["type"] == "server_error" and events[-1] == "[DONE]"
         assert http.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 3
         assert http.get("/health").status_code == 200
+
+
+def test_prompts_are_prepared_off_the_event_loop(tiny_app, monkeypatch):
+    """Tokenizing and template rendering run on the prep threads, never on the event loop
+    (issue 11, finding 1): for completions, chat and the inspector alike."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    engine = tiny_app.state.engine.engine
+    threads = []
+    for name in ("encode_prompt", "encode_chat"):
+        real = getattr(engine, name)
+
+        def recording(*args, _real=real, **kwargs):
+            threads.append(threading.current_thread().name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(engine, name, recording)
+    with TestClient(tiny_app) as http:
+        http.post("/v1/completions", json={"prompt": "t1 t2", "max_tokens": 1})
+        http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1})
+        http.post("/v1/inspect", json={"prompt": "t1", "max_tokens": 1, "stream": False})
+    prepared = [name for name in threads if not name.startswith("tokenmill-engine")]
+    assert len(prepared) >= 3 and all(n.startswith("tokenmill-prep") for n in prepared), threads
+
+
+def test_a_draining_server_answers_503(tiny_app):
+    from fastapi.testclient import TestClient
+
+    engine = tiny_app.state.engine
+    with TestClient(tiny_app) as http:
+        engine.drain()
+        try:
+            response = http.post("/v1/completions", json={"prompt": "t1", "max_tokens": 1})
+        finally:
+            engine.draining = False
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+        assert response.json()["error"]["code"] == "shutting_down"
+        assert (
+            http.post("/v1/completions", json={"prompt": "t1", "max_tokens": 1}).status_code == 200
+        )
 
 
 def test_histogram_exposition():

@@ -19,8 +19,8 @@ import jsonschema
 import pytest
 from server_fixture import running_server
 
-from tokenmill.server.app import chat_text
 from tokenmill.server.protocol import ChatCompletionRequest
+from tokenmill.server.tools import encode_tool_chat
 
 openai = pytest.importorskip("openai")
 
@@ -448,7 +448,12 @@ def test_tools_reach_the_prompt_and_auto_answers_parse(tiny_http):
     assert message["role"] == "assistant" and "tool_calls" not in message  # t-words: no call
     engine = tiny_http.app.state.engine.engine
     request = ChatCompletionRequest.model_validate(body)
-    text = chat_text(engine, request, request.tool_request(engine.tokenizer))
+    text = encode_tool_chat(
+        engine.tokenizer.apply_chat_template,
+        [m.as_template_input() for m in request.messages],
+        request.tool_request(engine.tokenizer),
+        CHATML,
+    )
     assert text.startswith("<|im_start|>system\n# Tools")  # the Hermes instructions
     assert json.dumps(WEATHER) in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}' in text

@@ -24,9 +24,9 @@ from tokenmill.server.tools import (
     ToolCallParser,
     ToolRequest,
     as_plain_chat,
+    encode_tool_chat,
     parse_tool_calls,
     prepare_chat,
-    render_chat,
     renders_tools,
     tool_format,
 )
@@ -201,14 +201,9 @@ def test_a_template_without_tools_gets_the_hermes_instructions():
     assert prepare_chat(plain, None, PLAIN_CHATML) == (plain, None)
 
 
-class _Tok:
-    """Just what render_chat uses of a Tokenizer."""
-
-    def __init__(self, template: str):
-        self.chat_template = template
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None):
-        return render_chat_template(self.chat_template, messages, tools=tools)
+def render(template: str):
+    """An `encode` for encode_tool_chat that returns the rendered text."""
+    return lambda messages, tools: render_chat_template(template, messages, tools=tools)
 
 
 def test_results_become_a_user_turn_for_templates_that_refuse_tool_turns():
@@ -219,11 +214,13 @@ def test_results_become_a_user_turn_for_templates_that_refuse_tool_turns():
         "<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
     )
     history = [m for m in HISTORY if m["role"] != "system"]
-    text = render_chat(_Tok(gemma_like), history, None)
+    text = encode_tool_chat(render(gemma_like), history, None, gemma_like)
     assert '<start_of_turn>user\n<tool_response>\n{"temp": 21}' in text
-    assert render_chat(_Tok(PLAIN_CHATML), history, None).count("<|im_start|>tool\n") == 1
+    chatml = encode_tool_chat(render(PLAIN_CHATML), history, None, PLAIN_CHATML)
+    assert chatml.count("<|im_start|>tool\n") == 1
+    again = [*history, {"role": "user", "content": "again"}]
     with pytest.raises(ValueError, match="alternate"):  # a refusal for another reason stays one
-        render_chat(_Tok(gemma_like), [*history, {"role": "user", "content": "again"}], None)
+        encode_tool_chat(render(gemma_like), again, None, gemma_like)
 
 
 # --------------------------------------------------------------------------- parsing

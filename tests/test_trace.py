@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.layers import attention
+from tokenmill.models import paths
 from tokenmill.sampling import SamplingParams
 from tokenmill.trace import Trace
 
@@ -72,7 +72,7 @@ def test_traced_run_has_the_same_tokens_and_logits(engine: LLMEngine, monkeypatc
     # A traced request takes the torch attention path (the hooks need q, k and the mask);
     # untraced decode rows would take the fused C kernel, equal only to ~1e-4 relative.
     # Compare like with like: the trace must not change the math of its own path.
-    monkeypatch.setattr(attention, "FUSED_DECODE", False)
+    monkeypatch.setattr(paths, "NATIVE_DECODE", False)
     plain, plain_logits = generate(engine, "plain", PROMPT, SAMPLED)
     trace = Trace(layer=5, head=None)
     traced, traced_logits = generate(engine, "traced", PROMPT, SAMPLED, trace)

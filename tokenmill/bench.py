@@ -93,6 +93,8 @@ class Workload:
     skip: list[str]
     kv_cache_memory: str | None
     peer_batch_size: int
+    tensor_parallel_size: int = 1  # tokenmill only: its ranks (peers run on one process)
+    pipeline_parallel_size: int = 1
 
 
 def latency_prompt(tokenizer, length: int) -> list[int]:
@@ -146,6 +148,8 @@ def build_workload(args: argparse.Namespace, path: Path, threads: int) -> Worklo
         skip=args.skip,
         kv_cache_memory=args.kv_cache_memory,
         peer_batch_size=args.peer_batch_size,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
     )
 
 
@@ -311,6 +315,8 @@ class TokenmillRunner:
             threads=work.threads,
             kv_cache_memory=work.kv_cache_memory,
             enable_prefix_caching=False,
+            tensor_parallel_size=work.tensor_parallel_size,
+            pipeline_parallel_size=work.pipeline_parallel_size,
         )
         self._ids = itertools.count()
         engine = self.llm.engine
@@ -323,19 +329,32 @@ class TokenmillRunner:
             "kernels": kernels.isa(),
             "notes": ["prefix caching off"],
         }
+        if engine.parallel is not None:  # what each rank holds, and (per run) collectives
+            self.info["parallel"] = {
+                "world_size": engine.parallel.world,
+                "ranks": engine.parallel_plan,
+            }
+            self.info["notes"].append(
+                f"{engine.parallel.world} ranks: " + "; ".join(engine.parallel_plan)
+            )
 
     def latency(self, prompt: list[int], gen_len: int) -> dict:
         from tokenmill.sampling import SamplingParams
 
         params = SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True)
+        group = getattr(self.llm.engine.runner, "group", None)
+        spent = group.collective_s if group is not None else 0.0
         t = self.llm.generate([prompt], params)[0].timings
         if t.prefill_tokens != len(prompt):
             raise RuntimeError(f"computed {t.prefill_tokens} of {len(prompt)} prompt tokens")
-        return {
+        out = {
             "ttft_s": t.time_to_first_token,
             "decode_s": t.total - t.time_to_first_token,
             "output_tokens": t.output_tokens,
         }
+        if group is not None:  # rank 0's seconds inside collectives, per generated token
+            out["collective_s_per_token"] = (group.collective_s - spent) / t.output_tokens
+        return out
 
     def throughput(self, requests: list[tuple[list[int], int]]) -> dict:
         """A short warm-up, then every request added at once and the engine stepped until
@@ -570,13 +589,18 @@ def summarize_latency(samples: list[dict], prompt_len: int) -> dict:
     ttft = [s["ttft_s"] * 1e3 for s in samples]
     prefill = [prompt_len / s["ttft_s"] for s in samples]
     decode = [(s["output_tokens"] - 1) / s["decode_s"] for s in samples]
-    return {
+    out = {
         "ttft_ms": statistics.median(ttft),
         "prefill_tok_s": statistics.median(prefill),
         "decode_tok_s": statistics.median(decode),
         "best": {"ttft_ms": min(ttft), "prefill_tok_s": max(prefill), "decode_tok_s": max(decode)},
         "runs": samples,
     }
+    if all("collective_s_per_token" in s for s in samples):  # a parallel tokenmill run
+        out["collective_ms_per_token"] = statistics.median(
+            s["collective_s_per_token"] * 1e3 for s in samples
+        )
+    return out
 
 
 def summarize_throughput(raw: dict, requests: list[tuple[list[int], int]]) -> dict:
@@ -744,6 +768,13 @@ def _engine_note(name: str, e: dict) -> str:
         f"reads {e['decode_bytes_per_token'] / 2**20:.1f} MiB/token",
         f"working-set ceiling {e['working_set_ceiling_tok_s']:.1f} tok/s",
     ]
+    coll = [
+        f"@{p} {lat['collective_ms_per_token']:.2f} ms"
+        for p, lat in e.get("latency", {}).items()
+        if "collective_ms_per_token" in lat
+    ]
+    if coll:  # a parallel run: rank 0's time inside collectives per generated token
+        parts.append("collectives per token " + ", ".join(coll))
     if "weight_bytes_by_dtype" in e:
         stored = ", ".join(
             f"{d} {b / 2**20:.1f} MiB" for d, b in e["weight_bytes_by_dtype"].items()

@@ -13,6 +13,7 @@ which option is wrong and point at --help instead of printing the whole usage bl
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -111,6 +112,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="KV cache pool size: bytes ('512MiB', '2GB') or tokens ('8192tok') "
         "(default: min(1 GiB, RAM/16) on CPU, half the free memory on a GPU)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="split every layer over N processes (spawned here, or torchrun's ranks)",
+    )
+    p.add_argument(
+        "--pipeline-parallel-size",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="split the layers into N consecutive stages, one process each",
     )
 
 
@@ -267,6 +282,8 @@ def load_llm(args: argparse.Namespace, **engine_kwargs: Any):
             kv_cache_memory=args.kv_cache_memory,
             quantization=args.quantization,
             progress=tick,
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
             **engine_kwargs,
         )
     console.print(f"[dim]{llm.engine.describe()}[/dim]", soft_wrap=True, highlight=False)
@@ -420,6 +437,13 @@ def _option_strings(parser: argparse.ArgumentParser, command: str) -> set[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Under torchrun every rank runs this command; ranks above 0 only run their part of
+    # the model for rank 0's engine (tokenmill/distributed/runtime.py).
+    if os.environ.get("RANK", "0") != "0" and "WORLD_SIZE" in os.environ:
+        from tokenmill.distributed.runtime import worker_main
+
+        worker_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None)
+        return
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:  # bare `tokenmill`: show what there is to run

@@ -14,7 +14,68 @@ from typing import Any
 
 
 class ConfigError(ValueError):
-    """A checkpoint's configuration names something tokenmill cannot run."""
+    """A checkpoint's configuration names something tokenmill cannot run, or holds a number
+    no real model has. The message is one line naming the field."""
+
+
+# The largest value each size may take. Generous (the largest released models sit far
+# inside them: hidden 16384, 126 layers, 262k vocabulary, 10M positions); their job is to
+# turn a corrupt or hostile number into a clear error before anything is sized from it.
+MAX_SIZES = {
+    "vocab_size": 1 << 22,
+    "hidden_size": 1 << 16,
+    "intermediate_size": 1 << 20,
+    "num_layers": 1 << 10,
+    "num_heads": 1 << 10,
+    "num_kv_heads": 1 << 10,
+    "head_dim": 1 << 12,
+    "max_position": 1 << 24,
+    "sliding_window": 1 << 24,
+}
+_CHOICES = {
+    "norm": ("rms", "layer"),
+    "mlp": ("gated", "plain"),
+    "activation": ("silu", "gelu_tanh", "gelu"),
+    "position": ("rope", "learned"),
+}
+_ROPE_SCALINGS = ("default", "linear", "llama3")
+
+
+def short_repr(value: Any) -> str:
+    """A value for an error message: its repr, cut short (a hostile file can hold a
+    megabyte-long string where a number belongs)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_int(name: str, value: Any, lo: int = 1, hi: int | None = None) -> int:
+    """`value` if it is an integer in [lo, hi] (bools and floats are not); else ConfigError
+    naming `name`. numpy integers (GGUF metadata) come back as int."""
+    if hasattr(value, "dtype") and getattr(value, "shape", None) == ():  # a numpy scalar
+        value = value.item()
+    allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{name} must be an integer {allowed}, got {short_repr(value)}")
+    if value < lo or (hi is not None and value > hi):
+        raise ConfigError(f"{name} must be {allowed}, got {value}")
+    return value
+
+
+def check_float(
+    name: str, value: Any, lo: float, hi: float | None = None, *, lo_open: bool = False
+) -> float:
+    """`value` as a float if it is a finite number in range; else ConfigError naming `name`."""
+    if hasattr(value, "dtype") and getattr(value, "shape", None) == ():
+        value = value.item()
+    low = f"> {lo}" if lo_open else f">= {lo}"
+    allowed = low if hi is None else f"{low} and <= {hi}"
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ConfigError(f"{name} must be a number {allowed}, got {short_repr(value)}")
+    value = float(value)
+    above = value > lo if lo_open else value >= lo
+    if not math.isfinite(value) or not above or (hi is not None and value > hi):
+        raise ConfigError(f"{name} must be a finite number {allowed}, got {value}")
+    return value
 
 
 @dataclass
@@ -69,18 +130,54 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if not self.layer_types:
-            self.layer_types = ["full"] * self.num_layers
-        if len(self.layer_types) != self.num_layers:
-            raise ConfigError(
-                f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
-            )
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every number before anything is sized from it: ConfigError naming the first
+        bad field. Loaders check the raw values first, under the file's own key names; this
+        is the backstop every config passes through."""
+        for name, hi in MAX_SIZES.items():
+            value = getattr(self, name)
+            if value is not None or name != "sliding_window":
+                setattr(self, name, check_int(name, value, 1, hi))
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ConfigError(
+                    f"{name} must be one of {', '.join(choices)}, got {short_repr(getattr(self, name))}"
+                )
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
+        self.norm_eps = check_float("norm_eps", self.norm_eps, 0.0, 1.0)
+        for name, rope in (("rope", self.rope), ("rope_local", self.rope_local)):
+            if rope is not None:
+                _check_rope(name, rope, self.head_dim, self.position == "rope")
+        self.embed_scale = check_float("embed_scale", self.embed_scale, 0.0, lo_open=True)
         if self.attn_scale is None:
             self.attn_scale = 1.0 / math.sqrt(self.head_dim)
+        self.attn_scale = check_float("attn_scale", self.attn_scale, 0.0, lo_open=True)
+        if self.final_logit_softcap is not None:
+            self.final_logit_softcap = check_float(
+                "final_logit_softcap", self.final_logit_softcap, 0.0, lo_open=True
+            )
+        if not self.layer_types:
+            self.layer_types = ["full"] * self.num_layers
+        if not isinstance(self.layer_types, list) or len(self.layer_types) != self.num_layers:
+            count = len(self.layer_types) if isinstance(self.layer_types, list) else "no"
+            raise ConfigError(f"layer_types has {count} entries for {self.num_layers} layers")
+        bad = next((t for t in self.layer_types if t not in ("full", "sliding")), None)
+        if bad is not None:
+            raise ConfigError(
+                f"layer_types entries must be 'full' or 'sliding', got {short_repr(bad)}"
+            )
+        if "sliding" in self.layer_types and self.sliding_window is None:
+            raise ConfigError("sliding-window layers need a sliding_window size")
+        if self.bos_token_id is not None:
+            self.bos_token_id = check_int("bos_token_id", self.bos_token_id, 0)
+        if not isinstance(self.eos_token_ids, list):
+            raise ConfigError(f"eos_token_ids must be a list, got {short_repr(self.eos_token_ids)}")
+        self.eos_token_ids = [check_int("eos_token_id", i, 0) for i in self.eos_token_ids]
 
     @property
     def q_size(self) -> int:
@@ -95,112 +192,208 @@ class ModelConfig:
         return 2 * self.num_layers * self.kv_size * element_size
 
 
+def _check_rope(name: str, rope: RopeConfig, head_dim: int, used: bool) -> None:
+    rope.theta = check_float(f"{name}.theta", rope.theta, 0.0, lo_open=True)
+    if rope.scaling not in _ROPE_SCALINGS:
+        raise ConfigError(
+            f"{name}.scaling must be one of {', '.join(_ROPE_SCALINGS)}, got {short_repr(rope.scaling)}"
+        )
+    rope.factor = check_float(f"{name}.factor", rope.factor, 0.0, lo_open=True)
+    rope.low_freq_factor = check_float(f"{name}.low_freq_factor", rope.low_freq_factor, 0.0)
+    rope.high_freq_factor = check_float(f"{name}.high_freq_factor", rope.high_freq_factor, 0.0)
+    if rope.scaling == "llama3" and rope.high_freq_factor <= rope.low_freq_factor:
+        raise ConfigError(f"{name}.high_freq_factor must be above low_freq_factor")
+    if rope.scaling == "llama3" and rope.low_freq_factor == 0.0:
+        raise ConfigError(f"{name}.low_freq_factor must be > 0")
+    rope.original_max_position = check_int(
+        f"{name}.original_max_position", rope.original_max_position, 1, MAX_SIZES["max_position"]
+    )
+    if rope.dim is not None:
+        rope.dim = check_int(f"{name}.dim", rope.dim, 2, head_dim)
+    if used and (head_dim % 2 or (rope.dim or head_dim) % 2):
+        raise ConfigError(f"head_dim and rotary dimensions must be even, got {head_dim}")
+
+
 # ---------------------------------------------------------------------------
 # Hugging Face config.json (transformers 4.x and 5.x spellings)
 # ---------------------------------------------------------------------------
 
 HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3", "gpt2")
 
+_REQUIRED = object()
+
+
+class ConfigFields:
+    """Checked reads of a parsed config.json: each names the JSON key when its value is
+    missing or of the wrong type, so a hostile file gets a ConfigError, never a TypeError."""
+
+    def __init__(self, cfg: Any, where: str = "config.json"):
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{where} must hold a JSON object, not {type(cfg).__name__}")
+        self.cfg = cfg
+
+    def raw(self, key: str, default: Any = _REQUIRED) -> Any:
+        """The key's value; its default when absent or null (configs write null for
+        "unset"); ConfigError when a key without a default is either."""
+        value = self.cfg.get(key)
+        if value is None:
+            if default is _REQUIRED:
+                raise ConfigError(f"missing field {key!r}")
+            return default
+        return value
+
+    def int(self, key: str, default: Any = _REQUIRED, *, lo: int = 1, hi: int | None = None):
+        value = self.raw(key, default)
+        return None if value is None else check_int(key, value, lo, hi)
+
+    def float(self, key: str, default: Any = _REQUIRED, *, lo: float = 0.0, lo_open=False):
+        value = self.raw(key, default)
+        return None if value is None else check_float(key, value, lo, lo_open=lo_open)
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.raw(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {short_repr(value)}")
+        return value
+
+    def str(self, key: str, default: Any = _REQUIRED) -> str | None:
+        value = self.raw(key, default)
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {short_repr(value)}")
+        return value
+
+    def dict(self, key: str) -> dict | None:
+        value = self.raw(key, None)
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a JSON object, got {short_repr(value)}")
+        return value
+
+    def ids(self, key: str) -> list[int]:
+        """A token id or a list of them (eos_token_id's two spellings)."""
+        value = self.raw(key, None)
+        if value is None:
+            return []
+        values = value if isinstance(value, list) else [value]
+        return [check_int(key, v, 0) for v in values]
+
+    def names(self, key: str, count: int) -> list[str] | None:
+        """A list of `count` strings (layer_types), or None when absent."""
+        value = self.raw(key, None)
+        if value is None or value == []:
+            return None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key} must be a list of strings, got {short_repr(value)}")
+        if len(value) != count:
+            raise ConfigError(f"{key} has {len(value)} entries for {count} layers")
+        return value
+
 
 def _rope_from_params(p: dict[str, Any], default_theta: float, max_pos: int) -> RopeConfig:
-    kind = p.get("rope_type") or p.get("type") or "default"
-    rope = RopeConfig(theta=float(p.get("rope_theta", default_theta)))
+    f = ConfigFields(p, "rope parameters")
+    kind = f.str("rope_type", None) or f.str("type", None) or "default"
+    rope = RopeConfig(theta=f.float("rope_theta", default_theta, lo_open=True))
     if kind == "default":
         return rope
     if kind == "linear":
-        rope.scaling, rope.factor = "linear", float(p["factor"])
+        rope.scaling, rope.factor = "linear", f.float("factor", lo_open=True)
         return rope
     if kind == "llama3":
         rope.scaling = "llama3"
-        rope.factor = float(p["factor"])
-        rope.low_freq_factor = float(p.get("low_freq_factor", 1.0))
-        rope.high_freq_factor = float(p.get("high_freq_factor", 4.0))
-        rope.original_max_position = int(p.get("original_max_position_embeddings", max_pos))
+        rope.factor = f.float("factor", lo_open=True)
+        rope.low_freq_factor = f.float("low_freq_factor", 1.0, lo_open=True)
+        rope.high_freq_factor = f.float("high_freq_factor", 4.0, lo_open=True)
+        rope.original_max_position = f.int(
+            "original_max_position_embeddings", max_pos, hi=MAX_SIZES["max_position"]
+        )
         return rope
     raise ConfigError(
-        f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)"
+        f"unsupported rope scaling type {short_repr(kind)} (supported: default, linear, llama3)"
     )
 
 
 def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
-    """Build a ModelConfig from a parsed HF `config.json`."""
-    model_type = cfg.get("model_type", "")
+    """Build a ModelConfig from a parsed HF `config.json`; ConfigError for anything a real
+    checkpoint would not hold (wrong types, zero or absurd sizes), naming the key."""
+    f = ConfigFields(cfg)
+    model_type = f.str("model_type", "")
     if model_type == "gemma3" and "text_config" in cfg:  # multimodal wrapper: take the text part
-        cfg = {**cfg["text_config"], "model_type": "gemma3_text"}
-        model_type = "gemma3_text"
+        f = ConfigFields({**ConfigFields(f.raw("text_config"), "text_config").cfg}, "text_config")
+        f.cfg["model_type"] = model_type = "gemma3_text"
     if model_type not in HF_FAMILIES:
         raise ConfigError(
-            f"unsupported architecture {model_type!r} (supported: {', '.join(HF_FAMILIES)})"
+            f"unsupported architecture {short_repr(model_type)} (supported: {', '.join(HF_FAMILIES)})"
         )
     if model_type == "gpt2":
-        return _gpt2_config(cfg)
+        return _gpt2_config(f)
 
-    hidden = cfg["hidden_size"]
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or hidden // heads
-    max_pos = cfg.get("max_position_embeddings", 4096)
+    hidden = f.int("hidden_size", hi=MAX_SIZES["hidden_size"])
+    heads = f.int("num_attention_heads", hi=MAX_SIZES["num_heads"])
+    layers = f.int("num_hidden_layers", hi=MAX_SIZES["num_layers"])
+    head_dim = f.int("head_dim", None, hi=MAX_SIZES["head_dim"]) or hidden // heads
+    max_pos = f.int("max_position_embeddings", 4096, hi=MAX_SIZES["max_position"])
     # 5.x: rope_parameters (per layer type for Gemma 3); 4.x: rope_theta + rope_scaling.
-    params = cfg.get("rope_parameters")
+    params = f.dict("rope_parameters")
     local_params = None
-    if isinstance(params, dict) and "full_attention" in params:
-        local_params = params.get("sliding_attention")
-        params = params["full_attention"]
+    if params is not None and "full_attention" in params:
+        local_params = ConfigFields(params, "rope_parameters").dict("sliding_attention")
+        params = ConfigFields(params, "rope_parameters").dict("full_attention") or {}
     if params is None:
-        params = dict(cfg.get("rope_scaling") or {})
-        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+        params = dict(f.dict("rope_scaling") or {})
+        params.setdefault("rope_theta", f.raw("rope_theta", 10000.0))
     rope = _rope_from_params(params, 10000.0, max_pos)
-    eos = cfg.get("eos_token_id")
     common = dict(
-        vocab_size=cfg["vocab_size"],
+        vocab_size=f.int("vocab_size", hi=MAX_SIZES["vocab_size"]),
         hidden_size=hidden,
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
+        intermediate_size=f.int("intermediate_size", hi=MAX_SIZES["intermediate_size"]),
+        num_layers=layers,
         num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        num_kv_heads=f.int("num_key_value_heads", None, hi=MAX_SIZES["num_kv_heads"]) or heads,
         head_dim=head_dim,
         max_position=max_pos,
-        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        norm_eps=f.float("rms_norm_eps", 1e-6),
         rope=rope,
-        tie_embeddings=cfg.get("tie_word_embeddings", False),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos if isinstance(eos, list) else ([eos] if eos is not None else []),
+        tie_embeddings=f.bool("tie_word_embeddings", False),
+        bos_token_id=f.int("bos_token_id", None, lo=0),
+        eos_token_ids=f.ids("eos_token_id"),
     )
     if model_type in ("llama", "mistral"):
-        window = cfg.get("sliding_window") if model_type == "mistral" else None
+        window = f.int("sliding_window", None) if model_type == "mistral" else None
         return ModelConfig(
             arch=model_type,
-            qkv_bias=cfg.get("attention_bias", False),
-            o_bias=cfg.get("attention_bias", False),
-            mlp_bias=cfg.get("mlp_bias", False),
+            qkv_bias=f.bool("attention_bias", False),
+            o_bias=f.bool("attention_bias", False),
+            mlp_bias=f.bool("mlp_bias", False),
             sliding_window=window,
-            layer_types=["sliding" if window else "full"] * cfg["num_hidden_layers"],
+            layer_types=["sliding" if window else "full"] * layers,
             **common,
         )
     if model_type in ("qwen2", "qwen3"):
         layer_types = [
             "sliding" if t == "sliding_attention" else "full"
-            for t in cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
+            for t in f.names("layer_types", layers) or ["full_attention"] * layers
         ]
-        window = cfg.get("sliding_window") if "sliding" in layer_types else None
+        window = f.int("sliding_window", None) if "sliding" in layer_types else None
         return ModelConfig(
             arch=model_type,
-            qkv_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
+            qkv_bias=model_type == "qwen2" or f.bool("attention_bias", False),
             qk_norm=model_type == "qwen3",
             sliding_window=window,
             layer_types=layer_types,
             **common,
         )
     # Gemma 3 (text).
-    n = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types")
+    types = f.names("layer_types", layers)
     if not types:
-        pattern = cfg.get("sliding_window_pattern", 6)
+        pattern = f.int("sliding_window_pattern", 6)
         types = [
-            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(layers)
         ]
     if local_params is None:
-        local_params = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act", "gelu_pytorch_tanh")
+        local_params = {"rope_theta": f.raw("rope_local_base_freq", 10000.0)}
+    act = f.str("hidden_activation", None) or f.str("hidden_act", "gelu_pytorch_tanh")
     return ModelConfig(
         arch="gemma3",
         mlp="gated",
@@ -208,39 +401,39 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
         qk_norm=True,
         sandwich_norm=True,
         embed_scale=math.sqrt(hidden),
-        attn_scale=cfg.get("query_pre_attn_scalar", head_dim) ** -0.5,
-        final_logit_softcap=cfg.get("final_logit_softcapping"),
-        sliding_window=cfg.get("sliding_window"),
+        attn_scale=f.float("query_pre_attn_scalar", head_dim, lo_open=True) ** -0.5,
+        final_logit_softcap=f.float("final_logit_softcapping", None, lo_open=True),
+        sliding_window=f.int("sliding_window", None),
         layer_types=["sliding" if t == "sliding_attention" else "full" for t in types],
-        rope_local=_rope_from_params(local_params, 10000.0, common["max_position"]),
-        **{**common, "tie_embeddings": cfg.get("tie_word_embeddings", True)},
+        rope_local=_rope_from_params(local_params, 10000.0, max_pos),
+        **{**common, "tie_embeddings": f.bool("tie_word_embeddings", True)},
     )
 
 
-def _gpt2_config(cfg: dict[str, Any]) -> ModelConfig:
-    hidden = cfg["n_embd"]
-    heads = cfg["n_head"]
-    act = cfg.get("activation_function", "gelu_new")
-    eos = cfg.get("eos_token_id")
+def _gpt2_config(f: ConfigFields) -> ModelConfig:
+    hidden = f.int("n_embd", hi=MAX_SIZES["hidden_size"])
+    heads = f.int("n_head", hi=MAX_SIZES["num_heads"])
+    act = f.str("activation_function", "gelu_new")
+    eos = f.ids("eos_token_id")
     return ModelConfig(
         arch="gpt2",
-        vocab_size=cfg["vocab_size"],
+        vocab_size=f.int("vocab_size", hi=MAX_SIZES["vocab_size"]),
         hidden_size=hidden,
-        intermediate_size=cfg.get("n_inner") or 4 * hidden,
-        num_layers=cfg["n_layer"],
+        intermediate_size=f.int("n_inner", None, hi=MAX_SIZES["intermediate_size"]) or 4 * hidden,
+        num_layers=f.int("n_layer", hi=MAX_SIZES["num_layers"]),
         num_heads=heads,
         num_kv_heads=heads,
         head_dim=hidden // heads,
-        max_position=cfg.get("n_positions", 1024),
+        max_position=f.int("n_positions", 1024, hi=MAX_SIZES["max_position"]),
         norm="layer",
-        norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+        norm_eps=f.float("layer_norm_epsilon", 1e-5),
         mlp="plain",
         activation="gelu_tanh" if act in ("gelu_new", "gelu_pytorch_tanh") else "gelu",
         position="learned",
         qkv_bias=True,
         o_bias=True,
         mlp_bias=True,
-        tie_embeddings=cfg.get("tie_word_embeddings", True),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=[eos] if eos is not None else [],
+        tie_embeddings=f.bool("tie_word_embeddings", True),
+        bos_token_id=f.int("bos_token_id", None, lo=0),
+        eos_token_ids=eos[:1],
     )

@@ -312,6 +312,23 @@ class TerminalView:
             f"FFN {m['intermediate_size']} ({m['mlp']}, {m['activation']}) · vocab {m['vocab_size']:,} · "
             f"{m['dtype']} · weights {m.get('weights', '?')} · kernels {m.get('kernels', '?')}"
         )
+        if "decode_path" in m:
+            self.console.print(
+                Text(
+                    f"untraced decode steps run the {m['decode_path']} path "
+                    f"({m['decode_path_reason']}); this traced request runs the torch path, "
+                    "which records every op (models/paths.py)",
+                    style="dim",
+                )
+            )
+        if m.get("parallel"):
+            self.console.print(
+                Text(
+                    "parallel run: " + "; ".join(m["parallel"]) + " (the attention and "
+                    "residual views show what rank 0 computed)",
+                    style="dim",
+                )
+            )
         if self.seed == DEFAULT_SEED:
             seed = f"seed {self.seed}, the default: a rerun draws the same tokens (--seed N for others)"
         else:

@@ -176,10 +176,9 @@ class LLM:
                 self.engine.abort(rid)
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """Render messages with the model's chat template and tokenize them."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        # The template writes any BOS itself.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """Render messages with the model's chat template and tokenize them; special-token
+        text inside a message stays text (only the template opens and closes turns)."""
+        return self.engine.encode_chat(messages)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Output:
         return self.generate([self.chat_prompt(messages)], params)[0]

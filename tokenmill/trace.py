@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tokenmill.engine.scheduler import is_decode
 from tokenmill.engine.sequence import Status
 from tokenmill.sampling import SamplingState, process_logits
 from tokenmill.tokenizer import IncrementalDetokenizer
@@ -125,7 +126,7 @@ class Trace:
     # ------------------------------------------------------------------ engine hooks
     def on_step_begin(self, seq, num_tokens: int) -> None:
         start = seq.num_computed
-        decode = num_tokens == 1 and start > 0  # the model runner's rule
+        decode = is_decode(seq, num_tokens)  # the scheduler's rule, as the model runner packs
         self._started, self._hook_s = time.perf_counter(), 0.0
         self._step = {
             "index": len(self.steps),
@@ -290,6 +291,7 @@ class Trace:
     # ------------------------------------------------------------------ step end helpers
     def _describe(self, engine, seq) -> None:
         c, tok = engine.config, engine.tokenizer
+        path = engine.model.decode_path()
         self.model = {
             "name": engine.path.name,
             "arch": c.arch,
@@ -309,6 +311,11 @@ class Trace:
             "dtype": str(engine.dtype).removeprefix("torch."),
             "weights": engine.info()["weights"],
             "kernels": engine.info()["kernels"],
+            # what an untraced decode step would run (a traced one runs the torch path)
+            "decode_path": path.name,
+            "decode_path_reason": path.reason,
+            # a parallel run: what each rank holds (the trace records rank 0's part)
+            "parallel": engine.parallel_plan if engine.parallel is not None else None,
             "kv_bytes_per_token": engine.cache.bytes_per_token,
             "block_size": engine.cache.block_size,
             "kv_capacity_tokens": engine.cache.capacity_tokens,

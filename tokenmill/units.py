@@ -26,7 +26,11 @@ def parse_memory(value: int | str | None) -> int | None:
     """'2GiB', '512MB', '1e9', 1073741824 -> bytes; '8192tok' stays a token count (negative).
 
     Raises ValueError naming the accepted forms for anything else."""
-    if value is None or isinstance(value, int):
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:  # negative is this function's own token-count encoding: not an input
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {value}")
         return value
     text = value.strip().lower().replace(" ", "")
     number, scale = text, 1

@@ -8,12 +8,11 @@ takes a modest share of the machine's memory. Capacity is reported at start-up.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
 from tokenmill.config import ModelConfig
+from tokenmill.loader.checks import physical_memory_bytes
 from tokenmill.units import parse_memory
 
 
@@ -21,8 +20,7 @@ def default_kv_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.5)
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(min(1 << 30, total // 16))
+    return int(min(1 << 30, physical_memory_bytes() // 16))
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -39,6 +37,19 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.from_numpy(raw).view(dtype).view(shape)
 
 
+def kv_blocks(
+    cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device, memory
+) -> int:
+    """Blocks of a pool of `memory` (bytes, "512MiB", "8192tok"; None: the default) for
+    the model `cfg`."""
+    per_token = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+    amount = parse_memory(memory)
+    if amount is None:
+        amount = default_kv_bytes(device)
+    tokens = -amount if amount < 0 else amount // per_token
+    return max(1, tokens // block_size)
+
+
 class KVCache:
     def __init__(
         self,
@@ -47,14 +58,23 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         memory: int | str | None = None,
+        num_blocks: int | None = None,
     ):
+        """num_blocks: the pool's size in blocks, overriding `memory` (the ranks of a
+        parallel run size their part of the pool from the whole model's)."""
         self.block_size = block_size
         self.bytes_per_token = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
-        amount = parse_memory(memory)
-        if amount is None:
-            amount = default_kv_bytes(device)
-        tokens = -amount if amount < 0 else amount // self.bytes_per_token
-        self.num_blocks = max(1, tokens // block_size)
+        if num_blocks is None:
+            num_blocks = kv_blocks(cfg, block_size, dtype, device, memory)
+        self.num_blocks = num_blocks
+        if device.type == "cpu" and self.num_blocks * block_size * self.bytes_per_token > (
+            memory_total := physical_memory_bytes()
+        ):
+            raise ValueError(
+                f"kv_cache_memory {memory!r} means {self.num_blocks * block_size} tokens, "
+                f"{self.num_blocks * block_size * self.bytes_per_token / 2**30:.1f} GiB: more "
+                f"than this machine's {memory_total / 2**30:.1f} GiB of memory"
+            )
         slots = self.num_blocks * block_size
         shape = (slots, cfg.num_kv_heads, cfg.head_dim)
         self.k = [_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]

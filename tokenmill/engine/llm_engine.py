@@ -15,6 +15,7 @@ for offline use.
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 from dataclasses import dataclass, field
@@ -24,12 +25,12 @@ import torch
 
 from tokenmill import kernels
 from tokenmill.engine.block_manager import BlockManager
-from tokenmill.engine.kv_cache import KVCache
+from tokenmill.engine.kv_cache import KVCache, kv_blocks
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence, Status
 from tokenmill.hub import resolve_model
-from tokenmill.loader import open_checkpoint
+from tokenmill.loader import LoadError, open_checkpoint
 from tokenmill.models.transformer import Transformer
 from tokenmill.sampling import (
     Sampler,
@@ -40,6 +41,7 @@ from tokenmill.sampling import (
 )
 from tokenmill.sampling.grammar import CompiledGrammar, GrammarCompiler
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
+from tokenmill.tokenizer.tokenizer import TextTooLong
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -74,7 +76,14 @@ class RequestOutput:
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
-    return Tokenizer.from_pretrained(path) if path.is_dir() else Tokenizer.from_gguf(path)
+    """The model's tokenizer; LoadError (one line) for a vocabulary that cannot be built."""
+    try:
+        return Tokenizer.from_pretrained(path) if path.is_dir() else Tokenizer.from_gguf(path)
+    except LoadError:
+        raise
+    except Exception as e:  # the vocabulary checks' ValueError, or the tokenizers library's
+        message = str(e).removeprefix(f"{path}: ").splitlines()[0] if str(e) else ""
+        raise LoadError(path, f"tokenizer: {message or type(e).__name__}") from None
 
 
 class _Request:
@@ -99,12 +108,16 @@ class LLMEngine:
         threads: int | None = None,
         quantization: str = "auto",
         progress=None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
     ):
         """quantization: "auto" keeps a GGUF file's weights as stored (packed blocks, 16-bit
         floats) and a float checkpoint's in its own dtype, for the native CPU kernels;
         "none" loads torch Linears in `dtype` (exact, what the oracle tests compare);
         "gguf", "float", "q8", "q4" force a scheme (see models/quantize.py).
-        progress(done, total) is called while weights load."""
+        progress(done, total) is called while weights load.
+        tensor_parallel_size / pipeline_parallel_size: run the model over that many
+        processes (tokenmill/distributed: spawned on this machine, or torchrun's)."""
         if device == "cpu":
             torch.set_num_threads(threads or os.cpu_count() or 1)
         self.device = torch.device(device)
@@ -122,21 +135,60 @@ class LLMEngine:
         )
 
         # ---- weights ----
-        self.model = Transformer(self.config)
         self.quantization = self._pick_quantization(quantization, ckpt.format)
-        self.model.load_weights(ckpt, dtype, progress, self.quantization)
-        self.model.to(self.device).eval()
+        self.parallel = None  # the distributed Runtime of a run over several processes
+        if tensor_parallel_size * pipeline_parallel_size > 1:
+            self._start_parallel(
+                ckpt, tensor_parallel_size, pipeline_parallel_size, block_size,
+                kv_cache_memory, threads, progress,
+            )  # fmt: skip
+        else:
+            self.model = Transformer(self.config)
+            self.model.load_weights(ckpt, dtype, progress, self.quantization)
+            self.model.to(self.device).eval()
+            # ---- KV cache pool, runner ----
+            self.cache = KVCache(self.config, block_size, dtype, self.device, kv_cache_memory)
+            self.runner = ModelRunner(self.model, self.cache, self.device)
 
-        # ---- KV cache pool, block manager, scheduler, runner ----
-        self.cache = KVCache(self.config, block_size, dtype, self.device, kv_cache_memory)
+        # ---- block manager, scheduler ----
         self.blocks = BlockManager(self.cache.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.cache, self.device)
         self.sampler = Sampler()
         self.max_model_len = min(self.config.max_position, self.cache.capacity_tokens)
         self.requests: dict[str, _Request] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens_computed": 0}
+
+    def _start_parallel(self, ckpt, tp, pp, block_size, kv_cache_memory, threads, progress):
+        """Rank 0 of a parallel run: start the other ranks, build our part of the model,
+        a pool of our heads (or layers) with as many blocks as the whole model's budget
+        gives, and a runner that sends each step to the others."""
+        from tokenmill.distributed import runtime as rt
+
+        if self.device.type != "cpu":
+            raise ValueError("parallel runs use the CPU (gloo); use device='cpu'")
+        num_blocks = kv_blocks(self.config, block_size, self.dtype, self.device, kv_cache_memory)
+        spec = rt.ParallelSpec(
+            tp, pp, str(self.path), str(self.dtype).removeprefix("torch."), self.quantization,
+            block_size, num_blocks, threads,
+        )  # fmt: skip
+        self.parallel = rt.Runtime(spec)
+        self.parallel_plan = rt.describe(ckpt, spec)
+        self.model, local_cfg, group = rt.build_part(ckpt, spec, 0, progress)
+        self.cache = KVCache(local_cfg, block_size, self.dtype, self.device, num_blocks=num_blocks)
+        if tp > 1:
+            self.runner = rt.TPRunner(self.model, self.cache, self.device, self.parallel, group)
+        else:
+            self.runner = rt.PPRunner(
+                self.model, self.cache, self.device, self.parallel, group, 2 * pp,
+                self.config.vocab_size,
+            )  # fmt: skip
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stop the other ranks of a parallel run (nothing to do on one process)."""
+        if self.parallel is not None:
+            self.parallel.stop()
 
     def _pick_quantization(self, requested: str, fmt: str) -> str | None:
         """The weight scheme of models/quantize.py for a request (None: torch Linears)."""
@@ -173,17 +225,27 @@ class LLMEngine:
 
     def describe(self) -> str:
         c = self.config
+        ranks = ""
+        if self.parallel is not None:
+            ranks = f"{self.parallel.world} ranks ({'; '.join(self.parallel_plan)}); "
         return (
             f"{self.path.name}: {c.arch}, {c.num_layers} layers, d={c.hidden_size}, "
             f"heads {c.num_heads}/{c.num_kv_heads}, vocab {c.vocab_size}, {self.dtype}, "
-            f"weights {self.quantization or 'torch'}, kernels {kernels.isa()}; "
+            f"weights {self.quantization or 'torch'}, kernels {kernels.isa()}; {ranks}"
             f"KV cache {self.cache.capacity_tokens} tokens in {self.cache.num_blocks} blocks "
             f"({self.cache.nbytes / 2**20:.0f} MiB)"
         )
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt (text, or ids checked against the vocabulary). A text that
+        cannot fit in the context is refused before it is tokenized."""
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            try:
+                ids = self.tokenizer.encode(
+                    prompt, add_special_tokens=True, max_tokens=self.max_model_len
+                )
+            except TextTooLong as e:
+                raise RequestError(self._too_long(e)) from None
         elif isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
@@ -207,6 +269,23 @@ class LLMEngine:
         Raises GrammarError (a ValueError) naming the problem."""
         constraint = params.constraint
         return None if constraint is None else self.grammars.compile(*constraint)
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template, messages'
+        text kept as text; tools: function definitions for a template that renders them.
+        ChatTemplateError (a ValueError) for a template that fails or goes over its limits;
+        RequestError for a prompt that cannot fit in the context."""
+        try:
+            return self.tokenizer.encode_chat(messages, max_tokens=self.max_model_len, tools=tools)
+        except TextTooLong as e:
+            raise RequestError(self._too_long(e)) from None
+
+    def _too_long(self, e: TextTooLong) -> str:
+        return (
+            f"prompt has {e.num_bytes} bytes of text, at least {e.min_tokens} tokens: more "
+            f"than the model's context of {self.max_model_len - 1} "
+            "(leaving room for at least one generated token)"
+        )
 
     def add_request(
         self,

@@ -38,7 +38,21 @@ class ModelRunner:
         the indices (into `chunks`) of those chunks, in the same order.
         all_logits=True returns logits [T, vocab] for every packed row instead
         (tests and the inspector compare whole prompts)."""
-        decode = [i for i, c in enumerate(chunks) if c.num_tokens == 1 and c.seq.num_computed > 0]
+        input_ids, meta, rows, sampled = self.pack(chunks)
+        return self.forward(input_ids, meta, None if all_logits else rows), sampled
+
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The model on one packed batch (a parallel runner also sends it to the others)."""
+        return self.model(input_ids, meta, rows)
+
+    def pack(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor, list[int]]:
+        """One step's chunks as a packed batch: (input_ids [T], metadata, the rows that
+        sample [S], the indices into `chunks` of those rows' chunks)."""
+        decode = [i for i, c in enumerate(chunks) if c.is_decode]
         is_decode = set(decode)
         prefill = [i for i in range(len(chunks)) if i not in is_decode]
         ids: list[int] = []
@@ -99,8 +113,7 @@ class ModelRunner:
         meta.slot_mapping = _cat(slot_maps).to(self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        logits = self.model(input_ids, meta, None if all_logits else rows)
-        return logits, sampled
+        return input_ids, meta, rows, sampled
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

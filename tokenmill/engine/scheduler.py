@@ -20,10 +20,22 @@ from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.sequence import Sequence, Status
 
 
+def is_decode(seq: Sequence, num_tokens: int) -> bool:
+    """The decode-or-prefill rule, in one place: one token after a cached context is a
+    decode row; anything else (a prompt's first chunk, more tokens) is prefill."""
+    return num_tokens == 1 and seq.num_computed > 0
+
+
 @dataclass
 class ScheduledChunk:
     seq: Sequence
     num_tokens: int  # tokens computed for this sequence in this step
+
+    @property
+    def is_decode(self) -> bool:
+        """A decode row: one new token of a sequence whose earlier tokens are all cached
+        (the model runner packs these first; see is_decode)."""
+        return is_decode(self.seq, self.num_tokens)
 
     @property
     def samples(self) -> bool:

@@ -30,19 +30,23 @@ __all__ = [
     "load",
     "isa",
     "group_blocks",
+    "reads_kquant_scales",
     "uses_avx512",
     "linear",
     "dequant_lanes",
     "lanes_f32",
     "dequant_rows",
+    "decode_rows",
     "decode_attention",
+    "TmShape",
     "TmLayer",
     "TmStack",
+    "TmRows",
     "decode_stack",
 ]
 
 
-ABI = 3  # tm_info() // 1000 of the sources this module binds
+ABI = 5  # tm_info() // 1000 of the sources this module binds
 F16, BF16, F32 = 16, 17, 32  # tm_weight.bits of float weights (4 and 8: packed blocks)
 DEFAULT_GROUP_BLOCKS = 16  # the packing used when no library is loaded (any would do)
 
@@ -58,11 +62,22 @@ class TmWeight(ctypes.Structure):
         ("scale_f16", ctypes.c_int32),
         ("n", ctypes.c_int32),
         ("k", ctypes.c_int32),
+        ("dsup", ctypes.c_void_p),
+        ("msup", ctypes.c_void_p),
+    ]
+
+
+class TmShape(ctypes.Structure):
+    """Mirror of `tm_shape` in tm.h: the model's shapes, shared by every layer."""
+
+    _fields_ = [
+        *((name, ctypes.c_int32) for name in ("n_layers", "d", "H", "Hkv", "hd", "f", "act")),
+        ("eps", ctypes.c_float),
     ]
 
 
 class TmLayer(ctypes.Structure):
-    """Mirror of `tm_layer` in tm.h: one block's weights for tm_decode_stack."""
+    """Mirror of `tm_layer` in tm.h: one block as both native decode paths see it."""
 
     _fields_ = [
         *((name, ctypes.c_void_p) for name in ("qkv", "o", "up", "down")),
@@ -84,16 +99,34 @@ class TmLayer(ctypes.Structure):
     ]
 
 
+# tm_allreduce_fn: (float *buf, int32 n, void *ctx), called back from tm_decode_stack
+ALLREDUCE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p)
+
+
 class TmStack(ctypes.Structure):
-    """Mirror of `tm_stack` in tm.h: every layer plus the model's shapes."""
+    """Mirror of `tm_stack` in tm.h: the shapes, every layer, the final norm, and the
+    tensor-parallel all-reduce (NULL on one rank)."""
 
     _fields_ = [
+        ("shape", ctypes.c_void_p),
         ("layers", ctypes.c_void_p),
         ("final_norm", ctypes.c_void_p),
-        *((name, ctypes.c_int32) for name in ("n_layers", "d", "H", "Hkv", "hd", "f", "act")),
-        ("eps", ctypes.c_float),
+        ("allreduce", ALLREDUCE_FN),
+        ("allreduce_ctx", ctypes.c_void_p),
     ]
 
+
+class TmRows(ctypes.Structure):
+    """Mirror of `tm_rows` in tm.h: the decode rows of one step."""
+
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in ("positions", "new_slots", "slots", "ctx_lens")),
+        ("Bd", ctypes.c_int32),
+        ("cmax", ctypes.c_int32),
+    ]
+
+
+STRUCTS = (TmWeight, TmLayer, TmStack, TmShape, TmRows)  # tm_struct_size(i) checks each
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -112,19 +145,18 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tm_lanes_f32.restype = None
     lib.tm_dequant_rows.argtypes = [vp, vp, i32, vp]
     lib.tm_dequant_rows.restype = i32
-    f32 = ctypes.c_float
-    lib.tm_decode_attention.argtypes = [vp, i32, i32, i32, i32, vp, vp, f32, vp, vp, vp, i32]
-    lib.tm_decode_attention.argtypes += [vp, vp, vp, vp, i32, vp, i32, f32, vp, i32]
+    lib.tm_decode_attention.argtypes = [vp, vp, vp, vp, vp, i32]
     lib.tm_decode_attention.restype = i32
-    lib.tm_decode_stack.argtypes = [vp, vp, i32, vp, vp, vp, i32, vp, i32]
+    lib.tm_decode_stack.argtypes = [vp, vp, vp, i32]
     lib.tm_decode_stack.restype = i32
     lib.tm_group_blocks.restype = i32
+    lib.tm_kquant_scales.restype = i32
     lib.tm_isa.restype = ctypes.c_char_p
     lib.tm_struct_size.argtypes = [i32]
     lib.tm_struct_size.restype = i32
     if lib.tm_info() // 1000 != ABI:
         raise OSError(f"kernel library reports ABI {lib.tm_info() // 1000}, expected {ABI}")
-    for which, struct in enumerate((TmWeight, TmLayer, TmStack)):
+    for which, struct in enumerate(STRUCTS):
         if lib.tm_struct_size(which) != ctypes.sizeof(struct):
             raise OSError(f"{struct.__name__} is {ctypes.sizeof(struct)} bytes in Python, "
                           f"{lib.tm_struct_size(which)} in C")  # fmt: skip
@@ -172,6 +204,13 @@ def group_blocks() -> int:
     return DEFAULT_GROUP_BLOCKS if lib is None else lib.tm_group_blocks()
 
 
+def reads_kquant_scales() -> bool:
+    """Whether the loaded library reads GGUF K-quant scales as stored (a uint8 code per
+    block times a float16 per 256 values); the AVX-512 build wants float32 ones."""
+    lib = library()
+    return lib is not None and bool(lib.tm_kquant_scales())
+
+
 def uses_avx512() -> bool:
     """Whether the loaded library took the AVX-512 VNNI/BF16 code path."""
     return isa() == "avx512"
@@ -201,8 +240,7 @@ def linear(
         torch.get_num_threads(),
         int(act_bits == 16),
     )
-    if not ok:
-        raise MemoryError("tm_linear: cannot allocate activation scratch")
+    _check(ok, "tm_linear")
     return y
 
 
@@ -239,68 +277,48 @@ def dequant_rows(w: TmWeight, ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+def decode_rows(
+    positions: torch.Tensor,
+    new_slots: torch.Tensor,
+    slots: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> TmRows:
+    """The C view of a step's decode rows: positions, new_slots, context_lens [Bd] and
+    slots [Bd, Cmax], int64, contiguous, on CPU (the caller keeps them alive)."""
+    return TmRows(
+        positions.data_ptr(), new_slots.data_ptr(), slots.data_ptr(), context_lens.data_ptr(),
+        positions.shape[0], slots.shape[1],
+    )  # fmt: skip
+
+
+def _check(status: int, what: str) -> None:
+    if status == -1:
+        raise ValueError(f"{what}: this kernel build cannot read K-quant scales as stored")
+    if status != 1:
+        raise MemoryError(f"{what}: cannot allocate scratch")
 
 
 def decode_attention(
-    qkv: torch.Tensor,
-    out: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
-    positions: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    new_slots: torch.Tensor,
-    slots: torch.Tensor,
-    context_lens: torch.Tensor,
-    window: int,
-    scale: float,
+    shape: TmShape, layer: TmLayer, rows: TmRows, qkv: torch.Tensor, out: torch.Tensor
 ) -> None:
-    """Whole decode attention of one layer in one call (see tm_decode_attention in attention.c).
-
-    qkv [Bd, (H + 2 Hkv) hd] fused projection output -> out [Bd, H hd]; writes the rows'
-    normed, rotated k and their v into k_cache/v_cache [num_slots, Hkv, hd] at new_slots
-    [Bd]. q_norm/k_norm [hd] or None; cos/sin [P, rot_dim] rotary tables or None;
-    positions, new_slots, context_lens [Bd] and slots [Bd, Cmax] int64; window 0 = none.
-    All float32/int64, contiguous, on CPU.
-    """
+    """Whole decode attention of one layer in one call (tm_decode_attention in attention.c):
+    qkv [Bd, (H + 2 Hkv) hd] fused projection output -> out [Bd, H hd], float32 contiguous;
+    also writes the rows' normed, rotated k and their v into the layer's cache."""
     lib = library()
     assert lib is not None, "call only when library() is not None"
-    ok = lib.tm_decode_attention(
-        qkv.data_ptr(), qkv.shape[0], num_heads, num_kv_heads, head_dim,
-        _ptr(q_norm), _ptr(k_norm), eps, _ptr(cos), _ptr(sin), positions.data_ptr(),
-        0 if cos is None else cos.shape[1], k_cache.data_ptr(), v_cache.data_ptr(),
-        new_slots.data_ptr(), slots.data_ptr(), slots.shape[1], context_lens.data_ptr(),
-        window, scale, out.data_ptr(), torch.get_num_threads(),
+    status = lib.tm_decode_attention(
+        ctypes.addressof(shape), ctypes.addressof(layer), ctypes.addressof(rows),
+        qkv.data_ptr(), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
-    if not ok:
-        raise MemoryError("tm_decode_attention: cannot allocate scratch")
+    _check(status, "tm_decode_attention")
 
 
-def decode_stack(
-    stack: TmStack,
-    x: torch.Tensor,
-    positions: torch.Tensor,
-    new_slots: torch.Tensor,
-    slots: torch.Tensor,
-    context_lens: torch.Tensor,
-) -> None:
+def decode_stack(stack: TmStack, rows: TmRows, x: torch.Tensor) -> None:
     """Every layer's decode step and the final norm in one call (tm_decode_stack in
-    stack.c), in place on x [Bd, d] (float32, contiguous); the other arguments as in
-    decode_attention."""
+    stack.c), in place on x [Bd, d] (float32, contiguous)."""
     lib = library()
     assert lib is not None, "call only when library() is not None"
-    ok = lib.tm_decode_stack(
-        ctypes.addressof(stack), x.data_ptr(), x.shape[0], positions.data_ptr(),
-        new_slots.data_ptr(), slots.data_ptr(), slots.shape[1], context_lens.data_ptr(),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    if not ok:
-        raise MemoryError("tm_decode_stack: cannot allocate scratch")
+    status = lib.tm_decode_stack(
+        ctypes.addressof(stack), ctypes.addressof(rows), x.data_ptr(), torch.get_num_threads()
+    )
+    _check(status, "tm_decode_stack")

@@ -179,22 +179,22 @@ static inline float softmax_exp(float *s, int n) {
 /* Attention of Bd decode rows (one new token each) over a paged KV cache, whole layer
  * in one call: per row and K/V head, q/k RMSNorm (optional), RoPE, the cache write of
  * the new k/v, then softmax(q K^T * scale) V for the `rep` = H/Hkv query heads sharing
- * that K/V head.
+ * that K/V head. The layer L gives the q/k norms, the rotary tables [P, rot_dim], the
+ * cache [num_slots, Hkv, hd], the sliding window (> 0: only the last `window` keys are
+ * seen) and the score scale; `rows` the step's decode rows (see tm_rows).
  *
  *   qkv        [Bd, (H + 2 Hkv) hd]  fused projection output (q heads, k heads, v heads)
- *   q_norm/k_norm [hd] or NULL; eps their epsilon
- *   rcos/rsin  [P, rot_dim] rotary tables (NULL: no rotary); positions [Bd]
- *   k/v_cache  [num_slots, Hkv, hd]; new_slots [Bd]: where each row's k/v is written
- *   slots      [Bd, cmax] context slots (padded); ctx_lens [Bd]
- *   window     > 0: only the last `window` keys are seen (sliding window), else all
  *   out        [Bd, H hd]
  * Returns 1, or 0 if per-thread scratch could not be allocated. */
-int tm_decode_attention(const float *qkv, int Bd, int H, int Hkv, int hd, const float *q_norm,
-                        const float *k_norm, float eps, const float *rcos, const float *rsin,
-                        const int64_t *positions, int rot_dim, float *k_cache, float *v_cache,
-                        const int64_t *new_slots, const int64_t *slots, int cmax,
-                        const int64_t *ctx_lens, int window, float scale, float *out,
-                        int nthreads) {
+int tm_decode_attention(const tm_shape *sh, const tm_layer *L, const tm_rows *rows, const float *qkv,
+                        float *out, int nthreads) {
+    const int H = sh->H, Hkv = sh->Hkv, hd = sh->hd, Bd = rows->Bd, cmax = rows->cmax;
+    const int rot_dim = L->rot_dim, window = L->window;
+    const float eps = sh->eps, scale = L->scale, *q_norm = L->q_norm, *k_norm = L->k_norm;
+    const float *rcos = L->rcos, *rsin = L->rsin;
+    float *k_cache = L->k_cache, *v_cache = L->v_cache;
+    const int64_t *positions = rows->positions, *new_slots = rows->new_slots;
+    const int64_t *slots = rows->slots, *ctx_lens = rows->ctx_lens;
     const int rep = H / Hkv, stride = (H + 2 * Hkv) * hd, ntask = Bd * Hkv;
     int nt = tm_threads(nthreads);
     nt = nt < ntask ? nt : ntask;

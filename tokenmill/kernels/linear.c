@@ -208,8 +208,18 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
                 const uint8_t *p = row + (size_t)g * GW;
                 for (int i = 0; i < 8; i++) c[i] = vb_load(p + i * 4 * TM_GB);
             }
-            const vf d = vf_scales(w->scales, f16, srow + (size_t)g * TM_GB);
-            const vf m = w->mins ? vf_scales(w->mins, f16, srow + (size_t)g * TM_GB) : vf_zero();
+            vf d, m = vf_zero();
+            if (w->dsup) { /* K-quant: codes times the super-block's scale (256 values) */
+                const size_t su = (size_t)r * (nb / 8) + (size_t)g * TM_GB / 8;
+                d = vf_mul(vf_load_u8((const uint8_t *)w->scales + srow + (size_t)g * TM_GB),
+                           vf_set1(tm_half_to_float(w->dsup[su])));
+                if (w->mins)
+                    m = vf_mul(vf_load_u8((const uint8_t *)w->mins + srow + (size_t)g * TM_GB),
+                               vf_set1(-tm_half_to_float(w->msup[su])));
+            } else {
+                d = vf_scales(w->scales, f16, srow + (size_t)g * TM_GB);
+                if (w->mins) m = vf_scales(w->mins, f16, srow + (size_t)g * TM_GB);
+            }
             for (int t = 0; t < T; t++) {
                 const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + (size_t)g * TM_GB;
                 const size_t xo = tt * xq->kpad + (size_t)g * GW;
@@ -225,8 +235,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
                 uint8_t cb[QK];
                 tail_block_codes(tc, bits, u, nbt, cb);
                 const int b = nfull * TM_GB + u;
-                const float d = tm_scale_at(w->scales, f16, srow + b);
-                const float m = w->mins ? tm_scale_at(w->mins, f16, srow + b) : 0.f;
+                const float d = tm_block_scale(w, r, b), m = tm_block_min(w, r, b);
                 for (int t = 0; t < T; t++) {
                     const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + b;
                     const size_t xo = tt * xq->kpad + (size_t)b * QK;
@@ -275,14 +284,12 @@ static void rows_any(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0,
  * are spread that way once per group, so the inner loops are plain element-wise. */
 static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
     const int nb = w->k / QK, nfull = nb / TM_GB, nbt = nb % TM_GB, z = zero_point(w);
-    const int f16 = w->scale_f16, vb_bytes = 4 * TM_GB;
+    const int vb_bytes = 4 * TM_GB;
     const uint8_t *row = w->codes + (size_t)r * row_bytes(w);
-    const size_t srow = (size_t)r * nb;
     for (int g = 0; g < nfull; g++) {
-        float de[4 * TM_GB], me[4 * TM_GB]; /* per element: its block's d, and m - Z d */
+        float de[4 * TM_GB], me[4 * TM_GB]; /* per element: its block's d and m */
         for (int k = 0; k < TM_GB; k++) {
-            const float d = tm_scale_at(w->scales, f16, srow + (size_t)g * TM_GB + k);
-            const float m = w->mins ? tm_scale_at(w->mins, f16, srow + (size_t)g * TM_GB + k) : 0.f;
+            const float d = tm_block_scale(w, r, g * TM_GB + k), m = tm_block_min(w, r, g * TM_GB + k);
             for (int t = 0; t < 4; t++) de[4 * k + t] = d, me[4 * k + t] = m;
         }
         float *o = out + (size_t)g * GW;
@@ -299,8 +306,7 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
         uint8_t cb[QK];
         tail_block_codes(tail, w->bits, u, nbt, cb);
         const int b = nfull * TM_GB + u;
-        const float d = tm_scale_at(w->scales, f16, srow + b);
-        const float m = w->mins ? tm_scale_at(w->mins, f16, srow + b) : 0.f;
+        const float d = tm_block_scale(w, r, b), m = tm_block_min(w, r, b);
         float *o = out + (size_t)b * QK;
         for (int j = 0; j < QK; j++) o[j] = (float)(cb[j] - z) * d + m;
     }
@@ -386,9 +392,10 @@ static void float_any(const tm_weight *w, const float *x, int r0, int r1, int t0
 
 /* y [T, N] = x [T, K] @ W^T (+ bias). Packed weights: activations quantized per block
  * to 8 bits, or to 16 bits if act16; float weights: x stays float32. Returns 0 if
- * scratch memory ran out. */
+ * scratch memory ran out, -1 for K-quant scales on a build that reads plain ones only. */
 int tm_linear(const tm_weight *w, const float *x, int T, float *y, const float *bias,
               int nthreads, int act16) {
+    if (TM_AVX512 && w->dsup) return -1; /* the 512-bit kernels read plain scales only */
     const int fw = is_float(w);
     xq_t xq;
     if (!fw && !quantize_x(x, T, w->k, zero_point(w), w->bits, act16, &xq)) return 0;
@@ -482,6 +489,9 @@ int tm_info(void) { return TM_ABI * 1000 + TM_AVX512; }
 /* Blocks per lane-order group: the packing Python must produce for this build. */
 int tm_group_blocks(void) { return TM_GB; }
 
+/* Whether this build reads K-quant scales as stored (else Python passes float32 ones). */
+int tm_kquant_scales(void) { return !TM_AVX512; }
+
 /* The instruction set the kernels were compiled for (see tm.h). */
 const char *tm_isa(void) { return TM_AVX512 ? "avx512" : TM_SIMD_NAME; }
 
@@ -491,6 +501,8 @@ int tm_struct_size(int which) {
     case 0: return (int)sizeof(tm_weight);
     case 1: return (int)sizeof(tm_layer);
     case 2: return (int)sizeof(tm_stack);
+    case 3: return (int)sizeof(tm_shape);
+    case 4: return (int)sizeof(tm_rows);
     default: return -1;
     }
 }

@@ -17,7 +17,8 @@
  *                         vf_select_neg(x, a, b) = x < 0 ? a : b (by sign bit), vf_round
  *                         (to nearest, ties to even), vf_sum / vf_hmax (horizontal),
  *                         vf_hsums(v[TM_W]) (lane u = the sum of v[u]),
- *                         vf_load_f16 / vf_load_bf16 (TM_W 16-bit floats -> float32)
+ *                         vf_load_f16 / vf_load_bf16 (TM_W 16-bit floats -> float32),
+ *                         vf_load_u8 (TM_W bytes -> float32)
  *   vi   TM_W int32       vi_zero vi_load vi_add vi_sub vi_sum, vf_from_vi, vi_round
  *                         (float -> int32, ties to even), vf_pow2i (2^n), vi_store_i16
  *   vb   4*TM_W bytes     vb_load, vb_nibbles (low and high 4 bits of every byte)

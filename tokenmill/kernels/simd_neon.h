@@ -44,6 +44,11 @@ static inline float vf_sum(vf a) { return vaddvq_f32(a); }
 static inline float vf_hmax(vf a) { return vmaxvq_f32(a); }
 static inline vf vf_hsums(const vf v[4]) { return vpaddq_f32(vpaddq_f32(v[0], v[1]), vpaddq_f32(v[2], v[3])); }
 static inline vf vf_load_f16(const uint16_t *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+static inline vf vf_load_u8(const uint8_t *p) { /* 4 bytes -> 4 floats */
+    uint32_t b;
+    memcpy(&b, p, 4);
+    return vcvtq_f32_u32(vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(b))))));
+}
 static inline vf vf_load_bf16(const uint16_t *p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
 
 static inline vi vi_zero(void) { return vdupq_n_s32(0); }

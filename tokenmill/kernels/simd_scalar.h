@@ -46,6 +46,7 @@ static inline float vf_hmax(vf a) {
 }
 static inline vf vf_hsums(const vf v[4]) { TM_MAP(vf, vf_sum(v[i])); }
 static inline vf vf_load_f16(const uint16_t *p) { TM_MAP(vf, tm_half_to_float(p[i])); }
+static inline vf vf_load_u8(const uint8_t *p) { TM_MAP(vf, (float)p[i]); }
 static inline vf vf_load_bf16(const uint16_t *p) { TM_MAP(vf, tm_bf16_to_float(p[i])); }
 
 static inline vi vi_zero(void) { TM_MAP(vi, 0); }

@@ -81,11 +81,10 @@ static __thread size_t stack_cap = 0;
  * Per layer, for the Bd rows together:
  *     h = rmsnorm(x); qkv = h Wqkv^T; attention over the paged cache (writes k/v);
  *     x += [post_norm](attn Wo^T); h = rmsnorm(x); x += [post_norm](down(act(gate) * up))
- * The rest of the arguments are tm_decode_attention's. Returns 1, or 0 on OOM. */
-int tm_decode_stack(const tm_stack *s, float *x, int Bd, const int64_t *positions,
-                    const int64_t *new_slots, const int64_t *slots, int cmax,
-                    const int64_t *ctx_lens, int nthreads) {
-    const int d = s->d, f = s->f, qdim = s->H * s->hd, qkvdim = (s->H + 2 * s->Hkv) * s->hd;
+ * Returns 1, 0 on OOM, or tm_linear's error code. */
+int tm_decode_stack(const tm_stack *st, const tm_rows *rows, float *x, int nthreads) {
+    const tm_shape *s = st->shape;
+    const int Bd = rows->Bd, d = s->d, f = s->f, qdim = s->H * s->hd, qkvdim = (s->H + 2 * s->Hkv) * s->hd;
     const size_t need = (size_t)Bd * (d + qkvdim + qdim + d + 2 * f + f);
     if (need > stack_cap) {
         free(stack_buf);
@@ -98,28 +97,31 @@ int tm_decode_stack(const tm_stack *s, float *x, int Bd, const int64_t *position
     }
     float *h = stack_buf, *qkv = h + (size_t)Bd * d, *att = qkv + (size_t)Bd * qkvdim;
     float *proj = att + (size_t)Bd * qdim, *up = proj + (size_t)Bd * d, *mid = up + (size_t)Bd * 2 * f;
+    int rc;
+#define TRY(call) \
+    if ((rc = (call)) != 1) return rc
     for (int l = 0; l < s->n_layers; l++) {
-        const tm_layer *L = s->layers + l;
+        const tm_layer *L = st->layers + l;
         /* ---- attention sublayer ---- */
         norm_rows(x, Bd, d, L->attn_norm, s->eps, h);
-        if (!tm_linear(L->qkv, h, Bd, qkv, L->qkv_bias, nthreads, L->act16)) return 0;
-        if (!tm_decode_attention(qkv, Bd, s->H, s->Hkv, s->hd, L->q_norm, L->k_norm, s->eps, L->rcos,
-                                 L->rsin, positions, L->rot_dim, L->k_cache, L->v_cache, new_slots,
-                                 slots, cmax, ctx_lens, L->window, L->scale, att, nthreads))
-            return 0;
-        if (!tm_linear(L->o, att, Bd, proj, L->o_bias, nthreads, L->act16)) return 0;
+        TRY(tm_linear(L->qkv, h, Bd, qkv, L->qkv_bias, nthreads, L->act16));
+        TRY(tm_decode_attention(s, L, rows, qkv, att, nthreads));
+        TRY(tm_linear(L->o, att, Bd, proj, L->o_bias, nthreads, L->act16));
+        if (st->allreduce) st->allreduce(proj, Bd * d, st->allreduce_ctx); /* sum over ranks */
         add_residual(x, proj, Bd, d, L->post_attn_norm, s->eps);
         /* ---- MLP sublayer ---- */
         norm_rows(x, Bd, d, L->mlp_norm, s->eps, h);
-        if (!tm_linear(L->up, h, Bd, up, L->up_bias, nthreads, L->act16)) return 0;
+        TRY(tm_linear(L->up, h, Bd, up, L->up_bias, nthreads, L->act16));
         for (int b = 0; b < Bd; b++) {
             const float *ub = up + (size_t)b * 2 * f;
             gated_act(ub, ub + f, f, s->act, mid + (size_t)b * f);
         }
-        if (!tm_linear(L->down, mid, Bd, proj, L->down_bias, nthreads, L->act16)) return 0;
+        TRY(tm_linear(L->down, mid, Bd, proj, L->down_bias, nthreads, L->act16));
+        if (st->allreduce) st->allreduce(proj, Bd * d, st->allreduce_ctx);
         add_residual(x, proj, Bd, d, L->post_mlp_norm, s->eps);
     }
-    norm_rows(x, Bd, d, s->final_norm, s->eps, x);
+#undef TRY
+    if (st->final_norm) norm_rows(x, Bd, d, st->final_norm, s->eps, x); /* NULL: a pipeline stage */
     return 1;
 }
 

@@ -35,7 +35,7 @@
 #define TM_GB TM_W
 #endif
 
-#define TM_ABI 3 /* tm_info() / 1000: bumped when a struct or signature changes */
+#define TM_ABI 5 /* tm_info() / 1000: bumped when a struct or signature changes */
 
 #define QK 32            /* values per block */
 #define GW (TM_GB * QK)  /* values per full lane-order group */
@@ -53,20 +53,36 @@
 #define TM_F32 32  /* float32 [n, k], natural order, no scales */
 
 /* One weight, filled once per layer from Python (ctypes.Structure mirror: TmWeight).
- * bits 4 or 8: the packed blocks of linear.c; TM_F16 / TM_BF16 / TM_F32: float rows. */
+ * bits 4 or 8: the packed blocks of linear.c; TM_F16 / TM_BF16 / TM_F32: float rows.
+ * Block scales (and mins) come in one of two forms:
+ *   plain       float16 (scale_f16 = 1) or float32 [n, k/32] each
+ *   K-quant     (dsup != NULL) GGUF Q4_K/Q5_K's own: a uint8 code per block [n, k/32]
+ *               (6 bits), times a float16 per 256 values [n, k/256]: d = dsup * scale
+ *               code, m = -msup * min code. 18.5 bytes per 32 values for 4-bit codes,
+ *               like the file (float32 scales would make it 24). */
 typedef struct {
     const uint8_t *codes;
     const void *scales;
     const void *mins;  /* NULL: no mins, zero point Z applies */
     int32_t bits;      /* 4, 8, TM_F16, TM_BF16 or TM_F32 */
-    int32_t scale_f16; /* 1: scales/mins are float16, 0: float32 */
+    int32_t scale_f16; /* plain scales: 1 float16, 0 float32 */
     int32_t n;         /* rows (out features) */
     int32_t k;         /* columns (in features); packed: a multiple of 32 */
+    const uint16_t *dsup, *msup; /* K-quant super-block scales [n, k/256], or NULL */
 } tm_weight;
 
-/* One transformer block for the native decode step (ctypes mirror: TmLayer). Linear
- * layers are tm_weights; every float pointer may be NULL where the family has no such
- * tensor (biases, sandwich norms, q/k norms, rotary). */
+/* The model's shapes, shared by every layer (ctypes mirror: TmShape). */
+typedef struct {
+    int32_t n_layers, d, H, Hkv, hd, f; /* f: the MLP's intermediate size */
+    int32_t act; /* MLP activation of the gate: 0 SiLU, 1 GELU (tanh approximation) */
+    float eps;   /* RMSNorm epsilon (also the q/k norms') */
+} tm_shape;
+
+/* One transformer block as the native decode paths see it (ctypes mirror: TmLayer),
+ * built once per layer and used by both: the per-layer decode attention reads its
+ * attention fields, the whole-step stack all of them. Linear layers are tm_weights (NULL
+ * where a layer is not native: the stack cannot run then); every float pointer may be
+ * NULL where the family has no such tensor (biases, sandwich norms, q/k norms, rotary). */
 typedef struct {
     const tm_weight *qkv, *o, *up, *down; /* up: [gate; up] stacked, [2f, d] */
     const float *qkv_bias, *o_bias, *up_bias, *down_bias;
@@ -79,32 +95,41 @@ typedef struct {
     float scale;                                  /* attention score scale */
 } tm_layer;
 
+/* Tensor parallelism: called with a row-parallel projection's partial sums [n] (the
+ * output and down projections), which it replaces by their sum over the ranks. */
+typedef void (*tm_allreduce_fn)(float *buf, int32_t n, void *ctx);
+
 typedef struct {
-    const tm_layer *layers;
+    const tm_shape *shape;
+    const tm_layer *layers;  /* [shape->n_layers] */
     const float *final_norm; /* [d]: applied to x after the last layer */
-    int32_t n_layers, d, H, Hkv, hd, f;
-    int32_t act; /* MLP activation of the gate: 0 SiLU, 1 GELU (tanh approximation) */
-    float eps;   /* RMSNorm epsilon (also the q/k norms') */
+    tm_allreduce_fn allreduce; /* NULL: one rank holds every head (no tensor parallelism) */
+    void *allreduce_ctx;
 } tm_stack;
+
+/* The decode rows of one step (ctypes mirror: TmRows): Bd rows, one new token each. */
+typedef struct {
+    const int64_t *positions; /* [Bd] position of each row's token */
+    const int64_t *new_slots; /* [Bd] cache slot its k/v is written to */
+    const int64_t *slots;     /* [Bd, cmax] the context slots it reads (padded) */
+    const int64_t *ctx_lens;  /* [Bd] its context length, the new token included */
+    int32_t Bd, cmax;
+} tm_rows;
 
 /* ---- the exported entry points (ctypes binds them: kernels/__init__.py) ---- */
 int tm_info(void);
 int tm_group_blocks(void);
+int tm_kquant_scales(void);
 const char *tm_isa(void);
 int tm_struct_size(int which);
 void tm_dequant_lanes(const tm_weight *w, int r0, int r1, float *out, int nthreads);
 void tm_lanes_f32(const float *x, int T, int K, float *out, int nthreads);
 int tm_dequant_rows(const tm_weight *w, const int64_t *ids, int n, float *out);
-int tm_decode_stack(const tm_stack *s, float *x, int Bd, const int64_t *positions,
-                    const int64_t *new_slots, const int64_t *slots, int cmax,
-                    const int64_t *ctx_lens, int nthreads);
+int tm_decode_stack(const tm_stack *s, const tm_rows *rows, float *x, int nthreads);
 int tm_linear(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads,
               int act16);
-int tm_decode_attention(const float *qkv, int Bd, int H, int Hkv, int hd, const float *q_norm,
-                        const float *k_norm, float eps, const float *rcos, const float *rsin,
-                        const int64_t *positions, int rot_dim, float *k_cache, float *v_cache,
-                        const int64_t *new_slots, const int64_t *slots, int cmax,
-                        const int64_t *ctx_lens, int window, float scale, float *out, int nthreads);
+int tm_decode_attention(const tm_shape *s, const tm_layer *L, const tm_rows *rows, const float *qkv,
+                        float *out, int nthreads);
 
 /* ---- small shared helpers ---- */
 
@@ -134,6 +159,20 @@ static inline void *tm_scratch(size_t bytes) {
 
 static inline float tm_scale_at(const void *p, int f16, size_t idx) {
     return f16 ? tm_half_to_float(((const uint16_t *)p)[idx]) : ((const float *)p)[idx];
+}
+
+/* Scale d and min m of block b of row r, in either form (see tm_weight). */
+static inline float tm_block_scale(const tm_weight *w, int r, int b) {
+    const size_t i = (size_t)r * (w->k / QK) + b;
+    if (!w->dsup) return tm_scale_at(w->scales, w->scale_f16, i);
+    return tm_half_to_float(w->dsup[(size_t)r * (w->k / 256) + b / 8]) * ((const uint8_t *)w->scales)[i];
+}
+
+static inline float tm_block_min(const tm_weight *w, int r, int b) {
+    const size_t i = (size_t)r * (w->k / QK) + b;
+    if (!w->mins) return 0.f;
+    if (!w->dsup) return tm_scale_at(w->mins, w->scale_f16, i);
+    return -(tm_half_to_float(w->msup[(size_t)r * (w->k / 256) + b / 8]) * ((const uint8_t *)w->mins)[i]);
 }
 
 /* ------------------------------------------------------------------------------ */

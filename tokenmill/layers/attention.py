@@ -12,23 +12,16 @@ GQA and MQA alike), hd head dim, C context length.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill import kernels
 from tokenmill.config import ModelConfig
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import Rotary
-
-# Decode rows of float32 CPU batches run their whole attention in one native call
-# (tokenmill/kernels, tm_decode_attention) instead of ~40 torch ops per layer; the torch
-# path below stays the reference. TOKENMILL_FUSED_DECODE=0 turns it off.
-FUSED_DECODE = os.environ.get("TOKENMILL_FUSED_DECODE", "1") != "0"
 
 
 @dataclass
@@ -54,6 +47,10 @@ class AttentionMetadata:
     trace: object | None = None
     trace_rows: slice | None = None
     trace_attn: tuple[str, int] | None = None
+    # The native decode paths (models/paths.py): the model's NativeModel and the decode
+    # rows' C view, set by the model when the decode rows' attention runs natively.
+    native: object | None = None
+    native_rows: object | None = None
     _masks: dict = field(default_factory=dict)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
@@ -116,45 +113,19 @@ class Attention(nn.Module):
         # ---- Q, K, V projections: [T, d] -> [T, q_size + 2 kv_size] ----
         qkv = self.qkv(x)
         out = torch.empty(T, self.q_size, dtype=qkv.dtype, device=qkv.device)  # [T, H hd]
-        nd = meta.num_decode if self._fused_decode_ok(qkv, meta) else 0
+        nd = meta.num_decode if meta.native is not None else 0
         if nd:
-            # ---- decode rows: the whole attention in one native call ----
-            self._fused_decode(qkv[:nd], meta, out[:nd])
+            # ---- decode rows: norms, RoPE, KV write and attention in one native call ----
+            meta.native.attention(self.layer_idx, meta.native_rows, qkv[:nd], out[:nd])
         if nd < T:
-            self._attend(qkv, meta, out, nd)
+            self._attend(qkv[nd:], meta, out[nd:], nd)
         return self.o(out)
 
-    def _fused_decode_ok(self, qkv: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether the decode rows can take the native fused path (float32 CPU, no tracing)."""
-        return (
-            FUSED_DECODE
-            and meta.num_decode > 0
-            and meta.trace is None
-            and qkv.dtype is torch.float32
-            and qkv.device.type == "cpu"
-            and self.k_cache.dtype is torch.float32
-            and kernels.library() is not None
-        )
-
-    def _fused_decode(self, qkv: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
-        # qkv [Bd, q_size + 2 kv_size] -> out [Bd, q_size]; also writes the rows' K/V to the cache
-        nd = qkv.shape[0]
-        rot = self.rotary
-        kernels.decode_attention(
-            qkv.contiguous(), out, self.num_heads, self.num_kv_heads, self.head_dim,
-            None if self.q_norm is None else self.q_norm.weight,
-            None if self.k_norm is None else self.k_norm.weight,
-            0.0 if self.q_norm is None else self.q_norm.eps,
-            None if rot is None else rot.cos, None if rot is None else rot.sin,
-            meta.positions[:nd], self.k_cache, self.v_cache, meta.slot_mapping[:nd],
-            meta.decode_slots, meta.decode_context_lens, self.window or 0,
-            self.head_dim**-0.5 if self.scale is None else self.scale,
-        )  # fmt: skip
-
     def _attend(self, qkv: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor, r0: int):
-        """The torch path for packed rows r0.. of qkv [T, q_size + 2 kv_size], into out
-        [T, q_size]. r0 = num_decode when the fused path did the decode rows, else 0."""
-        qkv, positions, slot_mapping = qkv[r0:], meta.positions[r0:], meta.slot_mapping[r0:]
+        """The torch path for packed rows r0.. (qkv [T, q_size + 2 kv_size] -> out [T,
+        q_size], both already cut at r0): r0 = num_decode when the native path did the
+        decode rows, else 0."""
+        positions, slot_mapping = meta.positions[r0:], meta.slot_mapping[r0:]
         T = qkv.shape[0]
         q = qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
@@ -166,40 +137,52 @@ class Attention(nn.Module):
         # ---- positions: rotate q and k by each token's position ----
         if self.rotary is not None:
             q, k = self.rotary(q, k, positions)
-        # ---- KV cache write: every new token's K/V goes to its slot ----
+        self.write_kv(k, v, slot_mapping)
+        out = out.view(T, self.num_heads, self.head_dim)
+        nd = meta.num_decode - r0
+        if nd:
+            out[:nd] = self.decode_attention(q[:nd], meta)
+        for i, span in enumerate(meta.prefills):
+            s, e = span.start - r0, span.end - r0
+            out[s:e] = self.prefill_attention(q[s:e], k[s:e], v[s:e], meta, i)
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """The KV cache write: every new token's k, v [T, Hkv, hd] to its slot [T]."""
         self.k_cache.index_copy_(0, slot_mapping, k)
         self.v_cache.index_copy_(0, slot_mapping, v)
 
-        out = out[r0:].view(T, self.num_heads, self.head_dim)
-        nd = meta.num_decode - r0
-        if nd:
-            # ---- decode rows: one query each over its cached context ----
-            keys = self.k_cache[meta.decode_slots].transpose(1, 2)  # [Bd, Hkv, Cmax, hd]
-            values = self.v_cache[meta.decode_slots].transpose(1, 2)
-            mask = meta.decode_mask(self.window)  # [Bd, 1, 1, Cmax]
-            qd = q[:nd].unsqueeze(2)  # [Bd, H, 1, hd]
-            out[:nd] = self._sdpa(qd, keys, values, mask, False).squeeze(2)
-            if meta.trace is not None:
-                meta.trace.on_attention(
-                    meta, ("decode", -1), self.layer_idx, qd, keys, mask, self.scale
-                )
-        for i, span in enumerate(meta.prefills):
-            # ---- prefill chunk: all its queries at once, causally masked ----
-            s, e = span.start - r0, span.end - r0
-            if span.slots is None:
-                keys, values = k[s:e], v[s:e]  # the whole context is new
-            else:
-                keys, values = self.k_cache[span.slots], self.v_cache[span.slots]
-            keys = keys.transpose(0, 1).unsqueeze(0)  # [1, Hkv, C, hd]
-            values = values.transpose(0, 1).unsqueeze(0)
-            qp = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, L, hd]
-            mask = meta.prefill_mask(i, self.window)
-            causal = mask is None
-            out[s:e] = self._sdpa(qp, keys, values, mask, causal)[0].transpose(0, 1)
-            if meta.trace is not None:
-                meta.trace.on_attention(
-                    meta, ("prefill", i), self.layer_idx, qp, keys, mask, self.scale
-                )
+    def decode_attention(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Decode rows: one query each, q [Bd, H, hd], over its cached context (the new
+        token's K/V already written) -> [Bd, H, hd]."""
+        keys = self.k_cache[meta.decode_slots].transpose(1, 2)  # [Bd, Hkv, Cmax, hd]
+        values = self.v_cache[meta.decode_slots].transpose(1, 2)
+        mask = meta.decode_mask(self.window)  # [Bd, 1, 1, Cmax]
+        qd = q.unsqueeze(2)  # [Bd, H, 1, hd]
+        if meta.trace is not None:
+            meta.trace.on_attention(
+                meta, ("decode", -1), self.layer_idx, qd, keys, mask, self.scale
+            )
+        return self._sdpa(qd, keys, values, mask, False).squeeze(2)
+
+    def prefill_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, i: int
+    ) -> torch.Tensor:
+        """Prefill chunk i: all its queries q [L, H, hd] at once, causally masked, over its
+        whole context (k, v [L, Hkv, hd] are the chunk's own) -> [L, H, hd]."""
+        span = meta.prefills[i]
+        if span.slots is None:
+            keys, values = k, v  # the whole context is new
+        else:
+            keys, values = self.k_cache[span.slots], self.v_cache[span.slots]
+        keys = keys.transpose(0, 1).unsqueeze(0)  # [1, Hkv, C, hd]
+        values = values.transpose(0, 1).unsqueeze(0)
+        qp = q.transpose(0, 1).unsqueeze(0)  # [1, H, L, hd]
+        mask = meta.prefill_mask(i, self.window)
+        if meta.trace is not None:
+            meta.trace.on_attention(
+                meta, ("prefill", i), self.layer_idx, qp, keys, mask, self.scale
+            )
+        return self._sdpa(qp, keys, values, mask, mask is None)[0].transpose(0, 1)
 
     def _sdpa(self, q, k, v, mask, causal: bool) -> torch.Tensor:
         # q [B, H, L, hd], k/v [B, Hkv, C, hd]

@@ -149,7 +149,7 @@ class FloatLinear(NativeLinear):
     checkpoint stores it (a bf16 safetensors folder, an F16 GGUF file): the native GEMV
     converts 8 (AVX2) or 4 (NEON) values at a time to float32 in registers, so a 16-bit
     weight is read at half the bytes of a float32 copy, and the fused decode step
-    (models/fused_stack.py) takes these layers like packed ones.
+    (models/native_model.py) takes these layers like packed ones.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):

@@ -13,24 +13,25 @@ Packed format (see tokenmill/kernels/linear.c for the lane order of the codes):
     codes  uint8 [N, K/2] (4-bit) or [N, K] (8-bit), lane order for `group_blocks`
            blocks per group (the loaded kernel library's vector width; repacked if a
            library of another width is loaded later)
-    scales float16 or float32 [N, K/32];  mins: same, or None (then Z = 8 or 128)
+    scales float16 or float32 [N, K/32];  mins: same, or None (then Z = 8 or 128);
+           or, for GGUF K-quants, as the file has them: a uint8 code per block (6 bits)
+           times a float16 per 256 values (`dsup`, `msup` [N, K/256]): 18.5 bytes per 32
+           4-bit values like the file's 18, where float32 scales would make 24
 
 GGUF types and how they map (exact = identical values to gguf.quants.dequantize):
     Q4_0  4-bit, Z=8, f16 scales                 exact, 18 bytes / 32 values
     Q4_1  4-bit, f16 scales + mins               exact, 20 B / 32
-    Q4_K  4-bit, f32 scales + mins (d*sc, -dmin*m) exact, 24 B / 32 (file: 18)
+    Q4_K  4-bit, K-quant scales + mins            exact, 18.5 B / 32 (file: 18)
     Q8_0  8-bit, Z=128, f16 scales               exact, 34 B / 32
     Q5_0  8-bit, Z=128, f16 scales               exact, 34 B / 32 (file: 22)
     Q5_1  8-bit, f16 scales + mins               exact, 36 B / 32 (file: 24)
-    Q5_K  8-bit, f32 scales + mins               exact, 40 B / 32 (file: 22)
+    Q5_K  8-bit, K-quant scales + mins            exact, 34.5 B / 32 (file: 22)
     Q6_K, Q2_K, Q3_K (16-value sub-blocks)      requantized to 8-bit Z=128 with a
           per-32 f16 scale (as Q8_0 would): the added error is at most
           max|w_block| / 254 per value, about a quarter of Q6_K's own step.
 """
 
 from __future__ import annotations
-
-from functools import lru_cache
 
 import numpy as np
 import torch
@@ -39,13 +40,15 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 
 from tokenmill import kernels
+from tokenmill.kernels.layout import pack_codes, unpack_index
 from tokenmill.layers.native_linear import PREFILL_MIN_T, NativeLinear
+from tokenmill.loader.gguf_blocks import EXACT_GGUF_TYPES, REQUANT_GGUF_TYPES, parse_exact
 
 __all__ = ["QuantLinear", "PREFILL_MIN_T", "EXACT_GGUF_TYPES", "REQUANT_GGUF_TYPES"]
 
 QK = 32  # values per block
 
-# Activation precision of the decode kernel: 16 (two VNNI passes, ~1.3x the arithmetic,
+# Activation precision of the decode kernel: 16 (two byte-plane dot passes, ~1.3x the arithmetic,
 # ~3-6% slower when streaming weights from memory) or 8 (llama.cpp's q8 scheme). On
 # SmolLM2, 8-bit moves logits by up to ~3 and flips greedy tokens within 10-20 steps;
 # 16-bit by ~0.01. Per layer: the `act_bits` attribute.
@@ -55,149 +58,14 @@ _TORCH = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float
 _RAW = {torch.float16: torch.int16, torch.float32: torch.int32}
 _FLOAT = {raw: f for f, raw in _RAW.items()}
 
-EXACT_GGUF_TYPES = frozenset({GT.Q4_0, GT.Q4_1, GT.Q4_K, GT.Q8_0, GT.Q5_0, GT.Q5_1, GT.Q5_K})
-REQUANT_GGUF_TYPES = frozenset({GT.Q6_K, GT.Q2_K, GT.Q3_K})
-
-
-# ----------------------------------------------------------------------------------
-# lane order: the column permutation of the packed codes (quant.c header)
-# ----------------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=64)
-def _lane_perm(k: int, gb: int) -> np.ndarray:
-    """perm[p] = natural column of lane-order position p, for rows of k values and
-    groups of gb blocks.
-
-    Full groups: block kb, value j = 4i + t of group g sits at p = g*32gb + i*4gb +
-    kb*4 + t. The tail (k/32 % gb blocks) stays in natural order.
-    """
-    nfull = k // QK // gb
-    # natural index within a group, shaped [kb, i, t] -> lane order [i, kb, t]
-    group = np.arange(gb * QK).reshape(gb, 8, 4).transpose(1, 0, 2).reshape(-1)
-    full = (np.arange(nfull)[:, None] * gb * QK + group).reshape(-1)
-    return np.concatenate([full, np.arange(full.size, k)]).astype(np.int64)
-
-
-@lru_cache(maxsize=64)
-def _nibble_cols(k: int, gb: int) -> tuple[np.ndarray, np.ndarray]:
-    """(lo, hi): natural columns of the low and high nibble of each 4-bit code byte.
-
-    Full group (vectors of v = 4gb bytes): byte c*v + r holds lane positions
-    (2c)*v + r (low) and (2c+1)*v + r (high).
-    Tail chunk of n values (64, or 32 for a last single block) starting at value o:
-    byte r holds values o + r (low) and o + n/2 + r (high).
-    """
-    perm = _lane_perm(k, gb)
-    nfull, v, gw = k // QK // gb, 4 * gb, QK * gb
-    pos = np.arange(gw // 2)
-    c, r = pos // v, pos % v
-    lo = [perm[g * gw + 2 * c * v + r] for g in range(nfull)]
-    hi = [perm[g * gw + (2 * c + 1) * v + r] for g in range(nfull)]
-    for o in range(nfull * gw, k, 64):
-        half = min(64, k - o) // 2
-        lo.append(o + np.arange(half))
-        hi.append(o + half + np.arange(half))
-    return np.concatenate(lo).astype(np.int64), np.concatenate(hi).astype(np.int64)
-
-
-@lru_cache(maxsize=64)
-def _unpack_index(k: int, bits: int, gb: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(byte, shift) per natural column: code = (codes[:, byte] >> shift) & mask."""
-    if bits == 8:
-        inv = np.empty(k, dtype=np.int64)
-        inv[_lane_perm(k, gb)] = np.arange(k)
-        return torch.from_numpy(inv), torch.zeros(k, dtype=torch.uint8)
-    lo, hi = _nibble_cols(k, gb)
-    byte = np.empty(k, dtype=np.int64)
-    shift = np.empty(k, dtype=np.uint8)
-    byte[lo], shift[lo] = np.arange(k // 2), 0
-    byte[hi], shift[hi] = np.arange(k // 2), 4
-    return torch.from_numpy(byte), torch.from_numpy(shift)
-
-
-def _pack_codes(nat: np.ndarray, bits: int, gb: int) -> np.ndarray:
-    """Natural-order codes uint8 [rows, K] (< 16 for 4-bit) -> lane order for groups of gb."""
-    k = nat.shape[1]
-    if bits == 8:
-        return nat[:, _lane_perm(k, gb)]
-    lo, hi = _nibble_cols(k, gb)
-    return nat[:, lo] | (nat[:, hi] << 4)
-
-
-# ----------------------------------------------------------------------------------
-# GGUF block parsing: raw bytes [rows, row_bytes] -> natural codes, scales, mins
-# ----------------------------------------------------------------------------------
-
-
-def _f16(b: np.ndarray) -> np.ndarray:
-    """[..., 2] uint8 -> [...] float16 (little-endian, as GGUF stores it)."""
-    return np.ascontiguousarray(b).view(np.float16)[..., 0]
-
-
-def _nibbles16(qs: np.ndarray) -> np.ndarray:
-    """Q4_0/Q4_1/Q5 low bits: [.., 16] bytes -> [.., 32]: value j<16 low, j>=16 high nibble."""
-    return np.concatenate([qs & 15, qs >> 4], axis=-1)
-
-
-def _k_scale_min(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K 12-byte packed 6-bit (scale, min) of 8 sub-blocks -> two [.., 8] arrays."""
-    d, m, md = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
-    scale = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
-    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return scale, mn
-
-
-def _parse_exact(blocks: np.ndarray, qtype: GT):
-    """blocks [rows, nblk, type_size] -> (codes [rows, K] u8, scales, mins|None, bits)."""
-    rows = blocks.shape[0]
-    if qtype in (GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.Q5_0, GT.Q5_1):
-        d = _f16(blocks[..., 0:2])
-        has_min = qtype in (GT.Q4_1, GT.Q5_1)
-        m = _f16(blocks[..., 2:4]) if has_min else None
-        off = 4 if has_min else 2
-        if qtype == GT.Q8_0:  # int8 q -> q + 128 (Z = 128)
-            codes = blocks[..., 2:34] ^ np.uint8(0x80)
-            return codes.reshape(rows, -1), d, None, 8
-        if qtype in (GT.Q4_0, GT.Q4_1):  # Q4_0: raw nibble, Z = 8; Q4_1: nibble with min
-            return _nibbles16(blocks[..., off : off + 16]).reshape(rows, -1), d, m, 4
-        # Q5_0 / Q5_1: 4 bytes of high bits (bit j of a little-endian u32 for value j)
-        qh = np.ascontiguousarray(blocks[..., off : off + 4]).view("<u4")  # [rows, nblk, 1]
-        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
-        q = _nibbles16(blocks[..., off + 4 : off + 20]) | high
-        if qtype == GT.Q5_0:  # value d * (q - 16) = d * ((q + 112) - 128)
-            q = q + np.uint8(112)
-        return q.reshape(rows, -1), d, m, 8
-    # K-quants: super-blocks of 256 = 8 sub-blocks of 32, each with a 6-bit scale/min.
-    d = _f16(blocks[..., 0:2]).astype(np.float32)
-    dmin = _f16(blocks[..., 2:4]).astype(np.float32)
-    sc, mn = _k_scale_min(blocks[..., 4:16])
-    scales = d[..., None] * sc.astype(np.float32)  # [rows, nblk, 8], exact in float32
-    mins = -(dmin[..., None] * mn.astype(np.float32))
-    if qtype == GT.Q4_K:
-        # 4 chunks of 32 bytes: sub-block 2c = low nibbles of chunk c, 2c+1 = high
-        qs = blocks[..., 16:144].reshape(rows, -1, 4, 1, 32)
-        q = (qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15
-        bits = 4
-    elif qtype == GT.Q5_K:
-        qh = blocks[..., 16:48].reshape(rows, -1, 1, 32)  # bit s = high bit, sub-block s
-        qs = blocks[..., 48:176].reshape(rows, -1, 4, 1, 32)
-        q = (qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15
-        high = (qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
-        q = q.reshape(rows, -1, 8, 32) | (high << 4)
-        bits = 8
-    else:
-        raise ValueError(f"not an exactly representable type: {qtype.name}")
-    return q.reshape(rows, -1), scales.reshape(rows, -1), mins.reshape(rows, -1), bits
-
-
 # ----------------------------------------------------------------------------------
 # float -> packed quantization (HF checkpoints, and requantized GGUF types)
 # ----------------------------------------------------------------------------------
 
 
 def _quantize_rows(w: torch.Tensor, scheme: str):
-    """w float32 [rows, K] -> (natural codes u8 [rows, K], f16 scales, f16 mins|None, bits).
+    """w float32 [rows, K] -> (natural codes u8 [rows, K], f16 scales, f16 mins|None, bits,
+    None: no K-quant super-block scales).
 
     q8: symmetric, d = max|w| / 127 (Q8_0). q4: asymmetric, d = (max - min) / 15,
     m = min (Q4_1). Codes are rounded against the float16-rounded d and m, so the
@@ -209,14 +77,14 @@ def _quantize_rows(w: torch.Tensor, scheme: str):
         d = (b.abs().amax(-1) / 127).half()
         inv = torch.where(d == 0, 0.0, 1.0 / d.float())
         q = torch.round(b * inv[..., None]).clamp(-127, 127).to(torch.int16) + 128
-        return q.to(torch.uint8).reshape(rows, k).numpy(), d.numpy(), None, 8
+        return q.to(torch.uint8).reshape(rows, k).numpy(), d.numpy(), None, 8, None
     if scheme == "q4":
         lo, hi = b.amin(-1), b.amax(-1)
         m = lo.half()
         d = ((hi - m.float()) / 15).half()
         inv = torch.where(d == 0, 0.0, 1.0 / d.float())
         q = torch.round((b - m.float()[..., None]) * inv[..., None]).clamp(0, 15)
-        return q.to(torch.uint8).reshape(rows, k).numpy(), d.numpy(), m.numpy(), 4
+        return q.to(torch.uint8).reshape(rows, k).numpy(), d.numpy(), m.numpy(), 4, None
     raise ValueError(f"unknown scheme {scheme!r} (use 'q8' or 'q4')")
 
 
@@ -245,7 +113,10 @@ class QuantLinear(NativeLinear):
         out_features: int,
         bias: torch.Tensor | None = None,
         group_blocks: int | None = None,
+        sup: torch.Tensor | None = None,
     ):
+        """sup: K-quant super-block scales (d, dmin) float16 [out, in/256, 2], with scales
+        and mins their uint8 codes per block; None: scales and mins are float."""
         super().__init__(in_features, out_features, bias)
         if in_features % QK or bits not in (4, 8):
             raise ValueError(f"need in_features % {QK} == 0 and bits in (4, 8)")
@@ -253,19 +124,33 @@ class QuantLinear(NativeLinear):
             raise ValueError(f"codes: expected uint8 {(out_features, in_features * bits // 8)}")
         if scales.shape != (out_features, in_features // QK):
             raise ValueError(f"scales: expected shape {(out_features, in_features // QK)}")
-        if scales.dtype not in _RAW:
+        if sup is None and scales.dtype not in _RAW:
             raise ValueError(f"scales must be float16 or float32, got {scales.dtype}")
+        if sup is not None and (
+            scales.dtype != torch.uint8
+            or sup.shape != (out_features, in_features // 256, 2)
+            or sup.dtype != torch.float16
+        ):
+            raise ValueError("K-quant scales: uint8 codes and float16 sup [out, in/256, 2]")
         if mins is not None and (mins.shape != scales.shape or mins.dtype != scales.dtype):
             raise ValueError("mins must match scales in shape and dtype")
         self.bits = bits
         # the lane order `codes` is packed in (None: that of the loaded kernels)
         self.group_blocks = kernels.group_blocks() if group_blocks is None else group_blocks
         self.register_buffer("codes", codes.contiguous())
-        # Scales and mins are stored as their raw bits (int16/int32 views): a float cast
-        # of the model (model.to(torch.bfloat16)) must not touch the packed format.
-        raw = _RAW[scales.dtype]
+        # Float scales and mins are stored as their raw bits (int16/int32 views): a float
+        # cast of the model (model.to(torch.bfloat16)) must not touch the packed format.
+        raw = torch.uint8 if sup is not None else _RAW[scales.dtype]
         self.register_buffer("scales_raw", scales.contiguous().view(raw))
         self.register_buffer("mins_raw", None if mins is None else mins.contiguous().view(raw))
+        # K-quants: d and dmin per 256 values, float16 bits, each [out, in/256]
+        self.register_buffer(
+            "dsup_raw", None if sup is None else sup[..., 0].contiguous().view(torch.int16)
+        )
+        self.register_buffer(
+            "msup_raw", None if sup is None else sup[..., 1].contiguous().view(torch.int16)
+        )
+        self._plain: tuple | None = None  # float32 scales for builds that need them
         self.act_bits = DEFAULT_ACT_BITS
 
     # -- construction -----------------------------------------------------------------
@@ -304,7 +189,7 @@ class QuantLinear(NativeLinear):
         def parse(r0: int, r1: int):
             rows = raw[r0:r1]
             if qtype in EXACT_GGUF_TYPES:
-                return _parse_exact(rows.reshape(r1 - r0, -1, type_size), qtype)
+                return parse_exact(rows.reshape(r1 - r0, -1, type_size), qtype)
             w = gguf_dequantize(np.ascontiguousarray(rows), qtype).reshape(r1 - r0, -1)
             return _quantize_rows(torch.from_numpy(w), "q8")
 
@@ -329,24 +214,30 @@ class QuantLinear(NativeLinear):
     def _assemble(cls, parse, in_features: int, out_features: int, bias) -> QuantLinear:
         """Packs rows chunk by chunk into preallocated tensors.
 
-        parse(r0, r1) -> (natural codes u8 [rows, K], scales, mins | None, bits). About
-        1M values per chunk: the transient memory beyond the result stays a few MB.
+        parse(r0, r1) -> (natural codes u8 [rows, K], scales, mins | None, bits, sup |
+        None). About 1M values per chunk: the transient memory beyond the result stays a
+        few MB.
         """
         chunk = max(1, (1 << 20) // in_features)
         gb = kernels.group_blocks()
-        codes = scales = mins = None
+        codes = scales = mins = sup = None
         for r0 in range(0, out_features, chunk):
             r1 = min(out_features, r0 + chunk)
-            nat, sc, mn, bits = parse(r0, r1)
+            nat, sc, mn, bits, su = parse(r0, r1)
             if codes is None:
                 codes = torch.empty(out_features, in_features * bits // 8, dtype=torch.uint8)
-                scales = torch.empty(out_features, in_features // QK, dtype=_TORCH[sc.dtype])
+                dtype = torch.uint8 if su is not None else _TORCH[sc.dtype]
+                scales = torch.empty(out_features, in_features // QK, dtype=dtype)
                 mins = None if mn is None else torch.empty_like(scales)
-            codes[r0:r1] = torch.from_numpy(_pack_codes(nat, bits, gb))
+                if su is not None:
+                    sup = torch.empty(out_features, in_features // 256, 2, dtype=torch.float16)
+            codes[r0:r1] = torch.from_numpy(pack_codes(nat, bits, gb))
             scales[r0:r1] = torch.from_numpy(np.ascontiguousarray(sc))
             if mins is not None:
                 mins[r0:r1] = torch.from_numpy(np.ascontiguousarray(mn))
-        return cls(codes, scales, mins, bits, in_features, out_features, bias, gb)
+            if sup is not None:
+                sup[r0:r1] = torch.from_numpy(np.ascontiguousarray(su))
+        return cls(codes, scales, mins, bits, in_features, out_features, bias, gb, sup)
 
     @classmethod
     def cat(cls, parts: list[QuantLinear]) -> QuantLinear:
@@ -360,57 +251,97 @@ class QuantLinear(NativeLinear):
             if (
                 p.in_features != first.in_features
                 or p.bits != first.bits
-                or p.scales.dtype != first.scales.dtype
+                or p.scales_raw.dtype != first.scales_raw.dtype
                 or (p.mins is None) != (first.mins is None)
+                or p.kquant != first.kquant
                 or p.group_blocks != first.group_blocks
             ):
                 raise ValueError("QuantLinear.cat: parts differ in input size or packed format")
         if any(p.bias is not None for p in parts) and not all(p.bias is not None for p in parts):
             raise ValueError("QuantLinear.cat: either all parts have a bias or none")
+
+        def stored(name: str) -> torch.Tensor | None:  # scales/mins as stored, float or codes
+            if getattr(first, f"{name}_raw") is None:
+                return None
+            raw = torch.cat([getattr(p, f"{name}_raw") for p in parts])
+            return raw if first.kquant else raw.view(_FLOAT[raw.dtype])
+
+        sup = None
+        if first.kquant:
+            sup = torch.stack([torch.cat([p.dsup_raw for p in parts]),
+                               torch.cat([p.msup_raw for p in parts])], -1).view(torch.float16)  # fmt: skip
         return cls(
             torch.cat([p.codes for p in parts]),
-            torch.cat([p.scales for p in parts]),
-            None if first.mins is None else torch.cat([p.mins for p in parts]),
+            stored("scales"),
+            stored("mins"),
             first.bits,
             first.in_features,
             sum(p.out_features for p in parts),
             None if first.bias is None else torch.cat([p.bias for p in parts]),
             first.group_blocks,
+            sup,
         )
 
     @property
+    def kquant(self) -> bool:
+        """Whether scales and mins are K-quant codes times super-block scales."""
+        return self.dsup_raw is not None
+
+    def _expand_sup(self, sup_raw: torch.Tensor) -> torch.Tensor:
+        """[out, in/256] float16 bits -> float32 [out, in/32], one per block."""
+        return sup_raw.view(torch.float16).float().repeat_interleave(8, dim=1)
+
+    @property
     def scales(self) -> torch.Tensor:
-        """Block scales, float16 or float32 [out, in/32]."""
+        """Block scales [out, in/32]: float16 or float32 as stored, or K-quant d * code in
+        float32 (exact: an 11-bit d times a 6-bit code)."""
+        if self.kquant:
+            return self._expand_sup(self.dsup_raw) * self.scales_raw.float()
         return self.scales_raw.view(_FLOAT[self.scales_raw.dtype])
 
     @property
     def mins(self) -> torch.Tensor | None:
-        """Block mins like `scales`, or None (zero point 8 or 128 instead)."""
+        """Block mins like `scales` (K-quants: -dmin * code), or None (zero point 8 or 128
+        instead)."""
         raw = self.mins_raw
-        return None if raw is None else raw.view(_FLOAT[raw.dtype])
+        if raw is None:
+            return None
+        if self.kquant:
+            return -(self._expand_sup(self.msup_raw) * raw.float())
+        return raw.view(_FLOAT[raw.dtype])
 
     # -- compute ----------------------------------------------------------------------
 
     def _make_native(self) -> kernels.TmWeight:
         if self.group_blocks != kernels.group_blocks():
             self._relayout(kernels.group_blocks())
+        scales, mins, dsup, msup = self.scales_raw, self.mins_raw, self.dsup_raw, self.msup_raw
+        if self.kquant and not kernels.reads_kquant_scales():
+            # a build that reads float scales only (AVX-512): float32 copies, kept alive here
+            self._plain = (
+                self.scales.contiguous(),
+                None if mins is None else self.mins.contiguous(),
+            )
+            (scales, mins), dsup = self._plain, None
         return kernels.TmWeight(
             self.codes.data_ptr(),
-            self.scales_raw.data_ptr(),
-            None if self.mins_raw is None else self.mins_raw.data_ptr(),
+            scales.data_ptr(),
+            None if mins is None else mins.data_ptr(),
             self.bits,
-            int(self.scales.dtype == torch.float16),
+            int(scales.dtype == torch.int16),
             self.out_features,
             self.in_features,
+            None if dsup is None else dsup.data_ptr(),
+            None if dsup is None else msup.data_ptr(),
         )
 
     def _relayout(self, gb: int) -> None:
         """Repack the codes for groups of gb blocks (a library of another vector width)."""
-        byte, shift = _unpack_index(self.in_features, self.bits, self.group_blocks)
+        byte, shift = unpack_index(self.in_features, self.bits, self.group_blocks)
         nat = self.codes[:, byte]
         if self.bits == 4:
             nat = (nat >> shift) & 15
-        self.codes = torch.from_numpy(_pack_codes(nat.numpy(), self.bits, gb))
+        self.codes = torch.from_numpy(pack_codes(nat.numpy(), self.bits, gb))
         self.group_blocks = gb
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -424,7 +355,7 @@ class QuantLinear(NativeLinear):
         if rows is not None:
             codes, scales = codes[rows], scales[rows]
             mins = None if mins is None else mins[rows]
-        byte, shift = _unpack_index(self.in_features, self.bits, self.group_blocks)
+        byte, shift = unpack_index(self.in_features, self.bits, self.group_blocks)
         c = codes[:, byte]
         if self.bits == 4:
             c = (c >> shift) & 15
@@ -439,9 +370,10 @@ class QuantLinear(NativeLinear):
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.codes, self.scales] + ([] if self.mins is None else [self.mins])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        tensors = [self.codes, self.scales_raw, self.mins_raw, self.dsup_raw, self.msup_raw]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def extra_repr(self) -> str:
-        kind = f"q{self.bits}{'+min' if self.mins is not None else ''}/{self.scales.dtype}"
+        scale = "kquant" if self.kquant else str(self.scales.dtype)
+        kind = f"q{self.bits}{'+min' if self.mins_raw is not None else ''}/{scale}"
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"

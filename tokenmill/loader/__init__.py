@@ -40,6 +40,9 @@ class Checkpoint:
     # order (Q/K unpermuted, fused QKV split). Quantized layers are built from these
     # without ever making a float32 copy.
     raw: dict[str, Callable[[], tuple]] = field(default_factory=dict)
+    # name -> the tensor's shape as `tensors[name]()` will return it, read from the file's
+    # header without touching the data: checks.py compares them with the config
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # release(name): the caller is done with that tensor's file bytes (GGUF: drops the
     # mapped pages from the resident set, so packing a model never holds the file twice)
     release: Callable[[str], None] = lambda name: None

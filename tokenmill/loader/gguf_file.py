@@ -17,8 +17,17 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from tokenmill.config import ModelConfig, RopeConfig
+from tokenmill.config import (
+    MAX_SIZES,
+    ConfigError,
+    ModelConfig,
+    RopeConfig,
+    check_float,
+    check_int,
+    short_repr,
+)
 from tokenmill.loader import Checkpoint, LoadError
+from tokenmill.loader.checks import check_checkpoint, part_shape
 from tokenmill.loader.gguf_reader import GGUFFile, GGUFFormatError
 
 SUPPORTED_TYPES = {
@@ -63,62 +72,76 @@ _TOP_NAMES = {
 }
 
 
-def _field(reader: GGUFFile, key: str, default=None):
-    return reader.metadata.get(key, default)
+_REQUIRED = object()
 
 
 def _config(reader: GGUFFile, path: Path) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHS:
+    """The ModelConfig a GGUF header describes. Every number is checked (type, range) under
+    its own key name before it is used: ConfigError, which open_gguf turns into LoadError."""
+    arch = reader.metadata.get("general.architecture")
+    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHS:
         raise LoadError(
-            path, f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
+            path,
+            f"unsupported architecture {short_repr(arch)} (supported: {', '.join(SUPPORTED_ARCHS)})",
         )
 
-    def meta(key: str, default=None):
-        value = _field(reader, f"{arch}.{key}", default)
-        if value is None:
-            raise LoadError(path, f"missing metadata key {arch}.{key}")
+    def raw(key: str, default=_REQUIRED):
+        value = reader.metadata.get(key, default)
+        if value is _REQUIRED:
+            raise ConfigError(f"missing metadata key {key}")
         return value
 
-    hidden = meta("embedding_length")
-    heads = meta("attention.head_count")
-    kv_heads = _field(reader, f"{arch}.attention.head_count_kv") or heads
-    head_dim = _field(reader, f"{arch}.attention.key_length") or hidden // heads
-    layers = meta("block_count")
+    def meta_int(key: str, default=_REQUIRED, *, lo: int = 1, size: str | None = None):
+        value = raw(f"{arch}.{key}", default)
+        hi = MAX_SIZES[size] if size else None
+        return None if value is None else check_int(f"{arch}.{key}", value, lo, hi)
+
+    def meta_float(key: str, default=_REQUIRED, *, lo_open: bool = False):
+        value = raw(f"{arch}.{key}", default)
+        return None if value is None else check_float(f"{arch}.{key}", value, 0.0, lo_open=lo_open)
+
+    hidden = meta_int("embedding_length", size="hidden_size")
+    heads = meta_int("attention.head_count", size="num_heads")
+    kv_heads = meta_int("attention.head_count_kv", None, size="num_kv_heads") or heads
+    head_dim = meta_int("attention.key_length", None, size="head_dim") or hidden // heads
+    layers = meta_int("block_count", size="num_layers")
     tokens = reader.metadata.get("tokenizer.ggml.tokens")
-    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens else None)
+    vocab = meta_int("vocab_size", None, size="vocab_size")
+    if vocab is None and isinstance(tokens, list) and tokens:
+        vocab = len(tokens)
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embd is not None:
         vocab = int(embd.shape[0])
     rope = RopeConfig(
-        theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        dim=_field(reader, f"{arch}.rope.dimension_count"),
+        theta=meta_float("rope.freq_base", 10000.0, lo_open=True),
+        dim=meta_int("rope.dimension_count", None, lo=2, size="head_dim"),
     )
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    scaling = raw(f"{arch}.rope.scaling.type", None)
     if scaling == "linear":
-        rope.scaling, rope.factor = "linear", float(meta("rope.scaling.factor"))
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+        rope.scaling, rope.factor = "linear", meta_float("rope.scaling.factor", lo_open=True)
+    eos = raw("tokenizer.ggml.eos_token_id", None)
+    bos = raw("tokenizer.ggml.bos_token_id", None)
     names = {t.name for t in reader.tensors}
     common = dict(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=meta("feed_forward_length"),
+        intermediate_size=meta_int("feed_forward_length", size="intermediate_size"),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        max_position=meta("context_length", 4096),
+        max_position=meta_int("context_length", 4096, size="max_position"),
         rope=rope,
         tie_embeddings="output.weight" not in names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=[eos] if eos is not None else [],
+        bos_token_id=None if bos is None else check_int("tokenizer.ggml.bos_token_id", bos, 0),
+        eos_token_ids=[] if eos is None else [check_int("tokenizer.ggml.eos_token_id", eos, 0)],
     )
-    rms_eps = _field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    rms_eps = meta_float("attention.layer_norm_rms_epsilon", 1e-6)
     if arch == "gpt2":
         return ModelConfig(
             arch="gpt2",
             norm="layer",
-            norm_eps=meta("attention.layer_norm_epsilon", 1e-5),
+            norm_eps=meta_float("attention.layer_norm_epsilon", 1e-5),
             mlp="plain",
             activation="gelu_tanh",
             position="learned",
@@ -128,7 +151,7 @@ def _config(reader: GGUFFile, path: Path) -> ModelConfig:
             **common,
         )
     if arch == "gemma3":
-        window = meta("attention.sliding_window")
+        window = meta_int("attention.sliding_window", size="sliding_window")
         # llama.cpp: every 6th Gemma 3 layer is global, local layers use RoPE base 10k.
         types = ["full" if (i + 1) % 6 == 0 else "sliding" for i in range(layers)]
         return ModelConfig(
@@ -144,7 +167,7 @@ def _config(reader: GGUFFile, path: Path) -> ModelConfig:
             rope_local=RopeConfig(theta=10000.0),
             **common,
         )
-    window = _field(reader, f"{arch}.attention.sliding_window")
+    window = meta_int("attention.sliding_window", None, size="sliding_window")
     return ModelConfig(
         arch=arch,
         norm_eps=rms_eps,
@@ -162,7 +185,7 @@ def _target_name(name: str) -> list[tuple[str, str | None]]:
         return [(f"{_TOP_NAMES[stem]}.{kind}", None)]
     if stem == "rope_freqs":
         return [("rope_freqs", None)]
-    if not stem.startswith("blk."):
+    if not stem.startswith("blk.") or stem.count(".") < 2:
         return []
     _, idx, part = stem.split(".", 2)
     if part == "attn_qkv":  # fused (GPT-2): split into q, k, v by the loader
@@ -201,20 +224,33 @@ def open_gguf(path: Path) -> Checkpoint:
         reader = GGUFFile(path)
     except GGUFFormatError as e:
         raise LoadError(path, str(e).removeprefix(f"{path}: ")) from None
-    config = _config(reader, path)
-    file_size = path.stat().st_size
-    tensors, raw, by_target = {}, {}, {}
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > file_size:
-            raise LoadError(path, f"truncated: tensor {t.name} ends past the end of the file")
-        for target, part in _target_name(t.name):
+    try:
+        config = _config(reader, path)
+    except ConfigError as e:
+        raise LoadError(path, str(e)) from None
+    tensors, raw, shapes, by_target = {}, {}, {}, {}
+    for t in reader.tensors:  # the reader checked each lies inside the file
+        targets = _target_name(t.name)
+        if targets and t.tensor_type not in SUPPORTED_TYPES:
+            raise LoadError(
+                path, f"tensor {t.name}: unsupported quantization type {t.tensor_type.name}"
+            )
+        for target, part in targets:
             tensors[target] = _gguf_loader(t, path, config, target, part)
             raw[target] = _raw_loader(t, path, config, target, part)
+            shapes[target] = part_shape(path, t.name, t.shape, part)
             by_target[target] = t
-    return Checkpoint(
-        path, "gguf", config, tensors, raw=raw, release=lambda n: reader.release(by_target[n])
+    ckpt = Checkpoint(
+        path,
+        "gguf",
+        config,
+        tensors,
+        raw=raw,
+        shapes=shapes,
+        release=lambda n: reader.release(by_target[n]),
     )
+    check_checkpoint(ckpt, layer_key=f"{config.arch}.block_count")
+    return ckpt
 
 
 def _rows_in_our_order(w: np.ndarray, config: ModelConfig, target: str, part: str | None):

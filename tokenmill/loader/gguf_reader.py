@@ -46,73 +46,133 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
 
-class _Cursor:
-    """Reads little-endian GGUF values from a buffer, advancing as it goes."""
+GGML_MAX_DIMS = 4  # llama.cpp's limit on a tensor's dimensions
+MAX_ARRAY_DEPTH = 2  # an array of arrays is allowed (merges in old files), no deeper
+MAX_ALIGNMENT = 1 << 20
+# The fewest bytes one item can take in the file; a count is checked against the bytes
+# left before anything is allocated for it (a flipped count must not cost a gigabyte).
+_MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, one byte of value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
+_MIN_ARRAY_BYTES = 4 + 8  # element type, count
 
-    def __init__(self, buf: mmap.mmap) -> None:
+
+def _error(path, problem: str) -> GGUFFormatError:
+    return GGUFFormatError(f"{path}: {problem}")
+
+
+class _Cursor:
+    """Reads little-endian GGUF values from a buffer, advancing as it goes. Every read
+    checks the bytes it needs are there: a truncated or lying file raises GGUFFormatError
+    naming what was being read, before any allocation sized from the file."""
+
+    def __init__(self, buf: mmap.mmap, path) -> None:
         self.buf = buf
         self.pos = 0
+        self.path = path
+
+    def fail(self, problem: str) -> GGUFFormatError:
+        return _error(self.path, problem)
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise self.fail(
+                f"truncated or corrupt GGUF header: {what} needs {n} bytes at offset "
+                f"{self.pos}, the file has {len(self.buf)}"
+            )
+
+    def count(self, n: int, min_bytes: int, what: str) -> int:
+        """A count read from the file, checked against the bytes left to hold its items."""
+        left = len(self.buf) - self.pos
+        if n * min_bytes > left:
+            raise self.fail(
+                f"corrupt GGUF header: {what} is {n}, but only {left} bytes are left "
+                f"(each takes at least {min_bytes})"
+            )
+        return n
 
     def u32(self) -> int:
+        self.need(4, "a u32")
         (value,) = _U32.unpack_from(self.buf, self.pos)
         self.pos += 4
         return value
 
     def u64(self) -> int:
+        self.need(8, "a u64")
         (value,) = _U64.unpack_from(self.buf, self.pos)
         self.pos += 8
         return value
 
     def string(self) -> str:
         size = self.u64()
+        self.need(size, "a string")
         text = self.buf[self.pos : self.pos + size].decode("utf-8", errors="replace")
         self.pos += size
         return text
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, key: str) -> Any:
         if vtype == GGUFValueType.STRING:
             return self.string()
         if vtype == GGUFValueType.ARRAY:
-            return self.array(self.u32(), self.u64())
-        fmt = struct.Struct(_SCALAR_FORMATS[GGUFValueType(vtype)])
+            return self.array(self.u32(), self.u64(), key, depth=1)
+        fmt = struct.Struct(self.scalar_format(vtype, key))
+        self.need(fmt.size, f"the value of {key}")
         (value,) = fmt.unpack_from(self.buf, self.pos)
         self.pos += fmt.size
         return value
 
-    def array(self, vtype: int, count: int) -> np.ndarray | list:
+    def scalar_format(self, vtype: int, key: str) -> str:
+        try:
+            return _SCALAR_FORMATS[GGUFValueType(vtype)]
+        except (ValueError, KeyError):
+            raise self.fail(f"corrupt GGUF header: {key} has unknown value type {vtype}") from None
+
+    def array(self, vtype: int, count: int, key: str, depth: int) -> np.ndarray | list:
         if vtype == GGUFValueType.STRING:
-            return self.strings(count)
+            return self.strings(self.count(count, 8, f"the length of array {key}"))
         if vtype == GGUFValueType.ARRAY:
-            return [self.array(self.u32(), self.u64()) for _ in range(count)]
-        dtype = np.dtype(_SCALAR_FORMATS[GGUFValueType(vtype)].replace("?", "b1"))
+            if depth >= MAX_ARRAY_DEPTH:
+                raise self.fail(f"corrupt GGUF header: {key} nests arrays too deeply")
+            count = self.count(count, _MIN_ARRAY_BYTES, f"the length of array {key}")
+            return [self.array(self.u32(), self.u64(), key, depth + 1) for _ in range(count)]
+        dtype = np.dtype(self.scalar_format(vtype, key).replace("?", "b1"))
+        count = self.count(count, dtype.itemsize, f"the length of array {key}")
         values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
         self.pos += dtype.itemsize * count
         return values
 
     def strings(self, count: int) -> list[str]:
-        buf, pos, unpack = self.buf, self.pos, _U64.unpack_from
+        buf, pos, unpack, end = self.buf, self.pos, _U64.unpack_from, len(self.buf)
         out = []
         for _ in range(count):
+            if pos + 8 > end:
+                break
             (size,) = unpack(buf, pos)
+            if pos + 8 + size > end:
+                break
             out.append(buf[pos + 8 : pos + 8 + size].decode("utf-8", errors="replace"))
             pos += 8 + size
         self.pos = pos
+        if len(out) < count:
+            self.need(8, f"string {len(out)} of {count} in an array")  # raises
         return out
 
 
-def _header(cur: _Cursor, path) -> tuple[int, dict[str, Any]]:
+def _header(cur: _Cursor) -> tuple[int, dict[str, Any]]:
     if cur.buf[:4] != b"GGUF":
-        raise GGUFFormatError(f"{path}: not a GGUF file")
+        raise cur.fail("not a GGUF file")
     cur.pos = 4
     version = cur.u32()
     if version not in (2, 3):
-        raise GGUFFormatError(f"{path}: unsupported GGUF version {version} (or big-endian file)")
+        raise cur.fail(f"unsupported GGUF version {version} (or big-endian file)")
     n_tensors = cur.u64()
-    n_kv = cur.u64()
-    metadata = {}
+    n_kv = cur.count(cur.u64(), _MIN_KV_BYTES, "the key/value count")
+    cur.count(n_tensors, _MIN_TENSOR_INFO_BYTES, "the tensor count")  # checked again later
+    metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = cur.string()
-        metadata[key] = cur.value(cur.u32())
+        if key in metadata:
+            raise cur.fail(f"corrupt GGUF header: key {key!r} appears twice")
+        metadata[key] = cur.value(cur.u32(), key)
     return n_tensors, metadata
 
 
@@ -120,8 +180,8 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     """Every key/value pair of a GGUF file's header (not the tensor infos, not the tensors)."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         try:
-            return _header(_Cursor(buf), path)[1]
-        except (struct.error, UnicodeDecodeError, KeyError, ValueError) as e:
+            return _header(_Cursor(buf, path))[1]
+        except (struct.error, UnicodeDecodeError, KeyError, ValueError, OverflowError) as e:
             if isinstance(e, GGUFFormatError):
                 raise
             raise GGUFFormatError(f"{path}: truncated or corrupt GGUF header ({e})") from None
@@ -146,7 +206,7 @@ class GGUFFile:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             self._parse()
-        except (struct.error, UnicodeDecodeError, KeyError, ValueError) as e:
+        except (struct.error, UnicodeDecodeError, KeyError, ValueError, OverflowError) as e:
             if isinstance(e, GGUFFormatError):
                 raise
             raise GGUFFormatError(f"{self.path}: truncated or corrupt GGUF file ({e})") from None
@@ -161,30 +221,64 @@ class GGUFFile:
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def _parse(self) -> None:
-        cur = _Cursor(self._map)
-        n_tensors, self.metadata = _header(cur, self.path)
-        infos = []
+        cur = _Cursor(self._map, self.path)
+        n_tensors, self.metadata = _header(cur)
+        n_tensors = cur.count(n_tensors, _MIN_TENSOR_INFO_BYTES, "the tensor count")
+        infos, names = [], set()
         for _ in range(n_tensors):
             name = cur.string()
-            dims = [cur.u64() for _ in range(cur.u32())]
-            infos.append((name, dims, GGMLQuantizationType(cur.u32()), cur.u64()))
-        align = int(self.metadata.get("general.alignment", 32))
+            if name in names:
+                raise cur.fail(f"corrupt GGUF header: tensor {name!r} appears twice")
+            names.add(name)
+            n_dims = cur.u32()
+            if not 1 <= n_dims <= GGML_MAX_DIMS:
+                raise cur.fail(f"tensor {name}: {n_dims} dimensions (1 to {GGML_MAX_DIMS})")
+            dims = [cur.u64() for _ in range(n_dims)]
+            raw_type = cur.u32()
+            try:
+                qtype = GGMLQuantizationType(raw_type)
+                block, type_size = GGML_QUANT_SIZES[qtype]
+            except (ValueError, KeyError):
+                raise cur.fail(f"tensor {name}: unknown ggml type {raw_type}") from None
+            infos.append((name, dims, qtype, cur.u64()))
+        align = self.metadata.get("general.alignment", 32)
+        if not (isinstance(align, int) and 0 < align <= MAX_ALIGNMENT and align & (align - 1) == 0):
+            raise cur.fail(f"general.alignment must be a power of two, got {align!r:.40}")
         start = -(-cur.pos // align) * align
         size = len(self._map)
         self.tensors = []
         for name, dims, qtype, offset in infos:
-            block, type_size = GGML_QUANT_SIZES[qtype]
-            n_elements = int(np.prod(dims)) if dims else 1
-            n_bytes = n_elements // block * type_size
-            begin = start + offset
-            shape = tuple(int(d) for d in reversed(dims))
-            if begin + n_bytes > size:
-                data = np.zeros(0, dtype=np.uint8)  # truncated: the loader reports it
-            elif qtype == GGMLQuantizationType.F32:
-                data = np.frombuffer(self._map, np.float32, n_elements, begin).reshape(shape)
-            elif qtype == GGMLQuantizationType.F16:
-                data = np.frombuffer(self._map, np.float16, n_elements, begin).reshape(shape)
-            else:
-                raw = np.frombuffer(self._map, np.uint8, n_bytes, begin)
-                data = raw.reshape(*shape[:-1], shape[-1] // block * type_size)
-            self.tensors.append(GGUFTensor(name, shape, qtype, begin, n_bytes, data))
+            self.tensors.append(self._tensor(name, dims, qtype, offset, start, size, align))
+
+    def _tensor(self, name, dims, qtype, offset, start, size, align) -> GGUFTensor:
+        """One tensor's info checked against the file (llama.cpp's checks), and its view."""
+
+        def fail(problem: str) -> GGUFFormatError:
+            return _error(self.path, problem)
+
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if any(d < 1 for d in dims) or dims[0] % block:
+            raise fail(
+                f"tensor {name}: dimensions {dims} (each >= 1, the first a multiple of {block})"
+            )
+        n_elements = 1
+        for d in dims:
+            n_elements *= d  # Python ints: a flipped dimension cannot overflow
+        n_bytes = n_elements // block * type_size
+        if offset % align:
+            raise fail(f"tensor {name}: offset {offset} is not a multiple of the alignment")
+        begin = start + offset
+        if begin + n_bytes > size:
+            raise fail(
+                f"truncated: tensor {name} ({n_bytes} bytes at {begin}) ends past the end "
+                f"of the file ({size} bytes)"
+            )
+        shape = tuple(int(d) for d in reversed(dims))
+        if qtype == GGMLQuantizationType.F32:
+            data = np.frombuffer(self._map, np.float32, n_elements, begin).reshape(shape)
+        elif qtype == GGMLQuantizationType.F16:
+            data = np.frombuffer(self._map, np.float16, n_elements, begin).reshape(shape)
+        else:
+            raw = np.frombuffer(self._map, np.uint8, n_bytes, begin)
+            data = raw.reshape(*shape[:-1], shape[-1] // block * type_size)
+        return GGUFTensor(name, shape, qtype, begin, n_bytes, data)

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from tokenmill.config import ConfigError, from_hf_config
+from tokenmill.config import ConfigError, ConfigFields, from_hf_config
 from tokenmill.loader import Checkpoint, LoadError
+from tokenmill.loader.checks import check_checkpoint, part_shape
 
 # HF parameter suffix (inside one decoder layer) -> tokenmill suffix.
 _LAYER_NAMES = {
@@ -38,20 +40,29 @@ _GPT2_LAYER_NAMES = {
 }
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise LoadError(path, f"invalid JSON: {e.msg} at line {e.lineno}") from None
+    except (UnicodeDecodeError, RecursionError) as e:
+        raise LoadError(path, f"unreadable JSON ({type(e).__name__})") from None
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        weight_map = _read_json(index).get("weight_map", {})
+        weight_map = _read_json(index)
+        weight_map = weight_map.get("weight_map", {}) if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(f, str) for f in weight_map.values()
+        ):
+            raise LoadError(index, "weight_map must map tensor names to shard file names")
         files = sorted({folder / f for f in weight_map.values()})
         for f in files:
-            if not f.exists():
+            if f.parent != folder or f.name in ("", ".", ".."):
+                raise LoadError(index, f"shard {f.name!r} is not a file in the folder")
+            if not f.is_file():
                 raise LoadError(f, "shard listed in model.safetensors.index.json is missing")
         return files
     files = sorted(folder.glob("*.safetensors"))
@@ -106,29 +117,41 @@ def open_folder(folder: Path) -> Checkpoint:
     if not cfg_path.exists():
         raise LoadError(folder, "no config.json (not a Hugging Face checkpoint folder)")
     raw = _read_json(cfg_path)
+    gen_path = folder / "generation_config.json"
+    generation = _read_json(gen_path) if gen_path.exists() else {}
     try:
         config = from_hf_config(raw)
     except ConfigError as e:
         raise LoadError(cfg_path, str(e)) from None
-    except KeyError as e:
-        raise LoadError(cfg_path, f"missing field {e.args[0]!r}") from None
-    gen_path = folder / "generation_config.json"
-    generation = _read_json(gen_path) if gen_path.exists() else {}
-    if generation.get("eos_token_id") is not None:
-        eos = generation["eos_token_id"]
-        config.eos_token_ids = eos if isinstance(eos, list) else [eos]
+    try:
+        eos = ConfigFields(generation, "generation_config.json").ids("eos_token_id")
+    except ConfigError as e:
+        raise LoadError(gen_path, str(e)) from None
+    if eos:
+        config.eos_token_ids = eos
 
-    tensors = {}
+    tensors, shapes = {}, {}
     for file in _safetensors_files(folder):
         try:
             handle = safe_open(str(file), framework="pt")
             keys = list(handle.keys())
+            header = {key: tuple(handle.get_slice(key).get_shape()) for key in keys}
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise LoadError(file, f"unreadable safetensors file ({e})") from None
         for key in keys:
             for target, part in _map_name(key, config.arch, config.sandwich_norm):
                 tensors[target] = _loader(handle, file, key, config, part)
-    return Checkpoint(folder, "hf", config, tensors, generation)
+                shapes[target] = part_shape(file, key, _our_shape(key, header[key], config), part)
+    ckpt = Checkpoint(folder, "hf", config, tensors, generation, shapes=shapes)
+    check_checkpoint(ckpt, layer_key="n_layer" if config.arch == "gpt2" else "num_hidden_layers")
+    return ckpt
+
+
+def _our_shape(key: str, shape: tuple[int, ...], config) -> tuple[int, ...]:
+    """The shape `_loader` gives tensor `key` (GPT-2's [in, out] matrices transposed)."""
+    if config.arch == "gpt2" and len(shape) == 2 and "wte" not in key and "wpe" not in key:
+        return shape[::-1]
+    return shape
 
 
 def _loader(handle, file: Path, key: str, config, part):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill import kernels
 from tokenmill.config import ModelConfig
 from tokenmill.layers.attention import Attention, AttentionMetadata
 from tokenmill.layers.linear import Linear
@@ -29,7 +30,8 @@ from tokenmill.layers.native_linear import NativeLinear
 from tokenmill.layers.norm import make_norm
 from tokenmill.layers.rotary import Rotary
 from tokenmill.loader import Checkpoint, LoadError
-from tokenmill.models import fused_stack
+from tokenmill.models import paths
+from tokenmill.models.native_model import NativeModel
 from tokenmill.models.quantize import quantize_model
 
 # A fused parameter -> the checkpoint tensors stacked (along rows) to make it.
@@ -50,6 +52,44 @@ def checkpoint_parts(name: str, gated_mlp: bool) -> list[str]:
     return [name]
 
 
+def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The checkpoint tensors Transformer(cfg) loads, by name, with the shape each must have
+    (before fusing). Computed from the config alone, so a file can be checked against it
+    before any model is built; tests/test_hostile_files.py checks it against a model built
+    on the meta device, so the two cannot drift apart."""
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    norm = ("weight", "bias") if cfg.norm == "layer" else ("weight",)
+
+    def linear(name: str, rows: int, cols: int, bias: bool) -> dict[str, tuple[int, ...]]:
+        return {f"{name}.weight": (rows, cols), **({f"{name}.bias": (rows,)} if bias else {})}
+
+    shapes = {"embed.weight": (cfg.vocab_size, d)}
+    if cfg.position == "learned":
+        shapes["pos_embed.weight"] = (cfg.max_position, d)
+    for i in range(cfg.num_layers):
+        layer = f"layers.{i}."
+        norms = ["attn_norm", "mlp_norm"]
+        if cfg.sandwich_norm:
+            norms += ["post_attn_norm", "post_mlp_norm"]
+        shapes.update({f"{layer}{n}.{kind}": (d,) for n in norms for kind in norm})
+        shapes.update(linear(f"{layer}attn.q", cfg.q_size, d, cfg.qkv_bias))
+        shapes.update(linear(f"{layer}attn.k", cfg.kv_size, d, cfg.qkv_bias))
+        shapes.update(linear(f"{layer}attn.v", cfg.kv_size, d, cfg.qkv_bias))
+        shapes.update(linear(f"{layer}attn.o", d, cfg.q_size, cfg.o_bias))
+        if cfg.qk_norm:
+            shapes.update(
+                {f"{layer}attn.q_norm.weight": (hd,), f"{layer}attn.k_norm.weight": (hd,)}
+            )
+        if cfg.mlp == "gated":
+            shapes.update(linear(f"{layer}mlp.gate", f, d, cfg.mlp_bias))
+        shapes.update(linear(f"{layer}mlp.up", f, d, cfg.mlp_bias))
+        shapes.update(linear(f"{layer}mlp.down", d, f, cfg.mlp_bias))
+    shapes.update({f"final_norm.{kind}": (d,) for kind in norm})
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    return shapes
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, idx: int, rotary: Rotary | None):
         super().__init__()
@@ -60,15 +100,20 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.post_attn_norm = make_norm(cfg.norm, d, cfg.norm_eps) if cfg.sandwich_norm else None
         self.post_mlp_norm = make_norm(cfg.norm, d, cfg.norm_eps) if cfg.sandwich_norm else None
+        self.tp = None  # tensor parallelism: the rank's TPGroup (distributed/group.py)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.attn(self.attn_norm(x), meta)
+        if self.tp is not None:  # the output projection was row-parallel: sum the ranks'
+            self.tp.all_reduce(h)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
         if meta.trace is not None:
             meta.trace.on_residual(meta, self.attn.layer_idx, "attention", x)
         h = self.mlp(self.mlp_norm(x))
+        if self.tp is not None:  # the down projection too
+            self.tp.all_reduce(h)
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
         x = x + h
@@ -105,9 +150,35 @@ class Transformer(nn.Module):
         self.final_norm = make_norm(cfg.norm, d, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else Linear(d, cfg.vocab_size)
         self.dtype = torch.float32  # activation dtype; set by load_weights
-        # The all-layers native decode step; built at first use (the runner attaches the
-        # KV cache after construction); False: this model cannot take it.
-        self._fused: fused_stack.FusedDecodeStack | None | bool = None
+        # The native kernels' view of the model (models/native_model.py), built at first
+        # use: the runner attaches the KV cache after construction.
+        self._native: NativeModel | None = None
+        self._paths_seen: set[paths.DecodePath] = set()  # logged once each (paths.choose)
+        # Parallel runs (tokenmill/distributed): the rank's TPGroup, or the pipeline stage
+        # this model is (the embedding only on the first, the head only on the last).
+        self.tp = None
+        self.stage = None
+
+    def set_tensor_parallel(self, tp) -> None:
+        """Make this (sharded) model one rank of a tensor-parallel group."""
+        self.tp = tp
+        for layer in self.layers:
+            layer.tp = tp
+        self._native = None
+
+    def set_pipeline_stage(self, stage) -> None:
+        """Keep only what pipeline stage `stage` runs: its layers are this model's; the
+        embedding stays on the first stage (and the last, when tied to the head), the
+        final norm and the head on the last."""
+        self.stage = stage
+        tied = self.lm_head is None
+        if not stage.first:
+            self.pos_embed = None
+            if not (stage.last and tied):
+                self.embed = None
+        if not stage.last:
+            self.final_norm = self.lm_head = None
+        self._native = None
 
     # ------------------------------------------------------------------
     # forward: packed tokens of a batch -> logits at the requested rows
@@ -117,20 +188,38 @@ class Transformer(nn.Module):
         input_ids: torch.Tensor,  # [T]
         meta: AttentionMetadata,
         logits_rows: torch.Tensor | None = None,  # [B] rows to un-embed; None = all rows
+        hidden: torch.Tensor | None = None,  # [T, d]: a later pipeline stage's input
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, d]
-        if self.cfg.embed_scale != 1.0:
-            # Gemma: scale computed in the activation dtype, as the reference does.
-            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
-        if self.pos_embed is not None:
-            x = x + self.pos_embed(meta.positions)
-        if meta.trace is not None:
-            meta.trace.on_embedding(meta, input_ids, x)
-        if fused_stack.applies(meta, x.shape[0]) and self._fused_stack() is not None:
+        """logits [B, vocab] of the rows that sample (or of every row); a pipeline stage
+        before the last returns its hidden states [T, d] for the next stage instead."""
+        if hidden is not None:
+            x = hidden
+        else:
+            x = self.embed_tokens(input_ids)  # [T, d]
+            if self.cfg.embed_scale != 1.0:
+                # Gemma: scale computed in the activation dtype, as the reference does.
+                x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+            if self.pos_embed is not None:
+                x = x + self.pos_embed(meta.positions)
+            if meta.trace is not None:
+                meta.trace.on_embedding(meta, input_ids, x)
+        last = self.final_norm is not None
+        # ---- which code runs the decode rows (models/paths.py) ----
+        path = paths.choose(self, meta, x.shape[0])
+        if path.name != paths.TORCH:
+            meta.native = self.native_model()
+            meta.native_rows = kernels.decode_rows(
+                meta.positions[: meta.num_decode], meta.slot_mapping[: meta.num_decode],
+                meta.decode_slots, meta.decode_context_lens,
+            )  # fmt: skip
+        if path.name == paths.STACK:
             # every layer and the final norm in one native call; all decode rows sample
-            return self.unembed(self._fused.run(x, meta))
+            x = meta.native.run_stack(x, meta.native_rows)
+            return self.unembed(x) if last else x
         for layer in self.layers:
             x = layer(x, meta)
+        if not last:
+            return x
         if logits_rows is not None:
             x = x[logits_rows]  # [B, d]: only the rows whose next token we sample
         x = self.final_norm(x)
@@ -140,18 +229,28 @@ class Transformer(nn.Module):
         """Give each layer its view of the cache pool ([num_slots, Hkv, hd] per layer)."""
         for layer, k_layer, v_layer in zip(self.layers, k, v, strict=True):
             layer.attn.k_cache, layer.attn.v_cache = k_layer, v_layer
-        self._fused = None
+        self._native = None
 
-    def _fused_stack(self) -> fused_stack.FusedDecodeStack | None:
-        if self._fused is None:
-            self._fused = fused_stack.FusedDecodeStack.build(self) or False
-        return self._fused or None
+    def native_model(self) -> NativeModel:
+        """The native kernels' descriptors of this model (built once, after the cache)."""
+        if self._native is None:
+            self._native = NativeModel(self)
+        return self._native
+
+    def decode_path(self) -> paths.DecodePath:
+        """The path an untraced step of decode rows only takes (models/paths.py)."""
+        return paths.best_decode_path(self)
 
     def _apply(self, fn, recurse=True):
-        self._fused = None  # weights or caches may move: rebuild the native description
+        self._native = None  # weights or caches may move: rebuild the native description
         return super()._apply(fn, recurse)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None:  # each rank holds a range of the vocabulary
+            return self.tp.embed(self._embed_rows, ids)
+        return self._embed_rows(ids)
+
+    def _embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, NativeLinear):
             return self.embed.embed(ids).to(self.dtype)
         return self.embed(ids)
@@ -166,6 +265,8 @@ class Transformer(nn.Module):
         cap = self.cfg.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap
+        if self.tp is not None:  # each rank computed its range of the vocabulary
+            logits = self.tp.gather_logits(logits)
         return logits
 
     # ------------------------------------------------------------------

@@ -291,6 +291,10 @@ class GrammarCompiler:
     def compile(self, kind: str, value: Any) -> CompiledGrammar:
         """Compile (or fetch from the cache) one constraint. Raises GrammarError."""
         key = (kind, json.dumps(value, sort_keys=True, ensure_ascii=False))
+        try:
+            key[1].encode()
+        except UnicodeEncodeError:  # "\ud800" is valid JSON, but not text llguidance takes
+            raise GrammarError(kind, f"{kind} contains a lone UTF-16 surrogate") from None
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)

@@ -181,7 +181,10 @@ class SamplingParams:
             raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
         checked: dict[int, float] = {}
         for key, value in bias.items():
-            token = int(key) if isinstance(key, str) and key.isdecimal() else key
+            # ASCII digits only: str.isdecimal() and int() also take other scripts' digits,
+            # so "١٢" (Arabic-Indic) would silently become token 12.
+            is_digits = isinstance(key, str) and key.isascii() and key.isdecimal()
+            token = int(key) if is_digits else key
             if not _is_int(token) or token < 0:
                 raise ValueError(f"logit_bias keys must be token ids >= 0, got {key!r}")
             checked[token] = _check_float(f"logit_bias[{token}]", value, -100.0, 100.0)

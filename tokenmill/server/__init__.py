@@ -4,7 +4,8 @@
     app.py           the FastAPI app factory and routes
     async_engine.py  the engine loop thread and its asyncio bridge
     protocol.py      request models and checks, response and chunk shapes
-    metrics.py       Prometheus text for /metrics
+    limits.py        request body size and time limits, the header timeout
+    metrics.py       Prometheus text for /metrics, HTTP requests counted by status
 
 Nothing is imported here: the CLI discovers `tokenmill.server.cli` on every run,
 and FastAPI should only load when a server starts.

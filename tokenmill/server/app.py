@@ -14,8 +14,19 @@ synchronous LLMEngine, for the tokenizer, config and max_model_len. The engine
 thread starts and stops with the app's lifespan.
 
 Every error is OpenAI's JSON shape, {"error": {message, type, param, code}}:
-FastAPI's own 422 validation errors become 400s. With an API key, every /v1 route
-needs `Authorization: Bearer <key>`; /health and /metrics stay open.
+FastAPI's own 422 validation errors become 400s. With an API key, every /v1 path
+needs `Authorization: Bearer <key>` (unknown ones too: a client without the key
+learns nothing about which routes exist); /health, /metrics and the web page's
+static files stay open. There are no /docs, /redoc or /openapi.json pages.
+
+No one request can stall the others (see limits.py for the HTTP side):
+- the body is read in full by BodyLimit before any route runs, within a size limit
+  (413) and a timeout (408);
+- tokenizing a prompt and rendering a chat template run on worker threads
+  (`off_loop`), never on the event loop, and a text that cannot fit in the context
+  is refused before it is tokenized; a chat template renders within a budget;
+- a request that could never run (n above 128, or more sequences than the queue
+  holds) is a 400, a full queue a 429 with Retry-After, a draining server a 503.
 
 A client that goes away aborts its request at once (its KV blocks are freed at
 the engine's next step): a stream notices through cancellation or
@@ -27,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import importlib
 import json
@@ -34,22 +46,31 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 
 from tokenmill.engine.llm_engine import LLMEngine, RequestError
 from tokenmill.sampling import SamplingParams
 from tokenmill.sampling.grammar import GrammarError
-from tokenmill.server.async_engine import AsyncEngine, EngineFailure, QueueFull, RequestStream
-from tokenmill.server.metrics import CONTENT_TYPE
+from tokenmill.server.async_engine import (
+    AsyncEngine,
+    EngineFailure,
+    QueueFull,
+    RequestStream,
+    ShuttingDown,
+)
+from tokenmill.server.limits import BodyLimit, ServerLimits, default_max_body_bytes
+from tokenmill.server.metrics import CLIENT_CLOSED_REQUEST, CONTENT_TYPE, CountRequests
 from tokenmill.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -61,13 +82,16 @@ from tokenmill.server.protocol import (
     invalid,
     pydantic_errors_to_api_error,
 )
-from tokenmill.server.tools import ToolRequest, render_chat
+from tokenmill.server.tools import ToolRequest, encode_tool_chat
 
 log = logging.getLogger("tokenmill.server")
 
 STATIC_DIR = Path(__file__).parent / "static"
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"
+RETRY_AFTER_S = 1  # what a 429 (queue full) or 503 (draining) asks a client to wait
+# Worker threads for tokenizing and template rendering. A few: each job is bounded (the
+# body limit, the template budget), and more would only compete with the engine thread.
+PREP_THREADS = 4
 
 T = TypeVar("T")
 
@@ -84,33 +108,51 @@ def create_app(
     model_name: str,
     api_key: str | None = None,
     aliases: Sequence[str] = (),
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
-    """An app serving `engine` under the name `model_name`; `api_key` guards /v1 routes.
+    """An app serving `engine` under the name `model_name`; `api_key` guards /v1 paths;
+    `limits` bounds request bodies (the default size follows the context length).
 
     Requests may also name the model by any of `aliases` (e.g. its file name); responses
     and /v1/models always use `model_name`, as vLLM does with several served names."""
+    if api_key is not None and not api_key:
+        raise ValueError("api_key is empty: pass None to serve without a key")
+    limits = limits or ServerLimits()
+    max_body = limits.max_body_bytes or default_max_body_bytes(engine.engine.max_model_len)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="tokenmill-prep")
         engine.start()
         try:
             yield
         finally:
             engine.stop()
+            app.state.prep.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="tokenmill", summary="OpenAI-compatible LLM server", lifespan=lifespan)
+    app = FastAPI(
+        title="tokenmill",
+        summary="OpenAI-compatible LLM server",
+        lifespan=lifespan,
+        docs_url=None,  # the docs pages load their scripts from a CDN, and are not needed
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.engine = engine
     app.state.model_name = model_name
     app.state.model_names = {model_name, *aliases}
     app.state.created = int(time.time())
+    app.state.max_body_bytes = max_body
     _add_error_handlers(app)
+    # Added last = outermost: the counter sees every answer, the body limit's included.
+    app.add_middleware(BodyLimit, max_bytes=max_body, timeout_s=limits.body_timeout_s)
+    app.add_middleware(CountRequests, requests=engine.metrics.http)
     auth = [Depends(_api_key_check(api_key))] if api_key else []
-    app.include_router(router, dependencies=auth)
-    inspect = _inspect_router()
-    if inspect is not None:
-        app.include_router(inspect, dependencies=auth)
-    app.include_router(ops_router)
-    app.include_router(fallback_router)
+    routers = [router, _inspect_router(), ops_router]
+    for included in filter(None, routers):
+        app.include_router(included, dependencies=[] if included is ops_router else auth)
+    app.state.api_routes = [r for included in filter(None, routers) for r in included.routes]
+    app.include_router(fallback_router, dependencies=auth)
     if (STATIC_DIR / "index.html").is_file():
         app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static")
     return app
@@ -130,8 +172,16 @@ def _inspect_router() -> APIRouter | None:
 # --------------------------------------------------------------------------- errors and auth
 
 
+class ErrorResponse(JSONResponse):
+    """A JSON error body rendered ASCII-escaped: it may quote client text, which must not
+    make encoding the answer fail."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
 def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return ErrorResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -143,7 +193,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         body = error_body(str(exc.detail), "invalid_request_error", None, None)
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+        return ErrorResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     async def engine_failure(request: Request, exc: EngineFailure) -> JSONResponse:
         return _error_response(_server_error(exc))
@@ -186,25 +236,27 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     engine = _engine(request)
     model = _check_model(request, body.model)
     body.check_extra_fields()
-    prompt_ids, prompt_text = _completion_prompt(engine.engine, body.prompt)
     params = body.sampling_params(DEFAULT_COMPLETION_MAX_TOKENS)
-    check_fits(
-        len(prompt_ids),
-        params.max_tokens,
-        engine.engine.max_model_len,
-        prompt_param="prompt",
-        max_param="max_tokens",
-    )
+    prompts = await off_loop(request, _completion_prompts, engine.engine, body.prompt, body.echo)
+    for ids, _ in prompts:
+        check_fits(
+            len(ids),
+            params.max_tokens,
+            engine.engine.max_model_len,
+            prompt_param="prompt",
+            max_param="max_tokens",
+        )
     request_id = uuid.uuid4().hex
+    echo = [text for _, text in prompts for _ in range(params.n)] if body.echo else None
     fmt = CompletionFormat(
         request_id,
         model,
         _decoder(engine.engine),
         body.logprobs is not None,
-        params.n,
-        prompt_text if body.echo else None,
+        len(prompts) * params.n,
+        echo,
     )
-    return await _run(request, body, fmt, request_id, prompt_ids, params)
+    return await _run(request, body, fmt, request_id, [ids for ids, _ in prompts], params)
 
 
 @router.post("/v1/chat/completions")
@@ -213,7 +265,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     model = _check_model(request, body.model)
     body.check_extra_fields()
     tools = body.tool_request(engine.engine.tokenizer)
-    prompt_ids = _chat_prompt(engine.engine, body, tools)
+    prompt_ids = await off_loop(request, _chat_prompt, engine.engine, body, tools)
     max_model_len = engine.engine.max_model_len
     params = body.sampling_params(default_max_tokens=max(1, max_model_len - len(prompt_ids)))
     check_fits(
@@ -225,7 +277,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     )
     request_id = uuid.uuid4().hex
     fmt = ChatFormat(request_id, model, _decoder(engine.engine), body.logprobs, tools)
-    return await _run(request, body, fmt, request_id, prompt_ids, params)
+    return await _run(request, body, fmt, request_id, [prompt_ids], params)
 
 
 @router.get("/v1/models")
@@ -257,7 +309,28 @@ async def metrics(request: Request) -> PlainTextResponse:
     "/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False
 )
 async def unknown_route(path: str, request: Request) -> JSONResponse:
-    raise APIError(404, f"Unknown API route: {request.method} /v1/{path}", code="not_found")
+    allowed = _allowed_methods(request)
+    if allowed:
+        raise APIError(
+            405,
+            f"Method {request.method} is not allowed for /v1/{_shorter(path)}; "
+            f"use {', '.join(allowed)}",
+            code="method_not_allowed",
+            headers={"Allow": ", ".join(allowed)},
+        )
+    raise APIError(
+        404, f"Unknown API route: {request.method} /v1/{_shorter(path)}", code="not_found"
+    )
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """The methods of the routes whose path matches the request's (all but its method)."""
+    methods: set[str] = set()
+    for route in request.app.state.api_routes:
+        match, _ = route.matches(request.scope)
+        if match is Match.PARTIAL:
+            methods |= route.methods
+    return sorted(methods)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -267,12 +340,17 @@ def _engine(request: Request) -> AsyncEngine:
     return request.app.state.engine
 
 
+def _shorter(text: str, limit: int = 100) -> str:
+    """Client text quoted in a message, cut to a readable length."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _check_model(request: Request, model: str | None) -> str:
     served = request.app.state.model_name
     if model is not None and model not in request.app.state.model_names:
         raise APIError(
             404,
-            f"The model '{model}' does not exist; this server serves '{served}'",
+            f"The model '{_shorter(model)}' does not exist; this server serves '{served}'",
             param="model",
             code="model_not_found",
         )
@@ -293,38 +371,43 @@ def _decoder(engine: LLMEngine) -> Callable[[int], str]:
     return lambda token_id: engine.tokenizer.decode([token_id])
 
 
-def _completion_prompt(
-    engine: LLMEngine, prompt: str | list[str] | list[int]
-) -> tuple[list[int], str]:
-    """Token ids of a completion prompt, and its text (for echo)."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        if len(prompt) != 1:
-            raise invalid(
-                "a list of several prompts (a batch) is not supported; send one request per prompt",
-                "prompt",
-            )
-        prompt = prompt[0]
-    try:
-        ids = engine.encode_prompt(prompt)
-    except RequestError as e:
-        raise invalid(str(e), "prompt") from None
-    return ids, prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids)
+async def off_loop(request: Request, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) on a worker thread: tokenizing or rendering a big prompt must not hold the
+    event loop (the tokenizers library releases the GIL while it works)."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(request.app.state.prep, functools.partial(fn, *args))
+
+
+def _completion_prompts(
+    engine: LLMEngine, prompt: str | list[str] | list[int] | list[list[int]], echo: bool
+) -> list[tuple[list[int], str | None]]:
+    """(token ids, text when echoed) of each prompt of a completion request: one, or a
+    batch (a list of texts or of token-id lists). Runs on a worker thread."""
+    batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    prompts = list(prompt) if batch else [prompt]
+    out = []
+    for i, one in enumerate(prompts):
+        try:
+            ids = engine.encode_prompt(one)
+        except RequestError as e:
+            raise invalid(f"prompt[{i}]: {e}" if batch else str(e), "prompt") from None
+        text = None
+        if echo:
+            text = one if isinstance(one, str) else engine.tokenizer.decode(ids)
+        out.append((ids, text))
+    return out
 
 
 def _chat_prompt(
     engine: LLMEngine, body: ChatCompletionRequest, tools: ToolRequest | None = None
 ) -> list[int]:
-    """Render the messages (and tools) with the model's chat template and tokenize them."""
-    text = chat_text(engine, body, tools)
-    return engine.tokenizer.encode(text, add_special_tokens=False)  # the template wrote BOS
-
-
-def chat_text(engine: LLMEngine, body: ChatCompletionRequest, tools: ToolRequest | None) -> str:
-    """The prompt text of a chat request: its messages (and tools) through the template."""
+    """Render the messages (and tools) with the model's chat template (within its limits;
+    messages' text kept as text) and tokenize them. Runs on a worker thread."""
     messages = [message.as_template_input() for message in body.messages]
+    template = engine.tokenizer.chat_template
     try:
-        return render_chat(engine.tokenizer, messages, tools)
-    except ValueError as e:  # ChatTemplateError, or a message validate_messages refused
+        return encode_tool_chat(engine.encode_chat, messages, tools, template)
+    except ValueError as e:  # ChatTemplateError, RequestError (too long), a refused message
         raise invalid(str(e), "messages") from None
 
 
@@ -333,39 +416,49 @@ async def _run(
     body: CompletionRequest | ChatCompletionRequest,
     fmt: CompletionFormat | ChatFormat,
     request_id: str,
-    prompt_ids: list[int],
+    prompts: list[list[int]],
     params: SamplingParams,
 ) -> Response:
     """Hand the request to the engine; answer with a stream or a whole response."""
+    num_prompt = sum(len(ids) for ids in prompts)
     log.info(
-        "%s: %d prompt tokens, n=%d, max_tokens=%d, stream=%s, user=%r",
+        "%s: %d prompt(s), %d prompt tokens, n=%d, max_tokens=%d, stream=%s, user=%r",
         fmt.id,
-        len(prompt_ids),
+        len(prompts),
+        num_prompt,
         params.n,
         params.max_tokens,
         body.stream,
-        body.user,
+        _shorter(body.user, 64) if body.user else None,
     )
+    retry = {"Retry-After": str(RETRY_AFTER_S)}
     try:
-        # compiled before anything is queued: a schema the engine refuses is a 400
-        grammar = await _engine(request).compile_grammar(params)
+        # compiled before anything is queued, off the event loop: a schema the engine
+        # refuses is a 400 naming it
+        grammar = await off_loop(request, _engine(request).engine.compile_grammar, params)
     except GrammarError as e:
         raise invalid(str(e), body.constraint_param) from None
     try:
-        stream = await _engine(request).generate(request_id, prompt_ids, params, grammar=grammar)
+        stream = await _engine(request).generate(request_id, prompts, params, grammar=grammar)
     except QueueFull as e:
-        raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+        raise APIError(
+            429, str(e), type="rate_limit_error", code="queue_full", headers=retry
+        ) from None
+    except ShuttingDown as e:
+        raise APIError(
+            503, str(e), type="server_error", code="shutting_down", headers=retry
+        ) from None
     except RequestError as e:  # e.g. a logit_bias id beyond the vocabulary
         param = str(e).split(" ", 1)[0]
         raise invalid(str(e), param if param in type(body).model_fields else None) from None
     if body.stream:
-        events = _events(request, fmt, stream, len(prompt_ids), body.include_usage)
+        events = _events(request, fmt, stream, num_prompt, body.include_usage)
         return _EventStream(events, stream, fmt.id)
     generations = await _unless_disconnected(request, stream.collect())
     if generations is None:
         log.info("%s: client disconnected; aborted", fmt.id)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONResponse(fmt.response(generations, len(prompt_ids)))
+    return JSONResponse(fmt.response(generations, num_prompt))
 
 
 def _sse(data: dict | str) -> str:

@@ -13,9 +13,13 @@ spin) and otherwise drains it without blocking between steps, so a new request
 or an abort waits at most one step. Each API request gets one RequestStream: an
 asyncio.Queue fed from the engine thread with `loop.call_soon_threadsafe`. Its
 first item says whether the engine took the request (or why not); then come
-(choice index, RequestOutput) pairs until every one of its n engine requests has
-finished. n > 1 runs n engine requests ("<id>-<i>", completion_index=i) that
-are aborted together.
+(choice index, RequestOutput) pairs until every one of its engine requests has
+finished. A request with P prompts and n completions each runs P x n engine
+requests ("<id>-<i>" for choice i = p * n + j, completion_index=j, OpenAI's order)
+that are aborted together.
+
+`drain()` (the server's SIGTERM) stops admitting: later submits raise ShuttingDown
+(HTTP 503), while the requests already in the engine run to their end.
 
 An exception in a step fails the requests of that step's batch (every request
 in the engine, as a step batches them all) with a 500 and frees their blocks; the
@@ -47,6 +51,10 @@ class QueueFull(Exception):
 
 class EngineFailure(Exception):
     """The engine failed while running a request, or is not running (HTTP 500)."""
+
+
+class ShuttingDown(Exception):
+    """The server is draining for shutdown and takes no new requests (HTTP 503)."""
 
 
 @dataclass
@@ -137,7 +145,7 @@ class RequestStream:
 @dataclass
 class _Add:
     stream: RequestStream
-    prompt_ids: list[int]
+    prompts: list[list[int]]  # one per choice index: prompt p repeated n times
     params: SamplingParams
     trace: object | None
     grammar: CompiledGrammar | None = None
@@ -174,6 +182,7 @@ class AsyncEngine:
         self._pending = 0  # engine requests submitted, not yet added (guarded by _lock)
         self._live: dict[str, _Live] = {}  # engine thread only
         self._thread: threading.Thread | None = None
+        self.draining = False
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -185,6 +194,10 @@ class AsyncEngine:
             self._commands.put(None)
             self._thread.join(timeout)
 
+    def drain(self) -> None:
+        """Take no new requests (ShuttingDown); those already submitted carry on."""
+        self.draining = True
+
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -193,44 +206,48 @@ class AsyncEngine:
     def submit(
         self,
         request_id: str,
-        prompt_ids: list[int],
+        prompts: list[list[int]],
         params: SamplingParams,
         *,
         trace: object | None = None,
         grammar: CompiledGrammar | None = None,
     ) -> RequestStream:
-        """Queue a request (params.n engine requests); raises QueueFull or EngineFailure.
+        """Queue a request: params.n engine requests per prompt. Raises QueueFull,
+        ShuttingDown, EngineFailure, or RequestError for one that could never be queued.
 
-        grammar: params' constraint, compiled (`compile_grammar`); every constrained
-        request must bring it, so that no compilation ever runs on the engine thread."""
+        grammar: params' constraint, compiled (LLMEngine.compile_grammar, off the engine
+        thread); a constrained request must bring it, so no compilation runs on the
+        engine thread."""
         if (grammar is None) != (params.constraint is None):
             raise ValueError("a constrained request must be submitted with its compiled grammar")
         if not self.alive:
             raise EngineFailure("the engine loop is not running")
+        if self.draining:
+            raise ShuttingDown("the server is shutting down; retry on another instance")
+        count = len(prompts) * params.n
+        if self.max_waiting is not None and count > self.max_waiting:
+            raise RequestError(
+                f"n is {params.n} for {len(prompts)} prompt(s): {count} sequences, more than "
+                f"this server ever queues at once ({self.max_waiting}, --max-waiting)"
+            )
         with self._lock:
             waiting = self._pending + len(self.engine.scheduler.waiting)
-            if self.max_waiting is not None and waiting + params.n > self.max_waiting:
+            if self.max_waiting is not None and waiting + count > self.max_waiting:
                 raise QueueFull(
                     f"the server is busy: {waiting} sequences are waiting "
                     f"(limit {self.max_waiting}); retry later"
                 )
-            self._pending += params.n
-        request_ids = [f"{request_id}-{i}" for i in range(params.n)]
+            self._pending += count
+        request_ids = [f"{request_id}-{i}" for i in range(count)]
         stream = RequestStream(request_ids, lambda ids: self._commands.put(_Abort(ids)))
-        self._commands.put(_Add(stream, prompt_ids, params, trace, grammar))
+        per_choice = [prompt for prompt in prompts for _ in range(params.n)]
+        self._commands.put(_Add(stream, per_choice, params, trace, grammar))
         return stream
-
-    async def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
-        """Compile params' output constraint in a worker thread (the event loop and the
-        engine thread go on meanwhile). Raises GrammarError naming the problem."""
-        if params.constraint is None:
-            return None
-        return await asyncio.to_thread(self.engine.compile_grammar, params)
 
     async def generate(
         self,
         request_id: str,
-        prompt_ids: list[int],
+        prompts: list[list[int]],
         params: SamplingParams,
         *,
         trace: object | None = None,
@@ -238,8 +255,9 @@ class AsyncEngine:
     ) -> RequestStream:
         """Submit and wait until the engine has taken the request.
 
-        Raises QueueFull, EngineFailure, or RequestError (a request the engine refuses)."""
-        stream = self.submit(request_id, prompt_ids, params, trace=trace, grammar=grammar)
+        Raises QueueFull, ShuttingDown, EngineFailure, or RequestError (a request the
+        engine refuses)."""
+        stream = self.submit(request_id, prompts, params, trace=trace, grammar=grammar)
         await stream.admitted()
         return stream
 
@@ -255,7 +273,7 @@ class AsyncEngine:
         if params.n != 1:
             raise ValueError(f"a traced request makes one completion, not n={params.n}")
         request_id = f"trace-{uuid.uuid4().hex}"
-        stream = await self.generate(request_id, prompt_ids, params, trace=trace, grammar=grammar)
+        stream = await self.generate(request_id, [prompt_ids], params, trace=trace, grammar=grammar)
         return (await stream.collect())[0]
 
     def stats(self) -> EngineStats:
@@ -311,9 +329,9 @@ class AsyncEngine:
             for index, request_id in enumerate(stream.request_ids):
                 self.engine.add_request(
                     request_id,
-                    command.prompt_ids,
+                    command.prompts[index],
                     command.params,
-                    completion_index=index,
+                    completion_index=index % command.params.n,
                     trace=command.trace,
                     grammar=command.grammar,
                 )

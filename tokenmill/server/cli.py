@@ -3,19 +3,47 @@
 Binds to loopback by default: the server runs arbitrary prompts on this machine's
 CPU or GPU, so exposing it (--host 0.0.0.0) is a deliberate choice, best paired
 with --api-key.
+
+On SIGTERM (or Ctrl-C) the server stops admitting (the listening socket closes, and
+a request that still arrives gets 503), lets running requests finish for up to
+--shutdown-timeout seconds, cancels what is left, and exits with status 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 from tokenmill import hub
+from tokenmill.server.limits import ServerLimits
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+def _byte_size(text: str) -> int:
+    from tokenmill.units import parse_memory
+
+    try:
+        value = parse_memory(text)
+    except ValueError:
+        value = None
+    if value is None or value < 1:  # parse_memory's negative values are token counts
+        raise argparse.ArgumentTypeError(f"must be a size in bytes such as 4MiB, got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -62,6 +90,37 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         help="most sequences waiting for a batch slot; beyond it requests get 429 at once",
     )
     p.add_argument(
+        "--max-body-bytes",
+        type=_byte_size,
+        default=None,
+        help="largest request body; larger ones get 413 (default: 64 bytes per context "
+        "token, at least 1MiB)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=_seconds,
+        default=ServerLimits.body_timeout_s,
+        help="seconds to wait for the next chunk of a request body before answering 408",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=_seconds,
+        default=ServerLimits.header_timeout_s,
+        help="seconds a request's line and headers may take to arrive",
+    )
+    p.add_argument(
+        "--keep-alive-timeout",
+        type=_seconds,
+        default=ServerLimits.keep_alive_s,
+        help="seconds an idle connection stays open between requests",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=_seconds,
+        default=ServerLimits.shutdown_timeout_s,
+        help="on SIGTERM, seconds running requests may take to finish",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -75,9 +134,17 @@ def served_model_names(args: argparse.Namespace, path: Path) -> list[str]:
     return list(args.served_model_name or hub.names_for(args.model, path))
 
 
-def cmd_serve(args: argparse.Namespace) -> None:
-    import uvicorn
+def api_key_from(args: argparse.Namespace) -> str | None:
+    """--api-key, else $TOKENMILL_API_KEY, else None. An empty key is an error, not "no
+    key": whoever typed it meant to protect the server."""
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
+        raise ValueError(f"{source} is empty; give a key, or leave it unset to serve without one")
+    return key
 
+
+def cmd_serve(args: argparse.Namespace) -> None:
     from tokenmill.cli import load_llm
     from tokenmill.server.app import create_app
     from tokenmill.server.async_engine import AsyncEngine
@@ -86,7 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     log = logging.getLogger("tokenmill.server")
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = api_key_from(args)  # before the (slow) model load
     if api_key is None and args.host not in LOOPBACK:
         log.warning(
             "serving on %s without an API key: anyone who can reach it can use it", args.host
@@ -96,12 +163,53 @@ def cmd_serve(args: argparse.Namespace) -> None:
     )
     engine = AsyncEngine(llm.engine, max_waiting=args.max_waiting)
     name, *aliases = served_model_names(args, llm.engine.path)
-    app = create_app(engine, model_name=name, api_key=api_key, aliases=aliases)
-    log.info("serving %s at http://%s:%d/v1", name, args.host, args.port)
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=5,
+    limits = ServerLimits(
+        max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout,
+        header_timeout_s=args.header_timeout,
+        keep_alive_s=args.keep_alive_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
     )
+    app = create_app(engine, model_name=name, api_key=api_key, aliases=aliases, limits=limits)
+    log.info(
+        "serving %s at http://%s:%d/v1 (request bodies up to %d bytes)",
+        name,
+        args.host,
+        args.port,
+        app.state.max_body_bytes,
+    )
+    serve(app, engine, args.host, args.port, limits, args.log_level)
+
+
+def serve(app, engine, host: str, port: int, limits, log_level: str) -> None:
+    """Run `app` with uvicorn until SIGTERM or SIGINT, then shut down gracefully."""
+    import uvicorn
+
+    from tokenmill.server.limits import header_timeout_protocol
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, draining the engine as soon as a signal arrives and ending
+        with status 0 after a SIGTERM: uvicorn re-raises a handled signal once it has
+        shut down, which would kill the process with status 143 after a clean stop."""
+
+        def handle_exit(self, sig: int, frame) -> None:
+            engine.drain()
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                yield
+                # runs before uvicorn's own exit re-raises what it caught
+                self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=header_timeout_protocol(limits.header_timeout_s),
+        timeout_keep_alive=limits.keep_alive_s,
+        timeout_graceful_shutdown=limits.shutdown_timeout_s,
+    )
+    Server(config).run()

@@ -31,8 +31,9 @@ from pydantic import BaseModel, ConfigDict
 from tokenmill.engine.llm_engine import LLMEngine, RequestError
 from tokenmill.sampling import SamplingParams
 from tokenmill.sampling.grammar import CompiledGrammar, GrammarError
-from tokenmill.server.async_engine import AsyncEngine, EngineFailure, QueueFull
-from tokenmill.server.protocol import APIError, ChatMessage, check_fits, invalid
+from tokenmill.server.app import off_loop  # app imports this module only in create_app
+from tokenmill.server.async_engine import AsyncEngine, EngineFailure, QueueFull, ShuttingDown
+from tokenmill.server.protocol import APIError, ChatMessage, Text, check_fits, invalid
 from tokenmill.trace import Trace
 
 router = APIRouter()
@@ -44,7 +45,7 @@ MAX_INSPECT_TOKENS = 512  # a trace keeps data per step; keep inspected answers 
 class InspectRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    prompt: str | None = None  # raw text, continued as is
+    prompt: Text | None = None  # raw text, continued as is
     messages: list[ChatMessage] | None = None  # rendered with the model's chat template
     max_tokens: int = 64
     temperature: float = 0.7
@@ -57,10 +58,10 @@ class InspectRequest(BaseModel):
     top_n: int = 10
     stream: bool = True
     # Structured output, as SamplingParams names it: the trace shows the mask at work.
-    json_schema: dict[str, Any] | bool | str | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    json_schema: dict[str, Any] | bool | Text | None = None
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
 
     def sampling_params(self) -> SamplingParams:
         if not 1 <= self.max_tokens <= MAX_INSPECT_TOKENS:
@@ -89,8 +90,8 @@ class InspectRequest(BaseModel):
 async def inspect(body: InspectRequest, request: Request) -> Response:
     server: AsyncEngine = request.app.state.engine
     engine = server.engine
-    prompt_ids = _prompt_ids(engine, body)
     params = body.sampling_params()
+    prompt_ids = await off_loop(request, _prompt_ids, engine, body)
     check_fits(
         len(prompt_ids),
         params.max_tokens,
@@ -100,7 +101,7 @@ async def inspect(body: InspectRequest, request: Request) -> Response:
     )
     trace_args = _trace_args(engine, body)
     try:
-        grammar = await server.compile_grammar(params)  # a bad schema is a 400 now
+        grammar = await off_loop(request, engine.compile_grammar, params)  # 400 if bad
     except GrammarError as e:
         raise invalid(str(e), e.kind) from None
     if body.stream:
@@ -118,6 +119,8 @@ async def inspect(body: InspectRequest, request: Request) -> Response:
 
 
 def _prompt_ids(engine: LLMEngine, body: InspectRequest) -> list[int]:
+    """The prompt's token ids (raw text, or a chat rendered by the template). Runs on a
+    worker thread: see app.off_loop."""
     if (body.prompt is None) == (body.messages is None):
         raise invalid("send exactly one of 'prompt' (raw text) or 'messages' (a chat)", "messages")
     if body.prompt is not None:
@@ -127,10 +130,9 @@ def _prompt_ids(engine: LLMEngine, body: InspectRequest) -> list[int]:
             raise invalid(str(e), "prompt") from None
     messages = [m.as_template_input() for m in body.messages]
     try:
-        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except ValueError as e:
+        ids = engine.encode_chat(messages)
+    except ValueError as e:  # ChatTemplateError, RequestError (too long)
         raise invalid(str(e), "messages") from None
-    ids = engine.tokenizer.encode(text, add_special_tokens=False)  # the template wrote BOS
     if not ids:
         raise invalid("the chat renders to no tokens", "messages")
     return ids
@@ -153,7 +155,11 @@ def _trace_args(engine: LLMEngine, body: InspectRequest) -> dict[str, Any]:
 def _api_error(e: Exception) -> APIError:
     """The OpenAI-shaped error for what `run_traced` raised."""
     if isinstance(e, QueueFull):
-        return APIError(429, str(e), type="rate_limit_error", code="queue_full")
+        return APIError(
+            429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}
+        )
+    if isinstance(e, ShuttingDown):
+        return APIError(503, str(e), type="server_error", code="shutting_down")
     if isinstance(e, RequestError):
         return invalid(str(e))
     if not isinstance(e, EngineFailure):

@@ -6,6 +6,12 @@ dependency. Histograms are observed by the engine thread and rendered by the
 event loop, so each guards its counts with a lock. Gauges and counters are read
 fresh from the engine at every scrape (see AsyncEngine.stats).
 
+HTTP requests are counted by `CountRequests`, the outermost middleware, by the status
+code the client got: `tokenmill_http_requests_total{code="..."}`, where 499 (nginx's
+"client closed request") counts every response the client left before its end, a
+stream cut after its 200 header included. `tokenmill_http_requests_in_flight` counts
+/v1 requests being answered.
+
 Bucket bounds follow vLLM's, so dashboards built for it read these the same way.
 """
 
@@ -14,9 +20,13 @@ from __future__ import annotations
 import bisect
 import math
 import threading
+from collections import Counter
 from dataclasses import dataclass
 
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
@@ -78,6 +88,66 @@ class EngineStats:
     generation_tokens: int  # tokens generated
 
 
+class HTTPRequests:
+    """Requests answered, by status code, and API requests in flight. Only the event loop
+    writes these; a scrape reads them on the same loop."""
+
+    def __init__(self) -> None:
+        self.by_code: Counter[int] = Counter()
+        self.in_flight = 0
+
+    def render(self) -> str:
+        name = "tokenmill_http_requests_total"
+        lines = _header(
+            name,
+            "HTTP requests answered, by status code (499: the client left before the end).",
+            "counter",
+        )
+        lines += [f'{name}{{code="{code}"}} {n}' for code, n in sorted(self.by_code.items())]
+        gauge = render_sample(
+            "tokenmill_http_requests_in_flight",
+            "API (/v1) requests being answered.",
+            "gauge",
+            self.in_flight,
+        )
+        return "\n".join(lines) + "\n" + gauge
+
+
+class CountRequests:
+    """ASGI middleware: count each HTTP request under the status code its client got."""
+
+    def __init__(self, app: ASGIApp, *, requests: HTTPRequests):
+        self.app = app
+        self.requests = requests
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status: int | None = None
+        finished = False
+
+        async def counted_send(message: Message) -> None:
+            nonlocal status, finished
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                finished = True
+
+        api = scope["path"].startswith("/v1/")
+        self.requests.in_flight += api
+        try:
+            await self.app(scope, receive, counted_send)
+        except BaseException:
+            if status is None:
+                status, finished = 500, True  # ServerErrorMiddleware answers it
+            raise
+        finally:
+            self.requests.in_flight -= api
+            self.requests.by_code[status if finished and status else CLIENT_CLOSED_REQUEST] += 1
+
+
 def render_info(name: str, help_text: str, labels: dict[str, str]) -> str:
     """An info metric: a gauge of value 1 whose labels carry the facts (Prometheus' *_info)."""
     quoted = ",".join(
@@ -88,11 +158,12 @@ def render_info(name: str, help_text: str, labels: dict[str, str]) -> str:
 
 
 class ServerMetrics:
-    """The latency histograms, plus rendering of the whole /metrics page. `info`: labels of
-    tokenmill_build_info (version, kernel instruction set, weight format, ...)."""
+    """The latency histograms and HTTP counters, plus rendering of the whole /metrics page.
+    `info`: labels of tokenmill_build_info (version, kernel instruction set, weight format)."""
 
     def __init__(self, info: dict[str, str] | None = None) -> None:
         self.info = dict(info or {})
+        self.http = HTTPRequests()
         self.ttft = Histogram(
             "tokenmill_time_to_first_token_seconds",
             "Seconds from a request's arrival to its first generated token.",
@@ -130,6 +201,7 @@ class ServerMetrics:
              stats.generation_tokens),
         ]  # fmt: skip
         parts = [render_sample(*sample) for sample in samples]
+        parts.append(self.http.render())
         if self.info:
             parts.append(render_info("tokenmill_build_info",
                                      "What this server runs: version, kernels, weights.", self.info))  # fmt: skip

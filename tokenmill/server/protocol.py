@@ -6,6 +6,10 @@ are deliberately not repeated here: `sampling_params` hands the values to
 SamplingParams, whose one-line messages become the 400 error text, so the server
 and the Python API reject the same things with the same words.
 
+Every string field is checked for lone UTF-16 surrogates ("\ud800" is valid JSON but
+not Unicode text): they are refused with a 400 naming the field, before any of them
+reaches the tokenizer or an error message.
+
 Nothing a client sends is silently ignored. Fields outside the models land in
 `model_extra` and are refused by `check_extra_fields`: unknown ones as OpenAI
 does ("Unrecognized request argument supplied"), known-but-unsupported ones
@@ -31,6 +35,7 @@ from tokenmill.sampling import SamplingParams
 from tokenmill.server import structured
 from tokenmill.server.async_engine import Generation
 from tokenmill.server.structured import ResponseFormat, StructuredOutputs
+from tokenmill.server.text import Text
 from tokenmill.server.tools import (
     Delta,
     Tool,
@@ -42,6 +47,7 @@ from tokenmill.server.tools import (
 )
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
+MAX_N = 128  # OpenAI's cap on completions per request
 
 
 class APIError(Exception):
@@ -55,6 +61,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -62,12 +69,15 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.type = type
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
 
 def error_body(message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:
+    """OpenAI's error shape. Render it ASCII-escaped (json.dumps' default): a message may
+    quote what the client sent."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -76,6 +86,7 @@ def invalid(message: str, param: str | None = None) -> APIError:
 
 
 # --------------------------------------------------------------------------- requests
+
 
 _UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {  # field -> values meaning "off"
     "suffix": (None, ""),
@@ -114,17 +125,17 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    logit_bias: dict[Text, float] | None = None
+    user: Text | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Extensions shared with vLLM.
@@ -135,10 +146,10 @@ class _GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     # Structured output (tokenmill/server/structured.py), OpenAI's and vLLM's names.
     response_format: ResponseFormat | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
     structured_outputs: StructuredOutputs | None = None
 
     def check_extra_fields(self) -> None:
@@ -149,6 +160,8 @@ class _GenerationRequest(BaseModel):
                 raise invalid(f"{name} is not supported by this server", name)
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
+        if self.n is not None and self.n > MAX_N:
+            raise invalid(f"n must be at most {MAX_N}, got {self.n}", "n")
 
     @property
     def include_usage(self) -> bool:
@@ -183,7 +196,8 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = _UNSUPPORTED_COMPLETION
 
-    prompt: str | list[str] | list[int]
+    # one prompt (text or token ids), or a batch of them: one choice per prompt (times n)
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
 
@@ -207,16 +221,16 @@ class CompletionRequest(_GenerationRequest):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
-    role: str
-    content: str | list[TextPart] | None = None  # None: an assistant turn of tool calls only
-    name: str | None = None
+    role: Text
+    content: Text | list[TextPart] | None = None  # None: an assistant turn of tool calls only
+    name: Text | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant: the calls it made
-    tool_call_id: str | None = None  # tool: which call this is the result of
-    refusal: str | None = None  # as OpenAI's responses carry it back
+    tool_call_id: Text | None = None  # tool: which call this is the result of
+    refusal: Text | None = None  # as OpenAI's responses carry it back
 
     def check(self, i: int) -> None:
         """What the types cannot say; a 400 naming messages[i]."""
@@ -408,7 +422,11 @@ def pydantic_errors_to_api_error(errors: list[dict[str, Any]]) -> APIError:
         other = _without_body(error["loc"])
         while common != other[: len(common)]:
             common = common[:-1]
-    messages = "; or ".join(dict.fromkeys(e["msg"] for e in same_field))
+    # A validator's own refusal (a lone surrogate) says more than "not a list" from the
+    # other members of a union.
+    refusals = [e for e in same_field if e["type"] == "value_error"]
+    shown = [e["msg"].removeprefix("Value error, ") for e in refusals or same_field]
+    messages = "; or ".join(dict.fromkeys(shown))
     return invalid(f"Invalid value for '{_path(common)}': {messages}", param)
 
 
@@ -511,11 +529,13 @@ class CompletionFormat(_Format):
         decode: Callable[[int], str],
         want_logprobs: bool,
         n: int,
-        echo: str | None,
+        echo: list[str] | None,
     ):
+        """n: choices in all; echo: each choice's prompt text, when the request echoes."""
         super().__init__("cmpl", request_id, model, decode, want_logprobs)
         self.echo = echo
-        self._offsets = [len(echo or "")] * n  # text offset of each choice's next token
+        # text offset of each choice's next token
+        self._offsets = [len(e) for e in echo] if echo else [0] * n
 
     def logprobs(self, index: int, logprobs: list[TokenLogprob]) -> dict[str, list]:
         tokens = [self.decode(lp.token_id) for lp in logprobs]
@@ -538,7 +558,7 @@ class CompletionFormat(_Format):
         logprobs = self.logprobs(index, generation.logprobs) if self.want_logprobs else None
         return {
             "index": index,
-            "text": (self.echo or "") + generation.text,
+            "text": (self.echo[index] if self.echo else "") + generation.text,
             "logprobs": logprobs,
             "finish_reason": generation.finish_reason,
         }
@@ -546,7 +566,7 @@ class CompletionFormat(_Format):
     def opening_chunks(self, n: int) -> list[dict[str, Any]]:
         if not self.echo:
             return []
-        return [self._chunk(i, self.echo, None, None) for i in range(n)]
+        return [self._chunk(i, self.echo[i], None, None) for i in range(n)]
 
     def chunk(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
         if not self._worth_sending(out):

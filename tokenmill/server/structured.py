@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenmill.server.text import Text
+
 JSON_OBJECT = {"type": "object"}  # json_object: any JSON object
 
 
@@ -26,8 +28,8 @@ class _Strict(BaseModel):
 
 
 class JSONSchemaFormat(_Strict):
-    name: str
-    description: str | None = None
+    name: Text
+    description: Text | None = None
     # `schema` and `json` would shadow BaseModel methods: stored under other names
     schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
     strict: bool | None = None  # the output always follows the schema here
@@ -39,10 +41,10 @@ class ResponseFormat(_Strict):
 
 
 class StructuredOutputs(_Strict):
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
     json_object: bool | None = None
 
 

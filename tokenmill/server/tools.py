@@ -31,11 +31,15 @@ import string
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
 from tokenmill.sampling.grammar import JSON_LAYOUT
+from tokenmill.server.text import Text
+from tokenmill.tokenizer import ChatTemplateError
+
+T = TypeVar("T")
 
 HERMES, LLAMA3, MISTRAL = "hermes", "llama3", "mistral"
 _ARGUMENT_KEYS = ("arguments", "parameters")
@@ -52,8 +56,8 @@ class _Strict(BaseModel):
 
 
 class FunctionDefinition(_Strict):
-    name: str
-    description: str | None = None
+    name: Text
+    description: Text | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # calls are always valid when forced; taken as given
 
@@ -64,7 +68,7 @@ class Tool(_Strict):
 
 
 class FunctionName(_Strict):
-    name: str
+    name: Text
 
 
 class NamedToolChoice(_Strict):
@@ -73,14 +77,14 @@ class NamedToolChoice(_Strict):
 
 
 class CalledFunction(_Strict):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
 
 
 class ToolCallIn(_Strict):
     """A call in an assistant message of the history."""
 
-    id: str
+    id: Text
     type: Literal["function"]
     function: CalledFunction
 
@@ -171,6 +175,14 @@ class ToolRequest:
             return None
         if not tools:
             raise ValueError("tools must not be empty: send no tools field instead")
+        definitions = [t.model_dump(exclude_none=True) for t in tools]
+        try:  # the parameters' schemas are free-form JSON, which the model types don't check
+            json.dumps(definitions, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise ValueError(
+                "tools contains a lone UTF-16 surrogate (such as \\ud800), which is not "
+                "valid Unicode"
+            ) from None
         names = [t.function.name for t in tools]
         duplicate = next((n for n in names if names.count(n) > 1), None)
         if duplicate is not None:
@@ -188,7 +200,7 @@ class ToolRequest:
         fmt = tool_format(template)
         special = {p: i for p in ("[TOOL_CALLS]", "[ARGS]") if (i := token_id(p)) is not None}
         return cls(
-            tools=[t.model_dump(exclude_none=True) for t in tools],
+            tools=definitions,
             choice=choice,
             forced=forced,
             parallel=parallel_tool_calls is not False,
@@ -282,23 +294,28 @@ def _json_directive(schema: dict[str, Any]) -> str:
     return f"%json {json.dumps(schema, ensure_ascii=False)}"
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolRequest | None) -> str:
-    """The prompt text of a chat, with or without tools (a history may hold calls and
-    results even when this request offers no tools). Raises ChatTemplateError.
+def encode_tool_chat(
+    encode: Callable[..., T],
+    messages: list[dict[str, Any]],
+    tools: ToolRequest | None,
+    template: str | None,
+) -> T:
+    """encode(messages, tools=definitions) on a chat prepared for its tools, with or without
+    tools in this request (a history may hold calls and results even when it offers none).
+    Raises what encode raises (ChatTemplateError for a template that refuses).
 
     A template that knows nothing of tools gets the results as "tool" turns first: a
     ChatML template renders any role, and a small model answers from a tool turn where it
     only echoes a user turn. A template that refuses the role (Gemma's allows user and
     model turns only, alternating) gets them as a user turn instead."""
-    template = tokenizer.chat_template
     prepared, defs = prepare_chat(messages, tools, template)
     try:
-        return tokenizer.apply_chat_template(prepared, add_generation_prompt=True, tools=defs)
-    except ValueError:
+        return encode(prepared, tools=defs)
+    except ChatTemplateError:
         if prepared is messages or not any(m["role"] == "tool" for m in prepared):
             raise
     prepared, defs = prepare_chat(messages, tools, template, results_as="user")
-    return tokenizer.apply_chat_template(prepared, add_generation_prompt=True, tools=defs)
+    return encode(prepared, tools=defs)
 
 
 def prepare_chat(

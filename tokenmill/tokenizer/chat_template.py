@@ -7,6 +7,10 @@ the `loopcontrols` extension, a `tojson` filter that leaves non-ASCII text alone
 `raise_exception` and `strftime_now` helpers templates call. Tool definitions go in as
 `tools` (OpenAI's {"type": "function", "function": {...}} dicts), as transformers passes them;
 an assistant message may carry `tool_calls` and a tool message its `tool_call_id`.
+
+The template comes from the model file, so it is untrusted code: it renders in a sandbox with a
+budget (template_limits.py: steps, wall clock, sizes), and whatever goes wrong inside it (a limit,
+a Python error, runaway recursion) becomes one ChatTemplateError for that request.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from functools import lru_cache
 from typing import Any
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .template_limits import LimitedSandbox, RenderLimits, TemplateLimitError
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -53,13 +58,17 @@ def render_chat_template(
     bos_token: str | None = None,
     eos_token: str | None = None,
     tools: list[dict[str, Any]] | None = None,
+    limits: RenderLimits = RenderLimits(),  # noqa: B008 (frozen)
 ) -> str:
-    """Render `template` for `messages` (validated first); errors become ChatTemplateError.
-
-    tools: function definitions for templates that render them (None: no tools)."""
+    """Render `template` for `messages` (validated first) within `limits`; every failure
+    is a one-line ChatTemplateError. tools: function definitions for templates that render
+    them (None: no tools)."""
     validate_messages(messages)
+    compiled = _compile(template)
     try:
-        return _compile(template).render(
+        return _ENV.render(
+            compiled,
+            limits,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token or "",
@@ -67,8 +76,21 @@ def render_chat_template(
             tools=tools or None,
             documents=None,
         )
+    except ChatTemplateError:
+        raise  # the template's own raise_exception
+    except TemplateLimitError as e:
+        raise ChatTemplateError(str(e)) from None
     except jinja2.TemplateError as e:
-        raise ChatTemplateError(f"chat template failed: {e}") from e
+        raise ChatTemplateError(f"chat template failed: {_first_line(e)}") from None
+    except (Exception, RecursionError) as e:  # TypeError, ZeroDivisionError... in its code
+        raise ChatTemplateError(
+            f"chat template failed: {type(e).__name__}: {_first_line(e)}"
+        ) from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else ""
 
 
 def _raise_exception(message: str) -> None:
@@ -92,15 +114,27 @@ def _tojson(
     )
 
 
-@lru_cache(maxsize=32)
-def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
+def _environment() -> LimitedSandbox:
+    env = LimitedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.finish_setup()
+    return env
+
+
+_ENV = _environment()  # one environment: compiled templates are cached per source below
+
+
+@lru_cache(maxsize=32)
+def _compile(template: str) -> jinja2.Template:
     try:
-        return env.from_string(template)
+        return _ENV.from_string(template)
     except jinja2.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"chat template does not parse: {e}") from e
+        raise ChatTemplateError(f"chat template does not parse: {_first_line(e)}") from None
+    except (Exception, RecursionError) as e:  # e.g. nesting deep enough to exhaust the parser
+        raise ChatTemplateError(
+            f"chat template does not compile: {type(e).__name__}: {_first_line(e)}"
+        ) from None

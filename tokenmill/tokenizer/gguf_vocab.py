@@ -99,9 +99,14 @@ class GGUFVocab:
     chat_template: str | None
 
 
+MAX_VOCAB = 1 << 22  # as config.MAX_SIZES["vocab_size"]
+MAX_SENTENCEPIECE_PIECE = 1024  # characters; merges cost the square of a piece's length
+
+
 def load_gguf_vocab(path: str | Path) -> GGUFVocab:
-    """The tokenizer a GGUF file describes (the file may hold weights or be vocabulary-only)."""
-    meta = read_metadata(path)
+    """The tokenizer a GGUF file describes (the file may hold weights or be vocabulary-only).
+    Raises ValueError naming the file and the key for metadata no real vocabulary has."""
+    meta = _checked(read_metadata(path), path)
     pieces: list[str] = meta.get("tokenizer.ggml.tokens") or []
     if not pieces:
         raise ValueError(f"{path}: no tokenizer.ggml.tokens; the file carries no vocabulary")
@@ -129,6 +134,54 @@ def load_gguf_vocab(path: str | Path) -> GGUFVocab:
         add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)) and ids["eos"] is not None,
         chat_template=meta.get("tokenizer.chat_template"),
     )
+
+
+# Keys `_checked` verifies the type of (arrays are checked against the vocabulary's length).
+_STRING_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template")
+_FLAG_KEYS = (
+    "tokenizer.ggml.add_bos_token",
+    "tokenizer.ggml.add_eos_token",
+    "tokenizer.ggml.add_space_prefix",
+)
+_ID_KEYS = tuple(f"tokenizer.ggml.{n}_token_id" for n in ("bos", "eos", "eot", "eom", "unknown"))
+
+
+def _checked(meta: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """`meta` if every tokenizer key holds what llama.cpp expects there; else ValueError."""
+
+    def fail(key: str, wanted: str) -> ValueError:
+        return ValueError(f"{path}: {key} must be {wanted}")
+
+    pieces = meta.get("tokenizer.ggml.tokens")
+    if pieces is not None:
+        if not isinstance(pieces, list) or not all(isinstance(p, str) for p in pieces):
+            raise fail("tokenizer.ggml.tokens", "an array of strings")
+        if len(pieces) > MAX_VOCAB:
+            raise fail("tokenizer.ggml.tokens", f"at most {MAX_VOCAB} pieces, not {len(pieces)}")
+    n = len(pieces or [])
+    for key, kind in (("tokenizer.ggml.token_type", "i"), ("tokenizer.ggml.scores", "f")):
+        value = meta.get(key)
+        if value is None:
+            continue
+        ok = isinstance(value, np.ndarray) and value.ndim == 1 and len(value) == n
+        if not ok or value.dtype.kind not in ("iu" if kind == "i" else "fiu"):
+            raise fail(key, f"an array of {n} {'integers' if kind == 'i' else 'numbers'}")
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges is not None and (
+        not isinstance(merges, list) or not all(isinstance(m, str) for m in merges)
+    ):
+        raise fail("tokenizer.ggml.merges", "an array of strings")
+    for key in _STRING_KEYS:
+        if key in meta and not isinstance(meta[key], str):
+            raise fail(key, "a string")
+    for key in _FLAG_KEYS:
+        if key in meta and not isinstance(meta[key], (bool, np.bool_)):
+            raise fail(key, "a bool")
+    for key in _ID_KEYS:
+        value = meta.get(key)
+        if value is not None and not isinstance(value, (int, np.integer)):
+            raise fail(key, "an integer")
+    return meta
 
 
 # llama.cpp's ids for SentencePiece files that do not name them (older Llama conversions).
@@ -197,6 +250,11 @@ def _merges_by_score(
 ) -> list[tuple[str, str]]:
     """Every (left, right) split of every normal piece, the best-scoring result first."""
     normal = np.flatnonzero(types == TokenType.NORMAL).tolist()
+    longest = max((len(pieces[i]) for i in normal), default=0)
+    if longest > MAX_SENTENCEPIECE_PIECE:
+        raise ValueError(
+            f"a vocabulary piece is {longest} characters long (at most {MAX_SENTENCEPIECE_PIECE})"
+        )
     known = {pieces[i] for i in normal}
     splits, owners = [], []
     for i in normal:

@@ -1,0 +1,288 @@
+"""Property-based fuzzing of request bodies against a real `tokenmill serve` on 127.0.0.1,
+and a hostile chat template served for real. Issue 11.
+
+The server runs a tiny random-weight Llama (fast: hundreds of requests in seconds) whose
+chat template turns hostile for two message texts: "spin" (two nested range(100000)
+loops) and "bloat" (a 4 GB string). For every fuzzed body: no 5xx, errors in OpenAI's
+shape, streams that end in [DONE]; afterwards the server still serves and is idle (no
+sequence, KV block or request left).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import httpx
+import pytest
+from helpers import build_hf_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from server_fixture import metric, metric_by_label, running_server, sse_events
+
+HOSTILE_TEMPLATE = """{%- for m in messages -%}
+{%- if m.content == 'spin' -%}
+{%- for i in range(100000) -%}{%- for j in range(100000) -%}{%- endfor -%}{%- endfor -%}
+{%- elif m.content == 'bloat' -%}{{ 'a' * 4000000000 }}
+{%- else -%}{{ m.role }}: {{ m.content }} {% endif -%}
+{%- endfor -%}{%- if add_generation_prompt -%}assistant: {% endif -%}"""
+
+
+def _examples(n: int) -> int:
+    """n, times $TOKENMILL_FUZZ_SCALE (default 1): CI runs a bounded number of cases, a
+    deeper local run sets the scale."""
+    return max(1, round(n * float(os.environ.get("TOKENMILL_FUZZ_SCALE", "1"))))
+
+
+FUZZ = settings(
+    deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("tiny")
+    build_hf_model("llama", folder)
+    (folder / "chat_template.jinja").write_text(HOSTILE_TEMPLATE)
+    args = ("--model", str(folder), "--kv-cache-memory", "2048tok", "--max-num-seqs", "4",
+            "--max-waiting", "16", "--threads", "1")  # fmt: skip
+    with running_server(*args) as base_url:
+        yield base_url
+
+
+@pytest.fixture(scope="module")
+def http(url):
+    with httpx.Client(base_url=url, timeout=60) as client:
+        yield client
+
+
+# --------------------------------------------------------------------------- strategies
+
+# Text with the awkward characters: lone surrogates, NUL, private use, special-token text.
+_text = st.text(
+    st.characters(codec=None, categories=["L", "N", "P", "S", "Z", "Cc", "Cs", "Co"]), max_size=12
+) | st.sampled_from(["", "t1 t2 t3", "<s>", "\ud800", "\x00", "١٢", "5", "-1", "1e999"])
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | _text,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3),
+    max_leaves=6,
+)
+_small_int = st.integers(-3, 12)
+_float = st.sampled_from([0, 0.5, 1, 2, -1, 1e-9, 1e308]) | st.floats()
+_fields = {
+    "max_tokens": _small_int | _json,
+    "temperature": _float | _json,
+    "top_p": _float,
+    "top_k": _small_int,
+    "min_p": _float,
+    "n": st.integers(-1, 3) | st.sampled_from([129, 1000, 10**12]) | _json,
+    "stop": _text | st.lists(_text, max_size=3) | _json,
+    "seed": st.integers(-(2**65), 2**65) | _json,
+    "presence_penalty": _float,
+    "frequency_penalty": _float,
+    "repetition_penalty": _float,
+    "logit_bias": st.dictionaries(_text | st.integers(0, 400).map(str), _float, max_size=3) | _json,
+    "logprobs": st.integers(-1, 25) | st.booleans() | _json,
+    "top_logprobs": st.integers(-1, 25),
+    "user": _text,
+    "stream": st.booleans() | _json,
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | _json,
+    "ignore_eos": st.booleans(),
+    "stop_token_ids": st.lists(st.integers(-2, 400), max_size=3) | _json,
+    "echo": st.booleans(),
+    "model": st.sampled_from(["tiny", "gpt-4"]) | _text,
+    "suffix": _text,
+    "best_of": st.integers(0, 3),
+    "tools": st.just([]) | _json,
+    "unknown_field": _json,
+}
+_prompt = (
+    _text
+    | st.lists(st.integers(-2, 400), max_size=6)
+    | st.lists(_text, max_size=3)
+    | st.lists(st.lists(st.integers(0, 319), min_size=1, max_size=4), min_size=1, max_size=3)
+    | _json
+)
+_role = st.sampled_from(["system", "user", "assistant", "tool", "developer", "wizard"]) | _text
+_content = (
+    _text
+    | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _text}), max_size=2)
+    | _json
+)
+_message = st.fixed_dictionaries({"role": _role, "content": _content}, optional={"name": _text})
+_messages = st.lists(_message | _json, max_size=3) | _json
+
+
+def _body(required: dict) -> st.SearchStrategy[dict]:
+    return st.fixed_dictionaries(required, optional=_fields)
+
+
+# Bodies inside the documented ranges, to reach generation with odd but valid settings.
+_unit = st.floats(0.01, 1.0)
+_valid_fields = {
+    "max_tokens": st.integers(1, 8),
+    "temperature": st.floats(0, 2),
+    "top_p": _unit,
+    "top_k": st.integers(0, 50),
+    "min_p": st.floats(0, 1),
+    "n": st.integers(1, 3),
+    "stop": st.lists(st.sampled_from(["t1", "t2 t3", "\n", "<s>"]), max_size=2),
+    "seed": st.integers(0, 2**63),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2),
+    "logit_bias": st.dictionaries(st.integers(0, 319).map(str), st.floats(-100, 100), max_size=3),
+    "stream": st.booleans(),
+    "ignore_eos": st.booleans(),
+    "stop_token_ids": st.lists(st.integers(0, 319), max_size=2),
+    "user": _text,
+}
+_valid_completion = st.fixed_dictionaries(
+    {"prompt": st.sampled_from(["t1 t2 t3", "t5"]) | st.lists(st.integers(0, 319), min_size=1, max_size=5)
+     | st.lists(st.sampled_from(["t1", "t2 t3"]), min_size=1, max_size=3)},
+    optional={**_valid_fields, "logprobs": st.integers(0, 5), "echo": st.booleans()},
+)  # fmt: skip
+_valid_chat = st.fixed_dictionaries(
+    {"messages": st.lists(
+        st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                               "content": st.sampled_from(["t1", "t2 t3", "<s>t1</s>"]) | _text}),
+        min_size=1, max_size=3)},
+    optional={**_valid_fields, "logprobs": st.booleans(), "max_completion_tokens": st.integers(1, 8)},
+)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the checks
+
+
+def _check_error(error: dict) -> None:
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"], error
+    assert "\n" not in error["message"] and error["type"] != "server_error", error
+
+
+def _check(response: httpx.Response, *, stream: bool, inspect: bool = False) -> None:
+    assert response.status_code < 500, response.text
+    if response.status_code >= 400:
+        _check_error(response.json()["error"])
+    elif stream and inspect:  # the inspector's events: ... then "done" or "error"
+        events = list(sse_events(response))
+        assert events and events[-1]["type"] in ("done", "error"), events[-1:]
+        if events[-1]["type"] == "error":
+            _check_error(events[-1]["error"])
+    elif stream:
+        events = list(sse_events(response))
+        assert events and events[-1] == "[DONE]", events[-3:]
+        assert not any(isinstance(e, dict) and "error" in e for e in events), events
+    else:
+        assert response.json()["choices" if not inspect else "steps"]
+
+
+def _post(http: httpx.Client, path: str, body, *, stream_default: bool = False) -> None:
+    # json.dumps escapes lone surrogates (httpx's own encoder would refuse them) and spells
+    # NaN/Infinity, which is not JSON: both are things a hostile client sends.
+    content = json.dumps(body)
+    stream = isinstance(body, dict) and body.get("stream", stream_default) is True
+    with http.stream(
+        "POST", path, content=content, headers={"content-type": "application/json"}
+    ) as response:
+        if not stream or response.status_code != 200:
+            response.read()
+        _check(response, stream=stream, inspect=path == "/v1/inspect")
+
+
+@settings(FUZZ, max_examples=_examples(150))
+@given(body=_body({"prompt": _prompt}) | _valid_completion | _json)
+def test_fuzz_completions(http, body):
+    _post(http, "/v1/completions", body)
+
+
+@settings(FUZZ, max_examples=_examples(100))
+@given(body=_body({"messages": _messages}) | _valid_chat | _json)
+def test_fuzz_chat(http, body):
+    _post(http, "/v1/chat/completions", body)
+
+
+@settings(FUZZ, max_examples=_examples(30))
+@given(
+    body=st.fixed_dictionaries(
+        {},
+        optional={
+            "prompt": _text, "messages": _messages, "max_tokens": _small_int, "layer": _small_int,
+            "head": _small_int, "top_n": st.integers(-1, 60), "stream": st.booleans(),
+        },
+    )
+)  # fmt: skip
+def test_fuzz_inspect(http, body):
+    _post(http, "/v1/inspect", body, stream_default=True)
+
+
+@settings(FUZZ, max_examples=_examples(30))
+@given(
+    raw=st.binary(max_size=64), path=st.sampled_from(["/v1/completions", "/v1/chat/completions"])
+)
+def test_fuzz_raw_bytes(http, raw, path):
+    response = http.post(path, content=raw, headers={"content-type": "application/json"})
+    _check(response, stream=False)
+
+
+# --------------------------------------------------------------------------- hostile template
+
+
+def test_hostile_template_is_a_fast_400_and_the_server_keeps_serving(http):
+    latencies: list[float] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            start = time.monotonic()
+            assert http.get("/health").status_code == 200
+            latencies.append(time.monotonic() - start)
+            time.sleep(0.02)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        for content, expected in (("spin", "budget"), ("bloat", "size limit")):
+            start = time.monotonic()
+            response = http.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": content}]}
+            )
+            took = time.monotonic() - start
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert expected in error["message"] and error["param"] == "messages", error
+            assert took < 2.0, took
+    finally:
+        done.set()
+        poller.join()
+    assert max(latencies) < 1.0, latencies
+    ok = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "t1"}],
+                                                  "max_tokens": 2})  # fmt: skip
+    assert ok.status_code == 200
+
+
+# --------------------------------------------------------------------------- afterwards
+
+
+def test_server_is_idle_and_serving_after_fuzzing(http):
+    """Runs after the fuzz tests (file order): every request of theirs is done."""
+    deadline = time.monotonic() + 30
+    names = ("tokenmill_requests_running", "tokenmill_requests_waiting",
+             "tokenmill_kv_blocks_held_by_requests", "tokenmill_http_requests_in_flight")  # fmt: skip
+    while True:
+        text = http.get("/metrics").text
+        values = {name: metric(text, name) for name in names}
+        if not any(values.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not any(values.values()), values
+    codes = metric_by_label(text, "tokenmill_http_requests_total")
+    assert (
+        codes.get("400", 0) > 50
+        and codes.get("200", 0) > 50
+        and not [c for c in codes if c.startswith("5")]
+    ), codes
+    response = http.post("/v1/completions", json={"prompt": "t1 t2", "max_tokens": 3})
+    assert response.json()["usage"]["completion_tokens"] == 3

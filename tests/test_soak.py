@@ -1,0 +1,49 @@
+"""A short soak of a real `tokenmill serve` (SmolLM2-135M, on 127.0.0.1):
+a minute of mixed streaming load with random aborts, bad requests and a full queue,
+from benchmarks/soak.py (which runs the same load for as long as asked). Issue 11.
+
+After it: no 5xx on either side, every bad request a 4xx, the engine idle with zero KV
+blocks held and nothing in flight, the server's request counters equal to what the
+clients saw, and the server's RSS within a bound of its size after warm-up.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from server_fixture import server_process
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from soak import Soak  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SECONDS = 60
+WARM_UP_S = 20
+RSS_GROWTH_BOUND = 64 << 20  # after warm-up; the KV pool below is 32 MiB
+
+
+def test_short_soak(smollm_path):
+    args = ("--kv-cache-memory", "32MiB", "--max-num-seqs", "6", "--max-waiting", "3")
+    with server_process(*args) as server:
+        report = Soak(server.base_url, pid=server.pid, workers=8, seed=1).run(SECONDS, 2.0)
+        log = server.log()
+    statuses = report.by_status
+    assert not report.errors, report.errors
+    assert not [code for code in statuses if code.startswith("5")], statuses
+    assert statuses["200"] > 50 and statuses["aborted"] > 5 and statuses["400"] > 5, statuses
+    assert report.idle_after and not any(report.idle_after.values()), report.idle_after
+    # the server's counts match the clients': aborted streams are its 499s, and it also
+    # answered the /metrics reads made after the load
+    server = {code: int(n) for code, n in report.server_by_code.items()}
+    assert server.get("499", 0) == statuses["aborted"], (server, statuses)
+    for code, n in statuses.items():
+        if code not in ("aborted", "200", "closed"):
+            assert server.get(code, 0) == n, (code, server, statuses)
+    warm = max(b for t, b in report.rss if t <= WARM_UP_S)
+    peak = max(b for t, b in report.rss if t > WARM_UP_S)
+    assert peak <= warm + RSS_GROWTH_BOUND, [(round(t), b >> 20) for t, b in report.rss]
+    assert "Traceback" not in log

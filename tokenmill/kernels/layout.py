@@ -1,0 +1,78 @@
+"""The lane order of packed codes: the column permutation the native kernels read.
+
+The C side (kernels/linear.c) documents it; this is its one Python copy. Full groups of
+`gb` blocks (the loaded library's vector width in 32-bit lanes: kernels.group_blocks())
+interleave four values of each block per lane; the tail blocks stay in natural order.
+Packing happens at load, for the host; QuantLinear repacks if a library of another
+width is loaded later.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+QK = 32  # values per block
+
+
+@lru_cache(maxsize=64)
+def lane_perm(k: int, gb: int) -> np.ndarray:
+    """perm[p] = natural column of lane-order position p, for rows of k values and
+    groups of gb blocks.
+
+    Full groups: block kb, value j = 4i + t of group g sits at p = g*32gb + i*4gb +
+    kb*4 + t. The tail (k/32 % gb blocks) stays in natural order.
+    """
+    nfull = k // QK // gb
+    # natural index within a group, shaped [kb, i, t] -> lane order [i, kb, t]
+    group = np.arange(gb * QK).reshape(gb, 8, 4).transpose(1, 0, 2).reshape(-1)
+    full = (np.arange(nfull)[:, None] * gb * QK + group).reshape(-1)
+    return np.concatenate([full, np.arange(full.size, k)]).astype(np.int64)
+
+
+@lru_cache(maxsize=64)
+def nibble_cols(k: int, gb: int) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi): natural columns of the low and high nibble of each 4-bit code byte.
+
+    Full group (vectors of v = 4gb bytes): byte c*v + r holds lane positions
+    (2c)*v + r (low) and (2c+1)*v + r (high).
+    Tail chunk of n values (64, or 32 for a last single block) starting at value o:
+    byte r holds values o + r (low) and o + n/2 + r (high).
+    """
+    perm = lane_perm(k, gb)
+    nfull, v, gw = k // QK // gb, 4 * gb, QK * gb
+    pos = np.arange(gw // 2)
+    c, r = pos // v, pos % v
+    lo = [perm[g * gw + 2 * c * v + r] for g in range(nfull)]
+    hi = [perm[g * gw + (2 * c + 1) * v + r] for g in range(nfull)]
+    for o in range(nfull * gw, k, 64):
+        half = min(64, k - o) // 2
+        lo.append(o + np.arange(half))
+        hi.append(o + half + np.arange(half))
+    return np.concatenate(lo).astype(np.int64), np.concatenate(hi).astype(np.int64)
+
+
+@lru_cache(maxsize=64)
+def unpack_index(k: int, bits: int, gb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(byte, shift) per natural column: code = (codes[:, byte] >> shift) & mask."""
+    if bits == 8:
+        inv = np.empty(k, dtype=np.int64)
+        inv[lane_perm(k, gb)] = np.arange(k)
+        return torch.from_numpy(inv), torch.zeros(k, dtype=torch.uint8)
+    lo, hi = nibble_cols(k, gb)
+    byte = np.empty(k, dtype=np.int64)
+    shift = np.empty(k, dtype=np.uint8)
+    byte[lo], shift[lo] = np.arange(k // 2), 0
+    byte[hi], shift[hi] = np.arange(k // 2), 4
+    return torch.from_numpy(byte), torch.from_numpy(shift)
+
+
+def pack_codes(nat: np.ndarray, bits: int, gb: int) -> np.ndarray:
+    """Natural-order codes uint8 [rows, K] (< 16 for 4-bit) -> lane order for groups of gb."""
+    k = nat.shape[1]
+    if bits == 8:
+        return nat[:, lane_perm(k, gb)]
+    lo, hi = nibble_cols(k, gb)
+    return nat[:, lo] | (nat[:, hi] << 4)

@@ -1,0 +1,78 @@
+"""GGUF block formats -> natural-order codes and per-32 scales, for QuantLinear.
+
+Parses a tensor's raw blocks ([rows, blocks, type_size] bytes, as the file stores them)
+into the packed format's pieces: unsigned codes per value, a scale (and min) per block
+of 32, and for K-quants the super-block scales they multiply. Exact for the types in
+EXACT_GGUF_TYPES; the 16-value sub-block types (Q6_K, Q2_K, Q3_K) are requantized by
+QuantLinear instead (REQUANT_GGUF_TYPES).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as GT
+
+EXACT_GGUF_TYPES = frozenset({GT.Q4_0, GT.Q4_1, GT.Q4_K, GT.Q8_0, GT.Q5_0, GT.Q5_1, GT.Q5_K})
+REQUANT_GGUF_TYPES = frozenset({GT.Q6_K, GT.Q2_K, GT.Q3_K})
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """[..., 2] uint8 -> [...] float16 (little-endian, as GGUF stores it)."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def _nibbles16(qs: np.ndarray) -> np.ndarray:
+    """Q4_0/Q4_1/Q5 low bits: [.., 16] bytes -> [.., 32]: value j<16 low, j>=16 high nibble."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _k_scale_min(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K 12-byte packed 6-bit (scale, min) of 8 sub-blocks -> two [.., 8] arrays."""
+    d, m, md = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
+    scale = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return scale, mn
+
+
+def parse_exact(blocks: np.ndarray, qtype: GT):
+    """blocks [rows, nblk, type_size] -> (codes [rows, K] u8, scales, mins|None, bits, sup).
+
+    sup: None, or for K-quants (d, dmin) float16 [rows, K/256, 2] with scales and mins the
+    uint8 codes that multiply them."""
+    rows = blocks.shape[0]
+    if qtype in (GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.Q5_0, GT.Q5_1):
+        d = _f16(blocks[..., 0:2])
+        has_min = qtype in (GT.Q4_1, GT.Q5_1)
+        m = _f16(blocks[..., 2:4]) if has_min else None
+        off = 4 if has_min else 2
+        if qtype == GT.Q8_0:  # int8 q -> q + 128 (Z = 128)
+            codes = blocks[..., 2:34] ^ np.uint8(0x80)
+            return codes.reshape(rows, -1), d, None, 8, None
+        if qtype in (GT.Q4_0, GT.Q4_1):  # Q4_0: raw nibble, Z = 8; Q4_1: nibble with min
+            return _nibbles16(blocks[..., off : off + 16]).reshape(rows, -1), d, m, 4, None
+        # Q5_0 / Q5_1: 4 bytes of high bits (bit j of a little-endian u32 for value j)
+        qh = np.ascontiguousarray(blocks[..., off : off + 4]).view("<u4")  # [rows, nblk, 1]
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+        q = _nibbles16(blocks[..., off + 4 : off + 20]) | high
+        if qtype == GT.Q5_0:  # value d * (q - 16) = d * ((q + 112) - 128)
+            q = q + np.uint8(112)
+        return q.reshape(rows, -1), d, m, 8, None
+    # K-quants: super-blocks of 256 = 8 sub-blocks of 32, each with a 6-bit scale/min
+    # code: the sub-block's scale is d * code, its min -dmin * code (kept that way).
+    sup = np.ascontiguousarray(blocks[..., 0:4]).view(np.float16)  # [rows, nsup, 2]: d, dmin
+    sc, mn = _k_scale_min(blocks[..., 4:16])
+    if qtype == GT.Q4_K:
+        # 4 chunks of 32 bytes: sub-block 2c = low nibbles of chunk c, 2c+1 = high
+        qs = blocks[..., 16:144].reshape(rows, -1, 4, 1, 32)
+        q = (qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15
+        bits = 4
+    elif qtype == GT.Q5_K:
+        qh = blocks[..., 16:48].reshape(rows, -1, 1, 32)  # bit s = high bit, sub-block s
+        qs = blocks[..., 48:176].reshape(rows, -1, 4, 1, 32)
+        q = (qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15
+        high = (qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+        q = q.reshape(rows, -1, 8, 32) | (high << 4)
+        bits = 8
+    else:
+        raise ValueError(f"not an exactly representable type: {qtype.name}")
+    return q.reshape(rows, -1), sc.reshape(rows, -1), mn.reshape(rows, -1), bits, sup

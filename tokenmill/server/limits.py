@@ -1,0 +1,197 @@
+"""Limits at the HTTP layer: no request may hold the server, or a connection, without bound.
+
+    BodyLimit (ASGI middleware)   the request body, read in full before any route runs:
+                                  at most `max_body_bytes` (413; a Content-Length over it
+                                  is refused before one byte is read) and each chunk within
+                                  `body_timeout_s` of the last (408: a client that promised
+                                  more bytes than it sends no longer holds a connection)
+    header_timeout_protocol()     uvicorn's h11 protocol, plus a deadline for the request
+                                  line and headers of each request on a connection (h11
+                                  already caps their size at 16 KiB)
+
+Imports nothing heavy at module level: `tokenmill serve --help` reads ServerLimits'
+defaults, and the CLI's start-up should not pay for uvicorn.
+
+Reading the whole body first is what every JSON route does anyway; doing it here bounds it
+once, for every route, before FastAPI parses anything. The app then gets the body from
+memory, and its later `receive()` calls reach the real connection, so disconnect
+detection works as before.
+
+The default body limit follows the context length: `default_max_body_bytes` allows 64
+bytes per context token (a token is a few bytes of text, up to ~12 once JSON escapes a
+non-ASCII character), and never less than 1 MiB.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+MIN_BODY_BYTES = 1 << 20
+BODY_BYTES_PER_TOKEN = 64
+
+
+def default_max_body_bytes(max_model_len: int) -> int:
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_body_bytes: int | None = None  # None: default_max_body_bytes(the engine's context)
+    body_timeout_s: float = 30.0  # the longest wait for the next chunk of a request body
+    header_timeout_s: float = 10.0  # request line + headers, from connection or last response
+    keep_alive_s: float = 5.0  # an idle connection between requests (uvicorn's default)
+    shutdown_timeout_s: float = 30.0  # on SIGTERM, how long running requests may finish
+
+
+async def send_error(
+    send: Send, status: int, message: str, code: str, headers: dict[str, str] | None = None
+) -> None:
+    """An OpenAI-shaped JSON error, sent straight through ASGI (ASCII-escaped: it may quote
+    a client's text)."""
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+    body = json.dumps({"error": error}).encode()
+    raw_headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *((k.lower().encode(), v.encode()) for k, v in (headers or {}).items()),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimit:
+    """ASGI middleware: read each HTTP request's body in full, within size and time limits."""
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int, timeout_s: float):
+        self.app = app
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        import asyncio  # here, not at the top: see the module's docstring
+
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await self._too_large(send, declared)
+            return
+        chunks, size = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except TimeoutError:
+                await send_error(
+                    send,
+                    408,
+                    f"the request body did not arrive: no bytes for {self.timeout_s:g} s "
+                    f"after {size} of {declared if declared is not None else 'unknown'}",
+                    "request_timeout",
+                    {"Connection": "close"},
+                )
+                return
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its request: nobody to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large(send, size)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+    async def _too_large(self, send: Send, size: int) -> None:
+        await send_error(
+            send,
+            413,
+            f"the request body has {'at least ' if size else ''}{size} bytes; this server "
+            f"takes at most {self.max_bytes} (--max-body-bytes)",
+            "request_too_large",
+            {"Connection": "close"},
+        )
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # h11 refuses a malformed length before we see it
+    return None
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive channel that gives `body` once, then the real connection's messages
+    (an http.disconnect, when the client goes)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def header_timeout_protocol(header_timeout_s: float) -> type:
+    """uvicorn's h11 protocol class with a deadline for each request's line and headers
+    (pass it to uvicorn as `http=`; uvicorn builds the protocol objects itself).
+
+    uvicorn closes an idle keep-alive connection (timeout_keep_alive) but not one that has
+    sent part of a request line or header and stalls: that one would hold its connection
+    forever. The deadline runs from the connection's start, or from the first byte of each
+    later request, to the end of that request's headers (the body has its own timeout, in
+    BodyLimit)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutProtocol(H11Protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            self._header_deadline: asyncio.TimerHandle | None = None
+            super().connection_made(transport)
+            self._arm_header_deadline()
+
+        def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            between_requests = cycle is None or cycle.response_complete
+            super().data_received(data)
+            if self.cycle is not cycle:  # this data completed a new request's headers
+                self._disarm_header_deadline()
+            elif between_requests and self._header_deadline is None:
+                self._arm_header_deadline()  # the first bytes of the next request
+
+        def on_response_complete(self) -> None:
+            self._disarm_header_deadline()  # idle from here: timeout_keep_alive applies
+            super().on_response_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_header_deadline()
+            super().connection_lost(exc)
+
+        def _arm_header_deadline(self) -> None:
+            self._disarm_header_deadline()
+            self._header_deadline = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def _disarm_header_deadline(self) -> None:
+            if self._header_deadline is not None:
+                self._header_deadline.cancel()
+                self._header_deadline = None
+
+        def _headers_late(self) -> None:
+            self._header_deadline = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderTimeoutProtocol
