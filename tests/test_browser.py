@@ -83,7 +83,9 @@ def server(smollm_path: Path) -> Iterator[str]:
         "--log-level",
         "warning",
     ]
-    proc = subprocess.Popen(cmd, env={**os.environ, "TOKENMILL_API_KEY": ""})
+    # no key from the environment (an empty $TOKENMILL_API_KEY is an error since issue 11)
+    env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_API_KEY"}
+    proc = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)
