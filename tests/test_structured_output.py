@@ -143,3 +143,19 @@ def test_inspect_shows_the_grammar_mask(smollm_path, tmp_path):
     assert [c["id"] for c in masked] == grammar["masked"] and masked
     assert all(c["final_prob"] == 0 and c["unconstrained_prob"] > 0 for c in masked)
     assert trace["summary"]["text"] in ("yes", "no")
+
+
+def test_cli_generate_with_a_json_schema_file(smollm_path, tmp_path):
+    schema_file = tmp_path / "person.json"
+    schema_file.write_text(json.dumps(PERSON))
+    r = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "generate", "Invent a person, as JSON.", "--chat",
+         "--model", str(smollm_path), "--json-schema", str(schema_file), "--temperature", "0",
+         "--max-tokens", "60"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    jsonschema.validate(json.loads(r.stdout), PERSON)
