@@ -8,6 +8,7 @@ screenshot to test-artifacts/inspector.png for people to look at.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -82,7 +83,9 @@ def server(smollm_path: Path) -> Iterator[str]:
         "--log-level",
         "warning",
     ]
-    proc = subprocess.Popen(cmd, env={**os.environ, "TOKENMILL_API_KEY": ""})
+    # no key from the environment (an empty $TOKENMILL_API_KEY is an error since issue 11)
+    env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_API_KEY"}
+    proc = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)
@@ -149,4 +152,34 @@ def test_inspector_streams_and_explains_a_token(browser, server: str) -> None:
 
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "inspector.png"), full_page=True)
+    assert not errors, errors
+
+
+def test_inspector_shows_the_grammar_mask(browser, server: str) -> None:
+    page = browser.new_page(viewport={"width": 1600, "height": 1300})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(server + "/")
+    page.select_option("#constraint", "choice")
+    page.fill("#constraint_value", "yes\nno")
+    page.fill("#prompt", "Is the sky blue?")
+    page.click("#send")
+    page.wait_for_selector("#phase.done", timeout=180_000)
+    answer = "".join(page.locator(".bubble.assistant .tok").all_inner_texts())
+    assert answer in ("yes", "no")
+
+    page.locator(".bubble.assistant .tok").first.click()
+    note = page.locator("#grammar-note")
+    note.wait_for(timeout=10_000)
+    # the first token of "yes"/"no": only their prefixes are allowed (y, ye, yes, n, no)
+    assert re.search(
+        r"choice grammar: [1-9] of 49,152 vocabulary entries allowed", note.inner_text()
+    )
+    masked = page.locator("#alternatives .cand.masked")
+    assert masked.count() >= 1, "the model's top candidates should include masked ones"
+    assert "masked" in masked.first.inner_text()
+    assert page.locator(".funnel .stage-row.grammar").count() == 1
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "inspector-grammar.png"), full_page=True)
     assert not errors, errors

@@ -91,6 +91,10 @@ BAD_ARGS = [
     (["frobnicate"], 2, ["'frobnicate'", "generate"]),
     (["generate", "hi", "--model", "/no/such/model.gguf"], 1, ["/no/such/model.gguf", "known"]),
     (["generate", "hi", "--model", "JUNK"], 1, ["not a GGUF file", "b'junk'"]),
+    (["generate", "hi", "--json-schema", "/no/schema.json"], 2, ["--json-schema", "No such file"]),
+    (["generate", "hi", "--json-schema", "JUNK"], 2, ["--json-schema", "not valid JSON"]),
+    (["chat", "--regex", "a", "--choice", "b"], 2, ["at most one of", "regex and choice"]),
+    (["inspect", "hi", "--grammar", "/no/grammar.lark"], 2, ["--grammar", "cannot read"]),
 ]
 
 

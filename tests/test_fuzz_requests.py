@@ -97,7 +97,24 @@ _fields = {
     "best_of": st.integers(0, 3),
     "tools": st.just([]) | _json,
     "unknown_field": _json,
+    # structured output and tools (issue 14): wrong shapes, bad schemas and regexes too
+    "response_format": st.sampled_from(
+        [{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"}, {"type": "xml"}]
+    )
+    | st.builds(
+        lambda schema: {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        _json,
+    )
+    | _json,
+    "guided_regex": _text | st.sampled_from(["[a-", "t[0-9]+", "(t1|t2)*", "a{99999}"]),
+    "guided_choice": st.lists(_text, max_size=3) | _json,
+    "guided_json": _json,
+    "guided_grammar": _text | st.sampled_from(["start: nope", 'root ::= "t1"']),
+    "structured_outputs": _json,
+    "tool_choice": st.sampled_from(["none", "auto", "required"]) | _json,
+    "parallel_tool_calls": st.booleans() | _json,
 }
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 _prompt = (
     _text
     | st.lists(st.integers(-2, 400), max_size=6)
@@ -111,7 +128,10 @@ _content = (
     | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _text}), max_size=2)
     | _json
 )
-_message = st.fixed_dictionaries({"role": _role, "content": _content}, optional={"name": _text})
+_message = st.fixed_dictionaries(
+    {"role": _role, "content": _content},
+    optional={"name": _text, "tool_calls": _json, "tool_call_id": _text},
+)
 _messages = st.lists(_message | _json, max_size=3) | _json
 
 
@@ -138,6 +158,8 @@ _valid_fields = {
     "ignore_eos": st.booleans(),
     "stop_token_ids": st.lists(st.integers(0, 319), max_size=2),
     "user": _text,
+    "guided_choice": st.lists(st.sampled_from(["t1", "t2", "t3 t4"]), min_size=1, max_size=3),
+    "guided_regex": st.sampled_from(["t[0-9]", "(t1|t2)+"]),
 }
 _valid_completion = st.fixed_dictionaries(
     {"prompt": st.sampled_from(["t1 t2 t3", "t5"]) | st.lists(st.integers(0, 319), min_size=1, max_size=5)
@@ -149,7 +171,8 @@ _valid_chat = st.fixed_dictionaries(
         st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
                                "content": st.sampled_from(["t1", "t2 t3", "<s>t1</s>"]) | _text}),
         min_size=1, max_size=3)},
-    optional={**_valid_fields, "logprobs": st.booleans(), "max_completion_tokens": st.integers(1, 8)},
+    optional={**_valid_fields, "logprobs": st.booleans(), "max_completion_tokens": st.integers(1, 8),
+              "tools": st.just([_TOOL]), "tool_choice": st.sampled_from(["auto", "none", "required"])},
 )  # fmt: skip
 
 

@@ -182,6 +182,41 @@ def _add_sampling_args(
     p.add_argument(
         "--stop", action="append", default=None, metavar="STR", help="stop string (repeatable)"
     )
+    c = p.add_argument_group(
+        "structured output", "constrain the answer, token by token (at most one of these)"
+    )
+    c.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE",
+        help="answer with JSON valid against the JSON Schema in FILE",
+    )
+    c.add_argument(
+        "--regex", default=None, metavar="RE", help="answer with text matching this regex"
+    )
+    c.add_argument(
+        "--choice",
+        action="append",
+        default=None,
+        metavar="STR",
+        help="answer with exactly one of these strings (repeatable)",
+    )
+    c.add_argument(
+        "--grammar",
+        default=None,
+        metavar="FILE",
+        help="answer with a sentence of the grammar in FILE (Lark or llama.cpp's GBNF)",
+    )
+
+
+def _read_option_file(field: str, path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        raise ValueError(f"{field} cannot read {path}: {reason}") from None
 
 
 def _params(args: argparse.Namespace):
@@ -196,6 +231,10 @@ def _params(args: argparse.Namespace):
         repetition_penalty=args.repetition_penalty,
         seed=args.seed,
         stop=args.stop,
+        json_schema=_read_option_file("json_schema", args.json_schema),
+        regex=args.regex,
+        choice=args.choice,
+        grammar=_read_option_file("grammar", args.grammar),
     )
 
 

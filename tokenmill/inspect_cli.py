@@ -99,6 +99,13 @@ def _width(text: str) -> int:
 # ---------------------------------------------------------------------- drawing helpers
 
 
+def _cut_label(candidate: dict[str, Any]) -> Text:
+    """Why a candidate cannot be drawn: the grammar masked it, or a filter cut it."""
+    if not candidate.get("allowed", True):
+        return Text("masked", style="magenta")
+    return Text("cut", style="red")
+
+
 def visible(text: str) -> str:
     """Token text with its whitespace made visible."""
     return text.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥")
@@ -492,6 +499,15 @@ class TerminalView:
             f"(entropy {s['entropy_after_temperature']:.2f} bits)",
             "p = softmax(logits / T); T < 1 sharpens, T > 1 flattens",
         )
+        grammar = s.get("grammar")
+        if grammar is not None:
+            masked = len(grammar["masked"])
+            self._section(
+                f"9b. Grammar mask ({grammar['kind']}): {grammar['allowed']:,} of "
+                f"{grammar['vocab']:,} vocabulary entries allowed",
+                f"the rest get logit -inf before temperature; {masked} of the top candidates "
+                f"masked out, {grammar['masked_mass']:.1%} of the model's probability",
+            )
         cut = s["survivors"]
         self._section(
             f"10. Filters: top-k {p['top_k'] or 'off'} → {cut['top_k']:,} left · "
@@ -521,7 +537,7 @@ class TerminalView:
                 f"{cand['logit']:.2f}",
                 f"{cand['prob']:.1%}",
                 f"{cand['scaled_prob']:.1%}",
-                final if cand["kept"] else Text("cut", style="red"),
+                final if cand["kept"] else _cut_label(cand),
             )
         return table
 
@@ -579,9 +595,11 @@ class TerminalView:
                 + attention_strip(att)
             )
         cut = s["survivors"]
+        grammar = s.get("grammar")
+        allows = f"grammar allows {grammar['allowed']:,} → " if grammar is not None else ""
         lines.append(
             Text(
-                f"  logits [{s['vocab']:,}] → softmax T={s['params']['temperature']:g} → "
+                f"  logits [{s['vocab']:,}] → {allows}softmax T={s['params']['temperature']:g} → "
                 f"top-p {s['params']['top_p']:g} keeps {cut['top_p']:,} → sample",
                 style="dim",
             )
@@ -596,7 +614,7 @@ class TerminalView:
                 line.append(f"{cand['final_prob']:6.1%} ")
                 line.append(bar(cand["final_prob"], style="green" if chosen else "blue"))
             else:
-                line.append("   cut", style="red")
+                line.append_text(Text("   ") + _cut_label(cand))
             lines.append(line)
         appended = (
             "stop token: done" if s["is_stop"] else f"detokenized {s['text']!r}, appended, fed back"

@@ -207,9 +207,11 @@ class Trace:
     @_timed
     def on_sample(self, logits_row: Tensor, state: SamplingState, token_id: int) -> None:
         t = process_logits(logits_row, state)
+        # Ranked before the grammar mask, so the candidates show what it took away.
         order = t.logits.topk(min(self.top_n, t.logits.shape[0])).indices.tolist()
         if token_id not in order:
             order.append(token_id)
+        allowed = t.allowed if t.allowed is not None else torch.ones_like(t.keep)
         candidates = [
             {
                 "id": i,
@@ -217,7 +219,8 @@ class Trace:
                 "prob": round(float(t.probs[i]), 6),
                 "scaled_prob": round(float(t.scaled_probs[i]), 6),
                 "final_prob": round(float(t.final_probs[i]), 6),
-                "kept": bool(t.keep[i]),
+                "kept": bool(t.keep[i] and allowed[i]),
+                "allowed": bool(allowed[i]),
             }
             for i in order
         ]
@@ -237,13 +240,31 @@ class Trace:
             },
             "entropy": round(float(_entropy(t.probs)), 3),
             "entropy_after_temperature": round(float(_entropy(t.scaled_probs)), 3),
-            "survivors": {
-                "top_k": int(t.keep_top_k.sum()),
-                "top_p": int(t.keep_top_p.sum()),
-                "min_p": int(t.keep.sum()),
+            "survivors": {  # after the grammar mask too
+                "top_k": int((t.keep_top_k & allowed).sum()),
+                "top_p": int((t.keep_top_p & allowed).sum()),
+                "min_p": int((t.keep & allowed).sum()),
             },
             "final_sum": round(float(t.final_probs.sum()), 6),
             "candidates": candidates,
+        }
+        if t.allowed is not None:
+            self._step["sample"]["grammar"] = self._grammar(t, state, order, candidates)
+
+    @staticmethod
+    def _grammar(t, state: SamplingState, order: list[int], candidates: list[dict]) -> dict:
+        """The constraint at this step: how much of the vocabulary it allowed, and which
+        of the model's top candidates it masked out (with their unconstrained odds)."""
+        unconstrained = t.logits.softmax(-1)
+        for c in candidates:
+            c["unconstrained_prob"] = round(float(unconstrained[c["id"]]), 6)
+        masked = [i for i in order if not t.allowed[i]]
+        return {
+            "kind": state.grammar.kind,
+            "allowed": int(t.allowed.sum()),
+            "vocab": int(t.allowed.shape[0]),
+            "masked": masked,  # candidate ids, best first
+            "masked_mass": round(float(unconstrained[~t.allowed].sum()), 6),
         }
 
     def on_step_end(self, seq, engine) -> None:

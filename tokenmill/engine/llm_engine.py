@@ -3,7 +3,8 @@
     add_request -> Scheduler.waiting
     step():  Scheduler.schedule()        which sequences, how many tokens each
              ModelRunner.run()           one forward pass -> logits of the rows that sample
-             Sampler()                   next token per sequence (per-request params)
+             Sampler()                   next token per sequence (per-request params,
+                                         grammar masks for constrained rows)
              detokenize + stop checks    text delta, finish_reason
              free finished sequences' blocks at once
     abort(request_id) frees a request's blocks at once.
@@ -38,6 +39,7 @@ from tokenmill.sampling import (
     StopStringMatcher,
     check_stop_token,
 )
+from tokenmill.sampling.grammar import CompiledGrammar, GrammarCompiler
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
 from tokenmill.tokenizer.tokenizer import TextTooLong
 
@@ -154,6 +156,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.max_model_len = min(self.config.max_position, self.cache.capacity_tokens)
         self.requests: dict[str, _Request] = {}
+        self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens_computed": 0}
 
     def _start_parallel(self, ckpt, tp, pp, block_size, kv_cache_memory, threads, progress):
@@ -258,12 +261,22 @@ class LLMEngine:
             raise RequestError("prompt is empty")
         return ids
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """Compile params' structured-output constraint (None without one).
+
+        Thread-safe and cached by source; the server calls it off the engine thread and
+        before queueing, so a bad schema is a 400 and a slow one never stalls a step.
+        Raises GrammarError (a ValueError) naming the problem."""
+        constraint = params.constraint
+        return None if constraint is None else self.grammars.compile(*constraint)
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template, messages'
-        text kept as text. ChatTemplateError (a ValueError) for a template that fails or
-        goes over its limits; RequestError for a prompt that cannot fit in the context."""
+        text kept as text; tools: function definitions for a template that renders them.
+        ChatTemplateError (a ValueError) for a template that fails or goes over its limits;
+        RequestError for a prompt that cannot fit in the context."""
         try:
-            return self.tokenizer.encode_chat(messages, max_tokens=self.max_model_len)
+            return self.tokenizer.encode_chat(messages, max_tokens=self.max_model_len, tools=tools)
         except TextTooLong as e:
             raise RequestError(self._too_long(e)) from None
 
@@ -282,10 +295,13 @@ class LLMEngine:
         *,
         completion_index: int = 0,
         trace=None,
+        grammar: CompiledGrammar | None = None,
     ) -> int:
         """Queue a request; returns its prompt length in tokens.
 
-        trace: a tokenmill.trace.Trace to record this request's pipeline step by step."""
+        trace: a tokenmill.trace.Trace to record this request's pipeline step by step.
+        grammar: params' constraint already compiled by compile_grammar; compiled here
+        (on the caller's thread) when not given."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running")
@@ -296,14 +312,17 @@ class LLMEngine:
                 f"{self.max_model_len - 1} (leaving room for at least one generated token)"
             )
         try:
+            if grammar is None:
+                grammar = self.compile_grammar(params)
             state = SamplingState.create(
                 params,
                 ids,
                 self.device,
                 vocab_size=self.config.vocab_size,
                 completion_index=completion_index,
+                grammar=grammar,
             )
-        except ValueError as e:
+        except ValueError as e:  # GrammarError included
             raise RequestError(str(e)) from None
         seq = Sequence(request_id, ids, params, state, trace=trace)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids)
@@ -378,6 +397,11 @@ class LLMEngine:
             text, hit = req.stops.feed(req.detok.add(token))
             if hit:
                 reason = "stop"
+            elif seq.sampling.grammar is not None and seq.sampling.grammar.finished:
+                # The output is complete: the grammar would allow only EOS next, so end
+                # now rather than spend a forward pass on it.
+                reason = "stop"
+                text += self._drain(req)
             elif reason == "length" or len(seq) >= self.max_model_len:
                 reason = "length"
                 text += self._drain(req)

@@ -9,10 +9,14 @@ consumers have one spelling to handle: `stop` and `stop_token_ids` become lists,
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
+# The structured-output constraints (tokenmill/sampling/grammar.py compiles them); a
+# request sets at most one.
+CONSTRAINTS = ("json_schema", "regex", "choice", "grammar")
 MAX_LOGPROBS = 20  # OpenAI's and vLLM's cap on top-N alternatives
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
@@ -75,6 +79,11 @@ class SamplingParams:
     # None = no logprobs; 0 = the chosen token's only; N = plus top-N alternatives.
     logprobs: int | None = None
     n: int = 1  # number of completions
+    # Structured output (at most one): the output must match it, token by token.
+    json_schema: dict[str, Any] | bool | str | None = None  # a JSON Schema (str: its JSON)
+    regex: str | None = None  # the whole output matches this regular expression
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # a context-free grammar: Lark (llguidance's dialect) or GBNF
 
     def __post_init__(self) -> None:
         self.max_tokens = _check_int("max_tokens", self.max_tokens, 1)
@@ -108,6 +117,7 @@ class SamplingParams:
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         self.n = _check_int("n", self.n, 1)
+        self._check_constraint()
 
     @property
     def greedy(self) -> bool:
@@ -117,6 +127,51 @@ class SamplingParams:
         by them can overflow to inf, and the distribution is one-hot long before.
         """
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def constraint(self) -> tuple[str, Any] | None:
+        """(kind, value) of the structured-output constraint, kind in CONSTRAINTS; or None."""
+        for kind in CONSTRAINTS:
+            value = getattr(self, kind)
+            if value is not None:
+                return kind, value
+        return None
+
+    def _check_constraint(self) -> None:
+        """Types only: whether a schema or grammar compiles is decided by the grammar
+        engine (LLMEngine.compile_grammar), which needs the tokenizer."""
+        given = [kind for kind in CONSTRAINTS if getattr(self, kind) is not None]
+        if len(given) > 1:
+            raise ValueError(
+                f"give at most one of {', '.join(CONSTRAINTS)}; got {given[0]} and {given[1]}"
+            )
+        if isinstance(self.json_schema, str):
+            try:
+                self.json_schema = json.loads(self.json_schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"json_schema is not valid JSON: {e}") from None
+        if self.json_schema is not None and not isinstance(self.json_schema, (dict, bool)):
+            raise ValueError(
+                f"json_schema must be a JSON Schema object, got {type(self.json_schema).__name__}"
+            )
+        for kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{kind} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            choice = self.choice
+            if (
+                not isinstance(choice, (list, tuple))
+                or not choice
+                or not all(isinstance(c, str) and c for c in choice)
+            ):
+                raise ValueError(
+                    f"choice must be a non-empty list of non-empty strings, got {choice!r}"
+                )
+            self.choice = list(choice)
+        if given and self.ignore_eos:
+            # The grammar decides where the output ends; ignoring that end has no meaning.
+            raise ValueError(f"ignore_eos cannot be combined with {given[0]}")
 
     @staticmethod
     def _checked_logit_bias(bias: Any) -> dict[int, float] | None:

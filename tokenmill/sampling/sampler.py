@@ -2,7 +2,7 @@
 
 The pipeline is a chain of small pure tensor functions, applied in this order:
 
-    apply_penalties -> apply_logit_bias -> apply_temperature
+    apply_penalties -> apply_logit_bias -> apply_token_mask (grammar) -> apply_temperature
         -> top_k_mask -> top_p_mask -> min_p_mask -> sample_from_probs
 
 Each takes and returns batched tensors ([B, V] logits plus [B] per-row
@@ -18,6 +18,12 @@ what a stable sort would keep (sorting 150k logits costs tens of ms on CPU).
 Greedy rows (temperature 0 or top_k 1) skip all of this and take the argmax
 of the penalised logits.
 
+Rows with a structured-output constraint get the grammar's token mask
+(tokenmill/sampling/grammar.py) as a stage of its own, after the logit
+processors: disallowed tokens become -inf, so everything after it (and the argmax)
+only sees tokens the grammar allows. The masks of all constrained rows are
+computed together; other rows are never touched.
+
 Randomness is per request: a seeded row owns a torch.Generator and draws exactly
 V exponentials from it per step (the "exponential race": argmax(p / q) with
 q ~ Exp(1) picks token i with probability p_i), so its tokens do not depend on
@@ -29,12 +35,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from tokenmill.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.sampling.grammar import CompiledGrammar, GrammarMatcher
 
 _SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
 _MASK64 = 2**64 - 1
@@ -213,6 +223,7 @@ class SamplingState:
     output_counts: Tensor | None = None  # [V] float32: occurrences in output
     bias_ids: Tensor | None = None  # [M] long
     bias_values: Tensor | None = None  # [M] float32
+    grammar: GrammarMatcher | None = None  # the structured-output constraint's position
 
     @classmethod
     def create(
@@ -223,13 +234,20 @@ class SamplingState:
         *,
         vocab_size: int,
         completion_index: int = 0,
+        grammar: CompiledGrammar | None = None,
     ) -> SamplingState:
         """Build the state for one completion of a request.
 
         vocab_size is the width of the model's logits; logit_bias ids are checked
         against it here, so a bad request fails before it joins a batch.
         completion_index (0..n-1) decorrelates the n completions of a seeded request.
+        grammar: params' constraint compiled (LLMEngine.compile_grammar); each completion
+        gets its own matcher on it.
         """
+        if (params.constraint is None) != (grammar is None):
+            raise ValueError("a constrained request needs its compiled grammar, and only it")
+        if grammar is not None and grammar.vocab_size != vocab_size:
+            raise ValueError(f"grammar compiled for vocab {grammar.vocab_size}, not {vocab_size}")
         if params.logit_bias and max(params.logit_bias) >= vocab_size:
             bad = max(params.logit_bias)
             raise ValueError(
@@ -240,6 +258,8 @@ class SamplingState:
             generator = torch.Generator(device=device)
             generator.manual_seed(_derive_seed(params.seed, completion_index))
         state = cls(params, generator, list(prompt_ids), vocab_size)
+        if grammar is not None:
+            state.grammar = grammar.matcher()
         uses_penalties = (
             params.repetition_penalty != 1.0
             or params.presence_penalty != 0.0
@@ -259,7 +279,12 @@ class SamplingState:
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that changes the logits: the argmax of the raw row."""
-        return self.params.greedy and self.seen is None and self.bias_ids is None
+        return (
+            self.params.greedy
+            and self.seen is None
+            and self.bias_ids is None
+            and self.grammar is None
+        )
 
     def append(self, token_id: int) -> None:
         """Record the token sampled for this sequence in the last step."""
@@ -267,6 +292,8 @@ class SamplingState:
         if self.seen is not None and self.output_counts is not None:
             self.seen[token_id] = True
             self.output_counts[token_id] += 1
+        if self.grammar is not None:
+            self.grammar.consume(token_id)
 
 
 # --------------------------------------------------------------------------- shared batch logic
@@ -277,8 +304,9 @@ def _per_row(values: list[float], like: Tensor, dtype: torch.dtype = torch.float
     return torch.tensor(values, dtype=dtype, device=like.device)
 
 
-def _adjust(logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
-    """Penalties then logit_bias, on the rows that use them. logits: [B, V] -> [B, V]."""
+def _adjust(logits: Tensor, states: Sequence[SamplingState], constrain: bool = True) -> Tensor:
+    """Penalties, logit_bias, then (unless constrain is False) the grammar mask, each on
+    the rows that use it. logits: [B, V] -> [B, V]."""
     rows = [i for i, s in enumerate(states) if s.seen is not None]
     if rows:
         idx = torch.tensor(rows, device=logits.device)
@@ -298,7 +326,20 @@ def _adjust(logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
         row_idx = torch.cat([torch.full_like(t, i) for i, t in zip(rows, ids, strict=True)])
         values = torch.cat([states[i].bias_values for i in rows])
         logits = apply_logit_bias(logits, row_idx, torch.cat(ids), values)
+    if constrain:
+        logits = _constrain(logits, states)
     return logits
+
+
+def _constrain(logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
+    """The grammar stage: -inf for the tokens each constrained row's grammar forbids."""
+    rows = [i for i, s in enumerate(states) if s.grammar is not None]
+    if not rows:
+        return logits
+    from tokenmill.sampling.grammar import allowed_tokens, apply_token_mask
+
+    allowed = allowed_tokens([states[i].grammar for i in rows])  # [R, V]
+    return apply_token_mask(logits, torch.tensor(rows, device=logits.device), allowed)
 
 
 @dataclass(frozen=True)
@@ -337,8 +378,9 @@ class LogitsTrace:
     """Every intermediate of the pipeline for one row, all [V]."""
 
     raw_logits: Tensor  # model output
-    logits: Tensor  # after penalties and logit_bias
-    probs: Tensor  # softmax(logits): before temperature
+    logits: Tensor  # after penalties and logit_bias (before the grammar mask)
+    allowed: Tensor | None  # bool: what the grammar allows; None without a constraint
+    probs: Tensor  # softmax of the logits left by the grammar: before temperature
     scaled_probs: Tensor  # after temperature (one-hot at the argmax when greedy)
     keep_top_k: Tensor  # bool survivors after top-k
     keep_top_p: Tensor  # bool survivors after top-k, top-p
@@ -349,7 +391,9 @@ class LogitsTrace:
 def process_logits(logits_row: Tensor, state: SamplingState) -> LogitsTrace:
     """Run the sampler's pipeline on one row ([V]) and return every intermediate."""
     raw = logits_row.float()[None]  # [1, V]
-    logits = _adjust(raw, [state])
+    unmasked = _adjust(raw, [state], constrain=False)
+    logits = _constrain(unmasked, [state])
+    allowed = state.grammar.allowed() if state.grammar is not None else None
     probs = logits.softmax(-1)
     if state.params.greedy:
         # The temperature -> 0 limit: all mass on the argmax, which the sampler takes.
@@ -357,7 +401,8 @@ def process_logits(logits_row: Tensor, state: SamplingState) -> LogitsTrace:
         chosen[logits[0].argmax()] = True
         return LogitsTrace(
             raw_logits=raw[0],
-            logits=logits[0],
+            logits=unmasked[0],
+            allowed=allowed,
             probs=probs[0],
             scaled_probs=chosen.float(),
             keep_top_k=chosen,
@@ -368,7 +413,8 @@ def process_logits(logits_row: Tensor, state: SamplingState) -> LogitsTrace:
     f = _filter(logits, [state])
     return LogitsTrace(
         raw_logits=raw[0],
-        logits=logits[0],
+        logits=unmasked[0],
+        allowed=allowed,
         probs=probs[0],
         scaled_probs=f.scaled[0].softmax(-1),
         keep_top_k=f.keep_top_k[0],

@@ -61,6 +61,7 @@ from starlette.types import Receive, Scope, Send
 
 from tokenmill.engine.llm_engine import LLMEngine, RequestError
 from tokenmill.sampling import SamplingParams
+from tokenmill.sampling.grammar import GrammarError
 from tokenmill.server.async_engine import (
     AsyncEngine,
     EngineFailure,
@@ -81,6 +82,7 @@ from tokenmill.server.protocol import (
     invalid,
     pydantic_errors_to_api_error,
 )
+from tokenmill.server.tools import ToolRequest, encode_tool_chat
 
 log = logging.getLogger("tokenmill.server")
 
@@ -262,7 +264,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     engine = _engine(request)
     model = _check_model(request, body.model)
     body.check_extra_fields()
-    prompt_ids = await off_loop(request, _chat_prompt, engine.engine, body)
+    tools = body.tool_request(engine.engine.tokenizer)
+    prompt_ids = await off_loop(request, _chat_prompt, engine.engine, body, tools)
     max_model_len = engine.engine.max_model_len
     params = body.sampling_params(default_max_tokens=max(1, max_model_len - len(prompt_ids)))
     check_fits(
@@ -273,7 +276,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         max_param=body.max_tokens_param,
     )
     request_id = uuid.uuid4().hex
-    fmt = ChatFormat(request_id, model, _decoder(engine.engine), body.logprobs)
+    fmt = ChatFormat(request_id, model, _decoder(engine.engine), body.logprobs, tools)
     return await _run(request, body, fmt, request_id, [prompt_ids], params)
 
 
@@ -395,12 +398,15 @@ def _completion_prompts(
     return out
 
 
-def _chat_prompt(engine: LLMEngine, body: ChatCompletionRequest) -> list[int]:
-    """Render the messages with the model's chat template (within its limits; messages'
-    text kept as text) and tokenize them. Runs on a worker thread."""
+def _chat_prompt(
+    engine: LLMEngine, body: ChatCompletionRequest, tools: ToolRequest | None = None
+) -> list[int]:
+    """Render the messages (and tools) with the model's chat template (within its limits;
+    messages' text kept as text) and tokenize them. Runs on a worker thread."""
     messages = [message.as_template_input() for message in body.messages]
+    template = engine.tokenizer.chat_template
     try:
-        return engine.encode_chat(messages)
+        return encode_tool_chat(engine.encode_chat, messages, tools, template)
     except ValueError as e:  # ChatTemplateError, RequestError (too long), a refused message
         raise invalid(str(e), "messages") from None
 
@@ -427,7 +433,13 @@ async def _run(
     )
     retry = {"Retry-After": str(RETRY_AFTER_S)}
     try:
-        stream = await _engine(request).generate(request_id, prompts, params)
+        # compiled before anything is queued, off the event loop: a schema the engine
+        # refuses is a 400 naming it
+        grammar = await off_loop(request, _engine(request).engine.compile_grammar, params)
+    except GrammarError as e:
+        raise invalid(str(e), body.constraint_param) from None
+    try:
+        stream = await _engine(request).generate(request_id, prompts, params, grammar=grammar)
     except QueueFull as e:
         raise APIError(
             429, str(e), type="rate_limit_error", code="queue_full", headers=retry

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.llm_engine import LLMEngine, RequestError, RequestOutput, TokenLogprob
 from tokenmill.sampling import SamplingParams
+from tokenmill.sampling.grammar import CompiledGrammar
 from tokenmill.server.metrics import EngineStats, ServerMetrics
 
 log = logging.getLogger("tokenmill.server")
@@ -147,6 +148,7 @@ class _Add:
     prompts: list[list[int]]  # one per choice index: prompt p repeated n times
     params: SamplingParams
     trace: object | None
+    grammar: CompiledGrammar | None = None
 
 
 @dataclass
@@ -208,9 +210,16 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         trace: object | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> RequestStream:
         """Queue a request: params.n engine requests per prompt. Raises QueueFull,
-        ShuttingDown, EngineFailure, or RequestError for one that could never be queued."""
+        ShuttingDown, EngineFailure, or RequestError for one that could never be queued.
+
+        grammar: params' constraint, compiled (LLMEngine.compile_grammar, off the engine
+        thread); a constrained request must bring it, so no compilation runs on the
+        engine thread."""
+        if (grammar is None) != (params.constraint is None):
+            raise ValueError("a constrained request must be submitted with its compiled grammar")
         if not self.alive:
             raise EngineFailure("the engine loop is not running")
         if self.draining:
@@ -232,7 +241,7 @@ class AsyncEngine:
         request_ids = [f"{request_id}-{i}" for i in range(count)]
         stream = RequestStream(request_ids, lambda ids: self._commands.put(_Abort(ids)))
         per_choice = [prompt for prompt in prompts for _ in range(params.n)]
-        self._commands.put(_Add(stream, per_choice, params, trace))
+        self._commands.put(_Add(stream, per_choice, params, trace, grammar))
         return stream
 
     async def generate(
@@ -242,24 +251,29 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         trace: object | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> RequestStream:
         """Submit and wait until the engine has taken the request.
 
         Raises QueueFull, ShuttingDown, EngineFailure, or RequestError (a request the
         engine refuses)."""
-        stream = self.submit(request_id, prompts, params, trace=trace)
+        stream = self.submit(request_id, prompts, params, trace=trace, grammar=grammar)
         await stream.admitted()
         return stream
 
     async def run_traced(
-        self, prompt_ids: list[int], params: SamplingParams, trace: object
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        trace: object,
+        grammar: CompiledGrammar | None = None,
     ) -> Generation:
         """Run one request with a tokenmill.trace.Trace recording every step; for the
         inspector (POST /v1/inspect). The request is aborted if the caller is cancelled."""
         if params.n != 1:
             raise ValueError(f"a traced request makes one completion, not n={params.n}")
         request_id = f"trace-{uuid.uuid4().hex}"
-        stream = await self.generate(request_id, [prompt_ids], params, trace=trace)
+        stream = await self.generate(request_id, [prompt_ids], params, trace=trace, grammar=grammar)
         return (await stream.collect())[0]
 
     def stats(self) -> EngineStats:
@@ -319,6 +333,7 @@ class AsyncEngine:
                     command.params,
                     completion_index=index % command.params.n,
                     trace=command.trace,
+                    grammar=command.grammar,
                 )
                 added.append(request_id)
         except Exception as e:  # RequestError is the client's fault; others are ours

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict
 
 from tokenmill.engine.llm_engine import LLMEngine, RequestError
 from tokenmill.sampling import SamplingParams
+from tokenmill.sampling.grammar import CompiledGrammar, GrammarError
 from tokenmill.server.app import off_loop  # app imports this module only in create_app
 from tokenmill.server.async_engine import AsyncEngine, EngineFailure, QueueFull, ShuttingDown
 from tokenmill.server.protocol import APIError, ChatMessage, Text, check_fits, invalid
@@ -56,6 +57,11 @@ class InspectRequest(BaseModel):
     head: int | None = None  # None: every head of `layer`
     top_n: int = 10
     stream: bool = True
+    # Structured output, as SamplingParams names it: the trace shows the mask at work.
+    json_schema: dict[str, Any] | bool | Text | None = None
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
 
     def sampling_params(self) -> SamplingParams:
         if not 1 <= self.max_tokens <= MAX_INSPECT_TOKENS:
@@ -71,6 +77,10 @@ class InspectRequest(BaseModel):
                 top_k=self.top_k,
                 min_p=self.min_p,
                 seed=self.seed,
+                json_schema=self.json_schema,
+                regex=self.regex,
+                choice=self.choice,
+                grammar=self.grammar,
             )
         except ValueError as e:
             raise invalid(str(e), str(e).split(" ", 1)[0]) from None
@@ -90,15 +100,19 @@ async def inspect(body: InspectRequest, request: Request) -> Response:
         max_param="max_tokens",
     )
     trace_args = _trace_args(engine, body)
+    try:
+        grammar = await off_loop(request, engine.compile_grammar, params)  # 400 if bad
+    except GrammarError as e:
+        raise invalid(str(e), e.kind) from None
     if body.stream:
         return StreamingResponse(
-            _events(server, prompt_ids, params, trace_args),
+            _events(server, prompt_ids, params, trace_args, grammar),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     trace = Trace(**trace_args)
     try:
-        generation = await server.run_traced(prompt_ids, params, trace)
+        generation = await server.run_traced(prompt_ids, params, trace, grammar)
     except Exception as e:
         raise _api_error(e) from None
     return JSONResponse({**trace.to_dict(), "text": generation.text})
@@ -158,7 +172,11 @@ def _sse(event: dict[str, Any]) -> str:
 
 
 async def _events(
-    server: AsyncEngine, prompt_ids: list[int], params: SamplingParams, trace_args: dict[str, Any]
+    server: AsyncEngine,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    trace_args: dict[str, Any],
+    grammar: CompiledGrammar | None,
 ) -> AsyncIterator[str]:
     """Run the traced request; yield each step's event as the engine thread posts it."""
     loop = asyncio.get_running_loop()
@@ -176,7 +194,7 @@ async def _events(
         post({"type": "step", "step": step, "summary": dict(trace.summary)})
 
     trace = Trace(**trace_args, on_step=on_step)
-    run = asyncio.ensure_future(server.run_traced(prompt_ids, params, trace))
+    run = asyncio.ensure_future(server.run_traced(prompt_ids, params, trace, grammar))
     # Steps are posted before the engine's output for the same step, so None comes last.
     run.add_done_callback(lambda _: events.put_nowait(None))
     try:

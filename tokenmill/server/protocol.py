@@ -13,22 +13,38 @@ reaches the tokenizer or an error message.
 Nothing a client sends is silently ignored. Fields outside the models land in
 `model_extra` and are refused by `check_extra_fields`: unknown ones as OpenAI
 does ("Unrecognized request argument supplied"), known-but-unsupported ones
-(`suffix`, `best_of` > 1, `tools`...) with a message saying so, unless they hold
+(`suffix`, `best_of` > 1, `functions`...) with a message saying so, unless they hold
 the value that means "feature off".
+
+Structured output (`response_format`, vLLM's `guided_*` and `structured_outputs`)
+is read by tokenmill/server/structured.py, tools by tokenmill/server/tools.py.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Callable
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from tokenmill.engine.llm_engine import RequestOutput, TokenLogprob
 from tokenmill.sampling import SamplingParams
+from tokenmill.server import structured
 from tokenmill.server.async_engine import Generation
+from tokenmill.server.structured import ResponseFormat, StructuredOutputs
+from tokenmill.server.text import Text
+from tokenmill.server.tools import (
+    Delta,
+    Tool,
+    ToolCallIn,
+    ToolCallParser,
+    ToolChoice,
+    ToolRequest,
+    parse_tool_calls,
+)
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 MAX_N = 128  # OpenAI's cap on completions per request
@@ -71,33 +87,15 @@ def invalid(message: str, param: str | None = None) -> APIError:
 
 # --------------------------------------------------------------------------- requests
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _no_surrogates(text: str) -> str:
-    if _SURROGATE.search(text):
-        raise ValueError(
-            "contains a lone UTF-16 surrogate (such as \\ud800), which is not valid Unicode"
-        )
-    return text
-
-
-# A string field: any text but lone surrogates (which JSON can spell and UTF-8 cannot).
-Text = Annotated[str, AfterValidator(_no_surrogates)]
 
 _UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {  # field -> values meaning "off"
     "suffix": (None, ""),
     "best_of": (None, 1),
 }
 _UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
-    # Until tool calls exist, an empty list of tools is refused like a full one: a client
-    # that sends tools expects tool calling, and a 200 would hide that it does not happen.
-    "tools": (None,),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
+    # The deprecated forms of tools and tool_choice.
     "functions": (None,),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
@@ -146,6 +144,13 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    # Structured output (tokenmill/server/structured.py), OpenAI's and vLLM's names.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def check_extra_fields(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -166,6 +171,27 @@ class _GenerationRequest(BaseModel):
         """The sampling fields the client set; SamplingParams' defaults fill the rest."""
         return {k: v for k in _SAMPLING_FIELDS if (v := getattr(self, k)) is not None}
 
+    @property
+    def constraint_param(self) -> str | None:
+        """The request field that carries the output constraint, for error messages."""
+        found = self._constraint()
+        return found[0] if found else None
+
+    def _constraint(self) -> tuple[str, dict[str, Any]] | None:
+        try:
+            return structured.constraint(self)
+        except ValueError as e:
+            raise invalid(str(e), re.match(r"[a-z_]+", str(e))[0]) from None
+
+    def _constraint_kwargs(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """SamplingParams keywords of the constraint, and the renames that make its errors
+        name the request's field."""
+        found = self._constraint()
+        if found is None:
+            return {}, {}
+        param, kwargs = found
+        return kwargs, {kind: param for kind in kwargs}
+
 
 class CompletionRequest(_GenerationRequest):
     unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = _UNSUPPORTED_COMPLETION
@@ -183,10 +209,13 @@ class CompletionRequest(_GenerationRequest):
             raise invalid("echo together with logprobs is not supported", "echo")
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        constraint, renames = self._constraint_kwargs()
         return make_sampling_params(
             max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
             logprobs=self.logprobs,
+            renames=renames,
             **self._sampling_kwargs(),
+            **constraint,
         )
 
 
@@ -197,18 +226,61 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Text
-    content: Text | list[TextPart]
+    content: Text | list[TextPart] | None = None  # None: an assistant turn of tool calls only
     name: Text | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant: the calls it made
+    tool_call_id: Text | None = None  # tool: which call this is the result of
+    refusal: Text | None = None  # as OpenAI's responses carry it back
 
-    def as_template_input(self) -> dict[str, str]:
-        """The dict a chat template reads; "developer" is OpenAI's new name for "system"."""
-        content = self.content
+    def check(self, i: int) -> None:
+        """What the types cannot say; a 400 naming messages[i]."""
+        where = f"messages[{i}]"
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            if not (self.role == "assistant" and self.refusal is not None):
+                raise invalid(f"{where}.content is required (role {self.role!r})", "messages")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise invalid(f"{where}.tool_calls is only allowed in assistant messages", "messages")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise invalid(f"{where}.tool_call_id is required for a tool message", "messages")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise invalid(f"{where}.tool_call_id is only allowed in tool messages", "messages")
+
+    def as_template_input(self) -> dict[str, Any]:
+        """The dict a chat template reads; "developer" is OpenAI's new name for "system".
+
+        Tool calls carry their arguments as a dict, the form transformers' templates
+        expect (OpenAI sends JSON text)."""
+        content = self.content if self.content is not None else self.refusal or ""
         if not isinstance(content, str):
             content = "".join(part.text for part in content)
-        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": content,
+        }
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _json_or_text(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -218,11 +290,44 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    _tools: ToolRequest | None = PrivateAttr(default=None)  # set by tool_request()
 
     def check_extra_fields(self) -> None:
         super().check_extra_fields()
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
+        for i, message in enumerate(self.messages):
+            message.check(i)
+
+    def tool_request(self, tokenizer: Any) -> ToolRequest | None:
+        """The tools setup against the model's chat template (None without tools)."""
+
+        def special_id(piece: str) -> int | None:
+            ids = tokenizer.encode(piece, add_special_tokens=False)
+            return ids[0] if len(ids) == 1 and ids[0] in tokenizer.special_ids else None
+
+        try:
+            tools = ToolRequest.create(
+                self.tools,
+                self.tool_choice,
+                self.parallel_tool_calls,
+                tokenizer.chat_template,
+                special_id,
+            )
+        except ValueError as e:
+            raise invalid(str(e), re.match(r"[a-z_]+", str(e))[0]) from None
+        if tools is not None and tools.grammar() is not None and self._constraint() is not None:
+            raise invalid(
+                f"{self.constraint_param} cannot be combined with tool_choice "
+                f"{tools.choice if tools.forced is None else 'naming a function'}: "
+                "the answer is a tool call",
+                "tool_choice",
+            )
+        self._tools = tools
+        return tools
 
     @property
     def max_tokens_param(self) -> str:
@@ -238,27 +343,39 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         requested = self.requested_max_tokens
+        constraint, renames = self._constraint_kwargs()
+        tools = self._tools
+        if tools is not None and tools.grammar() is not None:  # tool_choice forces a call
+            constraint, renames = {"grammar": tools.grammar()}, {"grammar": "tools"}
         return make_sampling_params(
             max_tokens=default_max_tokens if requested is None else requested,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-            renames={"max_tokens": self.max_tokens_param, "logprobs": "top_logprobs"},
+            renames={"max_tokens": self.max_tokens_param, "logprobs": "top_logprobs", **renames},
             **self._sampling_kwargs(),
+            **constraint,
         )
+
+    @property
+    def constraint_param(self) -> str | None:
+        if self._tools is not None and self._tools.grammar() is not None:
+            return "tools"
+        return super().constraint_param
 
 
 def make_sampling_params(renames: dict[str, str] | None = None, **kwargs: Any) -> SamplingParams:
     """SamplingParams(**kwargs), its ValueError turned into a 400 naming the parameter.
 
     renames maps SamplingParams' names to the request's own (chat's top_logprobs is
-    SamplingParams.logprobs), in both `param` and the message."""
+    SamplingParams.logprobs, guided_regex is regex), in both `param` and the message."""
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
         message = str(e)
         match = re.match(r"[a-z_]+", message)
         param = match.group(0) if match else None
+        for name, renamed in (renames or {}).items():
+            message = re.sub(rf"\b{name}\b", renamed, message)
         if renames and param in renames:
-            message = renames[param] + message[len(param) :]
             param = renames[param]
         raise invalid(message, param) from None
 
@@ -465,14 +582,25 @@ class CompletionFormat(_Format):
 
 class ChatFormat(_Format):
     """/v1/chat/completions: choices[i].message, streamed as deltas after one role
-    chunk per choice; logprobs {content: [{token, logprob, bytes, top_logprobs}]}."""
+    chunk per choice; logprobs {content: [{token, logprob, bytes, top_logprobs}]}.
+
+    With tools, the output is parsed into message.tool_calls (finish_reason
+    "tool_calls"), streamed as delta.tool_calls: id and name first, then the
+    arguments in fragments."""
 
     object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
 
     def __init__(
-        self, request_id: str, model: str, decode: Callable[[int], str], want_logprobs: bool
+        self,
+        request_id: str,
+        model: str,
+        decode: Callable[[int], str],
+        want_logprobs: bool,
+        tools: ToolRequest | None = None,
     ):
         super().__init__("chatcmpl", request_id, model, decode, want_logprobs)
+        self.tools = tools if tools is not None and tools.parses_calls else None
+        self._parsers: dict[int, ToolCallParser] = {}  # per choice, when streaming
 
     def logprobs(self, logprobs: list[TokenLogprob]) -> dict[str, list]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
@@ -489,23 +617,58 @@ class ChatFormat(_Format):
         return {"content": content}
 
     def _choice(self, index: int, generation: Generation) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": generation.text}
+        reason = generation.finish_reason
+        if self.tools is not None:
+            message["content"], calls = parse_tool_calls(self.tools.fmt, generation.text)
+            if calls:
+                message["tool_calls"] = [call.as_openai() for call in calls]
+                reason = "tool_calls" if reason == "stop" else reason
         return {
             "index": index,
-            "message": {"role": "assistant", "content": generation.text},
+            "message": message,
             "logprobs": self.logprobs(generation.logprobs) if self.want_logprobs else None,
-            "finish_reason": generation.finish_reason,
+            "finish_reason": reason,
         }
 
     def opening_chunks(self, n: int) -> list[dict[str, Any]]:
         return [self._chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(n)]
 
     def chunk(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
+        if self.tools is not None:
+            return self._tool_chunk(index, out)
         if not self._worth_sending(out):
             return None
         delta = {"content": out.text} if out.text or not out.finished else {}
         logprobs = self.logprobs(out.logprobs) if self.want_logprobs else None
         return self._chunk(index, delta, logprobs, out.finish_reason if out.finished else None)
 
+    def _tool_chunk(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
+        """A chunk whose text went through the tool-call parser first."""
+        parser = self._parsers.setdefault(index, self.tools.parser())
+        parsed = parser.feed(out.text)
+        if out.finished:
+            parsed.add(parser.finish())
+        if not (parsed.content or parsed.tool_calls or out.finished) and not (
+            self.want_logprobs and out.logprobs
+        ):
+            return None
+        delta = _delta(parsed)
+        reason = out.finish_reason if out.finished else None
+        if reason == "stop" and parser.calls:
+            reason = "tool_calls"
+        logprobs = self.logprobs(out.logprobs) if self.want_logprobs else None
+        return self._chunk(index, delta, logprobs, reason)
+
     def _chunk(self, index: int, delta: dict, logprobs, reason: str | None) -> dict[str, Any]:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return self._envelope(self.chunk_object_name, [choice])
+
+
+def _delta(parsed: Delta) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
+    if parsed.content:
+        delta["content"] = parsed.content
+    if parsed.tool_calls:
+        delta["tool_calls"] = parsed.tool_calls
+    return delta

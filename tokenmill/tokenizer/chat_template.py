@@ -4,7 +4,9 @@ Models ship their template as Jinja source (`tokenizer_config.json` or the GGUF 
 `tokenizer.chat_template`). We render it the way transformers does, so the prompt text is the same
 one the model saw in training: a sandboxed environment with `trim_blocks` and `lstrip_blocks`,
 the `loopcontrols` extension, a `tojson` filter that leaves non-ASCII text alone, and the
-`raise_exception` and `strftime_now` helpers templates call.
+`raise_exception` and `strftime_now` helpers templates call. Tool definitions go in as
+`tools` (OpenAI's {"type": "function", "function": {...}} dicts), as transformers passes them;
+an assistant message may carry `tool_calls` and a tool message its `tool_call_id`.
 
 The template comes from the model file, so it is untrusted code: it renders in a sandbox with a
 budget (template_limits.py: steps, wall clock, sizes), and whatever goes wrong inside it (a limit,
@@ -55,10 +57,12 @@ def render_chat_template(
     add_generation_prompt: bool = True,
     bos_token: str | None = None,
     eos_token: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
     limits: RenderLimits = RenderLimits(),  # noqa: B008 (frozen)
 ) -> str:
     """Render `template` for `messages` (validated first) within `limits`; every failure
-    is a one-line ChatTemplateError."""
+    is a one-line ChatTemplateError. tools: function definitions for templates that render
+    them (None: no tools)."""
     validate_messages(messages)
     compiled = _compile(template)
     try:
@@ -69,7 +73,7 @@ def render_chat_template(
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token or "",
             eos_token=eos_token or "",
-            tools=None,
+            tools=tools or None,
             documents=None,
         )
     except ChatTemplateError:

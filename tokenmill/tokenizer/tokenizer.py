@@ -195,6 +195,20 @@ class Tokenizer:
             return self._backend.decode(ids, skip_special_tokens=False)
         return self._decoding.decode(ids)
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special (control) tokens, such as BOS, EOS and <|im_start|>."""
+        return self._special_ids
+
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each id stands for in decoded text, indexed by id (constrained decoding
+        matches grammars against these)."""
+        if self._decoding is not None:
+            return list(self._decoding.token_bytes)
+        # An unknown decoder: one id at a time is the best we can do (a partial character
+        # comes out as U+FFFD).
+        return [self._backend.decode([i]).encode() for i in range(self.vocab_size)]
+
     def id_to_piece(self, i: int) -> str:
         """The raw vocabulary piece of id `i` (e.g. "ĠHello" or "▁Hello"), for display."""
         piece = self._backend.id_to_token(i) if 0 <= i < self.vocab_size else None
@@ -221,13 +235,19 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         max_tokens: int | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template. Special tokens
-        come only from the template: the same text inside a message is ordinary text.
-        max_tokens: raise TextTooLong for a rendered prompt that cannot fit (before tokenizing)."""
+        come only from the template: the same text inside a message (or a tool definition,
+        or a call's arguments) is ordinary text.
+        max_tokens: raise TextTooLong for a rendered prompt that cannot fit (before tokenizing).
+        tools: function definitions for a template that renders them."""
         forged: dict[str, str] = {}  # placeholder -> the special-token text it stands for
         kept = [self._text_kept_as_text(m, forged) for m in messages]
-        text = self.apply_chat_template(kept, add_generation_prompt=add_generation_prompt)
+        kept_tools = self._strings_kept_as_text(tools, forged) if tools else None
+        text = self.apply_chat_template(
+            kept, add_generation_prompt=add_generation_prompt, tools=kept_tools
+        )
         if max_tokens is not None:
             self.check_length(text, max_tokens)
         if not forged:
@@ -279,7 +299,20 @@ class Tokenizer:
         for key in ("content", "name"):
             if isinstance(out.get(key), str):
                 out[key] = self._swap_specials(out[key], forged)
+        for key in ("tool_calls", "tool_call_id"):  # a client's text too
+            if key in out:
+                out[key] = self._strings_kept_as_text(out[key], forged)
         return out
+
+    def _strings_kept_as_text(self, value: Any, forged: dict[str, str]) -> Any:
+        """`value` (JSON-like: tools, tool calls) with every string swapped as above."""
+        if isinstance(value, str):
+            return self._swap_specials(value, forged)
+        if isinstance(value, dict):
+            return {k: self._strings_kept_as_text(v, forged) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._strings_kept_as_text(v, forged) for v in value]
+        return value
 
     def _swap_specials(self, text: str, forged: dict[str, str]) -> str:
         encoding = _encode(self._special_finder(), text)
@@ -303,9 +336,13 @@ class Tokenizer:
         return "".join(pieces)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The prompt text for a conversation, rendered with the model's own chat template."""
+        """The prompt text for a conversation, rendered with the model's own chat template
+        (with `tools`, function definitions, for a template that renders them)."""
         if self.chat_template is None:
             raise ChatTemplateError(f"model {self.name} has no chat template; use plain completion")
         return render_chat_template(
@@ -314,6 +351,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self._piece_or_none(self.bos_token_id),
             eos_token=self._piece_or_none(self.eos_token_id),
+            tools=tools,
         )
 
     def __repr__(self) -> str:

@@ -273,7 +273,7 @@ function shapesOf(step) {
     kvwrite: `+${step.kv.written} → ${step.kv.tokens} tok`,
     attention: layer0 ? `${layer0.q[0]}×${layer0.k[0]} · ${m.num_heads} heads` : "",
     ffn: `${m.hidden_size}→${m.intermediate_size}→${m.hidden_size}`,
-    unembed: s ? `[${fmtInt(s.vocab)}] logits` : "—",
+    unembed: s ? (s.grammar ? `${fmtInt(s.grammar.allowed)} allowed` : `[${fmtInt(s.vocab)}] logits`) : "—",
     softmax: s ? `T = ${s.params.temperature}` : "—",
     topp: s ? `${fmtInt(s.survivors.min_p)} left` : "—",
     sample: s ? `${quoted(s.token_text)} ${pct(s.prob)}` : "—",
@@ -390,23 +390,48 @@ function renderChoice() {
       `${s.entropy_after_temperature.toFixed(2)} bits after temperature`,
   );
   renderFunnel(s);
-  const top = Math.max(...s.candidates.map((c) => Math.max(c.prob, c.final_prob)));
+  renderGrammarNote(s);
+  // A masked candidate's bar is the model's own probability, which the grammar took away.
+  const before = (c) => (c.allowed === false ? c.unconstrained_prob ?? 0 : c.prob);
+  const top = Math.max(...s.candidates.map((c) => Math.max(before(c), c.final_prob)));
   for (const c of s.candidates) {
     const row = el("div", "cand");
     if (c.id === s.token) row.classList.add("chosen");
-    if (!c.kept) row.classList.add("cut");
+    if (c.allowed === false) row.classList.add("masked");
+    else if (!c.kept) row.classList.add("cut");
     const text = el("span", "text", `${c.id === s.token ? "▶ " : ""}${quoted(c.text)}`);
-    text.title = `id ${c.id} · logit ${c.logit} · p before temperature ${pct(c.prob)} · after ${pct(c.scaled_prob)}`;
+    text.title = c.allowed === false
+      ? `id ${c.id} · logit ${c.logit} · masked by the grammar; the model gave it ${pct(c.unconstrained_prob ?? 0)}`
+      : `id ${c.id} · logit ${c.logit} · p before temperature ${pct(c.prob)} · after ${pct(c.scaled_prob)}`;
     const track = el("div", "track");
     const raw = el("div", "raw");
-    raw.style.width = `${(c.prob / top) * 100}%`;
+    raw.style.width = `${(before(c) / top) * 100}%`;
     const final = el("div", "final");
     final.style.width = `${(c.final_prob / top) * 100}%`;
     track.append(raw, final);
-    const label = c.kept ? el("span", "pct", pct(c.final_prob)) : el("span", "pct cut-label", "cut");
+    let label = el("span", "pct", pct(c.final_prob));
+    if (c.allowed === false) label = el("span", "pct masked-label", "masked");
+    else if (!c.kept) label = el("span", "pct cut-label", "cut");
     row.append(text, track, label);
     alternatives.append(row);
   }
+}
+
+/** On a constrained step: how much of the vocabulary the grammar allowed, what it cut. */
+function renderGrammarNote(s) {
+  document.getElementById("grammar-note")?.remove();
+  const g = s.grammar;
+  if (!g) return;
+  const masked = s.candidates.filter((c) => c.allowed === false).map((c) => quoted(c.text));
+  const note = el(
+    "div",
+    "grammar-note",
+    `${g.kind} grammar: ${fmtInt(g.allowed)} of ${fmtInt(g.vocab)} vocabulary entries allowed at this ` +
+      `step; it masked ${masked.length ? masked.join(", ") : "none of the top candidates"}` +
+      ` (${pct(g.masked_mass)} of the model's probability)`,
+  );
+  note.id = "grammar-note";
+  $("funnel").before(note);
 }
 
 /** How many tokens survive each stage, as bars on a log scale. */
@@ -419,9 +444,10 @@ function renderFunnel(s) {
     [`min-p ${p.min_p}`, s.survivors.min_p],
   ];
   if (p.greedy) rows.splice(1, 3, ["greedy (argmax)", 1]);
+  if (s.grammar) rows.splice(1, 0, [`grammar (${s.grammar.kind})`, s.grammar.allowed]);
   const full = Math.log(s.vocab + 1);
   for (const [label, count] of rows) {
-    const row = el("div", "stage-row");
+    const row = el("div", label.startsWith("grammar") ? "stage-row grammar" : "stage-row");
     const bar = el("div", "bar");
     bar.style.width = `${(Math.log(count + 1) / full) * 100}%`;
     bar.append(el("span", "", `${fmtInt(count)} token${count === 1 ? "" : "s"}`));
@@ -766,6 +792,25 @@ function settings() {
   };
 }
 
+/** The structured-output constraint chosen in the settings, as /v1/inspect names it. */
+function constraint() {
+  const kind = $("constraint").value;
+  const text = $("constraint_value").value.trim();
+  if (kind === "json_schema") return { json_schema: text || "{}" };
+  if (kind === "regex") return { regex: text };
+  if (kind === "choice") return { choice: text.split("\n").map((c) => c.trim()).filter(Boolean) };
+  return {};
+}
+
+/** The same constraint in /v1/chat/completions' (vLLM's) names. */
+function guided() {
+  const c = constraint();
+  if (c.json_schema !== undefined) return { guided_json: c.json_schema };
+  if (c.regex !== undefined) return { guided_regex: c.regex };
+  if (c.choice !== undefined) return { guided_choice: c.choice };
+  return {};
+}
+
 function addBubble(role, text) {
   const bubble = el("div", `bubble ${role}`, text);
   $("messages").append(bubble);
@@ -788,7 +833,7 @@ async function inspectAnswer(bubble) {
   const response = await fetch("/v1/inspect", {
     method: "POST",
     headers: apiHeaders(),
-    body: JSON.stringify({ ...settings(), messages: history, head: null, stream: true }),
+    body: JSON.stringify({ ...settings(), ...constraint(), messages: history, head: null, stream: true }),
   });
   if (!response.ok) throw new Error(await errorMessage(response));
   let text = "";
@@ -812,7 +857,7 @@ async function plainAnswer(bubble) {
   const response = await fetch("/v1/chat/completions", {
     method: "POST",
     headers: apiHeaders(),
-    body: JSON.stringify({ ...params, messages: history, stream: true }),
+    body: JSON.stringify({ ...params, ...guided(), messages: history, stream: true }),
   });
   if (!response.ok) throw new Error(await errorMessage(response));
   let text = "";

@@ -1,0 +1,326 @@
+"""Constrained decoding: the output must match a JSON Schema, a regex, a choice or a grammar.
+
+The matching engine is llguidance (Rust, CPU; vLLM and llama.cpp use it too):
+
+    GrammarCompiler.compile(kind, value)   once per request, off the engine thread;
+        -> CompiledGrammar                 cached by source, so a repeated schema is free
+    CompiledGrammar.matcher()              one GrammarMatcher per sequence (a cheap copy)
+    allowed_tokens(matchers)               each step: the [R, V] mask of the constrained
+                                           rows, one bitmask filled by llguidance's threads
+    apply_token_mask(logits, rows, allowed)  the sampler stage: -inf where not allowed
+    GrammarMatcher.consume(token)          as the engine accepts each token
+
+The mask is a sampler stage right after penalties and logit_bias, so temperature,
+top-k/top-p/min-p and the argmax only ever see allowed tokens. Rows without a
+constraint are never touched, and a batch without one never imports this module's
+work at all.
+
+A matcher's state is exactly the output it consumed, and a sequence keeps its
+output through preemption (recomputation only rebuilds KV) and prefix caching
+(which covers prompt KV only), so both work with no special handling: the
+matcher simply stays where it was.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import numpy as np
+import torch
+from torch import Tensor
+
+log = logging.getLogger("tokenmill.grammar")
+
+# JSON Schema output layout. llguidance's default lets whitespace run anywhere, and a
+# small model then pads with newlines until max_tokens. One fixed layout, json.dumps'
+# own (", " and ": "), keeps it on the values. A schema can still ask for another with
+# its "x-guidance" key (llguidance applies defaults, then the schema's, then overrides).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+CACHE_SIZE = 64  # compiled grammars kept per model
+# From this many rows on, masks are filled by llguidance's thread pool; below it, one
+# after another on the engine thread. Handing 4 rows to the pool took 1.9-2.1 ms a step
+# on 2 busy cores (its thread competes with torch's), filling them in turn 0.75 ms
+# (benchmarks/structured.py).
+PARALLEL_MIN_ROWS = 16
+_LIMITS = {"verbose_errors": False}  # no parser dumps in error messages
+
+
+class GrammarError(ValueError):
+    """A schema, regex, choice or grammar that cannot be compiled; one line, naming why."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def grammar_source(kind: str, value: Any) -> str:
+    """llguidance's grammar text for one constraint (not yet checked against anything).
+
+    kind: "json_schema" (a dict or bool), "regex", "choice" (a list of strings) or
+    "grammar" (Lark, llguidance's dialect, or llama.cpp's GBNF)."""
+    if kind == "json_schema":
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            {} if value is True else value, defaults=JSON_LAYOUT
+        )
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(value)
+    if kind == "choice":
+        # Lark string literals use JSON's escapes; non-ASCII text stays as it is.
+        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+    if kind == "grammar":
+        try:
+            return llguidance.grammar_from("grammar", value)  # GBNF is converted to Lark
+        except ValueError as e:
+            raise GrammarError(kind, f"invalid grammar: {_one_line(str(e))}") from None
+    raise ValueError(f"unknown constraint kind {kind!r}")
+
+
+def _one_line(message: str) -> str:
+    """llguidance's messages can span lines (a caret under the source); keep the words."""
+    kept = []
+    for line in message.splitlines():
+        line = line.strip()
+        if line.startswith(("<state>", "<grammar>")):
+            break
+        if line and not set(line) <= {"^", " "} and not re.match(r"\d+ \|", line):
+            kept.append(line)
+    return " ".join(kept)
+
+
+def _message(kind: str, error: str) -> str:
+    error = _one_line(error)
+    unsupported = re.match(r"Unimplemented keys: \[(.*)\]", error)
+    if unsupported:
+        keys = unsupported[1].replace('"', "")
+        return f"json_schema uses keywords the grammar engine does not support: {keys}"
+    if kind != "grammar":  # positions refer to the Lark text made from it, not the user's
+        error = re.sub(r"^at \d+\(\d+\): ", "", error).split("(in regex): ", 1)[-1]
+    return f"invalid {kind}: {error}"
+
+
+# --------------------------------------------------------------------------- matching
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar. `allowed()` is computed once per position."""
+
+    def __init__(self, kind: str, matcher: Any, vocab_size: int, eos_token_ids: Sequence[int]):
+        self.kind = kind
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._matcher = matcher  # llguidance.LLMatcher
+        self._allowed: Tensor | None = None  # [V] bool, for the current position
+        self._warned = False
+
+    def allowed(self) -> Tensor:
+        """[V] bool: the tokens the grammar allows next."""
+        return allowed_tokens([self])[0]
+
+    def consume(self, token_id: int) -> None:
+        """Advance past a sampled token (always an allowed one)."""
+        self._allowed = None
+        if not self._matcher.consume_token(token_id) and not self._warned:
+            # Only possible when llguidance hit an internal limit; the matcher then allows
+            # only EOS, so the sequence ends instead of going on unconstrained.
+            log.warning("grammar matcher failed: %s", _one_line(self._matcher.get_error()))
+            self._warned = True
+
+    @property
+    def finished(self) -> bool:
+        """The grammar admits nothing more (it would allow only EOS)."""
+        return bool(self._matcher.is_stopped())
+
+    @property
+    def error(self) -> str | None:
+        return _one_line(self._matcher.get_error()) if self._matcher.is_error() else None
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A constraint compiled against one tokenizer; `matcher()` starts a sequence on it."""
+
+    kind: str
+    template: Any  # llguidance.LLMatcher at the start, never advanced
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    compile_ms: float
+
+    def matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(
+            self.kind, self.template.deep_copy(), self.vocab_size, self.eos_token_ids
+        )
+
+
+_executor_lock = threading.Lock()
+_executor: Any = None
+
+
+def _shared_executor() -> Any:
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+        return _executor
+
+
+def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
+    """llguidance's int32 bitmask [R, ceil(V/32)] (bit j of word w = token 32w + j) as
+    bool [R, V].
+
+    numpy's unpackbits, one pass in C: ~15 us for 50k tokens, where the same in torch ops
+    (shift, and, view, bool) takes 5-10x longer and far more on a busy machine (torch
+    splits small ops over its threads, which then wait on each other)."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")
+    return torch.from_numpy(bits[:, :vocab_size].view(np.bool_))
+
+
+def allowed_tokens(matchers: Sequence[GrammarMatcher]) -> Tensor:
+    """[R, V] bool: the next tokens each matcher allows. Masks not yet known for the
+    current positions are filled into one bitmask (by a thread pool for many rows)."""
+    todo = [m for m in matchers if m._allowed is None]
+    if todo:
+        vocab = todo[0].vocab_size
+        words = (vocab + 31) // 32
+        bitmask = torch.zeros((len(todo), words), dtype=torch.int32)
+        if len(todo) < PARALLEL_MIN_ROWS:
+            for i, m in enumerate(todo):
+                m._matcher.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), words * 4)
+        else:
+            _shared_executor().unsafe_compute_mask_ptr(
+                [(m._matcher, i) for i, m in enumerate(todo)],
+                bitmask.data_ptr(),
+                words * 4,
+                len(todo),
+            )
+        allowed = unpack_bitmask(bitmask, vocab)
+        empty = ~bitmask.numpy().any(axis=-1)  # numpy: see unpack_bitmask
+        for m, row, none in zip(todo, allowed, empty, strict=True):
+            if none:
+                # No token can continue the text (a vocabulary that cannot spell what the
+                # grammar needs): end the sequence rather than let argmax pick token 0.
+                log.warning("grammar allows no token here; ending the sequence")
+                row[m.eos_token_ids] = True
+            m._allowed = row
+        if len(todo) == len(matchers):  # the usual step: every row moved on
+            return allowed
+    return torch.stack([m._allowed for m in matchers])
+
+
+def apply_token_mask(logits: Tensor, rows: Tensor, allowed: Tensor) -> Tensor:
+    """The constraint stage: logits[rows[i], t] = -inf where allowed[i, t] is False.
+
+    logits: [B, V]; rows: [R] long; allowed: [R, V] bool. Returns new logits; rows not
+    listed are left as they are."""
+    masked = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
+    return logits.index_copy(0, rows, masked)
+
+
+# --------------------------------------------------------------------------- compiling
+
+
+class _EncodeForLLG:
+    """The tokenizer as llguidance's TokenizerWrapper wants it: the token table, the
+    special ids, and text -> ids (str only: raising on bytes tells the wrapper so)."""
+
+    def __init__(self, tokenizer: Any, tokens: list[bytes], eos_token_id: int):
+        self._tokenizer = tokenizer
+        self.tokens = tokens
+        self.eos_token_id = eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        self.special_token_ids = sorted(tokenizer.special_ids)
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError("text only")
+        return self._tokenizer.encode(text, add_special_tokens=False, parse_special=False)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one model's tokenizer; thread-safe, with an LRU cache.
+
+    vocab_size: the width of the model's logits (may exceed the tokenizer's table).
+    eos_token_ids: the tokens that end a sequence; the grammar allows them once it is
+    complete."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = [t for t in eos_token_ids if 0 <= t < vocab_size]
+        self._lock = threading.Lock()
+        self._lltokenizer: Any = None
+        self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
+
+    def lltokenizer(self) -> Any:
+        """llguidance's view of the vocabulary, built on first use (~0.5 s for 50k
+        tokens, a few seconds for 250k) and kept."""
+        with self._lock:
+            if self._lltokenizer is None:
+                self._lltokenizer = self._build_lltokenizer()
+            return self._lltokenizer
+
+    def _build_lltokenizer(self) -> Any:
+        table = self.tokenizer.token_bytes()[: self.vocab_size]
+        table += [b""] * (self.vocab_size - len(table))  # ids the tokenizer never produces
+        for i in self.tokenizer.special_ids:
+            if i < self.vocab_size:
+                # llguidance's marker for special tokens: text never matches them, and a
+                # grammar names them as <|name|> or <[id]>.
+                table[i] = b"\xff" + table[i]
+        if not self.eos_token_ids:
+            raise GrammarError("grammar", "the model has no EOS token to end constrained output")
+        wrapper = llguidance.TokenizerWrapper(
+            _EncodeForLLG(self.tokenizer, table, self.eos_token_ids[0])
+        )
+        return llguidance.LLTokenizer(
+            wrapper, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids)
+        )
+
+    def compile(self, kind: str, value: Any) -> CompiledGrammar:
+        """Compile (or fetch from the cache) one constraint. Raises GrammarError."""
+        key = (kind, json.dumps(value, sort_keys=True, ensure_ascii=False))
+        try:
+            key[1].encode()
+        except UnicodeEncodeError:  # "\ud800" is valid JSON, but not text llguidance takes
+            raise GrammarError(kind, f"{kind} contains a lone UTF-16 surrogate") from None
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        lltokenizer = self.lltokenizer()
+        t0 = time.perf_counter()
+        try:
+            source = grammar_source(kind, value)
+        except GrammarError:
+            raise
+        except (ValueError, TypeError) as e:  # e.g. a schema that is not an object
+            raise GrammarError(kind, _message(kind, str(e))) from None
+        limits = llguidance.LLParserLimits(**_LIMITS)
+        # Builds the lexer and parser tables with the GIL released.
+        matcher = llguidance.LLMatcher(lltokenizer, source, log_level=0, limits=limits)
+        if matcher.is_error():
+            raise GrammarError(kind, _message(kind, matcher.get_error()))
+        compiled = CompiledGrammar(
+            kind,
+            matcher,
+            self.vocab_size,
+            tuple(self.eos_token_ids),
+            (time.perf_counter() - t0) * 1000,
+        )
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
