@@ -146,7 +146,7 @@ def test_hf_folder_errors(tmp_path):
 def test_checkpoint_shapes_match_the_model(tmp_path, arch):
     """The shapes a file is checked against before loading (computed from the config) are
     the shapes of the model's parameters (built on the meta device), fused ones included."""
-    from tokenmill.config import from_hf_config
+    from tokenmill.loader.hf_config import from_hf_config
     from tokenmill.models.transformer import checkpoint_parts, checkpoint_shapes
 
     for tie in (True, False):

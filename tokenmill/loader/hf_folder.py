@@ -12,9 +12,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from tokenmill.config import ConfigError, ConfigFields, from_hf_config
+from tokenmill.config import ConfigError
 from tokenmill.loader import Checkpoint, LoadError
 from tokenmill.loader.checks import check_checkpoint, part_shape
+from tokenmill.loader.hf_config import ConfigFields, from_hf_config
 
 # HF parameter suffix (inside one decoder layer) -> tokenmill suffix.
 _LAYER_NAMES = {

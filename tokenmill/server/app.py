@@ -82,13 +82,13 @@ from tokenmill.server.protocol import (
     invalid,
     pydantic_errors_to_api_error,
 )
+from tokenmill.server.sse import engine_error, sse
 from tokenmill.server.tools import ToolRequest, encode_tool_chat
 
 log = logging.getLogger("tokenmill.server")
 
 STATIC_DIR = Path(__file__).parent / "static"
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-RETRY_AFTER_S = 1  # what a 429 (queue full) or 503 (draining) asks a client to wait
 # Worker threads for tokenizing and template rendering. A few: each job is bounded (the
 # body limit, the template budget), and more would only compete with the engine thread.
 PREP_THREADS = 4
@@ -431,7 +431,6 @@ async def _run(
         body.stream,
         _shorter(body.user, 64) if body.user else None,
     )
-    retry = {"Retry-After": str(RETRY_AFTER_S)}
     try:
         # compiled before anything is queued, off the event loop: a schema the engine
         # refuses is a 400 naming it
@@ -440,17 +439,8 @@ async def _run(
         raise invalid(str(e), body.constraint_param) from None
     try:
         stream = await _engine(request).generate(request_id, prompts, params, grammar=grammar)
-    except QueueFull as e:
-        raise APIError(
-            429, str(e), type="rate_limit_error", code="queue_full", headers=retry
-        ) from None
-    except ShuttingDown as e:
-        raise APIError(
-            503, str(e), type="server_error", code="shutting_down", headers=retry
-        ) from None
-    except RequestError as e:  # e.g. a logit_bias id beyond the vocabulary
-        param = str(e).split(" ", 1)[0]
-        raise invalid(str(e), param if param in type(body).model_fields else None) from None
+    except (QueueFull, ShuttingDown, RequestError) as e:  # RequestError: e.g. a logit_bias id
+        raise engine_error(e, type(body).model_fields) from None
     if body.stream:
         events = _events(request, fmt, stream, num_prompt, body.include_usage)
         return _EventStream(events, stream, fmt.id)
@@ -459,11 +449,6 @@ async def _run(
         log.info("%s: client disconnected; aborted", fmt.id)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONResponse(fmt.response(generations, num_prompt))
-
-
-def _sse(data: dict | str) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return f"data: {payload}\n\n"
 
 
 async def _events(
@@ -475,23 +460,23 @@ async def _events(
 ) -> AsyncIterator[str]:
     """The SSE body: opening chunks, one chunk per engine output, usage, [DONE]."""
     for chunk in fmt.opening_chunks(len(stream.request_ids)):
-        yield _sse(chunk)
+        yield sse(chunk)
     num_completion = 0
     try:
         async for index, out in stream:
             num_completion += len(out.token_ids)
             chunk = fmt.chunk(index, out)
             if chunk is not None:
-                yield _sse(chunk)
+                yield sse(chunk)
             if await request.is_disconnected():
                 return  # _EventStream aborts the rest
     except EngineFailure as e:
-        yield _sse(_server_error(e).body())
-        yield _sse("[DONE]")
+        yield sse(_server_error(e).body())
+        yield sse("[DONE]")
         return
     if include_usage:
-        yield _sse(fmt.usage_chunk(num_prompt, num_completion))
-    yield _sse("[DONE]")
+        yield sse(fmt.usage_chunk(num_prompt, num_completion))
+    yield sse("[DONE]")
 
 
 class _EventStream(StreamingResponse):

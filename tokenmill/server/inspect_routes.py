@@ -19,7 +19,6 @@ the whole trace (Trace.to_dict) comes back as one JSON body.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -32,8 +31,9 @@ from tokenmill.engine.llm_engine import LLMEngine, RequestError
 from tokenmill.sampling import SamplingParams
 from tokenmill.sampling.grammar import CompiledGrammar, GrammarError
 from tokenmill.server.app import off_loop  # app imports this module only in create_app
-from tokenmill.server.async_engine import AsyncEngine, EngineFailure, QueueFull, ShuttingDown
-from tokenmill.server.protocol import APIError, ChatMessage, Text, check_fits, invalid
+from tokenmill.server.async_engine import AsyncEngine
+from tokenmill.server.protocol import ChatMessage, Text, check_fits, invalid, make_sampling_params
+from tokenmill.server.sse import engine_error, sse
 from tokenmill.trace import Trace
 
 router = APIRouter()
@@ -69,21 +69,18 @@ class InspectRequest(BaseModel):
                 f"max_tokens must be in [1, {MAX_INSPECT_TOKENS}] for an inspected run",
                 "max_tokens",
             )
-        try:
-            return SamplingParams(
-                max_tokens=self.max_tokens,
-                temperature=self.temperature,
-                top_p=self.top_p,
-                top_k=self.top_k,
-                min_p=self.min_p,
-                seed=self.seed,
-                json_schema=self.json_schema,
-                regex=self.regex,
-                choice=self.choice,
-                grammar=self.grammar,
-            )
-        except ValueError as e:
-            raise invalid(str(e), str(e).split(" ", 1)[0]) from None
+        return make_sampling_params(  # the completion and chat routes' adapter too
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            json_schema=self.json_schema,
+            regex=self.regex,
+            choice=self.choice,
+            grammar=self.grammar,
+        )
 
 
 @router.post("/v1/inspect")
@@ -114,7 +111,7 @@ async def inspect(body: InspectRequest, request: Request) -> Response:
     try:
         generation = await server.run_traced(prompt_ids, params, trace, grammar)
     except Exception as e:
-        raise _api_error(e) from None
+        raise engine_error(e) from None
     return JSONResponse({**trace.to_dict(), "text": generation.text})
 
 
@@ -152,25 +149,6 @@ def _trace_args(engine: LLMEngine, body: InspectRequest) -> dict[str, Any]:
     return {"layer": layer, "head": body.head, "top_n": body.top_n}
 
 
-def _api_error(e: Exception) -> APIError:
-    """The OpenAI-shaped error for what `run_traced` raised."""
-    if isinstance(e, QueueFull):
-        return APIError(
-            429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}
-        )
-    if isinstance(e, ShuttingDown):
-        return APIError(503, str(e), type="server_error", code="shutting_down")
-    if isinstance(e, RequestError):
-        return invalid(str(e))
-    if not isinstance(e, EngineFailure):
-        log.exception("traced request failed", exc_info=e)
-    return APIError(500, str(e), type="server_error", code="internal_error")
-
-
-def _sse(event: dict[str, Any]) -> str:
-    return f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
-
-
 async def _events(
     server: AsyncEngine,
     prompt_ids: list[int],
@@ -199,13 +177,13 @@ async def _events(
     run.add_done_callback(lambda _: events.put_nowait(None))
     try:
         while (event := await events.get()) is not None:
-            yield _sse(event)
+            yield sse(event)
         try:
             generation = run.result()
         except Exception as e:
-            yield _sse({"type": "error", **_api_error(e).body()})
+            yield sse({"type": "error", **engine_error(e).body()})
             return
-        yield _sse(
+        yield sse(
             {
                 "type": "done",
                 "text": generation.text,

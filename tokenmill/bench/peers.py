@@ -1,9 +1,9 @@
 """Peer engines for `tokenmill bench`: Hugging Face transformers and llama.cpp.
 
-    python benchmarks/peers.py ENGINE SPEC      ENGINE: transformers or llamacpp
+    python -m tokenmill.bench.peers ENGINE SPEC      ENGINE: transformers or llamacpp
 
 `tokenmill bench` starts this once per peer, as that peer's own process (so its peak RSS
-is its own), and drives it like its tokenmill worker (see tokenmill/bench.py):
+is its own), and drives it like its tokenmill worker (see the package docstring):
 
     SPEC      the workload as JSON: model, dtype, threads, gen_len, latency_prompts
               {P: token ids}, requests [[token ids, output tokens], ...], peer_batch_size
@@ -14,20 +14,18 @@ is its own), and drives it like its tokenmill worker (see tokenmill/bench.py):
               throughput  -> {wall_s, computed_output_tokens, mode}
               exit        -> {peak_rss_bytes}
 
-The llama.cpp runner imports nothing from tokenmill, which would load torch into its
-process and inflate its RSS; so the protocol's few lines are repeated here.
+The llama.cpp runner imports only the bench's wire (protocol.py), which loads no torch:
+its process's RSS stays llama.cpp's own.
 """
 
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 from pathlib import Path
 
-REPLY = "@@bench "
-WARMUP_REQUESTS, WARMUP_TOKENS = 8, 8  # throughput warm-up, as tokenmill.bench does
+from tokenmill.bench.protocol import WARMUP_REQUESTS, WARMUP_TOKENS, peak_rss_bytes, reply
 
 Requests = list[tuple[list[int], int]]
 
@@ -59,10 +57,7 @@ class TransformersRunner:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from tokenmill.bench import (
-            torch_decode_bytes,
-            weight_bytes_by_dtype,
-        )  # torch is loaded anyway
+        from tokenmill.bench.machine import torch_decode_bytes, weight_bytes_by_dtype
 
         torch.set_num_threads(spec["threads"])
         path, dtype = Path(spec["model"]), getattr(torch, spec["dtype"])
@@ -239,24 +234,6 @@ class LlamaCppRunner:
 # ---------------------------------------------------------------------- the worker loop
 
 RUNNERS = {"transformers": TransformersRunner, "llamacpp": LlamaCppRunner}
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident memory: VmHWM, as tokenmill.bench.peak_rss_bytes (which see).
-
-    A copy on purpose: importing tokenmill.bench loads torch, which would add ~200 MiB to
-    the llama.cpp worker's own peak and falsify the figure this measures."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def reply(message: dict) -> None:
-    print(REPLY + json.dumps(message), flush=True)
 
 
 def main(argv: list[str]) -> None:

@@ -1,0 +1,238 @@
+"""Hugging Face `config.json` -> ModelConfig (transformers 4.x and 5.x spellings), beside
+its loader (loader/hf_folder.py); GGUF metadata is read in loader/gguf_file.py. Every
+value is checked (type, range) and named by its own key when wrong."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tokenmill.config import (
+    MAX_SIZES,
+    ConfigError,
+    ModelConfig,
+    RopeConfig,
+    check_float,
+    check_int,
+    short_repr,
+)
+
+HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3", "gpt2")
+
+_REQUIRED = object()
+
+
+class ConfigFields:
+    """Checked reads of a parsed config.json: each names the JSON key when its value is
+    missing or of the wrong type, so a hostile file gets a ConfigError, never a TypeError."""
+
+    def __init__(self, cfg: Any, where: str = "config.json"):
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{where} must hold a JSON object, not {type(cfg).__name__}")
+        self.cfg = cfg
+
+    def raw(self, key: str, default: Any = _REQUIRED) -> Any:
+        """The key's value; its default when absent or null (configs write null for
+        "unset"); ConfigError when a key without a default is either."""
+        value = self.cfg.get(key)
+        if value is None:
+            if default is _REQUIRED:
+                raise ConfigError(f"missing field {key!r}")
+            return default
+        return value
+
+    def int(self, key: str, default: Any = _REQUIRED, *, lo: int = 1, hi: int | None = None):
+        value = self.raw(key, default)
+        return None if value is None else check_int(key, value, lo, hi)
+
+    def float(self, key: str, default: Any = _REQUIRED, *, lo: float = 0.0, lo_open=False):
+        value = self.raw(key, default)
+        return None if value is None else check_float(key, value, lo, lo_open=lo_open)
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.raw(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {short_repr(value)}")
+        return value
+
+    def str(self, key: str, default: Any = _REQUIRED) -> str | None:
+        value = self.raw(key, default)
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {short_repr(value)}")
+        return value
+
+    def dict(self, key: str) -> dict | None:
+        value = self.raw(key, None)
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a JSON object, got {short_repr(value)}")
+        return value
+
+    def ids(self, key: str) -> list[int]:
+        """A token id or a list of them (eos_token_id's two spellings)."""
+        value = self.raw(key, None)
+        if value is None:
+            return []
+        values = value if isinstance(value, list) else [value]
+        return [check_int(key, v, 0) for v in values]
+
+    def names(self, key: str, count: int) -> list[str] | None:
+        """A list of `count` strings (layer_types), or None when absent."""
+        value = self.raw(key, None)
+        if value is None or value == []:
+            return None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key} must be a list of strings, got {short_repr(value)}")
+        if len(value) != count:
+            raise ConfigError(f"{key} has {len(value)} entries for {count} layers")
+        return value
+
+
+def _rope_from_params(p: dict[str, Any], default_theta: float, max_pos: int) -> RopeConfig:
+    f = ConfigFields(p, "rope parameters")
+    kind = f.str("rope_type", None) or f.str("type", None) or "default"
+    rope = RopeConfig(theta=f.float("rope_theta", default_theta, lo_open=True))
+    if kind == "default":
+        return rope
+    if kind == "linear":
+        rope.scaling, rope.factor = "linear", f.float("factor", lo_open=True)
+        return rope
+    if kind == "llama3":
+        rope.scaling = "llama3"
+        rope.factor = f.float("factor", lo_open=True)
+        rope.low_freq_factor = f.float("low_freq_factor", 1.0, lo_open=True)
+        rope.high_freq_factor = f.float("high_freq_factor", 4.0, lo_open=True)
+        rope.original_max_position = f.int(
+            "original_max_position_embeddings", max_pos, hi=MAX_SIZES["max_position"]
+        )
+        return rope
+    raise ConfigError(
+        f"unsupported rope scaling type {short_repr(kind)} (supported: default, linear, llama3)"
+    )
+
+
+def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
+    """Build a ModelConfig from a parsed HF `config.json`; ConfigError for anything a real
+    checkpoint would not hold (wrong types, zero or absurd sizes), naming the key."""
+    f = ConfigFields(cfg)
+    model_type = f.str("model_type", "")
+    if model_type == "gemma3" and "text_config" in cfg:  # multimodal wrapper: take the text part
+        f = ConfigFields({**ConfigFields(f.raw("text_config"), "text_config").cfg}, "text_config")
+        f.cfg["model_type"] = model_type = "gemma3_text"
+    if model_type not in HF_FAMILIES:
+        raise ConfigError(
+            f"unsupported architecture {short_repr(model_type)} (supported: {', '.join(HF_FAMILIES)})"
+        )
+    if model_type == "gpt2":
+        return _gpt2_config(f)
+
+    hidden = f.int("hidden_size", hi=MAX_SIZES["hidden_size"])
+    heads = f.int("num_attention_heads", hi=MAX_SIZES["num_heads"])
+    layers = f.int("num_hidden_layers", hi=MAX_SIZES["num_layers"])
+    head_dim = f.int("head_dim", None, hi=MAX_SIZES["head_dim"]) or hidden // heads
+    max_pos = f.int("max_position_embeddings", 4096, hi=MAX_SIZES["max_position"])
+    # 5.x: rope_parameters (per layer type for Gemma 3); 4.x: rope_theta + rope_scaling.
+    params = f.dict("rope_parameters")
+    local_params = None
+    if params is not None and "full_attention" in params:
+        local_params = ConfigFields(params, "rope_parameters").dict("sliding_attention")
+        params = ConfigFields(params, "rope_parameters").dict("full_attention") or {}
+    if params is None:
+        params = dict(f.dict("rope_scaling") or {})
+        params.setdefault("rope_theta", f.raw("rope_theta", 10000.0))
+    rope = _rope_from_params(params, 10000.0, max_pos)
+    common = dict(
+        vocab_size=f.int("vocab_size", hi=MAX_SIZES["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=f.int("intermediate_size", hi=MAX_SIZES["intermediate_size"]),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=f.int("num_key_value_heads", None, hi=MAX_SIZES["num_kv_heads"]) or heads,
+        head_dim=head_dim,
+        max_position=max_pos,
+        norm_eps=f.float("rms_norm_eps", 1e-6),
+        rope=rope,
+        tie_embeddings=f.bool("tie_word_embeddings", False),
+        bos_token_id=f.int("bos_token_id", None, lo=0),
+        eos_token_ids=f.ids("eos_token_id"),
+    )
+    if model_type in ("llama", "mistral"):
+        window = f.int("sliding_window", None) if model_type == "mistral" else None
+        return ModelConfig(
+            arch=model_type,
+            qkv_bias=f.bool("attention_bias", False),
+            o_bias=f.bool("attention_bias", False),
+            mlp_bias=f.bool("mlp_bias", False),
+            sliding_window=window,
+            layer_types=["sliding" if window else "full"] * layers,
+            **common,
+        )
+    if model_type in ("qwen2", "qwen3"):
+        layer_types = [
+            "sliding" if t == "sliding_attention" else "full"
+            for t in f.names("layer_types", layers) or ["full_attention"] * layers
+        ]
+        window = f.int("sliding_window", None) if "sliding" in layer_types else None
+        return ModelConfig(
+            arch=model_type,
+            qkv_bias=model_type == "qwen2" or f.bool("attention_bias", False),
+            qk_norm=model_type == "qwen3",
+            sliding_window=window,
+            layer_types=layer_types,
+            **common,
+        )
+    # Gemma 3 (text).
+    types = f.names("layer_types", layers)
+    if not types:
+        pattern = f.int("sliding_window_pattern", 6)
+        types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(layers)
+        ]
+    if local_params is None:
+        local_params = {"rope_theta": f.raw("rope_local_base_freq", 10000.0)}
+    act = f.str("hidden_activation", None) or f.str("hidden_act", "gelu_pytorch_tanh")
+    return ModelConfig(
+        arch="gemma3",
+        mlp="gated",
+        activation="gelu_tanh" if "tanh" in act else "gelu",
+        qk_norm=True,
+        sandwich_norm=True,
+        embed_scale=math.sqrt(hidden),
+        attn_scale=f.float("query_pre_attn_scalar", head_dim, lo_open=True) ** -0.5,
+        final_logit_softcap=f.float("final_logit_softcapping", None, lo_open=True),
+        sliding_window=f.int("sliding_window", None),
+        layer_types=["sliding" if t == "sliding_attention" else "full" for t in types],
+        rope_local=_rope_from_params(local_params, 10000.0, max_pos),
+        **{**common, "tie_embeddings": f.bool("tie_word_embeddings", True)},
+    )
+
+
+def _gpt2_config(f: ConfigFields) -> ModelConfig:
+    hidden = f.int("n_embd", hi=MAX_SIZES["hidden_size"])
+    heads = f.int("n_head", hi=MAX_SIZES["num_heads"])
+    act = f.str("activation_function", "gelu_new")
+    eos = f.ids("eos_token_id")
+    return ModelConfig(
+        arch="gpt2",
+        vocab_size=f.int("vocab_size", hi=MAX_SIZES["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=f.int("n_inner", None, hi=MAX_SIZES["intermediate_size"]) or 4 * hidden,
+        num_layers=f.int("n_layer", hi=MAX_SIZES["num_layers"]),
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        max_position=f.int("n_positions", 1024, hi=MAX_SIZES["max_position"]),
+        norm="layer",
+        norm_eps=f.float("layer_norm_epsilon", 1e-5),
+        mlp="plain",
+        activation="gelu_tanh" if act in ("gelu_new", "gelu_pytorch_tanh") else "gelu",
+        position="learned",
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        tie_embeddings=f.bool("tie_word_embeddings", True),
+        bos_token_id=f.int("bos_token_id", None, lo=0),
+        eos_token_ids=eos[:1],
+    )
