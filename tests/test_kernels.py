@@ -23,7 +23,7 @@ from kernel_builds import BUILDS, use_build
 from tokenmill import kernels
 from tokenmill.kernels import build
 from tokenmill.layers import native_linear, quant_linear
-from tokenmill.layers.native_linear import FloatLinear
+from tokenmill.layers.native_linear import FloatLinear, SegmentedLinear
 from tokenmill.layers.quant_linear import PREFILL_MIN_T, QuantLinear
 
 SIMPLE = [GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.Q5_0, GT.Q5_1]  # gguf.quants can quantize these
@@ -248,6 +248,38 @@ def test_kquant_scales_stay_compact(kbuild, monkeypatch):
         assert layer._plain is not None and layer._plain[0].dtype is torch.float32
         monkeypatch.undo()
         use_build(monkeypatch, kbuild)
+
+
+def test_segmented_layer_runs_mixed_formats_in_one_call(kbuild):
+    """A fused projection of parts that pack differently (Q4_K beside a requantized Q6_K,
+    Q8_0 and a float16 part): one native call over the chain, equal to the parts."""
+    torch.manual_seed(6)
+    k = 512
+    parts = [
+        QuantLinear.from_gguf(gguf_bytes(GT.Q4_K, 40, k), GT.Q4_K, 40, k),
+        QuantLinear.from_gguf(gguf_bytes(GT.Q6_K, 24, k), GT.Q6_K, 24, k),
+        QuantLinear.from_gguf(gguf_bytes(GT.Q8_0, 8, k), GT.Q8_0, 8, k),
+        FloatLinear((torch.randn(16, k) * 0.05).half()),
+    ]
+    layer = SegmentedLinear(parts, bias=torch.randn(88))
+    calls = []
+    real = kernels.linear
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(kernels, "linear", lambda *a: calls.append(1) or real(*a))
+        for t in (1, 3, PREFILL_MIN_T + 1):
+            x = torch.randn(t, k)
+            calls.clear()
+            want = torch.cat([p(x) for p in parts], dim=1) + layer.bias
+            if t <= PREFILL_MIN_T:
+                calls.clear()
+                got = layer(x)
+                assert len(calls) == 1  # the whole chain in one call
+            else:
+                got = layer(x)
+            ref = x.double() @ layer.dequantize().double().T + layer.bias.double()
+            assert_close_rel(got, ref, 2e-4)
+            assert_close_rel(got, want.double(), 1e-5)
+    assert layer.nbytes == sum(p.nbytes for p in parts)
 
 
 @pytest.mark.parametrize("qtype", [GT.Q8_0, GT.Q4_1, GT.Q4_0, GT.Q5_0])

@@ -1,7 +1,7 @@
 """`tokenmill inspect PROMPT`: run a short generation and print every step of the pipeline.
 
 The prefill is printed in full (tokenize, embed, positions, Q/K/V, the KV cache
-write, masked attention as a heatmap, the FFN, un-embedding, softmax with
+write, masked attention as a heatmap, the MLP, un-embedding, softmax with
 temperature, the top-k/top-p/min-p cuts, sampling, detokenization, feeding the
 token back); each decode step then gets a compact view of the same loop. Steps
 are printed as the engine finishes them, from a `Trace` (tokenmill/trace.py).
@@ -18,6 +18,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from tokenmill.trace_schema import ModelRecord, StepRecord
 from tokenmill.units import format_bytes, format_rate
 
 HEATMAP_MAX_TOKENS = 24  # heatmap rows/columns shown in the terminal (the newest tokens)
@@ -249,7 +250,7 @@ class TerminalView:
         self.decode_header_shown = False
 
     # -- entry points ---------------------------------------------------
-    def show_step(self, trace, step: dict[str, Any]) -> None:
+    def show_step(self, trace, step: StepRecord) -> None:
         if step["index"] == 0:
             self._intro(trace)
         if step["phase"] == "prefill":
@@ -309,7 +310,7 @@ class TerminalView:
         self.console.print(
             f"{m['arch']} · {m['num_layers']} layers · d_model {m['hidden_size']} · "
             f"{m['num_heads']} query heads / {m['num_kv_heads']} K/V heads of {m['head_dim']} dims · "
-            f"FFN {m['intermediate_size']} ({m['mlp']}, {m['activation']}) · vocab {m['vocab_size']:,} · "
+            f"MLP {m['intermediate_size']} ({m['mlp']}, {m['activation']}) · vocab {m['vocab_size']:,} · "
             f"{m['dtype']} · weights {m.get('weights', '?')} · kernels {m.get('kernels', '?')}"
         )
         if "decode_path" in m:
@@ -335,7 +336,7 @@ class TerminalView:
             seed = f"seed {self.seed}" if self.seed is not None else "no seed: each run draws anew"
         self.console.print(Text(seed, style="dim"))
 
-    def _prefill(self, trace, step: dict[str, Any]) -> None:
+    def _prefill(self, trace, step: StepRecord) -> None:
         c, m = self.console, trace.model
         n, start = step["num_tokens"], step["start"]
         c.rule(f"[bold magenta]Phase 1 · prefill: {n} prompt tokens at once")
@@ -353,7 +354,7 @@ class TerminalView:
     def _section(self, title: str, why: str) -> None:
         self.console.print(Text(title, style="bold yellow") + Text(f"  {why}", style="dim"))
 
-    def _embedding(self, step: dict[str, Any], m: dict[str, Any]) -> None:
+    def _embedding(self, step: StepRecord, m: ModelRecord) -> None:
         e = step["embedding"]
         self._section(
             "2. Embed",
@@ -378,7 +379,7 @@ class TerminalView:
             )
         print_table(self.console, table)
 
-    def _positions(self, step: dict[str, Any]) -> None:
+    def _positions(self, step: StepRecord) -> None:
         pe = step["position_encoding"]
         pos = step["positions"]
         if pe["kind"] == "learned":
@@ -413,14 +414,14 @@ class TerminalView:
             )
         print_table(self.console, table)
 
-    def _layers(self, trace, step: dict[str, Any], m: dict[str, Any]) -> None:
+    def _layers(self, trace, step: StepRecord, m: ModelRecord) -> None:
         c = self.console
         n = step["num_tokens"]
         group = m["num_heads"] // m["num_kv_heads"]
         first = step["layers"][0]
         self._section(
             f"4. One matrix [{n}, {m['hidden_size']}] through {m['num_layers']} layers",
-            "every prompt token in parallel; per layer: x + attention(norm(x)), then x + FFN(norm(x))",
+            "every prompt token in parallel; per layer: x + attention(norm(x)), then x + MLP(norm(x))",
         )
         c.print(
             Text(
@@ -440,10 +441,10 @@ class TerminalView:
         )
         self._heatmap(trace, step)
         self._section(
-            "7. Feed-forward network",
+            "7. MLP (the feed-forward network)",
             f"per token: gate, up [{m['hidden_size']}→{m['intermediate_size']}], "
             f"{m['activation']}(gate)·up, down [{m['intermediate_size']}→{m['hidden_size']}]; "
-            "below, per layer: how much attention and the FFN each add to the residual stream x "
+            "below, per layer: how much attention and the MLP each add to the residual stream x "
             "(Δ = norm of the update), and each head's peak weight and entropy (bright = high)",
         )
         table = Table(box=None, padding=(0, 1), show_edge=False)
@@ -451,7 +452,7 @@ class TerminalView:
         table.add_column("peak weight/head", no_wrap=True)
         table.add_column("entropy/head", no_wrap=True)
         table.add_column("attn Δ", justify="right")
-        table.add_column("FFN Δ", justify="right")
+        table.add_column("MLP Δ", justify="right")
         table.add_column("‖x‖", justify="right")
         top_entropy = max(max(layer["entropy"]) for layer in step["layers"]) or 1.0
         for layer in step["layers"]:
@@ -465,7 +466,7 @@ class TerminalView:
             )
         print_table(c, table)
 
-    def _heatmap(self, trace, step: dict[str, Any]) -> None:
+    def _heatmap(self, trace, step: StepRecord) -> None:
         att = step.get("attention")
         if att is None:
             return
@@ -485,7 +486,7 @@ class TerminalView:
         legend.append(f" 1   (square-root scale; shades '{SHADES}' from 0 to 1)")
         self.console.print(legend, style="dim")
 
-    def _unembed_and_sample(self, trace, step: dict[str, Any], m: dict[str, Any]) -> None:
+    def _unembed_and_sample(self, trace, step: StepRecord, m: ModelRecord) -> None:
         s = step["sample"]
         p = s["params"]
         weight = "embed.weight" if m["tie_embeddings"] else "lm_head.weight"
@@ -552,7 +553,7 @@ class TerminalView:
         )
         self._section(f"12. Detokenize: piece {s['piece']!r} → text {shown}", "")
 
-    def _cache_line(self, step: dict[str, Any], m: dict[str, Any]) -> None:
+    def _cache_line(self, step: StepRecord, m: ModelRecord) -> None:
         kv = step["kv"]
         gauge = bar(kv["pool_blocks_used"] / kv["pool_blocks_total"], width=16, style="yellow")
         fed = ""
@@ -574,7 +575,7 @@ class TerminalView:
         if "sample" in step:
             self.tokens.append(step["sample"]["token_text"])
 
-    def _decode(self, trace, step: dict[str, Any]) -> None:
+    def _decode(self, trace, step: StepRecord) -> None:
         c = self.console
         if not self.decode_header_shown:
             c.rule("[bold cyan]Phase 2 · decode loop: one token per step, reading the KV cache")

@@ -7,14 +7,15 @@ attention summaries (with the full weights for one chosen layer), the KV cache
 size, the sampler's distributions at every stage, the chosen token and timings.
 `tokenmill inspect` prints it, and `POST /v1/inspect` streams it to the web page.
 
-Only the traced request's rows are touched, and only small samples are kept, so
-tracing one request costs a little time and untraced requests cost nothing
-beyond the engine's `if meta.trace is not None` checks (see
-benchmarks/trace_overhead.py).
+Only the traced request's rows are recorded, and only small samples are kept. The
+hooks need each layer's tensors, so a step with a traced row runs the torch path
+(models/paths.py) for every row in it: the other requests of that step lose the native
+decode paths for as long as the trace runs (see benchmarks/trace_overhead.py).
 
-Hook order within one engine step (see tokenmill/engine/llm_engine.py):
-    on_step_begin -> on_embedding -> per layer: on_attention, on_residual x2
-    -> on_sample (if the step yields a token) -> on_step_end
+The contract (engine/hooks.py): `Trace` implements StepHooks, in the order given there,
+and reads the engine only through the read-only EngineView it gets at each step's end.
+The records it makes are the JSON that `tokenmill inspect` and the web page read
+(trace_schema.py declares them).
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tokenmill.engine.hooks import AttentionSite, EngineView
 from tokenmill.engine.scheduler import is_decode
 from tokenmill.engine.sequence import Status
 from tokenmill.sampling import SamplingState, process_logits
 from tokenmill.tokenizer import IncrementalDetokenizer
+from tokenmill.trace_schema import ModelRecord, PromptRecord, StepRecord, TraceRecord
 
 StepListener = Callable[["Trace", dict[str, Any]], None]
 
@@ -90,6 +93,37 @@ def _entropy(probs: Tensor) -> Tensor:
     return -(probs * logs).sum(-1)
 
 
+def position_sample(model, positions: list[int], sample_dims: int) -> dict[str, Any]:
+    """How position enters, for the first positions: RoPE rotation angles, or the learned
+    vector added (the engine hands traces this through EngineView.position_encoding)."""
+    shown = positions[:MAX_SAMPLE_ROWS]
+    if model.pos_embed is not None:
+        rows = model.pos_embed.weight[shown, :sample_dims]
+        return {"kind": "learned", "sample": _round(rows)}
+    rotary = model.rotary
+    half = rotary.dim // 2
+    pairs = min(sample_dims, half)
+    # Rotate unit vectors through the model's own RoPE: e_i at position p comes out as
+    # cos(p·θ_i) in dim i and sin(p·θ_i) in dim i + dim/2 (rotate-half layout).
+    pos = torch.tensor([1, *shown], device=rotary.cos.device)
+    units = torch.zeros(len(pos), pairs, model.cfg.head_dim, device=pos.device)
+    units[:, range(pairs), range(pairs)] = 1.0
+    out, _ = rotary(units, units[:, :1], pos)
+    cos, sin = (
+        out[:, range(pairs), range(pairs)],
+        out[:, range(pairs), range(half, half + pairs)],
+    )
+    inv_freq = torch.atan2(sin[0], cos[0])  # θ_i < π, so position 1 gives it exactly
+    return {
+        "kind": "rope",
+        "rotary_dims": rotary.dim,
+        "inv_freq": _round(inv_freq, 6),
+        "angles": _round(torch.outer(pos[1:].float(), inv_freq), 4),
+        "cos": _round(cos[1:]),
+        "sin": _round(sin[1:]),
+    }
+
+
 class Trace:
     """Records one request's pipeline; pass it as `add_request(..., trace=Trace())`.
 
@@ -113,11 +147,11 @@ class Trace:
             raise ValueError("layer and head must be >= 0, top_n and sample_dims >= 1")
         self.layer, self.head, self.top_n, self.sample_dims = layer, head, top_n, sample_dims
         self.on_step = on_step
-        self.model: dict[str, Any] = {}
-        self.prompt: dict[str, Any] = {}
-        self.steps: list[dict[str, Any]] = []
+        self.model: ModelRecord | dict = {}
+        self.prompt: PromptRecord | dict = {}
+        self.steps: list[StepRecord] = []
         self.summary: dict[str, Any] = {}
-        self._step: dict[str, Any] | None = None
+        self._step: StepRecord | None = None
         self._started = 0.0
         self._hook_s = 0.0  # time spent inside this step's hooks
         self._last_row: Tensor | None = None  # the residual stream before the current sublayer
@@ -153,15 +187,15 @@ class Trace:
     def on_attention(
         self,
         meta,
-        where: tuple[str, int],
+        site: AttentionSite,
         layer_idx: int,
         q: Tensor,
         keys: Tensor,
         mask: Tensor | None,
         scale: float,
     ) -> None:
-        kind, index = meta.trace_attn
-        if where[0] != kind or (kind == "prefill" and where[1] != index):
+        kind, index = meta.trace_attn.kind, meta.trace_attn.index
+        if site.kind != kind or (kind == "prefill" and site.index != index):
             return  # an attention call of other requests in the batch
         if kind == "decode":
             context = int(meta.decode_context_lens[index])
@@ -267,7 +301,7 @@ class Trace:
             "masked_mass": round(float(unconstrained[~t.allowed].sum()), 6),
         }
 
-    def on_step_end(self, seq, engine) -> None:
+    def on_step_end(self, seq, engine: EngineView) -> None:
         now = time.perf_counter()
         step, self._step = self._step, None
         step["step_ms"] = round((now - self._started - self._hook_s) * 1000, 3)
@@ -278,7 +312,9 @@ class Trace:
         tok = engine.tokenizer
         step["input_pieces"] = [tok.id_to_piece(i) for i in step["input_ids"]]
         if "positions" in step:
-            step["position_encoding"] = self._positions(engine.model, step["positions"])
+            step["position_encoding"] = engine.position_encoding(
+                step["positions"], self.sample_dims
+            )
         if "sample" in step:
             self._finish_sample(step["sample"], seq, engine)
         step["kv"] = self._kv(step, seq, engine)
@@ -289,11 +325,11 @@ class Trace:
             self.on_step(self, step)
 
     # ------------------------------------------------------------------ step end helpers
-    def _describe(self, engine, seq) -> None:
+    def _describe(self, engine: EngineView, seq) -> None:
         c, tok = engine.config, engine.tokenizer
-        path = engine.model.decode_path()
+        path = engine.decode_path
         self.model = {
-            "name": engine.path.name,
+            "name": engine.model_name,
             "arch": c.arch,
             "num_layers": c.num_layers,
             "hidden_size": c.hidden_size,
@@ -308,18 +344,18 @@ class Trace:
             "activation": c.activation,
             "norm": c.norm,
             "tie_embeddings": c.tie_embeddings,
-            "dtype": str(engine.dtype).removeprefix("torch."),
-            "weights": engine.info()["weights"],
-            "kernels": engine.info()["kernels"],
+            "dtype": engine.info["dtype"],
+            "weights": engine.info["weights"],
+            "kernels": engine.info["kernels"],
             # what an untraced decode step would run (a traced one runs the torch path)
             "decode_path": path.name,
             "decode_path_reason": path.reason,
             # a parallel run: what each rank holds (the trace records rank 0's part)
-            "parallel": engine.parallel_plan if engine.parallel is not None else None,
-            "kv_bytes_per_token": engine.cache.bytes_per_token,
-            "block_size": engine.cache.block_size,
-            "kv_capacity_tokens": engine.cache.capacity_tokens,
-            "kv_capacity_bytes": engine.cache.nbytes,
+            "parallel": engine.parallel,
+            "kv_bytes_per_token": engine.kv_bytes_per_token,
+            "block_size": engine.block_size,
+            "kv_capacity_tokens": engine.kv_capacity_tokens,
+            "kv_capacity_bytes": engine.kv_capacity_bytes,
         }
         ids = list(seq.prompt_ids)
         self.prompt = {
@@ -330,47 +366,17 @@ class Trace:
         }
         self._detok = IncrementalDetokenizer(tok, prompt_ids=ids)
 
-    def _positions(self, model, positions: list[int]) -> dict[str, Any]:
-        """How position enters: RoPE rotation angles, or the learned vector added."""
-        shown = positions[:MAX_SAMPLE_ROWS]
-        if model.pos_embed is not None:
-            rows = model.pos_embed.weight[shown, : self.sample_dims]
-            return {"kind": "learned", "sample": _round(rows)}
-        rotary = model.rotary
-        half = rotary.dim // 2
-        pairs = min(self.sample_dims, half)
-        # Rotate unit vectors through the model's own RoPE: e_i at position p comes out as
-        # cos(p·θ_i) in dim i and sin(p·θ_i) in dim i + dim/2 (rotate-half layout).
-        pos = torch.tensor([1, *shown], device=rotary.cos.device)
-        units = torch.zeros(len(pos), pairs, model.cfg.head_dim, device=pos.device)
-        units[:, range(pairs), range(pairs)] = 1.0
-        out, _ = rotary(units, units[:, :1], pos)
-        cos, sin = (
-            out[:, range(pairs), range(pairs)],
-            out[:, range(pairs), range(half, half + pairs)],
-        )
-        inv_freq = torch.atan2(sin[0], cos[0])  # θ_i < π, so position 1 gives it exactly
-        return {
-            "kind": "rope",
-            "rotary_dims": rotary.dim,
-            "inv_freq": _round(inv_freq, 6),
-            "angles": _round(torch.outer(pos[1:].float(), inv_freq), 4),
-            "cos": _round(cos[1:]),
-            "sin": _round(sin[1:]),
-        }
-
-    def _finish_sample(self, sample: dict[str, Any], seq, engine) -> None:
+    def _finish_sample(self, sample: dict[str, Any], seq, engine: EngineView) -> None:
         tok = engine.tokenizer
         for c in sample["candidates"]:
             c["piece"], c["text"] = tok.id_to_piece(c["id"]), tok.decode([c["id"]])
         token = sample["token"]
         sample["piece"], sample["token_text"] = tok.id_to_piece(token), tok.decode([token])
-        stops = set(engine.eos_token_ids) | set(seq.params.stop_token_ids)
-        ends = token in stops and not (seq.params.ignore_eos and token in engine.eos_token_ids)
+        ends = engine.is_stop_token(token, seq.params)  # the engine's own rule
         sample["is_stop"] = ends
         sample["text"] = "" if ends else self._detok.add(token)  # a stop token is never shown
 
-    def _kv(self, step: dict[str, Any], seq, engine) -> dict[str, Any]:
+    def _kv(self, step: dict[str, Any], seq, engine: EngineView) -> dict[str, Any]:
         """The request's KV cache after this step.
 
         Taken from the step itself (start + num_tokens tokens have K/V now) because a
@@ -379,12 +385,12 @@ class Trace:
         tokens = step["start"] + step["num_tokens"]
         return {
             "tokens": tokens,
-            "bytes": tokens * engine.cache.bytes_per_token,
+            "bytes": tokens * engine.kv_bytes_per_token,
             "written": step["num_tokens"],
             "blocks": step.pop("blocks_held"),
             "released": seq.status is Status.FINISHED,
-            "pool_blocks_used": engine.blocks.num_used,
-            "pool_blocks_total": engine.blocks.num_blocks,
+            "pool_blocks_used": engine.pool_blocks_used(),
+            "pool_blocks_total": engine.pool_blocks_total,
         }
 
     def _summarise(self, seq) -> None:
@@ -419,8 +425,8 @@ class Trace:
             "trace": {"layer": self.layer, "head": self.head, "top_n": self.top_n},
         }
 
-    def to_dict(self) -> dict[str, Any]:
-        """Everything recorded, as JSON-able data."""
+    def to_dict(self) -> TraceRecord:
+        """Everything recorded, as JSON-able data (trace_schema.py)."""
         return {**self.header(), "steps": self.steps, "summary": self.summary}
 
     def save_json(self, path: str | Path) -> None:

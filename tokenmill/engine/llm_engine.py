@@ -16,6 +16,7 @@ for offline use.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ import torch
 
 from tokenmill import kernels
 from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.hooks import EngineView
 from tokenmill.engine.kv_cache import KVCache, kv_blocks
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
@@ -137,6 +139,7 @@ class LLMEngine:
         # ---- weights ----
         self.quantization = self._pick_quantization(quantization, ckpt.format)
         self.parallel = None  # the distributed Runtime of a run over several processes
+        self._view: EngineView | None = None
         if tensor_parallel_size * pipeline_parallel_size > 1:
             self._start_parallel(
                 ckpt, tensor_parallel_size, pipeline_parallel_size, block_size,
@@ -222,6 +225,30 @@ class LLMEngine:
             "weights": self.quantization or "torch",
             "kernels": kernels.isa() if self.device.type == "cpu" else "torch",
         }
+
+    def view(self) -> EngineView:
+        """The read-only view a trace gets at the end of each step (engine/hooks.py)."""
+        if self._view is None:
+            from tokenmill.trace import position_sample  # the trace's own helper
+
+            eos = set(self.eos_token_ids)
+            self._view = EngineView(
+                model_name=self.path.name,
+                config=self.config,
+                tokenizer=self.tokenizer,
+                info=self.info(),
+                decode_path=self.model.decode_path(),
+                parallel=self.parallel_plan if self.parallel is not None else None,
+                position_encoding=functools.partial(position_sample, self.model),
+                kv_bytes_per_token=self.cache.bytes_per_token,
+                block_size=self.cache.block_size,
+                kv_capacity_tokens=self.cache.capacity_tokens,
+                kv_capacity_bytes=self.cache.nbytes,
+                pool_blocks_total=self.blocks.num_blocks,
+                pool_blocks_used=lambda: self.blocks.num_used,
+                is_stop_token=lambda t, p: check_stop_token(t, p, eos, 0) == "stop",
+            )
+        return self._view
 
     def describe(self) -> str:
         c = self.config
@@ -377,7 +404,7 @@ class LLMEngine:
                 lp = TokenLogprob(token, result.logprobs[row], result.top_logprobs[row] or {})
             outputs.append(self._advance(seq, token, lp, now))
         for chunk in traced:
-            chunk.seq.trace.on_step_end(chunk.seq, self)
+            chunk.seq.trace.on_step_end(chunk.seq, self.view())
         return outputs
 
     def _advance(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.engine.hooks import AttentionSite
 from tokenmill.engine.kv_cache import KVCache
 from tokenmill.engine.scheduler import ScheduledChunk
 from tokenmill.layers.attention import AttentionMetadata, PrefillSpan
@@ -87,7 +88,7 @@ class ModelRunner:
                 sampled.append(i)
                 if chunks[i].seq.trace is not None and meta.trace is None:
                     meta.trace, meta.trace_rows = chunks[i].seq.trace, slice(row, row + 1)
-                    meta.trace_attn = ("decode", row)
+                    meta.trace_attn = AttentionSite("decode", row)
 
         row = len(decode)
         for i in prefill:
@@ -103,7 +104,7 @@ class ModelRunner:
             )
             if seq.trace is not None and meta.trace is None:
                 meta.trace, meta.trace_rows = seq.trace, slice(row, row + n)
-                meta.trace_attn = ("prefill", len(meta.prefills) - 1)
+                meta.trace_attn = AttentionSite("prefill", len(meta.prefills) - 1)
             row += n
             if chunk.samples:
                 logit_rows.append(row - 1)

@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 
-ABI = 5  # tm_info() // 1000 of the sources this module binds
+ABI = 6  # tm_info() // 1000 of the sources this module binds
 F16, BF16, F32 = 16, 17, 32  # tm_weight.bits of float weights (4 and 8: packed blocks)
 DEFAULT_GROUP_BLOCKS = 16  # the packing used when no library is loaded (any would do)
 
@@ -64,6 +64,7 @@ class TmWeight(ctypes.Structure):
         ("k", ctypes.c_int32),
         ("dsup", ctypes.c_void_p),
         ("msup", ctypes.c_void_p),
+        ("next", ctypes.c_void_p),  # the next rows' TmWeight (a segmented layer), or None
     ]
 
 
@@ -217,20 +218,25 @@ def uses_avx512() -> bool:
 
 
 def linear(
-    w: TmWeight, x: torch.Tensor, bias: torch.Tensor | None, act_bits: int = 8
+    w: TmWeight,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    act_bits: int = 8,
+    rows: int | None = None,
 ) -> torch.Tensor:
     """y [T, N] = x [T, K] @ W^T (+ bias); packed weights quantize the activations per
     32-block to `act_bits` (8: llama.cpp's scheme; 16: near-float accuracy), 16-bit
     float weights multiply x as float32.
 
-    x: contiguous float32; bias: [N] or None (made float32 if a loader cast it).
+    x: contiguous float32; bias: [N] or None (made float32 if a loader cast it); rows: N
+    of a chain of segments (tm_weight.next), whose first holds only its own rows.
     """
     lib = library()
     assert lib is not None, "call only when library() is not None"
     if bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()
     T = x.shape[0]
-    y = torch.empty(T, w.n, dtype=torch.float32)
+    y = torch.empty(T, rows or w.n, dtype=torch.float32)
     ok = lib.tm_linear(
         ctypes.addressof(w),
         x.data_ptr(),

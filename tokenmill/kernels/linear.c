@@ -410,8 +410,43 @@ static void float_any(const tm_weight *w, const float *x, int r0, int r1, int t0
 /* y [T, N] = x [T, K] @ W^T (+ bias). Packed weights: activations quantized per block
  * to 8 bits, or to 16 bits if act16; float weights: x stays float32. Returns 0 if
  * scratch memory ran out, -1 for K-quant scales on a build that reads plain ones only. */
+static int linear_one(const tm_weight *w, const float *x, int T, float *y, const float *bias,
+                      int nthreads, int act16);
+
+/* Grow-only output buffer of a segment (per thread; linear_one uses tm_scratch). */
+static __thread float *seg_buf = NULL;
+static __thread size_t seg_cap = 0;
+
 int tm_linear(const tm_weight *w, const float *x, int T, float *y, const float *bias,
               int nthreads, int act16) {
+    if (!w->next) return linear_one(w, x, T, y, bias, nthreads, act16);
+    /* A chain of row segments in different formats (a fused Q4_K q/k beside a Q6_K v):
+     * each segment into a buffer, then its columns into y [T, total rows]. */
+    int total = 0;
+    for (const tm_weight *s = w; s; s = s->next) total += s->n;
+    int off = 0;
+    for (const tm_weight *s = w; s; s = s->next) {
+        const size_t need = (size_t)T * s->n;
+        if (need > seg_cap) {
+            free(seg_buf);
+            seg_cap = need + need / 2;
+            seg_buf = malloc(seg_cap * sizeof(float));
+            if (!seg_buf) {
+                seg_cap = 0;
+                return 0;
+            }
+        }
+        const int rc = linear_one(s, x, T, seg_buf, bias ? bias + off : NULL, nthreads, act16);
+        if (rc != 1) return rc;
+        for (int t = 0; t < T; t++)
+            memcpy(y + (size_t)t * total + off, seg_buf + (size_t)t * s->n, (size_t)s->n * sizeof(float));
+        off += s->n;
+    }
+    return 1;
+}
+
+static int linear_one(const tm_weight *w, const float *x, int T, float *y, const float *bias,
+                      int nthreads, int act16) {
     if (TM_AVX512 && w->dsup) return -1; /* the 512-bit kernels read plain scales only */
     const int fw = is_float(w);
     xq_t xq;
@@ -443,6 +478,10 @@ static void float_row(const tm_weight *w, int r, float *out) {
 }
 
 static void row_lanes(const tm_weight *w, int r, float *out) {
+    while (w->next && r >= w->n) { /* the segment holding row r */
+        r -= w->n;
+        w = w->next;
+    }
     if (is_float(w))
         float_row(w, r, out);
     else

@@ -35,7 +35,7 @@
 #define TM_GB TM_W
 #endif
 
-#define TM_ABI 5 /* tm_info() / 1000: bumped when a struct or signature changes */
+#define TM_ABI 6 /* tm_info() / 1000: bumped when a struct or signature changes */
 
 #define QK 32            /* values per block */
 #define GW (TM_GB * QK)  /* values per full lane-order group */
@@ -60,7 +60,7 @@
  *               (6 bits), times a float16 per 256 values [n, k/256]: d = dsup * scale
  *               code, m = -msup * min code. 18.5 bytes per 32 values for 4-bit codes,
  *               like the file (float32 scales would make it 24). */
-typedef struct {
+typedef struct tm_weight {
     const uint8_t *codes;
     const void *scales;
     const void *mins;  /* NULL: no mins, zero point Z applies */
@@ -69,6 +69,8 @@ typedef struct {
     int32_t n;         /* rows (out features) */
     int32_t k;         /* columns (in features); packed: a multiple of 32 */
     const uint16_t *dsup, *msup; /* K-quant super-block scales [n, k/256], or NULL */
+    const struct tm_weight *next; /* the next rows, in their own format (a fused layer of
+                                     parts that pack differently), or NULL */
 } tm_weight;
 
 /* The model's shapes, shared by every layer (ctypes mirror: TmShape). */

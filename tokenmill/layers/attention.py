@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.engine.hooks import AttentionSite, StepHooks
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import Rotary
@@ -42,11 +43,11 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None = None  # [Bd, Cmax] slots to read, padded
     decode_context_lens: torch.Tensor | None = None  # [Bd]
     prefills: list[PrefillSpan] = field(default_factory=list)
-    # Tracing (tokenmill/trace.py): the traced request's rows in the packed batch, and
-    # where its attention runs: ("decode", row) or ("prefill", span index). None when off.
-    trace: object | None = None
+    # Tracing (engine/hooks.py): the traced request's hooks, its rows in the packed batch,
+    # and where its attention runs: AttentionSite("decode", row) or ("prefill", span).
+    trace: StepHooks | None = None
     trace_rows: slice | None = None
-    trace_attn: tuple[str, int] | None = None
+    trace_attn: AttentionSite | None = None
     # The native decode paths (models/paths.py): the model's NativeModel and the decode
     # rows' C view, set by the model when the decode rows' attention runs natively.
     native: object | None = None
@@ -82,6 +83,9 @@ class AttentionMetadata:
                 ok &= q - k < window
             self._masks[key] = ok
         return self._masks[key]
+
+
+DECODE = AttentionSite("decode")  # the decode rows' one attention call of a layer
 
 
 class Attention(nn.Module):

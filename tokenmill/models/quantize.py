@@ -7,7 +7,8 @@ Decode reads every weight once per token, so bytes per weight set its speed. The
   "float"     keep a checkpoint's float tensors in their own dtype (FloatLinear): a
               bf16 safetensors folder is read at 2 bytes per weight, not 4;
   "q8", "q4"  quantize float weights (HF checkpoints) per 32-value block.
-Layers whose parts can't be joined (fused parts of different formats) stay `Linear`s.
+Fused parts of different formats (a Q4_K_M file's Q4_K q beside its Q6_K v) become one
+SegmentedLinear: each part in its own format, one native call.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from gguf import GGMLQuantizationType as GT
 from torch import nn
 
 from tokenmill.layers.linear import Linear
-from tokenmill.layers.native_linear import FloatLinear, NativeLinear
+from tokenmill.layers.native_linear import FloatLinear, NativeLinear, SegmentedLinear
 from tokenmill.layers.quant_linear import EXACT_GGUF_TYPES, REQUANT_GGUF_TYPES, QuantLinear
 from tokenmill.loader import Checkpoint, LoadError
 
@@ -79,12 +80,13 @@ def _pack(ckpt: Checkpoint, parts: list[str], scheme: str) -> NativeLinear | Non
     if len(layers) == 1:
         return layers[0]
     kind = type(layers[0])
-    if any(type(layer) is not kind for layer in layers):
-        return None  # e.g. a packed q next to an F16 k: keep float
-    try:
-        return kind.cat(layers)
-    except ValueError:
-        return None  # parts pack differently (e.g. Q4_K next to Q6_K): keep float
+    if all(type(layer) is kind for layer in layers):
+        try:
+            return kind.cat(layers)  # one format: one packed tensor
+        except ValueError:
+            pass
+    # parts that pack differently (Q4_K q and k beside a Q6_K v): one row segment each
+    return SegmentedLinear(layers)
 
 
 def _from_gguf(qtype, data: np.ndarray) -> NativeLinear:

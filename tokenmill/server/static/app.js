@@ -233,7 +233,7 @@ function addGenerated(step, index) {
 // ------------------------------------------------------------------ the pipeline diagram
 
 const PREFILL_STAGES = [
-  "tokenize", "embed", "positions", "qkv", "kvwrite", "attention", "ffn",
+  "tokenize", "embed", "positions", "qkv", "kvwrite", "attention", "mlp",
   "unembed", "softmax", "topp", "sample", "detok", "append",
 ];
 const DECODE_STAGES = PREFILL_STAGES.slice(1);
@@ -272,7 +272,7 @@ function shapesOf(step) {
     qkv: layer0 ? `Q [${layer0.q.join(",")}]` : "",
     kvwrite: `+${step.kv.written} → ${step.kv.tokens} tok`,
     attention: layer0 ? `${layer0.q[0]}×${layer0.k[0]} · ${m.num_heads} heads` : "",
-    ffn: `${m.hidden_size}→${m.intermediate_size}→${m.hidden_size}`,
+    mlp: `${m.hidden_size}→${m.intermediate_size}→${m.hidden_size}`,
     unembed: s ? (s.grammar ? `${fmtInt(s.grammar.allowed)} allowed` : `[${fmtInt(s.vocab)}] logits`) : "—",
     softmax: s ? `T = ${s.params.temperature}` : "—",
     topp: s ? `${fmtInt(s.survivors.min_p)} left` : "—",
@@ -759,8 +759,8 @@ function renderLayers() {
   for (const layer of step.layers) {
     const row = el("div", "layer-row");
     row.title = `layer ${layer.layer}: attention adds ‖${layer.attention_update_norm}‖, ` +
-      `the FFN adds ‖${layer.mlp_update_norm}‖; ‖x‖ after = ${layer.mlp_residual_norm}`;
-    const bars = [["attn", layer.attention_update_norm], ["ffn", layer.mlp_update_norm]].map(([kind, v]) => {
+      `the MLP adds ‖${layer.mlp_update_norm}‖; ‖x‖ after = ${layer.mlp_residual_norm}`;
+    const bars = [["attn", layer.attention_update_norm], ["mlp", layer.mlp_update_norm]].map(([kind, v]) => {
       const track = el("div", "track");
       const fill = el("div", kind);
       fill.style.width = `${(v / top) * 100}%`;

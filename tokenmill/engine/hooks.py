@@ -1,0 +1,89 @@
+"""The trace contract: the hooks the engine and the model call on a traced request, and
+the read-only view of the engine a trace may read at the end of a step.
+
+tokenmill/trace.py's `Trace` implements `StepHooks`; anything else that does can watch a
+request the same way. Hook order within one engine step:
+
+    on_step_begin -> on_embedding -> per layer: on_attention, on_residual("attention"),
+    on_residual("mlp") -> on_sample (if the step yields a token) -> on_step_end
+
+A traced row takes the whole step off the native decode paths (models/paths.py: the
+hooks need each layer's tensors), so the other requests in that step run the torch path
+too: tracing is cheap, but not free for a batch that shares a step with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from tokenmill.config import ModelConfig
+    from tokenmill.engine.sequence import Sequence
+    from tokenmill.layers.attention import AttentionMetadata
+    from tokenmill.sampling import SamplingParams, SamplingState
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """Which attention call of a step: the decode rows' (one call for all of them), or
+    prefill chunk `index` (one call each). As the traced request's site (AttentionMetadata
+    .trace_attn), a decode site's index is the request's row among the decode rows."""
+
+    kind: Literal["decode", "prefill"]
+    index: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """What a trace may read of the engine, read-only: facts fixed at load, the pool's
+    current use, and the engine's own rules (so a trace never copies them)."""
+
+    model_name: str
+    config: ModelConfig
+    tokenizer: Any  # tokenmill.tokenizer.Tokenizer
+    info: dict[str, str]  # LLMEngine.info(): dtype, weights, kernels...
+    decode_path: Any  # models.paths.DecodePath of an untraced decode step
+    parallel: list[str] | None  # what each rank holds, in a parallel run
+    position_encoding: Callable[[list[int], int], dict[str, Any]]  # positions, dims -> sample
+    kv_bytes_per_token: int
+    block_size: int
+    kv_capacity_tokens: int
+    kv_capacity_bytes: int
+    pool_blocks_total: int
+    pool_blocks_used: Callable[[], int]
+    is_stop_token: Callable[[int, SamplingParams], bool]  # sampling/stop.py's rule
+
+
+class StepHooks(Protocol):
+    """A traced request's observer (AttentionMetadata.trace, Sequence.trace)."""
+
+    def on_step_begin(self, seq: Sequence, num_tokens: int) -> None: ...
+
+    def on_embedding(self, meta: AttentionMetadata, input_ids: Tensor, x: Tensor) -> None: ...
+
+    def on_attention(
+        self,
+        meta: AttentionMetadata,
+        site: AttentionSite,
+        layer_idx: int,
+        q: Tensor,
+        keys: Tensor,
+        mask: Tensor | None,
+        scale: float,
+    ) -> None: ...
+
+    def on_residual(
+        self,
+        meta: AttentionMetadata,
+        layer_idx: int,
+        sublayer: Literal["attention", "mlp"],
+        x: Tensor,
+    ) -> None: ...
+
+    def on_sample(self, logits_row: Tensor, state: SamplingState, token_id: int) -> None: ...
+
+    def on_step_end(self, seq: Sequence, engine: EngineView) -> None: ...

@@ -1,0 +1,134 @@
+"""The trace's JSON, declared: what `Trace.to_dict()` holds (and `POST /v1/inspect`
+streams), the one schema that `tokenmill inspect` (inspect_cli.py) and the web page
+(server/static/app.js) read. Keys not marked optional are always present once the step
+that fills them has ended."""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+
+class ModelRecord(TypedDict):
+    name: str
+    arch: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    position: str  # "rope" | "learned"
+    rope_theta: float | None
+    mlp: str  # "gated" | "plain"
+    activation: str
+    norm: str
+    tie_embeddings: bool
+    dtype: str
+    weights: str  # models/quantize.py's scheme, or "torch"
+    kernels: str  # the native kernels' instruction set
+    decode_path: str  # models/paths.py: what an untraced decode step runs
+    decode_path_reason: str
+    parallel: list[str] | None  # what each rank holds, in a parallel run
+    kv_bytes_per_token: int
+    block_size: int
+    kv_capacity_tokens: int
+    kv_capacity_bytes: int
+
+
+class PromptRecord(TypedDict):
+    ids: list[int]
+    pieces: list[str]
+    texts: list[str]
+    text: str
+
+
+class LayerRecord(TypedDict, total=False):
+    layer: int
+    q: list[int]  # [rows, heads, head_dim]
+    k: list[int]  # [context, kv heads, head_dim]
+    v: list[int]
+    entropy: list[float]  # [heads] bits, mean over the rows
+    max: list[float]  # [heads]
+    argmax: list[int]  # [heads] key most attended by the newest token
+    attention_update_norm: float  # ||what the attention sublayer added to x||
+    attention_residual_norm: float
+    mlp_update_norm: float  # the MLP sublayer's
+    mlp_residual_norm: float
+
+
+class Candidate(TypedDict, total=False):
+    id: int
+    logit: float
+    prob: float  # softmax of the raw logits
+    scaled_prob: float  # after temperature
+    final_prob: float  # after the filters, renormalised
+    kept: bool  # survived top-k/top-p/min-p and the grammar
+    allowed: bool  # allowed by the grammar
+    unconstrained_prob: float  # optional: constrained steps only
+    piece: str
+    text: str
+
+
+class GrammarRecord(TypedDict):
+    kind: str
+    allowed: int  # vocabulary entries the grammar allowed at this step
+    vocab: int
+    masked: list[int]  # top candidates it masked out, best first
+    masked_mass: float  # their share of the unconstrained probability
+
+
+class SampleRecord(TypedDict, total=False):
+    token: int
+    prob: float
+    prob_before_temperature: float
+    rank: int
+    vocab: int
+    params: dict[str, Any]  # temperature, top_k, top_p, min_p, greedy
+    entropy: float
+    entropy_after_temperature: float
+    survivors: dict[str, int]  # after top_k, top_p, min_p
+    final_sum: float
+    candidates: list[Candidate]
+    grammar: GrammarRecord  # optional: constrained steps only
+    piece: str
+    token_text: str
+    is_stop: bool  # the engine's stop rule (sampling/stop.py)
+    text: str  # what the detokenizer released ("" for a stop token)
+
+
+class KVRecord(TypedDict):
+    tokens: int
+    bytes: int
+    written: int
+    blocks: int
+    released: bool
+    pool_blocks_used: int
+    pool_blocks_total: int
+
+
+class StepRecord(TypedDict, total=False):
+    index: int
+    phase: str  # "prefill" | "decode" (engine/scheduler.py::is_decode)
+    start: int
+    num_tokens: int
+    input_ids: list[int]
+    input_pieces: list[str]
+    positions: list[int]
+    position_encoding: dict[str, Any]  # trace.position_sample
+    embedding: dict[str, Any]  # shape, sample, norms
+    layers: list[LayerRecord]
+    attention: dict[str, Any]  # optional: the chosen layer's weights
+    sample: SampleRecord  # optional: steps that yield a token
+    kv: KVRecord
+    step_ms: float
+    trace_ms: float
+    since_arrival_ms: float
+
+
+class TraceRecord(TypedDict):
+    model: ModelRecord
+    prompt: PromptRecord
+    trace: dict[str, Any]  # layer, head, top_n
+    steps: list[StepRecord]
+    summary: dict[str, Any]  # output_ids, text, timings, finish_reason
