@@ -243,7 +243,7 @@ def test_inspect_command(capsys, tmp_path: Path, smollm_path: Path) -> None:
         "through 30 layers",
         "KV cache write",
         "Masked multi-head attention",
-        "Feed-forward",
+        "MLP (the feed-forward network)",
         "Un-embed",
         "Softmax",
         "top-p 0.9",

@@ -163,9 +163,7 @@ class Attention(nn.Module):
         mask = meta.decode_mask(self.window)  # [Bd, 1, 1, Cmax]
         qd = q.unsqueeze(2)  # [Bd, H, 1, hd]
         if meta.trace is not None:
-            meta.trace.on_attention(
-                meta, ("decode", -1), self.layer_idx, qd, keys, mask, self.scale
-            )
+            meta.trace.on_attention(meta, DECODE, self.layer_idx, qd, keys, mask, self.scale)
         return self._sdpa(qd, keys, values, mask, False).squeeze(2)
 
     def prefill_attention(
@@ -183,9 +181,8 @@ class Attention(nn.Module):
         qp = q.transpose(0, 1).unsqueeze(0)  # [1, H, L, hd]
         mask = meta.prefill_mask(i, self.window)
         if meta.trace is not None:
-            meta.trace.on_attention(
-                meta, ("prefill", i), self.layer_idx, qp, keys, mask, self.scale
-            )
+            site = AttentionSite("prefill", i)
+            meta.trace.on_attention(meta, site, self.layer_idx, qp, keys, mask, self.scale)
         return self._sdpa(qp, keys, values, mask, mask is None)[0].transpose(0, 1)
 
     def _sdpa(self, q, k, v, mask, causal: bool) -> torch.Tensor:
