@@ -192,6 +192,11 @@ REAL_GGUF_BYTES = [
         lambda d: _u64_at(d, o := _value_offset(d, "tokenizer.ggml.tokens") + 4, _flipped(d, o)),
         "tokenizer.ggml.tokens",
     ),
+    (  # the name runs on over the next tensors' binary infos (newlines and all)
+        "tensor name length 1043",
+        lambda d: _u64_at(d, d.index(b"token_embd.weight") - 8, 1043),
+        "tensor",
+    ),
     (
         "merges count 2^40",
         lambda d: _u64_at(d, _value_offset(d, "tokenizer.ggml.merges") + 4, 2**40),

@@ -55,14 +55,22 @@ class Parser(argparse.ArgumentParser):
 # ---------------------------------------------------------------------- argument types
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
+def int_at_least(lo: int, what: str = "an integer"):
+    """An argparse type: an int >= lo, or a one-line error naming what was expected."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be {what} >= {lo}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1)
 
 
 def memory_size(text: str) -> str:

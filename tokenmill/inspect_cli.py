@@ -18,6 +18,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from tokenmill.cli import int_at_least
 from tokenmill.trace_schema import ModelRecord, StepRecord
 from tokenmill.units import format_bytes, format_rate
 
@@ -49,7 +50,7 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
     )
     p.add_argument(
         "--width",
-        type=_width,
+        type=int_at_least(40, "a number of columns"),
         default=None,
         metavar="N",
         help="output width in columns (default: $COLUMNS, else the terminal's, else 80); "
@@ -85,16 +86,6 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     if args.json:
         trace.save_json(args.json)
         view.console.print(Text(f"trace written to {args.json}", style="dim"))
-
-
-def _width(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of columns, got {text!r}") from None
-    if value < 40:
-        raise argparse.ArgumentTypeError(f"must be at least 40 columns, got {value}")
-    return value
 
 
 # ---------------------------------------------------------------------- drawing helpers

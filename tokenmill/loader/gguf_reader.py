@@ -24,6 +24,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
 
+from tokenmill.config import short_repr
+
 
 class GGUFFormatError(ValueError):
     """The bytes are not a well-formed GGUF file."""
@@ -53,6 +55,14 @@ MAX_ALIGNMENT = 1 << 20
 # left before anything is allocated for it (a flipped count must not cost a gigabyte).
 _MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, one byte of value
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
+
+
+def _label(name: str) -> str:
+    """A tensor name or key for a one-line error: as is when short and printable, else its repr
+    cut short (a corrupt length can swallow kilobytes of the header, newlines included)."""
+    return name if name.isprintable() and len(name) <= 80 else short_repr(name)
+
+
 _MIN_ARRAY_BYTES = 4 + 8  # element type, count
 
 
@@ -124,14 +134,14 @@ class _Cursor:
         try:
             return _SCALAR_FORMATS[GGUFValueType(vtype)]
         except (ValueError, KeyError):
-            raise self.fail(f"corrupt GGUF header: {key} has unknown value type {vtype}") from None
+            raise self.fail(f"corrupt GGUF header: {_label(key)} has unknown value type {vtype}") from None
 
     def array(self, vtype: int, count: int, key: str, depth: int) -> np.ndarray | list:
         if vtype == GGUFValueType.STRING:
             return self.strings(self.count(count, 8, f"the length of array {key}"))
         if vtype == GGUFValueType.ARRAY:
             if depth >= MAX_ARRAY_DEPTH:
-                raise self.fail(f"corrupt GGUF header: {key} nests arrays too deeply")
+                raise self.fail(f"corrupt GGUF header: {_label(key)} nests arrays too deeply")
             count = self.count(count, _MIN_ARRAY_BYTES, f"the length of array {key}")
             return [self.array(self.u32(), self.u64(), key, depth + 1) for _ in range(count)]
         dtype = np.dtype(self.scalar_format(vtype, key).replace("?", "b1"))
@@ -171,7 +181,7 @@ def _header(cur: _Cursor) -> tuple[int, dict[str, Any]]:
     for _ in range(n_kv):
         key = cur.string()
         if key in metadata:
-            raise cur.fail(f"corrupt GGUF header: key {key!r} appears twice")
+            raise cur.fail(f"corrupt GGUF header: key {_label(key)} appears twice")
         metadata[key] = cur.value(cur.u32(), key)
     return n_tensors, metadata
 
@@ -228,18 +238,18 @@ class GGUFFile:
         for _ in range(n_tensors):
             name = cur.string()
             if name in names:
-                raise cur.fail(f"corrupt GGUF header: tensor {name!r} appears twice")
+                raise cur.fail(f"corrupt GGUF header: tensor {_label(name)} appears twice")
             names.add(name)
             n_dims = cur.u32()
             if not 1 <= n_dims <= GGML_MAX_DIMS:
-                raise cur.fail(f"tensor {name}: {n_dims} dimensions (1 to {GGML_MAX_DIMS})")
+                raise cur.fail(f"tensor {_label(name)}: {n_dims} dimensions (1 to {GGML_MAX_DIMS})")
             dims = [cur.u64() for _ in range(n_dims)]
             raw_type = cur.u32()
             try:
                 qtype = GGMLQuantizationType(raw_type)
                 block, type_size = GGML_QUANT_SIZES[qtype]
             except (ValueError, KeyError):
-                raise cur.fail(f"tensor {name}: unknown ggml type {raw_type}") from None
+                raise cur.fail(f"tensor {_label(name)}: unknown ggml type {raw_type}") from None
             infos.append((name, dims, qtype, cur.u64()))
         align = self.metadata.get("general.alignment", 32)
         if not (isinstance(align, int) and 0 < align <= MAX_ALIGNMENT and align & (align - 1) == 0):
@@ -259,18 +269,18 @@ class GGUFFile:
         block, type_size = GGML_QUANT_SIZES[qtype]
         if any(d < 1 for d in dims) or dims[0] % block:
             raise fail(
-                f"tensor {name}: dimensions {dims} (each >= 1, the first a multiple of {block})"
+                f"tensor {_label(name)}: dimensions {dims} (each >= 1, the first a multiple of {block})"
             )
         n_elements = 1
         for d in dims:
             n_elements *= d  # Python ints: a flipped dimension cannot overflow
         n_bytes = n_elements // block * type_size
         if offset % align:
-            raise fail(f"tensor {name}: offset {offset} is not a multiple of the alignment")
+            raise fail(f"tensor {_label(name)}: offset {offset} is not a multiple of the alignment")
         begin = start + offset
         if begin + n_bytes > size:
             raise fail(
-                f"truncated: tensor {name} ({n_bytes} bytes at {begin}) ends past the end "
+                f"truncated: tensor {_label(name)} ({n_bytes} bytes at {begin}) ends past the end "
                 f"of the file ({size} bytes)"
             )
         shape = tuple(int(d) for d in reversed(dims))

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tokenmill import hub
+from tokenmill.cli import positive_int
 from tokenmill.server.limits import ServerLimits
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
@@ -46,13 +47,6 @@ def _byte_size(text: str) -> int:
     return value
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
-
-
 def register(subparsers, add_model_args, add_sampling_args) -> None:
     p = subparsers.add_parser(
         "serve", help="serve the OpenAI API (completions, chat, streaming) over HTTP"
@@ -75,17 +69,17 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         "/v1/models use (default: the model's known name, its aliases and its file name)",
     )
     p.add_argument(
-        "--max-num-seqs", type=_positive_int, default=64, help="most sequences in one batch"
+        "--max-num-seqs", type=positive_int, default=64, help="most sequences in one batch"
     )
     p.add_argument(
         "--max-num-batched-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=512,
         help="token budget of one engine step (longer prompts are prefilled in chunks)",
     )
     p.add_argument(
         "--max-waiting",
-        type=_positive_int,
+        type=positive_int,
         default=256,
         help="most sequences waiting for a batch slot; beyond it requests get 429 at once",
     )
