@@ -134,7 +134,9 @@ class _Cursor:
         try:
             return _SCALAR_FORMATS[GGUFValueType(vtype)]
         except (ValueError, KeyError):
-            raise self.fail(f"corrupt GGUF header: {_label(key)} has unknown value type {vtype}") from None
+            raise self.fail(
+                f"corrupt GGUF header: {_label(key)} has unknown value type {vtype}"
+            ) from None
 
     def array(self, vtype: int, count: int, key: str, depth: int) -> np.ndarray | list:
         if vtype == GGUFValueType.STRING:
