@@ -39,7 +39,19 @@
 #include <stdint.h>
 #include <string.h>
 
-/* IEEE half -> float, bit exact (subnormals, inf and NaN included). */
+/* IEEE half -> float, bit exact (subnormals, inf and NaN included): one instruction where
+ * the CPU converts halves (F16C, AArch64), else the bit manipulation. It sits in the K-quant
+ * GEMV's group loop, where the branchy C version cost ~15% of a Q4_K GEMV on Zen 3. */
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float tm_half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+#elif defined(__aarch64__)
+static inline float tm_half_to_float(uint16_t h) {
+    __fp16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+}
+#else
 static inline float tm_half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
     uint32_t bits;
@@ -55,6 +67,7 @@ static inline float tm_half_to_float(uint16_t h) {
     memcpy(&f, &bits, 4);
     return f;
 }
+#endif
 
 /* bfloat16 -> float: the high half of a float32. */
 static inline float tm_bf16_to_float(uint16_t h) {
