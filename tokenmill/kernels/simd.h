@@ -8,7 +8,7 @@
  *   simd_scalar.h  anything else: plain C loops, the reference TM_W = 4
  *
  * (Hosts with AVX-512 VNNI/BF16 also compile the AVX2 layer, and override the hottest
- * kernels with the 512-bit specializations in avx512.h.)
+ * kernels with the 512-bit specializations in linear_avx512.h.)
  *
  * The contract. TM_W is the number of 32-bit lanes of a vector; it is also the number of
  * 32-value blocks in one lane-order group of the packed weights (linear.c).

@@ -4,7 +4,7 @@
  * loaded with ctypes, -march=native by default (TOKENMILL_MARCH overrides it). Which
  * vector code a build runs (tm_isa()):
  *
- *   avx512     AVX-512 F/BW/VL + VNNI + BF16: the 512-bit specializations of avx512.h
+ *   avx512     AVX-512 F/BW/VL + VNNI + BF16: the 512-bit specializations of linear_avx512.h
  *              for the packed GEMV, activation quantization, dequantization and the
  *              attention inner loops; the AVX2 layer for everything else
  *   avx2       x86-64-v3 (AVX2, FMA, F16C): simd_avx2.h
