@@ -114,6 +114,28 @@ static void kquant_cases(void) {
         }
 }
 
+/* 6-bit codes (GGUF Q6_K): signed byte scales per 16 values times float16 per 256 */
+static void six_bit_cases(void) {
+    for (int ki = 1; ki <= 3; ki += 2) {
+        const int k = 256 * ki, n = 9;
+        tm_weight w = {fill_bytes((size_t)n * k * 6 / 8), fill_bytes((size_t)n * k / 16), NULL, 6, 0, n, k,
+                       fill_scales((size_t)n * k / 256, 1, 1e-3f), NULL};
+        char name[64];
+        for (int t = 1; t <= 5; t += 4) {
+            float *x = fill_floats((size_t)t * k, 1.f), *y = malloc((size_t)t * n * 4);
+            tm_linear(&w, x, t, y, NULL, 2, 1);
+            snprintf(name, sizeof name, "six b6 k%d t%d", k, t);
+            emit(name, y, t * n);
+            free(x), free(y);
+        }
+        float *lanes = malloc((size_t)n * k * 4);
+        tm_dequant_lanes(&w, 0, n, lanes, 2);
+        snprintf(name, sizeof name, "lanes six k%d", k);
+        emit(name, lanes, n * k);
+        free(lanes), free((void *)w.codes), free((void *)w.scales), free((void *)w.dsup);
+    }
+}
+
 static void float_cases(void) {
     const int kinds[] = {TM_F16, TM_BF16, TM_F32}, ks[] = {8, 64, 1000};
     for (int ki = 0; ki < 3; ki++)
@@ -224,6 +246,7 @@ int main(int argc, char **argv) {
     printf("%s %d\n", tm_isa(), tm_group_blocks());
     linear_cases();
     kquant_cases();
+    six_bit_cases();
     float_cases();
     attention_cases();
     stack_cases();

@@ -123,14 +123,58 @@ def test_gguf_k_quant_conversion_is_exact(qtype, shape):
     assert np.array_equal(QuantLinear.from_gguf(raw, qtype, n, k).dequantize().numpy(), ref)
 
 
-def test_q6_k_is_requantized_within_bound():
-    n, k = 9, 512
+@pytest.mark.parametrize("k", [256, 512, 768])
+def test_q6_k_is_exact_where_6_bit_kernels_run(k):
+    n = 9
     raw = gguf_bytes(GT.Q6_K, n, k)
     ref = dequantize(raw, GT.Q6_K).reshape(n, k)
-    got = QuantLinear.from_gguf(raw, GT.Q6_K, n, k).dequantize().numpy()
+    layer = QuantLinear.from_gguf(raw, GT.Q6_K, n, k)
+    if QuantLinear.runs_6bit(k):  # whole lane-order groups on a build with 6-bit kernels
+        assert layer.bits == 6 and layer.nbytes == n * k * 6.5625 / 8  # the file's bytes
+        assert np.array_equal(layer.dequantize().numpy(), ref)
+    else:
+        assert layer.bits == 8
+        _assert_requantized(layer.dequantize().numpy(), ref)
+
+
+def _assert_requantized(got: np.ndarray, ref: np.ndarray) -> None:
+    n = ref.shape[0]
     blocks = np.abs(ref).reshape(n, -1, 32).max(-1, keepdims=True)
     # half a step of 8-bit codes, plus float16 rounding of the scale
     assert (np.abs(got - ref).reshape(n, -1, 32) <= blocks / 254 * 1.01 + 1e-12).all()
+
+
+def test_q6_k_is_requantized_where_6_bit_kernels_cannot_run(monkeypatch):
+    """A build without 6-bit kernels (AVX-512) gets 8-bit blocks: at load, or when such a
+    library is loaded after a 6-bit layer was made."""
+    n, k = 9, 512
+    raw = gguf_bytes(GT.Q6_K, n, k)
+    ref = dequantize(raw, GT.Q6_K).reshape(n, k)
+    six = QuantLinear.from_gguf(raw, GT.Q6_K, n, k)
+    monkeypatch.setattr(QuantLinear, "runs_6bit", staticmethod(lambda k: False))
+    layer = QuantLinear.from_gguf(raw, GT.Q6_K, n, k)
+    assert layer.bits == 8
+    _assert_requantized(layer.dequantize().numpy(), ref)
+    if six.bits == 6 and kernels.library() is not None:
+        x = torch.randn(2, k)
+        y = six(x)  # converts itself first
+        assert six.bits == 8 and six.dsup_raw is None
+        _assert_requantized(six.dequantize().numpy(), ref)
+        exact = x @ torch.from_numpy(ref).T
+        assert (y - exact).abs().max() <= 1e-2 * exact.abs().max()
+
+
+def test_q6_k_relayout_for_another_vector_width():
+    """6-bit codes and their per-group scale order repack for a library of another width."""
+    n, k = 5, 1024
+    raw = gguf_bytes(GT.Q6_K, n, k)
+    layer = QuantLinear.from_gguf(raw, GT.Q6_K, n, k)
+    if layer.bits != 6:
+        pytest.skip("this build holds Q6_K as 8-bit blocks")
+    other = 4 if layer.group_blocks != 4 else 8
+    layer._relayout(other)
+    assert layer.group_blocks == other
+    assert np.array_equal(layer.dequantize().numpy(), dequantize(raw, GT.Q6_K).reshape(n, k))
 
 
 def test_from_gguf_checks_sizes():

@@ -72,7 +72,54 @@ def unpack_index(k: int, bits: int, gb: int) -> tuple[torch.Tensor, torch.Tensor
 def pack_codes(nat: np.ndarray, bits: int, gb: int) -> np.ndarray:
     """Natural-order codes uint8 [rows, K] (< 16 for 4-bit) -> lane order for groups of gb."""
     k = nat.shape[1]
-    if bits == 8:
-        return nat[:, lane_perm(k, gb)]
+    if bits == 8:  # (C order: numpy may lay a fancy-indexed result out column-major)
+        return np.ascontiguousarray(nat[:, lane_perm(k, gb)])
     lo, hi = nibble_cols(k, gb)
-    return nat[:, lo] | (nat[:, hi] << 4)
+    return np.ascontiguousarray(nat[:, lo] | (nat[:, hi] << 4))
+
+
+# 6-bit codes (GGUF Q6_K): rows of whole groups, each the low 4 bits as a 4-bit group
+# followed by the top 2 bits, four lane-order vectors per byte (linear.c)
+
+
+def _vectors6(k: int, gb: int) -> tuple[int, int]:
+    if k % (QK * gb):
+        raise ValueError(f"6-bit rows need whole groups: {k} is not a multiple of {QK * gb}")
+    return k // (QK * gb), 4 * gb  # groups per row, bytes per vector
+
+
+def pack6(nat: np.ndarray, gb: int) -> np.ndarray:
+    """Natural-order 6-bit codes uint8 [rows, K] -> [rows, K*3/4]: per group of gb blocks,
+    vectors 2c and 2c+1 in the low and high nibbles of GW/2 bytes, then vectors 4c + s at
+    bits 2s of GW/4 bytes."""
+    rows, k = nat.shape
+    ng, v = _vectors6(k, gb)
+    lanes = nat[:, lane_perm(k, gb)].reshape(rows, ng, 8, v)
+    lo, hi = lanes & 15, lanes >> 4
+    nib = lo[:, :, 0::2] | (lo[:, :, 1::2] << 4)  # [rows, ng, 4, v]
+    hi = hi.reshape(rows, ng, 2, 4, v)
+    crumbs = hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)
+    return np.ascontiguousarray(np.concatenate([nib, crumbs], axis=2).reshape(rows, k * 3 // 4))
+
+
+def unpack6(codes: np.ndarray, k: int, gb: int) -> np.ndarray:
+    """The inverse of pack6: natural-order codes uint8 [rows, k]."""
+    rows = codes.shape[0]
+    ng, v = _vectors6(k, gb)
+    g = codes.reshape(rows, ng, 6, v)
+    lanes = np.empty((rows, ng, 8, v), dtype=np.uint8)
+    lanes[:, :, 0::2], lanes[:, :, 1::2] = g[:, :, :4] & 15, g[:, :, :4] >> 4
+    for s in range(4):
+        lanes[:, :, s::4] |= ((g[:, :, 4:] >> (2 * s)) & 3) << 4
+    nat = np.empty((rows, k), dtype=np.uint8)
+    nat[:, lane_perm(k, gb)] = lanes.reshape(rows, k)
+    return nat
+
+
+@lru_cache(maxsize=64)
+def half_scale_perm(k: int, gb: int) -> np.ndarray:
+    """perm[p] = natural index (2 * block + half) of the 16-value scale stored at p: per
+    group, the first halves of its gb blocks, then the second halves."""
+    ng, _ = _vectors6(k, gb)
+    idx = np.arange(ng * gb * 2).reshape(ng, gb, 2).transpose(0, 2, 1)
+    return idx.reshape(-1).astype(np.int64)

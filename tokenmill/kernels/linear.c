@@ -44,13 +44,22 @@
  *            vpmaddubsw (4-bit codes) or vpmaddwd on AVX2, sdot/udot or smlal on NEON,
  *            plain C on scalar
  *
+ * 6-bit codes (GGUF Q6_K, exactly): w = d16 * (c - 32) with a scale per 16 values, d16 =
+ * dsup * sc (a float16 per 256 values times a signed byte per 16, as the file has them).
+ * Rows are whole groups (k a multiple of 32 * TM_GB; the AVX-512 build holds Q6_K as
+ * 8-bit blocks instead). Per group: the low 4 bits as a 4-bit group (GW/2 bytes), then the
+ * top 2 bits (GW/4 bytes): byte c*4G + r holds vector 4c + s of the group at bits 2s.
+ *   codes   uint8 [N, K*3/4];  scales int8 [N, K/16], per group [half h][block k]
+ *   (block k's values 0-15 are vectors 0-3 of the group, 16-31 vectors 4-7); dsup [N, K/256]
+ * Each half's dot goes through group_dot (n = 4) with its own zero-point sum.
+ *
  * Float weights (bits TM_F16 / TM_BF16 / TM_F32): [N, K] in natural order, converted to
  * float32 in registers (F16C / shifts / NEON fcvtl) and multiplied by float32 x.
  */
 #include "tm.h"
 
 static inline int zero_point(const tm_weight *w) {
-    return w->mins ? 0 : (w->bits == 4 ? 8 : 128);
+    return w->mins ? 0 : (w->bits == 4 ? 8 : w->bits == 6 ? 32 : 128);
 }
 
 static inline size_t row_bytes(const tm_weight *w) {
@@ -96,6 +105,8 @@ typedef struct {
     float *dx;   /* [T][gpad] block scales (0 in padding) */
     float *sx;   /* [T][gpad] exact float sums of x per block */
     int32_t *zc; /* [T][gpad] Z * sum(q) per block */
+    int32_t *zh; /* [T][2 gpad] 32 * sum(q) per 16-value half, per group [h][k]: the
+                    zero point of 6-bit codes, whose scales are per half */
     int kpad, gpad;
 } xq_t;
 
@@ -109,10 +120,11 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
     xq->kpad = xq->gpad * QK;
     const size_t fbytes = ((size_t)T * xq->gpad * 4 + 63) & ~(size_t)63;
     const size_t qbytes = ((size_t)T * xq->kpad + 63) & ~(size_t)63;
-    const size_t total = 3 * fbytes + 2 * qbytes;
+    const size_t total = 5 * fbytes + 2 * qbytes;
     char *buf = tm_scratch(total);
     if (!buf) return 0;
     memset(buf, 0, total);
+    xq->zh = (int32_t *)(buf + 3 * fbytes + 2 * qbytes); /* two fbytes: 2 per block */
     xq->dx = (float *)buf;
     xq->sx = (float *)(buf + fbytes);
     xq->zc = (int32_t *)(buf + 2 * fbytes);
@@ -141,7 +153,8 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
             }
             int8_t hv[QK];
             uint8_t lv[QK];
-            int32_t hsum = 0;
+            int32_t hsum = 0, half0 = 0;
+            for (int j = 0; j < QK / 2; j++) half0 += qv[j];
             for (int j = 0; j < QK; j++) {
                 hv[j] = (int8_t)(qv[j] >> 8); /* arithmetic: q = 256 (q >> 8) + (q & 255) */
                 lv[j] = (uint8_t)(qv[j] & 255);
@@ -163,6 +176,9 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
             xq->dx[xi] = amax / qmax;
             xq->sx[xi] = sum;
             xq->zc[xi] = z * vi_sum(qs) + left_out;
+            const size_t hi = (size_t)r * 2 * xq->gpad + (size_t)(b / TM_GB) * 2 * TM_GB + b % TM_GB;
+            xq->zh[hi] = 32 * half0;
+            xq->zh[hi + TM_GB] = 32 * (vi_sum(qs) - half0);
         }
     }
     return 1;
@@ -229,7 +245,27 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
         }
         vf acc[TCHUNK];
         for (int t = 0; t < T; t++) acc[t] = vf_zero();
-        for (int g = 0; g < nfull; g++) {
+        for (int g = 0; g < nfull && bits == 6; g++) { /* Q6_K: two halves per block */
+            const uint8_t *p = row + (size_t)g * (GW * 3 / 4);
+            vb c[8];
+            for (int i = 0; i < 4; i++) vb_nibbles(vb_load(p + i * 4 * TM_GB), &c[2 * i], &c[2 * i + 1]);
+            vb_add_crumbs(c, vb_load(p + GW / 2));
+            vb_add_crumbs(c + 4, vb_load(p + GW / 2 + 4 * TM_GB));
+            const vf dsup = vf_set1(tm_half_to_float(w->dsup[(size_t)r * (nb / 8) + (size_t)g * TM_GB / 8]));
+            const int8_t *sc = (const int8_t *)w->scales + (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB;
+            const vf d0 = vf_mul(vf_load_i8(sc), dsup), d1 = vf_mul(vf_load_i8(sc + TM_GB), dsup);
+            for (int t = 0; t < T; t++) {
+                const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + (size_t)g * TM_GB;
+                const size_t xo = tt * xq->kpad + (size_t)g * GW, xh = xo + 16 * TM_GB;
+                const int32_t *zh = xq->zh + tt * 2 * xq->gpad + (size_t)g * 2 * TM_GB;
+                const vi s0 = vi_sub(group_dot(c, 4, xq->q + xo, xq->ql + xo, 6), vi_load(zh));
+                const vi s1 = vi_sub(group_dot(c + 4, 4, xq->q + xh, xq->ql + xh, 6), vi_load(zh + TM_GB));
+                const vf dx = vf_load(xq->dx + xi);
+                acc[t] = vf_fma(vf_mul(vf_from_vi(s0), dx), d0, acc[t]);
+                acc[t] = vf_fma(vf_mul(vf_from_vi(s1), dx), d1, acc[t]);
+            }
+        }
+        for (int g = 0; g < nfull && bits != 6; g++) {
             vb c[8];
             if (bits == 4) {
                 const uint8_t *p = row + (size_t)g * (GW / 2);
@@ -278,13 +314,14 @@ typedef void (*rows_fn)(const tm_weight *, const xq_t *, int, int, int, float *,
     static const rows_fn ROWS_B##B[4] = {rows_b##B##_t1, rows_b##B##_t2, \
                                          rows_b##B##_t4, rows_b##B##_t8};
 DEF_ROWS_ALL(4)
+DEF_ROWS_ALL(6)
 DEF_ROWS_ALL(8)
 
 /* T (<= TCHUNK) rows as power-of-two pieces, e.g. 7 = 4 + 2 + 1: the rows [r0, r1)
  * (ROWBLOCK of them) stay in L1 between the pieces. */
 static void rows_any(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, int T,
                      float *y, const float *bias) {
-    const rows_fn *table = w->bits == 4 ? ROWS_B4 : ROWS_B8;
+    const rows_fn *table = w->bits == 4 ? ROWS_B4 : w->bits == 6 ? ROWS_B6 : ROWS_B8;
     for (int p = 3; p >= 0; p--)
         if (T & (1 << p)) {
             table[p](w, xq, r0, r1, t0, y, bias);
@@ -303,6 +340,21 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
     const int nb = w->k / QK, nfull = nb / TM_GB, nbt = nb % TM_GB, z = zero_point(w);
     const int vb_bytes = 4 * TM_GB;
     const uint8_t *row = w->codes + (size_t)r * row_bytes(w);
+    if (w->bits == 6) { /* whole groups only: vector i of block k, scale of half i / 4 */
+        for (int g = 0; g < nfull; g++) {
+            const uint8_t *p = row + (size_t)g * (GW * 3 / 4);
+            const float ds = tm_half_to_float(w->dsup[(size_t)r * (nb / 8) + (size_t)g * TM_GB / 8]);
+            const int8_t *sc = (const int8_t *)w->scales + (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB;
+            for (int i = 0; i < 8; i++)
+                for (int e = 0; e < vb_bytes; e++) {
+                    const int lo = (p[(i >> 1) * vb_bytes + e] >> ((i & 1) * 4)) & 15;
+                    const int hi = (p[GW / 2 + (i >> 2) * vb_bytes + e] >> (2 * (i & 3))) & 3;
+                    const float d = ds * (float)sc[(i >> 2) * TM_GB + e / 4];
+                    out[(size_t)g * GW + i * vb_bytes + e] = d * (float)((lo | hi << 4) - 32);
+                }
+        }
+        return;
+    }
     for (int g = 0; g < nfull; g++) {
         float de[4 * TM_GB], me[4 * TM_GB]; /* per element: its block's d and m */
         for (int k = 0; k < TM_GB; k++) {
@@ -448,6 +500,7 @@ int tm_linear(const tm_weight *w, const float *x, int T, float *y, const float *
 static int linear_one(const tm_weight *w, const float *x, int T, float *y, const float *bias,
                       int nthreads, int act16) {
     if (TM_AVX512 && w->dsup) return -1; /* the 512-bit kernels read plain scales only */
+    if (w->bits == 6 && (w->k / QK) % TM_GB) return -1; /* 6-bit rows are whole groups */
     const int fw = is_float(w);
     xq_t xq;
     if (!fw && !quantize_x(x, T, w->k, zero_point(w), w->bits, act16, &xq)) return 0;

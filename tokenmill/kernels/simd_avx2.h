@@ -49,6 +49,9 @@ static inline vf vf_load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loa
 static inline vf vf_load_u8(const uint8_t *p) { /* 8 bytes -> 8 floats */
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
+static inline vf vf_load_i8(const int8_t *p) { /* 8 signed bytes -> 8 floats */
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
 static inline vf vf_load_bf16(const uint16_t *p) {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -80,14 +83,24 @@ static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
     *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
 }
 
+/* c[s] |= bits 2s..2s+1 of v, moved to bits 4..5 (s = 0..3): the top two bits of four
+ * vectors of 6-bit codes (16-bit shifts: the mask drops what crosses a byte) */
+static inline void vb_add_crumbs(vb c[4], vb v) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    c[0] = _mm256_or_si256(c[0], _mm256_and_si256(_mm256_slli_epi16(v, 4), m));
+    c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_slli_epi16(v, 2), m));
+    c[2] = _mm256_or_si256(c[2], _mm256_and_si256(v, m));
+    c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_srli_epi16(v, 2), m));
+}
+
 /* n (<= 8) code vectors c (32 codes each, lane k = block k of a group) against the
  * activations q = 256 hi + lo, given as their signed high bytes xh and unsigned low bytes
  * xl at the same positions. Lane k of the result: block k's sum of c * q, exact.
  * 4-bit codes (<= 15): vpmaddubsw multiplies bytes without widening and never saturates
  *   (|pair| <= 2 * 15 * 255); eight high-byte or four low-byte products stay below 2^15
  *   in int16, so three vpmaddwd per group finish the sums in int32.
- * 8-bit codes: bytes unpacked to int16 (in-lane, beside the activation's two bytes), then
- *   vpmaddwd; hadd puts the blocks back in order. */
+ * 6- and 8-bit codes: bytes unpacked to int16 (in-lane, beside the activation's two
+ *   bytes), then vpmaddwd; hadd puts the blocks back in order. */
 static inline vi group_dot(const vb *c, int n, const int8_t *xh, const uint8_t *xl, int bits) {
     const __m256i zero = _mm256_setzero_si256();
     if (bits == 4) {

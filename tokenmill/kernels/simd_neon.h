@@ -49,6 +49,11 @@ static inline vf vf_load_u8(const uint8_t *p) { /* 4 bytes -> 4 floats */
     memcpy(&b, p, 4);
     return vcvtq_f32_u32(vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(b))))));
 }
+static inline vf vf_load_i8(const int8_t *p) { /* 4 signed bytes -> 4 floats */
+    int32_t b;
+    memcpy(&b, p, 4);
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(b))))));
+}
 static inline vf vf_load_bf16(const uint16_t *p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
 
 static inline vi vi_zero(void) { return vdupq_n_s32(0); }
@@ -64,6 +69,14 @@ static inline vf vf_pow2i(vi n) {
 static inline void vi_store_i16(int16_t *p, vi a) { vst1_s16(p, vmovn_s32(a)); }
 
 static inline vb vb_load(const void *p) { return vld1q_u8((const uint8_t *)p); }
+/* c[s] |= bits 2s..2s+1 of v, moved to bits 4..5 (s = 0..3) */
+static inline void vb_add_crumbs(vb c[4], vb v) {
+    const uint8x16_t m = vdupq_n_u8(0x30);
+    c[0] = vorrq_u8(c[0], vandq_u8(vshlq_n_u8(v, 4), m));
+    c[1] = vorrq_u8(c[1], vandq_u8(vshlq_n_u8(v, 2), m));
+    c[2] = vorrq_u8(c[2], vandq_u8(v, m));
+    c[3] = vorrq_u8(c[3], vandq_u8(vshrq_n_u8(v, 2), m));
+}
 static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
     *lo = vandq_u8(v, vdupq_n_u8(0x0f));
     *hi = vshrq_n_u8(v, 4);

@@ -47,6 +47,7 @@ static inline float vf_hmax(vf a) {
 static inline vf vf_hsums(const vf v[4]) { TM_MAP(vf, vf_sum(v[i])); }
 static inline vf vf_load_f16(const uint16_t *p) { TM_MAP(vf, tm_half_to_float(p[i])); }
 static inline vf vf_load_u8(const uint8_t *p) { TM_MAP(vf, (float)p[i]); }
+static inline vf vf_load_i8(const int8_t *p) { TM_MAP(vf, (float)p[i]); }
 static inline vf vf_load_bf16(const uint16_t *p) { TM_MAP(vf, tm_bf16_to_float(p[i])); }
 
 static inline vi vi_zero(void) { TM_MAP(vi, 0); }
@@ -71,6 +72,12 @@ static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
         lo->v[i] = v.v[i] & 15;
         hi->v[i] = v.v[i] >> 4;
     }
+}
+
+/* c[s] |= bits 2s..2s+1 of v, moved to bits 4..5 (s = 0..3) */
+static inline void vb_add_crumbs(vb c[4], vb v) {
+    for (int s = 0; s < 4; s++)
+        for (int i = 0; i < 16; i++) c[s].v[i] |= ((v.v[i] >> (2 * s)) & 3) << 4;
 }
 
 /* lane k = block k's sum of c * q, q = 256 hi + lo, over n (<= 8) code vectors */

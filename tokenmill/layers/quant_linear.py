@@ -26,9 +26,13 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
     Q5_0  8-bit, Z=128, f16 scales               exact, 34 B / 32 (file: 22)
     Q5_1  8-bit, f16 scales + mins               exact, 36 B / 32 (file: 24)
     Q5_K  8-bit, K-quant scales + mins            exact, 34.5 B / 32 (file: 22)
-    Q6_K, Q2_K, Q3_K (16-value sub-blocks)      requantized to 8-bit Z=128 with a
-          per-32 f16 scale (as Q8_0 would): the added error is at most
-          max|w_block| / 254 per value, about a quarter of Q6_K's own step.
+    Q6_K  6-bit, Z=32, an int8 scale per 16       exact, 26.25 B / 32 (file: 26.25):
+          values times a float16 per 256          codes [N, K*3/4], scales int8 [N, K/16]
+                                                  (kernels/linear.c has the layout)
+    Q2_K, Q3_K (16-value sub-blocks), and Q6_K on builds without 6-bit kernels (AVX-512)
+          or rows that are not whole groups: requantized to 8-bit Z=128 with a per-32 f16
+          scale (as Q8_0 would): the added error is at most max|w_block| / 254 per value,
+          about a quarter of Q6_K's own step.
 """
 
 from __future__ import annotations
@@ -40,9 +44,14 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 
 from tokenmill import kernels
-from tokenmill.kernels.layout import pack_codes, unpack_index
+from tokenmill.kernels.layout import half_scale_perm, pack6, pack_codes, unpack6, unpack_index
 from tokenmill.layers.native_linear import PREFILL_MIN_T, NativeLinear
-from tokenmill.loader.gguf_blocks import EXACT_GGUF_TYPES, REQUANT_GGUF_TYPES, parse_exact
+from tokenmill.loader.gguf_blocks import (
+    EXACT_GGUF_TYPES,
+    REQUANT_GGUF_TYPES,
+    parse_exact,
+    parse_q6_k,
+)
 
 __all__ = ["QuantLinear", "PREFILL_MIN_T", "EXACT_GGUF_TYPES", "REQUANT_GGUF_TYPES"]
 
@@ -116,22 +125,29 @@ class QuantLinear(NativeLinear):
         sup: torch.Tensor | None = None,
     ):
         """sup: K-quant super-block scales (d, dmin) float16 [out, in/256, 2], with scales
-        and mins their uint8 codes per block; None: scales and mins are float."""
+        and mins their uint8 codes per block; None: scales and mins are float. 6-bit codes
+        (Q6_K): scales int8 [out, in/16] in the kernels' group order, sup d [out, in/256, 1]."""
         super().__init__(in_features, out_features, bias)
-        if in_features % QK or bits not in (4, 8):
-            raise ValueError(f"need in_features % {QK} == 0 and bits in (4, 8)")
+        if in_features % QK or bits not in (4, 6, 8):
+            raise ValueError(f"need in_features % {QK} == 0 and bits in (4, 6, 8)")
         if codes.shape != (out_features, in_features * bits // 8) or codes.dtype != torch.uint8:
             raise ValueError(f"codes: expected uint8 {(out_features, in_features * bits // 8)}")
-        if scales.shape != (out_features, in_features // QK):
-            raise ValueError(f"scales: expected shape {(out_features, in_features // QK)}")
+        per = 16 if bits == 6 else QK  # values per scale
+        if scales.shape != (out_features, in_features // per):
+            raise ValueError(f"scales: expected shape {(out_features, in_features // per)}")
         if sup is None and scales.dtype not in _RAW:
             raise ValueError(f"scales must be float16 or float32, got {scales.dtype}")
         if sup is not None and (
-            scales.dtype != torch.uint8
-            or sup.shape != (out_features, in_features // 256, 2)
+            scales.dtype != (torch.int8 if bits == 6 else torch.uint8)
+            or sup.shape != (out_features, in_features // 256, 1 if bits == 6 else 2)
             or sup.dtype != torch.float16
         ):
-            raise ValueError("K-quant scales: uint8 codes and float16 sup [out, in/256, 2]")
+            raise ValueError(
+                "K-quant scales: uint8 codes and float16 sup [out, in/256, 2] "
+                "(6-bit: int8 per 16 values and sup [out, in/256, 1])"
+            )
+        if bits == 6 and (sup is None or mins is not None):
+            raise ValueError("6-bit codes need sup and no mins")
         if mins is not None and (mins.shape != scales.shape or mins.dtype != scales.dtype):
             raise ValueError("mins must match scales in shape and dtype")
         self.bits = bits
@@ -140,7 +156,7 @@ class QuantLinear(NativeLinear):
         self.register_buffer("codes", codes.contiguous())
         # Float scales and mins are stored as their raw bits (int16/int32 views): a float
         # cast of the model (model.to(torch.bfloat16)) must not touch the packed format.
-        raw = torch.uint8 if sup is not None else _RAW[scales.dtype]
+        raw = scales.dtype if sup is not None else _RAW[scales.dtype]
         self.register_buffer("scales_raw", scales.contiguous().view(raw))
         self.register_buffer("mins_raw", None if mins is None else mins.contiguous().view(raw))
         # K-quants: d and dmin per 256 values, float16 bits, each [out, in/256]
@@ -148,7 +164,8 @@ class QuantLinear(NativeLinear):
             "dsup_raw", None if sup is None else sup[..., 0].contiguous().view(torch.int16)
         )
         self.register_buffer(
-            "msup_raw", None if sup is None else sup[..., 1].contiguous().view(torch.int16)
+            "msup_raw",
+            None if sup is None or bits == 6 else sup[..., 1].contiguous().view(torch.int16),
         )
         self._plain: tuple | None = None  # float32 scales for builds that need them
         self.act_bits = DEFAULT_ACT_BITS
@@ -186,14 +203,24 @@ class QuantLinear(NativeLinear):
             )
         raw = raw.reshape(out_features, row_bytes)
 
+        six = qtype == GT.Q6_K and cls.runs_6bit(in_features)
+
         def parse(r0: int, r1: int):
             rows = raw[r0:r1]
+            if six:
+                return parse_q6_k(rows.reshape(r1 - r0, -1, type_size))
             if qtype in EXACT_GGUF_TYPES:
                 return parse_exact(rows.reshape(r1 - r0, -1, type_size), qtype)
             w = gguf_dequantize(np.ascontiguousarray(rows), qtype).reshape(r1 - r0, -1)
             return _quantize_rows(torch.from_numpy(w), "q8")
 
         return cls._assemble(parse, in_features, out_features, bias)
+
+    @staticmethod
+    def runs_6bit(in_features: int) -> bool:
+        """Whether the loaded kernels multiply 6-bit codes for rows of this length (whole
+        lane-order groups; the AVX-512 build has no 6-bit kernel)."""
+        return kernels.reads_kquant_scales() and in_features % (QK * kernels.group_blocks()) == 0
 
     @classmethod
     def from_float(
@@ -226,12 +253,18 @@ class QuantLinear(NativeLinear):
             nat, sc, mn, bits, su = parse(r0, r1)
             if codes is None:
                 codes = torch.empty(out_features, in_features * bits // 8, dtype=torch.uint8)
-                dtype = torch.uint8 if su is not None else _TORCH[sc.dtype]
-                scales = torch.empty(out_features, in_features // QK, dtype=dtype)
+                dtype = _TORCH.get(sc.dtype) or torch.from_numpy(sc[:0]).dtype
+                scales = torch.empty(out_features, sc.shape[1], dtype=dtype)
                 mins = None if mn is None else torch.empty_like(scales)
                 if su is not None:
-                    sup = torch.empty(out_features, in_features // 256, 2, dtype=torch.float16)
-            codes[r0:r1] = torch.from_numpy(pack_codes(nat, bits, gb))
+                    sup = torch.empty(
+                        out_features, in_features // 256, su.shape[-1], dtype=torch.float16
+                    )
+            if bits == 6:
+                codes[r0:r1] = torch.from_numpy(pack6(nat, gb))
+                sc = sc[:, half_scale_perm(in_features, gb)]
+            else:
+                codes[r0:r1] = torch.from_numpy(pack_codes(nat, bits, gb))
             scales[r0:r1] = torch.from_numpy(np.ascontiguousarray(sc))
             if mins is not None:
                 mins[r0:r1] = torch.from_numpy(np.ascontiguousarray(mn))
@@ -268,8 +301,9 @@ class QuantLinear(NativeLinear):
 
         sup = None
         if first.kquant:
-            sup = torch.stack([torch.cat([p.dsup_raw for p in parts]),
-                               torch.cat([p.msup_raw for p in parts])], -1).view(torch.float16)  # fmt: skip
+            names = ["dsup_raw"] if first.bits == 6 else ["dsup_raw", "msup_raw"]
+            sup = torch.stack([torch.cat([getattr(p, n) for p in parts]) for n in names], -1)
+            sup = sup.view(torch.float16)
         return cls(
             torch.cat([p.codes for p in parts]),
             stored("scales"),
@@ -287,14 +321,20 @@ class QuantLinear(NativeLinear):
         """Whether scales and mins are K-quant codes times super-block scales."""
         return self.dsup_raw is not None
 
-    def _expand_sup(self, sup_raw: torch.Tensor) -> torch.Tensor:
-        """[out, in/256] float16 bits -> float32 [out, in/32], one per block."""
-        return sup_raw.view(torch.float16).float().repeat_interleave(8, dim=1)
+    def _expand_sup(self, sup_raw: torch.Tensor, per: int = 8) -> torch.Tensor:
+        """[out, in/256] float16 bits -> float32 [out, in/256 * per], one per block."""
+        return sup_raw.view(torch.float16).float().repeat_interleave(per, dim=1)
 
     @property
     def scales(self) -> torch.Tensor:
         """Block scales [out, in/32]: float16 or float32 as stored, or K-quant d * code in
-        float32 (exact: an 11-bit d times a 6-bit code)."""
+        float32 (exact: an 11-bit d times a 6-bit code). 6-bit codes: [out, in/16], one per
+        16 values in natural order (d * an 8-bit code, exact)."""
+        if self.bits == 6:
+            perm = half_scale_perm(self.in_features, self.group_blocks)
+            natural = torch.empty_like(self.scales_raw)
+            natural[:, torch.from_numpy(perm)] = self.scales_raw
+            return self._expand_sup(self.dsup_raw, 16) * natural.float()
         if self.kquant:
             return self._expand_sup(self.dsup_raw) * self.scales_raw.float()
         return self.scales_raw.view(_FLOAT[self.scales_raw.dtype])
@@ -313,6 +353,8 @@ class QuantLinear(NativeLinear):
     # -- compute ----------------------------------------------------------------------
 
     def _make_native(self) -> kernels.TmWeight:
+        if self.bits == 6 and not self.runs_6bit(self.in_features):
+            self._to_8bit()  # a library without 6-bit kernels was loaded since
         if self.group_blocks != kernels.group_blocks():
             self._relayout(kernels.group_blocks())
         scales, mins, dsup, msup = self.scales_raw, self.mins_raw, self.dsup_raw, self.msup_raw
@@ -332,11 +374,28 @@ class QuantLinear(NativeLinear):
             self.out_features,
             self.in_features,
             None if dsup is None else dsup.data_ptr(),
-            None if dsup is None else msup.data_ptr(),
+            None if dsup is None or msup is None else msup.data_ptr(),
         )
+
+    def _to_8bit(self) -> None:
+        """Requantize 6-bit codes to 8-bit blocks, as from_gguf does where they cannot run."""
+        nat, sc, _, bits, _ = _quantize_rows(self.dequantize(), "q8")
+        gb = kernels.group_blocks()
+        self.codes = torch.from_numpy(pack_codes(nat, bits, gb))
+        self.scales_raw = torch.from_numpy(sc).view(torch.int16)
+        self.dsup_raw = None
+        self.bits, self.group_blocks = bits, gb
 
     def _relayout(self, gb: int) -> None:
         """Repack the codes for groups of gb blocks (a library of another vector width)."""
+        if self.bits == 6:
+            k, old = self.in_features, self.group_blocks
+            natural = torch.empty_like(self.scales_raw)
+            natural[:, torch.from_numpy(half_scale_perm(k, old))] = self.scales_raw
+            self.scales_raw = natural[:, torch.from_numpy(half_scale_perm(k, gb))].contiguous()
+            self.codes = torch.from_numpy(pack6(unpack6(self.codes.numpy(), k, old), gb))
+            self.group_blocks = gb
+            return
         byte, shift = unpack_index(self.in_features, self.bits, self.group_blocks)
         nat = self.codes[:, byte]
         if self.bits == 4:
@@ -355,6 +414,11 @@ class QuantLinear(NativeLinear):
         if rows is not None:
             codes, scales = codes[rows], scales[rows]
             mins = None if mins is None else mins[rows]
+        if self.bits == 6:  # (d * code) * (c - 32) per 16 values, like gguf's Q6_K
+            n = codes.shape[0]
+            nat = unpack6(codes.numpy(), self.in_features, self.group_blocks)
+            c = torch.from_numpy(nat).reshape(n, -1, 16).to(torch.float32) - 32
+            return (scales[..., None] * c).reshape(n, self.in_features)
         byte, shift = unpack_index(self.in_features, self.bits, self.group_blocks)
         c = codes[:, byte]
         if self.bits == 4:

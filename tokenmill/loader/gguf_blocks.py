@@ -3,8 +3,9 @@
 Parses a tensor's raw blocks ([rows, blocks, type_size] bytes, as the file stores them)
 into the packed format's pieces: unsigned codes per value, a scale (and min) per block
 of 32, and for K-quants the super-block scales they multiply. Exact for the types in
-EXACT_GGUF_TYPES; the 16-value sub-block types (Q6_K, Q2_K, Q3_K) are requantized by
-QuantLinear instead (REQUANT_GGUF_TYPES).
+EXACT_GGUF_TYPES, and for Q6_K as 6-bit codes with a scale per 16 values (parse_q6_k);
+the 16-value sub-block types (Q6_K where 6-bit codes cannot run, Q2_K, Q3_K) are
+requantized by QuantLinear instead (REQUANT_GGUF_TYPES).
 """
 
 from __future__ import annotations
@@ -76,3 +77,22 @@ def parse_exact(blocks: np.ndarray, qtype: GT):
     else:
         raise ValueError(f"not an exactly representable type: {qtype.name}")
     return q.reshape(rows, -1), sc.reshape(rows, -1), mn.reshape(rows, -1), bits, sup
+
+
+def parse_q6_k(blocks: np.ndarray):
+    """Q6_K blocks [rows, nsup, 210] -> (codes [rows, K] u8 (0..63, value d16 * (c - 32)),
+    sub-scales int8 [rows, K/16], None, 6, d float16 [rows, K/256, 1]); d16 = d * sub-scale.
+
+    A super-block: 128 bytes of low nibbles (two halves of 128 values: values 0-63 of a
+    half in the low nibbles of its 64 bytes, 64-127 in the high ones), 64 bytes of top
+    bits (per half, 32 bytes holding values 32s + j at bits 2s of byte j), 16 signed
+    sub-scales, d."""
+    rows = blocks.shape[0]
+    ql = blocks[..., 0:128].reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array(
+        [0, 2, 4, 6], np.uint8
+    ).reshape(4, 1)
+    q = (ql & 15).reshape(rows, -1, 256) | ((qh & 3).reshape(rows, -1, 256) << 4)
+    sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8)
+    d = np.ascontiguousarray(blocks[..., 208:210]).view(np.float16)  # [rows, nsup, 1]
+    return q.reshape(rows, -1), sc.reshape(rows, -1), None, 6, d
