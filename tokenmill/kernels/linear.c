@@ -345,13 +345,16 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
             const uint8_t *p = row + (size_t)g * (GW * 3 / 4);
             const float ds = tm_half_to_float(w->dsup[(size_t)r * (nb / 8) + (size_t)g * TM_GB / 8]);
             const int8_t *sc = (const int8_t *)w->scales + (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB;
-            for (int i = 0; i < 8; i++)
-                for (int e = 0; e < vb_bytes; e++) {
-                    const int lo = (p[(i >> 1) * vb_bytes + e] >> ((i & 1) * 4)) & 15;
-                    const int hi = (p[GW / 2 + (i >> 2) * vb_bytes + e] >> (2 * (i & 3))) & 3;
-                    const float d = ds * (float)sc[(i >> 2) * TM_GB + e / 4];
-                    out[(size_t)g * GW + i * vb_bytes + e] = d * (float)((lo | hi << 4) - 32);
-                }
+            float de[2][4 * TM_GB]; /* per element of a vector: its block's scale, per half */
+            for (int e = 0; e < 4 * TM_GB; e++) de[0][e] = ds * (float)sc[e / 4], de[1][e] = ds * (float)sc[TM_GB + e / 4];
+            for (int i = 0; i < 8; i++) {
+                const uint8_t *lo = p + (i >> 1) * vb_bytes, *hi = p + GW / 2 + (i >> 2) * vb_bytes;
+                const int ls = (i & 1) * 4, hs = 2 * (i & 3);
+                const float *d = de[i >> 2];
+                float *o = out + (size_t)g * GW + i * vb_bytes;
+                for (int e = 0; e < vb_bytes; e++)
+                    o[e] = d[e] * (float)((((lo[e] >> ls) & 15) | (((hi[e] >> hs) & 3) << 4)) - 32);
+            }
         }
         return;
     }

@@ -1,9 +1,10 @@
 """Swap the model's float projections for layers the native kernels read as stored.
 
 Decode reads every weight once per token, so bytes per weight set its speed. The ways in:
-  "gguf"      keep the GGUF file's own blocks (Q4_0/Q4_1/Q8_0/Q5_x/Q4_K exactly; Q6_K and
-              the 2/3-bit K types requantized to 8 bits) as QuantLinear, never making a
-              float32 copy, and its F16/BF16/F32 tensors as FloatLinear;
+  "gguf"      keep the GGUF file's own blocks (Q4_0/Q4_1/Q8_0/Q5_x/Q4_K/Q6_K exactly;
+              the 2/3-bit K types, and Q6_K on AVX-512 builds, requantized to 8 bits)
+              as QuantLinear, never making a float32 copy, and its F16/BF16/F32
+              tensors as FloatLinear;
   "float"     keep a checkpoint's float tensors in their own dtype (FloatLinear): a
               bf16 safetensors folder is read at 2 bytes per weight, not 4;
   "q8", "q4"  quantize float weights (HF checkpoints) per 32-value block.
