@@ -53,7 +53,8 @@
 #define TM_F32 32  /* float32 [n, k], natural order, no scales */
 
 /* One weight, filled once per layer from Python (ctypes.Structure mirror: TmWeight).
- * bits 4 or 8: the packed blocks of linear.c; TM_F16 / TM_BF16 / TM_F32: float rows.
+ * bits 4, 6 or 8: the packed blocks of linear.c (6: Q6_K, int8 scales per 16 values times
+ * dsup, no mins); TM_F16 / TM_BF16 / TM_F32: float rows.
  * Block scales (and mins) come in one of two forms:
  *   plain       float16 (scale_f16 = 1) or float32 [n, k/32] each
  *   K-quant     (dsup != NULL) GGUF Q4_K/Q5_K's own: a uint8 code per block [n, k/32]
@@ -64,7 +65,7 @@ typedef struct tm_weight {
     const uint8_t *codes;
     const void *scales;
     const void *mins;  /* NULL: no mins, zero point Z applies */
-    int32_t bits;      /* 4, 8, TM_F16, TM_BF16 or TM_F32 */
+    int32_t bits;      /* 4, 6, 8, TM_F16, TM_BF16 or TM_F32 */
     int32_t scale_f16; /* plain scales: 1 float16, 0 float32 */
     int32_t n;         /* rows (out features) */
     int32_t k;         /* columns (in features); packed: a multiple of 32 */
