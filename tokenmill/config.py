@@ -12,6 +12,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill import checks
+from tokenmill.checks import short_repr  # noqa: F401 (re-exported for the loaders)
+
 
 class ConfigError(ValueError):
     """A checkpoint's configuration names something tokenmill cannot run, or holds a number
@@ -41,41 +44,16 @@ _CHOICES = {
 _ROPE_SCALINGS = ("default", "linear", "llama3")
 
 
-def short_repr(value: Any) -> str:
-    """A value for an error message: its repr, cut short (a hostile file can hold a
-    megabyte-long string where a number belongs)."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def check_int(name: str, value: Any, lo: int = 1, hi: int | None = None) -> int:
-    """`value` if it is an integer in [lo, hi] (bools and floats are not); else ConfigError
-    naming `name`. numpy integers (GGUF metadata) come back as int."""
-    if hasattr(value, "dtype") and getattr(value, "shape", None) == ():  # a numpy scalar
-        value = value.item()
-    allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ConfigError(f"{name} must be an integer {allowed}, got {short_repr(value)}")
-    if value < lo or (hi is not None and value > hi):
-        raise ConfigError(f"{name} must be {allowed}, got {value}")
-    return value
+    """checks.check_int raising ConfigError (numpy integers come back as int)."""
+    return checks.check_int(name, value, lo, hi, error=ConfigError)
 
 
 def check_float(
     name: str, value: Any, lo: float, hi: float | None = None, *, lo_open: bool = False
 ) -> float:
-    """`value` as a float if it is a finite number in range; else ConfigError naming `name`."""
-    if hasattr(value, "dtype") and getattr(value, "shape", None) == ():
-        value = value.item()
-    low = f"> {lo}" if lo_open else f">= {lo}"
-    allowed = low if hi is None else f"{low} and <= {hi}"
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ConfigError(f"{name} must be a number {allowed}, got {short_repr(value)}")
-    value = float(value)
-    above = value > lo if lo_open else value >= lo
-    if not math.isfinite(value) or not above or (hi is not None and value > hi):
-        raise ConfigError(f"{name} must be a finite number {allowed}, got {value}")
-    return value
+    """checks.check_float raising ConfigError."""
+    return checks.check_float(name, value, lo, hi, lo_open=lo_open, error=ConfigError)
 
 
 @dataclass

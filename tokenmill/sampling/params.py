@@ -10,9 +10,11 @@ consumers have one spelling to handle: `stop` and `stop_token_ids` become lists,
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
+
+from tokenmill.checks import check_float as _check_float
+from tokenmill.checks import check_int as _check_int
 
 # The structured-output constraints (tokenmill/sampling/grammar.py compiles them); a
 # request sets at most one.
@@ -24,36 +26,6 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed acc
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
-    allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-    if not _is_int(value):
-        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        raise ValueError(f"{name} must be {allowed}, got {value}")
-    return value
-
-
-def _check_float(
-    name: str, value: Any, lo: float, hi: float | None = None, *, lo_open: bool = False
-) -> float:
-    if hi is None:
-        allowed = f"> {lo}" if lo_open else f">= {lo}"
-    else:
-        allowed = f"in ({lo}, {hi}]" if lo_open else f"in [{lo}, {hi}]"
-    if not _is_number(value):
-        raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
-    value = float(value)
-    above_lo = value > lo if lo_open else value >= lo
-    # `not` on the comparisons also rejects NaN; the isfinite check rejects +inf.
-    if not math.isfinite(value) or not above_lo or (hi is not None and not value <= hi):
-        raise ValueError(f"{name} must be {allowed}, got {value}")
-    return value
 
 
 @dataclass

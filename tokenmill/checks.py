@@ -1,0 +1,64 @@
+"""Range checks for numbers that come from outside: request parameters, checkpoint
+configs, file metadata. One-line messages that name the field and its allowed range.
+
+Torch-free: the CLI and the sampling parameters use these before the engine loads.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def short_repr(value: Any) -> str:
+    """A value for an error message: its repr, cut short (a hostile file can hold a
+    megabyte-long string where a number belongs)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _unwrap(value: Any) -> Any:
+    """numpy scalars (GGUF metadata) as Python numbers."""
+    if hasattr(value, "dtype") and getattr(value, "shape", None) == ():
+        return value.item()
+    return value
+
+
+def check_int(
+    name: str, value: Any, lo: int, hi: int | None = None, *, error: type = ValueError
+) -> int:
+    """`value` if it is an integer in [lo, hi] (bools and floats are not); else `error`
+    naming `name`."""
+    value = _unwrap(value)
+    allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise error(f"{name} must be an integer {allowed}, got {short_repr(value)}")
+    if value < lo or (hi is not None and value > hi):
+        raise error(f"{name} must be {allowed}, got {value}")
+    return value
+
+
+def check_float(
+    name: str,
+    value: Any,
+    lo: float,
+    hi: float | None = None,
+    *,
+    lo_open: bool = False,
+    error: type = ValueError,
+) -> float:
+    """`value` as a float if it is a finite number in [lo, hi] ((lo, hi] if lo_open);
+    else `error` naming `name`."""
+    value = _unwrap(value)
+    if hi is None:
+        allowed = f"> {lo}" if lo_open else f">= {lo}"
+    else:
+        allowed = f"in ({lo}, {hi}]" if lo_open else f"in [{lo}, {hi}]"
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise error(f"{name} must be a number {allowed}, got {short_repr(value)}")
+    value = float(value)
+    above_lo = value > lo if lo_open else value >= lo
+    # `not` on the comparisons also rejects NaN; the isfinite check rejects +inf.
+    if not math.isfinite(value) or not above_lo or (hi is not None and not value <= hi):
+        raise error(f"{name} must be {allowed}, got {value}")
+    return value
