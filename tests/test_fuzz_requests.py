@@ -302,9 +302,11 @@ def test_server_is_idle_and_serving_after_fuzzing(http):
         time.sleep(0.2)
     assert not any(values.values()), values
     codes = metric_by_label(text, "tokenmill_http_requests_total")
+    # both kinds reached: refusals and generations (how many of each the random draws make
+    # varies: 43 of ~310 were 200s in one clean-clone run)
     assert (
-        codes.get("400", 0) > 50
-        and codes.get("200", 0) > 50
+        codes.get("400", 0) >= 10
+        and codes.get("200", 0) >= 10
         and not [c for c in codes if c.startswith("5")]
     ), codes
     response = http.post("/v1/completions", json={"prompt": "t1 t2", "max_tokens": 3})
