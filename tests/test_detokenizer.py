@@ -89,7 +89,9 @@ def test_random_ids_after_a_prompt(tok: Tokenizer, data: st.DataObject) -> None:
 # Characters that split across tokens: CJK (often byte-fallback in 32k vocabularies), emoji and
 # their modifiers and joiners, rare scripts, plus ASCII and whitespace between them. Control
 # characters and planes above 2 are left out: SmolLM2's vocabulary lacks some of their bytes, so
-# they cannot round-trip there (llama.cpp and transformers drop them too).
+# they cannot round-trip there (llama.cpp and transformers drop them too). Nor "\u2581":
+# SentencePiece vocabularies (Gemma's) write a space as that character, so a literal one
+# comes back as a space (SentencePiece itself decodes it so).
 HARD_TEXT = st.text(
     alphabet=st.one_of(
         st.characters(min_codepoint=0x4E00, max_codepoint=0x9FFF),
@@ -97,7 +99,9 @@ HARD_TEXT = st.text(
         st.sampled_from("\u200d\ufe0f\U0001f3fd"),
         st.characters(min_codepoint=0x10000, max_codepoint=0x2FFFF, categories=["Lo", "So", "Sm"]),
         st.sampled_from("abc XYZ 123 .,!?\n\t  "),
-        st.characters(max_codepoint=0x2FFFF, exclude_categories=["Cc", "Cs"]),
+        st.characters(
+            max_codepoint=0x2FFFF, exclude_categories=["Cc", "Cs"], exclude_characters="\u2581"
+        ),
     ),
     max_size=24,
 )
