@@ -4,8 +4,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# CI (`.ci/run`) passes --hypothesis-profile=ci: the property tests draw the same examples on
+# every run, so a new random draw finds bugs on a developer's run, never as a red landing.
+# The tests' own settings (FUZZ = settings(...)) inherit it: conftest loads before them.
+settings.register_profile("ci", derandomize=True)
 
 # slow tests name themselves as they start (a conftest's hooks are found by name)
 from slow_progress import pytest_configure  # noqa: E402, F401
