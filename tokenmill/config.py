@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill import checks
-from tokenmill.checks import short_repr  # noqa: F401 (re-exported for the loaders)
+from tokenmill.checks import short_repr
 
 
 class ConfigError(ValueError):

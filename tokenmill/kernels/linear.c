@@ -120,11 +120,11 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
     xq->kpad = xq->gpad * QK;
     const size_t fbytes = ((size_t)T * xq->gpad * 4 + 63) & ~(size_t)63;
     const size_t qbytes = ((size_t)T * xq->kpad + 63) & ~(size_t)63;
-    const size_t total = 5 * fbytes + 2 * qbytes;
+    const size_t total = (bits == 6 ? 5 : 3) * fbytes + 2 * qbytes; /* zh: 6-bit only */
     char *buf = tm_scratch(total);
     if (!buf) return 0;
     memset(buf, 0, total);
-    xq->zh = (int32_t *)(buf + 3 * fbytes + 2 * qbytes); /* two fbytes: 2 per block */
+    xq->zh = bits == 6 ? (int32_t *)(buf + 3 * fbytes + 2 * qbytes) : NULL; /* 2 per block */
     xq->dx = (float *)buf;
     xq->sx = (float *)(buf + fbytes);
     xq->zc = (int32_t *)(buf + 2 * fbytes);
@@ -153,8 +153,7 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
             }
             int8_t hv[QK];
             uint8_t lv[QK];
-            int32_t hsum = 0, half0 = 0;
-            for (int j = 0; j < QK / 2; j++) half0 += qv[j];
+            int32_t hsum = 0;
             for (int j = 0; j < QK; j++) {
                 hv[j] = (int8_t)(qv[j] >> 8); /* arithmetic: q = 256 (q >> 8) + (q & 255) */
                 lv[j] = (uint8_t)(qv[j] & 255);
@@ -175,10 +174,15 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
             const size_t xi = (size_t)r * xq->gpad + b;
             xq->dx[xi] = amax / qmax;
             xq->sx[xi] = sum;
-            xq->zc[xi] = z * vi_sum(qs) + left_out;
-            const size_t hi = (size_t)r * 2 * xq->gpad + (size_t)(b / TM_GB) * 2 * TM_GB + b % TM_GB;
-            xq->zh[hi] = 32 * half0;
-            xq->zh[hi + TM_GB] = 32 * (vi_sum(qs) - half0);
+            const int32_t qsum = vi_sum(qs);
+            xq->zc[xi] = z * qsum + left_out;
+            if (bits == 6) { /* the zero point per 16-value half (6-bit scales are per half) */
+                int32_t half0 = 0;
+                for (int j = 0; j < QK / 2; j++) half0 += qv[j];
+                const size_t hi = (size_t)r * 2 * xq->gpad + (size_t)(b / TM_GB) * 2 * TM_GB + b % TM_GB;
+                xq->zh[hi] = 32 * half0;
+                xq->zh[hi + TM_GB] = 32 * (qsum - half0);
+            }
         }
     }
     return 1;

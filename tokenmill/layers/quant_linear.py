@@ -63,7 +63,6 @@ QK = 32  # values per block
 # 16-bit by ~0.01. Per layer: the `act_bits` attribute.
 DEFAULT_ACT_BITS = 16
 
-_TORCH = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32}
 _RAW = {torch.float16: torch.int16, torch.float32: torch.int32}
 _FLOAT = {raw: f for f, raw in _RAW.items()}
 
@@ -253,8 +252,9 @@ class QuantLinear(NativeLinear):
             nat, sc, mn, bits, su = parse(r0, r1)
             if codes is None:
                 codes = torch.empty(out_features, in_features * bits // 8, dtype=torch.uint8)
-                dtype = _TORCH.get(sc.dtype) or torch.from_numpy(sc[:0]).dtype
-                scales = torch.empty(out_features, sc.shape[1], dtype=dtype)
+                scales = torch.empty(
+                    out_features, sc.shape[1], dtype=torch.from_numpy(sc[:0]).dtype
+                )
                 mins = None if mn is None else torch.empty_like(scales)
                 if su is not None:
                     sup = torch.empty(

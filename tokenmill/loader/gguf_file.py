@@ -17,6 +17,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from tokenmill.checks import short_repr
 from tokenmill.config import (
     MAX_SIZES,
     ConfigError,
@@ -24,7 +25,6 @@ from tokenmill.config import (
     RopeConfig,
     check_float,
     check_int,
-    short_repr,
 )
 from tokenmill.loader import Checkpoint, LoadError
 from tokenmill.loader.checks import check_checkpoint, part_shape

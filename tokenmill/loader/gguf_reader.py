@@ -24,7 +24,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
 
-from tokenmill.config import short_repr
+from tokenmill.checks import short_repr
 
 
 class GGUFFormatError(ValueError):

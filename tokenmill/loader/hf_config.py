@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from tokenmill.checks import short_repr
 from tokenmill.config import (
     MAX_SIZES,
     ConfigError,
@@ -14,7 +15,6 @@ from tokenmill.config import (
     RopeConfig,
     check_float,
     check_int,
-    short_repr,
 )
 
 HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3", "gpt2")
