@@ -39,7 +39,11 @@ def test_short_soak(smollm_path):
     # the server's counts match the clients': aborted streams are its 499s, and it also
     # answered the /metrics reads made after the load
     server = {code: int(n) for code, n in report.server_by_code.items()}
-    assert server.get("499", 0) == statuses["aborted"], (server, statuses)
+    # (a stream the client cuts just after the server sent its last chunk is a 200 there, as
+    # are the /metrics reads: every cut or finished request is counted, most cuts as 499s)
+    cuts, done = server.get("499", 0), server.get("200", 0)
+    assert statuses["aborted"] // 2 < cuts <= statuses["aborted"], (server, statuses)
+    assert cuts + done >= statuses["aborted"] + statuses["200"], (server, statuses)
     for code, n in statuses.items():
         if code not in ("aborted", "200", "closed"):
             assert server.get(code, 0) == n, (code, server, statuses)
