@@ -72,6 +72,10 @@ static void linear_cases(void) {
                                 snprintf(name, sizeof name, "linear b%d m%d f%d k%d n%d t%d a%d", bits, mins, f16, k, n, t,
                                          act16 ? 16 : 8);
                                 emit(name, y, t * n);
+                                tm_gemm(&w, x, t, y, ti == 1 ? bias : NULL, 2, act16); /* same case */
+                                snprintf(name, sizeof name, "gemm b%d m%d f%d k%d n%d t%d a%d", bits, mins, f16, k, n, t,
+                                         act16 ? 16 : 8);
+                                emit(name, y, t * n);
                                 free(x), free(y);
                             }
                         tm_dequant_lanes(&w, 0, n, lanes, 2);
@@ -104,6 +108,9 @@ static void kquant_cases(void) {
                 tm_linear(&w, x, t, y, NULL, 2, 1);
                 snprintf(name, sizeof name, "kquant b%d k%d t%d", bits, k, t);
                 emit(name, y, t * n);
+                tm_gemm(&w, x, t, y, NULL, 2, 1);
+                snprintf(name, sizeof name, "gemm kquant b%d k%d t%d", bits, k, t);
+                emit(name, y, t * n);
                 free(x), free(y);
             }
             float *lanes = malloc((size_t)n * k * 4);
@@ -125,6 +132,9 @@ static void six_bit_cases(void) {
             float *x = fill_floats((size_t)t * k, 1.f), *y = malloc((size_t)t * n * 4);
             tm_linear(&w, x, t, y, NULL, 2, 1);
             snprintf(name, sizeof name, "six b6 k%d t%d", k, t);
+            emit(name, y, t * n);
+            tm_gemm(&w, x, t, y, NULL, 2, 1);
+            snprintf(name, sizeof name, "gemm six k%d t%d", k, t);
             emit(name, y, t * n);
             free(x), free(y);
         }

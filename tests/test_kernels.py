@@ -246,16 +246,60 @@ def test_decode_kernel_close_to_float(kbuild, scheme, act_bits, rel):
 
 @pytest.mark.parametrize("qtype", [GT.Q4_1, GT.Q4_0, GT.Q8_0, GT.Q5_1, GT.Q4_K])
 @pytest.mark.parametrize("t", [PREFILL_MIN_T + 1, 200])
-def test_prefill_path_is_the_exact_float32_product(kbuild, monkeypatch, qtype, t):
+def test_prefill_path_matches_its_reference(kbuild, monkeypatch, qtype, t):
+    """Prefill-sized x: the integer GEMM's exact integers where it is the prefill path
+    (AVX2), else the float32 product of the dequantized weight."""
     torch.manual_seed(2)
     n, k = (130, 768) if qtype == GT.Q4_K else (130, 576)
     layer = QuantLinear.from_gguf(gguf_bytes(qtype, n, k), qtype, n, k, bias=torch.randn(n))
     x = torch.randn(t, k)
+    if kernels.gemm_prefill():
+        err = (layer(x).double() - kernel_reference(layer, x, 16)).abs()
+        assert (err <= 1e-5 * dot_error_scale(layer, x)).all()
+        return
     ref = x.double() @ layer.dequantize().double().T + layer.bias.double()
     assert_close_rel(layer(x), ref, 1e-5)
     # row-chunked GEMMs (big layers) give the same result
     monkeypatch.setattr(native_linear, "_PREFILL_CHUNK_BYTES", 64 * 4 * k)
     assert_close_rel(layer(x), ref, 1e-5)
+
+
+@pytest.mark.parametrize("act_bits", [8, 16])
+@pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS + [GT.Q6_K])
+def test_integer_gemm_matches_reference_and_gemv(kbuild, qtype, act_bits):
+    """The integer GEMM of every build (also where it is not the prefill path): the
+    GEMV's integers, row and token counts off its tiles (RT rows, 3 tokens), K tails."""
+    torch.manual_seed(7)
+    shapes = K_SHAPES if qtype in K_QUANTS + [GT.Q6_K] else SHAPES
+    for n, k in shapes:
+        layer = QuantLinear.from_gguf(gguf_bytes(qtype, n, k), qtype, n, k, bias=torch.randn(n))
+        layer.act_bits = act_bits
+        cw = layer.native()
+        for t in [1, 2, 3, 4, 8, 50]:
+            x = torch.randn(t, k)
+            x[0, :32] = 0  # an all-zero block (scale 0)
+            x[-1, -32:] *= 1000  # an outlier block
+            y = kernels.gemm(cw, x, layer.bias, act_bits)
+            scale = dot_error_scale(layer, x)
+            assert ((y.double() - kernel_reference(layer, x, act_bits)).abs() <= 1e-5 * scale).all()
+            gemv = kernels.linear(cw, x, layer.bias, act_bits)
+            assert ((y - gemv).double().abs() <= 1e-6 * scale).all(), (n, k, t)
+
+
+def test_prefill_rows_take_the_path_the_build_names(kbuild, monkeypatch):
+    """Where the integer GEMM is the prefill path, packed layers send it GEMM_MIN_T rows
+    and more (fewer: the GEMV); elsewhere more than PREFILL_MIN_T rows go to float32 tiles."""
+    layer = QuantLinear.from_gguf(gguf_bytes(GT.Q4_0, 64, 256), GT.Q4_0, 64, 256)
+    calls = []
+    for name in ("linear", "gemm", "dequant_lanes"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    first_prefill = native_linear.GEMM_MIN_T if kernels.gemm_prefill() else PREFILL_MIN_T + 1
+    expected = "gemm" if kernels.gemm_prefill() else "dequant_lanes"
+    layer(torch.randn(first_prefill - 1, 256))
+    layer(torch.randn(first_prefill, 256))
+    assert calls == ["linear", expected]
+    assert kernels.gemm_prefill() == (kernels.isa() == "avx2")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -436,7 +480,9 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch):
 def test_builds_agree(native, monkeypatch):
     """Every build the host can run (native, AVX2, scalar) gives the native numbers:
     the same integer block dots, float sums in another order. Each packs the codes
-    for its own vector width."""
+    for its own vector width. Prefill-sized x is compared between builds whose prefill
+    path is the same (integer GEMM or float32 tiles: each is checked against its own
+    reference in test_prefill_path_matches_its_reference)."""
     cases = [
         (GT.Q4_1, 21, 576, 8),
         (GT.Q8_0, 9, 1024 + 96, 16),
@@ -454,7 +500,7 @@ def test_builds_agree(native, monkeypatch):
             layer.act_bits = act_bits
             rows = layer.embed(torch.tensor([1, 0]))
             big = layer(torch.cat([xs[k]] * 40))  # the prefill path
-            out.append((layer(xs[k]), rows, big))
+            out.append((layer(xs[k]), rows, big, kernels.gemm_prefill()))
         return out
 
     use_build(monkeypatch, "native")
@@ -466,10 +512,11 @@ def test_builds_agree(native, monkeypatch):
         except pytest.skip.Exception:
             continue
         ran.append(name)
-        for (y, rows, big), (y0, rows0, big0) in zip(outputs(), ref, strict=True):
+        for (y, rows, big, gemm), (y0, rows0, big0, gemm0) in zip(outputs(), ref, strict=True):
             assert_close_rel(y, y0.double(), 1e-5)
             assert torch.equal(rows, rows0)  # dequantization is exact everywhere
-            assert_close_rel(big, big0.double(), 1e-5)
+            if gemm == gemm0:
+                assert_close_rel(big, big0.double(), 1e-5)
     if len(BUILDS) > 1 and not ran:
         pytest.skip("no other build runs on this CPU")
 

@@ -33,6 +33,8 @@ __all__ = [
     "reads_kquant_scales",
     "uses_avx512",
     "linear",
+    "gemm",
+    "gemm_prefill",
     "dequant_lanes",
     "lanes_f32",
     "dequant_rows",
@@ -46,7 +48,7 @@ __all__ = [
 ]
 
 
-ABI = 6  # tm_info() // 1000 of the sources this module binds
+ABI = 7  # tm_info() // 1000 of the sources this module binds
 F16, BF16, F32 = 16, 17, 32  # tm_weight.bits of float weights (4 and 8: packed blocks)
 DEFAULT_GROUP_BLOCKS = 16  # the packing used when no library is loaded (any would do)
 
@@ -140,6 +142,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tm_info.restype = i32
     lib.tm_linear.argtypes = [vp, vp, i32, vp, vp, i32, i32]
     lib.tm_linear.restype = i32
+    lib.tm_gemm.argtypes = [vp, vp, i32, vp, vp, i32, i32]
+    lib.tm_gemm.restype = i32
+    lib.tm_gemm_prefill.restype = i32
     lib.tm_dequant_lanes.argtypes = [vp, i32, i32, vp, i32]
     lib.tm_dequant_lanes.restype = None
     lib.tm_lanes_f32.argtypes = [vp, i32, i32, vp, i32]
@@ -212,6 +217,14 @@ def reads_kquant_scales() -> bool:
     return lib is not None and bool(lib.tm_kquant_scales())
 
 
+def gemm_prefill() -> bool:
+    """Whether the loaded library runs prefill-sized products of packed weights in its
+    integer GEMM (gemm.c) rather than as float32 tiles for torch's GEMM: on the builds
+    where that measured faster (AVX2)."""
+    lib = library()
+    return lib is not None and bool(lib.tm_gemm_prefill())
+
+
 def uses_avx512() -> bool:
     """Whether the loaded library took the AVX-512 VNNI/BF16 code path."""
     return isa() == "avx512"
@@ -231,22 +244,33 @@ def linear(
     x: contiguous float32; bias: [N] or None (made float32 if a loader cast it); rows: N
     of a chain of segments (tm_weight.next), whose first holds only its own rows.
     """
+    return _product("tm_linear", w, x, bias, act_bits, rows or w.n)
+
+
+def gemm(
+    w: TmWeight, x: torch.Tensor, bias: torch.Tensor | None, act_bits: int = 16
+) -> torch.Tensor:
+    """y [T, N] = x [T, K] @ W^T (+ bias) by the integer GEMM of gemm.c, for packed
+    weights of one segment and any T, on any build (the layers send prefill-sized T here
+    where `gemm_prefill()`); the activations quantized like `linear`'s."""
+    return _product("tm_gemm", w, x, bias, act_bits, w.n)
+
+
+def _product(
+    fn: str, w: TmWeight, x: torch.Tensor, bias: torch.Tensor | None, act_bits: int, rows: int
+) -> torch.Tensor:
     lib = library()
     assert lib is not None, "call only when library() is not None"
     if bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()
     T = x.shape[0]
-    y = torch.empty(T, rows or w.n, dtype=torch.float32)
-    ok = lib.tm_linear(
-        ctypes.addressof(w),
-        x.data_ptr(),
-        T,
-        y.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        torch.get_num_threads(),
-        int(act_bits == 16),
+    y = torch.empty(T, rows, dtype=torch.float32)
+    bias_ptr = None if bias is None else bias.data_ptr()
+    threads, act16 = torch.get_num_threads(), int(act_bits == 16)
+    ok = getattr(lib, fn)(
+        ctypes.addressof(w), x.data_ptr(), T, y.data_ptr(), bias_ptr, threads, act16
     )
-    _check(ok, "tm_linear")
+    _check(ok, fn)
     return y
 
 
@@ -299,7 +323,7 @@ def decode_rows(
 
 def _check(status: int, what: str) -> None:
     if status == -1:
-        raise ValueError(f"{what}: this kernel build cannot read K-quant scales as stored")
+        raise ValueError(f"{what}: this kernel build cannot take this weight's format as stored")
     if status != 1:
         raise MemoryError(f"{what}: cannot allocate scratch")
 

@@ -58,39 +58,6 @@
  */
 #include "tm.h"
 
-static inline int zero_point(const tm_weight *w) {
-    return w->mins ? 0 : (w->bits == 4 ? 8 : w->bits == 6 ? 32 : 128);
-}
-
-static inline size_t row_bytes(const tm_weight *w) {
-    return (size_t)w->k * (size_t)w->bits / 8;
-}
-
-/* Lane-order position of value j of block b in a row of nb blocks (= 8-bit code byte). */
-static inline size_t lane_pos(int nb, int b, int j) {
-    const int full = nb / TM_GB * TM_GB;
-    if (b >= full) return (size_t)b * QK + j; /* tail: natural order */
-    return (size_t)(b / TM_GB) * GW + (size_t)(j >> 2) * 4 * TM_GB + (b % TM_GB) * 4 + (j & 3);
-}
-
-/* The 32 codes of tail block u (of nbt) in natural order, from the row's tail bytes. */
-static inline void tail_block_codes(const uint8_t *tail, int bits, int u, int nbt, uint8_t out[QK]) {
-    if (bits == 8) {
-        memcpy(out, tail + (size_t)QK * u, QK);
-        return;
-    }
-    const uint8_t *p = tail + QK * (u / 2); /* chunk u/2: 32 bytes, or 16 if a lone block */
-    if (u / 2 * 2 + 1 < nbt) {
-        const int shift = (u & 1) * 4; /* 64-value chunk: block 2q low nibbles, 2q+1 high */
-        for (int j = 0; j < QK; j++) out[j] = (p[j] >> shift) & 15;
-    } else {
-        for (int j = 0; j < QK / 2; j++) {
-            out[j] = p[j] & 15;
-            out[QK / 2 + j] = p[j] >> 4;
-        }
-    }
-}
-
 #if TM_AVX512
 #include "linear_avx512.h"
 #else
@@ -135,22 +102,9 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
         int8_t *hr = xq->q + (size_t)r * xq->kpad;
         uint8_t *lr = xq->ql + (size_t)r * xq->kpad;
         for (int b = 0; b < nb; b++) {
-            const float *v = x + (size_t)r * K + (size_t)b * QK;
-            vf mx = vf_zero(), sm = vf_zero();
-            for (int c = 0; c < QK; c += TM_W) {
-                const vf a = vf_load(v + c);
-                mx = vf_max(mx, vf_abs(a));
-                sm = vf_add(sm, a);
-            }
-            const float amax = vf_hmax(mx), sum = vf_sum(sm);
-            const vf inv = vf_set1(amax > 0.f ? qmax / amax : 0.f);
             int16_t qv[QK];
-            vi qs = vi_zero();
-            for (int c = 0; c < QK; c += TM_W) {
-                const vi q = vi_round(vf_mul(vf_load(v + c), inv));
-                qs = vi_add(qs, q);
-                vi_store_i16(qv + c, q);
-            }
+            float dxb, sum;
+            const int32_t qsum = tm_quant_block(x + (size_t)r * K + (size_t)b * QK, qmax, qv, &dxb, &sum);
             int8_t hv[QK];
             uint8_t lv[QK];
             int32_t hsum = 0;
@@ -172,9 +126,8 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
                 memcpy(lr + pos, lv, QK);
             }
             const size_t xi = (size_t)r * xq->gpad + b;
-            xq->dx[xi] = amax / qmax;
+            xq->dx[xi] = dxb;
             xq->sx[xi] = sum;
-            const int32_t qsum = vi_sum(qs);
             xq->zc[xi] = z * qsum + left_out;
             if (bits == 6) { /* the zero point per 16-value half (6-bit scales are per half) */
                 int32_t half0 = 0;
@@ -472,9 +425,8 @@ static void float_any(const tm_weight *w, const float *x, int r0, int r1, int t0
 static int linear_one(const tm_weight *w, const float *x, int T, float *y, const float *bias,
                       int nthreads, int act16);
 
-/* Grow-only output buffer of a segment (per thread; linear_one uses tm_scratch). */
-static __thread float *seg_buf = NULL;
-static __thread size_t seg_cap = 0;
+/* Output buffer of a segment (per thread; linear_one uses tm_scratch). */
+static __thread tm_buf seg_out;
 
 int tm_linear(const tm_weight *w, const float *x, int T, float *y, const float *bias,
               int nthreads, int act16) {
@@ -485,16 +437,8 @@ int tm_linear(const tm_weight *w, const float *x, int T, float *y, const float *
     for (const tm_weight *s = w; s; s = s->next) total += s->n;
     int off = 0;
     for (const tm_weight *s = w; s; s = s->next) {
-        const size_t need = (size_t)T * s->n;
-        if (need > seg_cap) {
-            free(seg_buf);
-            seg_cap = need + need / 2;
-            seg_buf = malloc(seg_cap * sizeof(float));
-            if (!seg_buf) {
-                seg_cap = 0;
-                return 0;
-            }
-        }
+        float *seg_buf = tm_buf_get(&seg_out, (size_t)T * s->n * sizeof(float));
+        if (!seg_buf) return 0;
         const int rc = linear_one(s, x, T, seg_buf, bias ? bias + off : NULL, nthreads, act16);
         if (rc != 1) return rc;
         for (int t = 0; t < T; t++)

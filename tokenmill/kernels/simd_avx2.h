@@ -76,6 +76,11 @@ static inline void vi_store_i16(int16_t *p, vi a) {
     _mm_storeu_si128((__m128i *)p, _mm_packs_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)));
 }
 
+/* acc + per lane: the lane's two int16 times x2's two int16, summed (vpmaddwd: 16 MACs) */
+static inline vi vi_madd16(vi acc, vi w, int32_t x2) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_set1_epi32(x2)));
+}
+
 static inline vb vb_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
     const __m256i m = _mm256_set1_epi8(0x0f);

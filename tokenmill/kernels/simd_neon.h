@@ -67,6 +67,11 @@ static inline vf vf_pow2i(vi n) {
     return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(n, vdupq_n_s32(127)), 23));
 }
 static inline void vi_store_i16(int16_t *p, vi a) { vst1_s16(p, vmovn_s32(a)); }
+/* acc + per lane: the lane's two int16 times x2's two int16, summed (smull, pairwise add) */
+static inline vi vi_madd16(vi acc, vi w, int32_t x2) {
+    const int16x8_t a = vreinterpretq_s16_s32(w), b = vreinterpretq_s16_s32(vdupq_n_s32(x2));
+    return vaddq_s32(acc, vpaddq_s32(vmull_s16(vget_low_s16(a), vget_low_s16(b)), vmull_high_s16(a, b)));
+}
 
 static inline vb vb_load(const void *p) { return vld1q_u8((const uint8_t *)p); }
 /* c[s] |= bits 2s..2s+1 of v, moved to bits 4..5 (s = 0..3) */

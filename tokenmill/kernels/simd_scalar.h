@@ -62,6 +62,12 @@ static inline void vi_store_i16(int16_t *p, vi a) {
     for (int i = 0; i < 4; i++) p[i] = (int16_t)a.v[i];
 }
 
+/* acc + per lane: the lane's two int16 (low, high half) times x2's two int16, summed */
+static inline vi vi_madd16(vi acc, vi w, int32_t x2) {
+    const int32_t xl = (int16_t)(x2 & 0xffff), xh = x2 >> 16;
+    TM_MAP(vi, acc.v[i] + (int16_t)(w.v[i] & 0xffff) * xl + (w.v[i] >> 16) * xh);
+}
+
 static inline vb vb_load(const void *p) {
     vb r;
     memcpy(r.v, p, 16);

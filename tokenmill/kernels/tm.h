@@ -35,7 +35,7 @@
 #define TM_GB TM_W
 #endif
 
-#define TM_ABI 6 /* tm_info() / 1000: bumped when a struct or signature changes */
+#define TM_ABI 7 /* tm_info() / 1000: bumped when a struct or signature changes */
 
 #define QK 32            /* values per block */
 #define GW (TM_GB * QK)  /* values per full lane-order group */
@@ -133,6 +133,9 @@ int tm_linear(const tm_weight *w, const float *x, int T, float *y, const float *
               int act16);
 int tm_decode_attention(const tm_shape *s, const tm_layer *L, const tm_rows *rows, const float *qkv,
                         float *out, int nthreads);
+int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads,
+            int act16);
+int tm_gemm_prefill(void);
 
 /* ---- small shared helpers ---- */
 
@@ -145,20 +148,25 @@ static inline int tm_threads(int requested) {
 #endif
 }
 
-/* Grow-only scratch per calling thread (and per file): no malloc on the decode path.
- * Returns NULL on OOM. */
-static __thread void *tm_scratch_buf = NULL;
-static __thread size_t tm_scratch_cap = 0;
+/* A grow-only buffer: no malloc on the hot paths once it has grown. Returns NULL on OOM. */
+typedef struct {
+    void *p;
+    size_t cap;
+} tm_buf;
 
-static inline void *tm_scratch(size_t bytes) {
-    if (bytes > tm_scratch_cap) {
-        free(tm_scratch_buf);
-        tm_scratch_cap = (bytes + bytes / 2 + 63) & ~(size_t)63;
-        tm_scratch_buf = aligned_alloc(64, tm_scratch_cap);
-        if (!tm_scratch_buf) tm_scratch_cap = 0;
+static inline void *tm_buf_get(tm_buf *b, size_t bytes) {
+    if (bytes > b->cap) {
+        free(b->p);
+        b->cap = (bytes + bytes / 2 + 63) & ~(size_t)63;
+        b->p = aligned_alloc(64, b->cap);
+        if (!b->p) b->cap = 0;
     }
-    return tm_scratch_buf;
+    return b->p;
 }
+
+/* Scratch per calling thread (and per file). Returns NULL on OOM. */
+static __thread tm_buf tm_scratch_buf;
+static inline void *tm_scratch(size_t bytes) { return tm_buf_get(&tm_scratch_buf, bytes); }
 
 static inline float tm_scale_at(const void *p, int f16, size_t idx) {
     return f16 ? tm_half_to_float(((const uint16_t *)p)[idx]) : ((const float *)p)[idx];
@@ -176,6 +184,67 @@ static inline float tm_block_min(const tm_weight *w, int r, int b) {
     if (!w->mins) return 0.f;
     if (!w->dsup) return tm_scale_at(w->mins, w->scale_f16, i);
     return -(tm_half_to_float(w->msup[(size_t)r * (w->k / 256) + b / 8]) * ((const uint8_t *)w->mins)[i]);
+}
+
+/* ------------------------------------------------------------------------------ */
+/* The packed format's helpers, shared by linear.c and gemm.c (the format: linear.c) */
+/* ------------------------------------------------------------------------------ */
+
+static inline int zero_point(const tm_weight *w) {
+    return w->mins ? 0 : (w->bits == 4 ? 8 : w->bits == 6 ? 32 : 128);
+}
+
+static inline size_t row_bytes(const tm_weight *w) {
+    return (size_t)w->k * (size_t)w->bits / 8;
+}
+
+/* Lane-order position of value j of block b in a row of nb blocks (= 8-bit code byte). */
+static inline size_t lane_pos(int nb, int b, int j) {
+    const int full = nb / TM_GB * TM_GB;
+    if (b >= full) return (size_t)b * QK + j; /* tail: natural order */
+    return (size_t)(b / TM_GB) * GW + (size_t)(j >> 2) * 4 * TM_GB + (b % TM_GB) * 4 + (j & 3);
+}
+
+/* The 32 codes of tail block u (of nbt) in natural order, from the row's tail bytes. */
+static inline void tail_block_codes(const uint8_t *tail, int bits, int u, int nbt, uint8_t out[QK]) {
+    if (bits == 8) {
+        memcpy(out, tail + (size_t)QK * u, QK);
+        return;
+    }
+    const uint8_t *p = tail + QK * (u / 2); /* chunk u/2: 32 bytes, or 16 if a lone block */
+    if (u / 2 * 2 + 1 < nbt) {
+        const int shift = (u & 1) * 4; /* 64-value chunk: block 2q low nibbles, 2q+1 high */
+        for (int j = 0; j < QK; j++) out[j] = (p[j] >> shift) & 15;
+    } else {
+        for (int j = 0; j < QK / 2; j++) {
+            out[j] = p[j] & 15;
+            out[QK / 2 + j] = p[j] >> 4;
+        }
+    }
+}
+
+/* One 32-block of activations v to integers: q = round(v * qmax / amax), ties to even
+ * (qmax 127: 8-bit, 32767: 16-bit). Sets *dx = amax / qmax (the block's scale) and *sum
+ * = the exact float sum of v; returns the sum of q. The GEMV's and the GEMM's quantizers
+ * both use it, so both multiply the same integers. */
+static inline int32_t tm_quant_block(const float *v, float qmax, int16_t q[QK], float *dx, float *sum) {
+    vf mx = vf_zero(), sm = vf_zero();
+    for (int c = 0; c < QK; c += TM_W) {
+        const vf a = vf_load(v + c);
+        mx = vf_max(mx, vf_abs(a));
+        sm = vf_add(sm, a);
+    }
+    const float amax = vf_hmax(mx);
+    const vf inv = vf_set1(amax > 0.f ? qmax / amax : 0.f);
+    vi qs = vi_zero();
+    for (int c = 0; c < QK; c += TM_W) {
+        const vi qc = vi_round(vf_mul(vf_load(v + c), inv));
+        qs = vi_add(qs, qc);
+        vi_store_i16(q + c, qc);
+    }
+    *dx = amax / qmax;
+    *sum = vf_sum(sm);
+    return vi_sum(qs);
 }
 
 /* ------------------------------------------------------------------------------ */

@@ -8,14 +8,19 @@ float32 copy. Two kinds share the machinery here:
   FloatLinear (below)            float16, bfloat16 or float32 rows, as the file has them
 
 How a forward pass of x [T, in] runs:
-  T <= PREFILL_MIN_T (decode, small batches)
+  T small (decode, small batches)
       the native GEMV/small-T GEMM (kernels.linear): packed weights multiply quantized
       activations in exact integer arithmetic, float weights multiply float32 x.
-  T >  PREFILL_MIN_T (prefill)
+  T larger (prefill), packed weights, on builds whose integer GEMM is the prefill path
+  (kernels.gemm_prefill(): AVX2)
+      the integer GEMM (kernels.gemm): the same integers as the GEMV, int16 multiplies at
+      twice the multiply-adds per instruction of float32 FMAs; T >= GEMM_MIN_T.
+  T larger otherwise
       weight rows converted chunk by chunk to float32 tiles (kernels.dequant_lanes),
       multiplied by torch's float32 GEMM: within 1e-4 of the exact product on SmolLM2's
-      logits. (A bfloat16 GEMM ran a 512-token prefill 2x faster on AMX but moved logits
-      by up to 0.5, so that a prompt prefilled alone and in a batch continued differently.)
+      logits; T > PREFILL_MIN_T. (A bfloat16 GEMM ran a 512-token prefill 2x faster on AMX
+      but moved logits by up to 0.5, so that a prompt prefilled alone and in a batch
+      continued differently.)
   no native library
       the whole weight converted with torch ops, then F.linear (slow, exact).
 """
@@ -34,6 +39,10 @@ from tokenmill import kernels
 # SmolLM2's shapes (2 threads) the crossover lies between 64 and 96 rows
 # (re-measure with benchmarks/gemv.py --t).
 PREFILL_MIN_T = 80
+# From this many rows the integer GEMM beats the GEMV where it runs (on SmolLM2's and
+# Llama-3.2-1B's shapes, 2 threads, Zen 3: even at 32 rows, 1.2-1.4x at 64; re-measure
+# with benchmarks/gemv.py --t).
+GEMM_MIN_T = 40
 # Most bytes of float32 W per GEMM call in the prefill path: bounds the temporary (a
 # 49152-row un-embedding would be 56 MB); cache-sized 1-4 MB chunks measured no faster
 # than whole layers, since every call re-packs its operands.
@@ -98,9 +107,17 @@ class NativeLinear(nn.Module):
         if cw is None:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x, self.dequantize(), bias)
-        if x.shape[0] <= PREFILL_MIN_T:
-            return kernels.linear(cw, x, self.bias, getattr(self, "act_bits", 16))
+        act_bits = getattr(self, "act_bits", 16)
+        if x.shape[0] <= self.gemv_rows():
+            return kernels.linear(cw, x, self.bias, act_bits)
+        if self.lane_order and kernels.gemm_prefill():
+            return kernels.gemm(cw, x, self.bias, act_bits)
         return self._prefill(cw, x)
+
+    def gemv_rows(self) -> int:
+        """The most rows of x the native GEMV takes; more go to the prefill path (the
+        integer GEMM for packed weights where it runs, else float32 tiles)."""
+        return GEMM_MIN_T - 1 if self.lane_order and kernels.gemm_prefill() else PREFILL_MIN_T
 
     def _prefill(self, cw: kernels.TmWeight, x: torch.Tensor) -> torch.Tensor:
         """Many rows: float32 GEMM against W converted tile by tile; for packed weights
@@ -151,6 +168,7 @@ class SegmentedLinear(NativeLinear):
         super().__init__(parts[0].in_features, sum(p.out_features for p in parts), bias)
         self.parts = nn.ModuleList(parts)
         self.act_bits = getattr(parts[0], "act_bits", 16)
+        self.lane_order = all(p.lane_order for p in parts)  # all packed: one GEMV threshold
 
     def _make_native(self) -> kernels.TmWeight:
         # copies: each part's own TmWeight stays a single segment for standalone calls
@@ -167,7 +185,7 @@ class SegmentedLinear(NativeLinear):
 
     def _forward2d(self, x: torch.Tensor) -> torch.Tensor:
         cw = self._cw or self.native()
-        if cw is not None and x.shape[0] <= PREFILL_MIN_T:
+        if cw is not None and x.shape[0] <= self.gemv_rows():
             return kernels.linear(cw, x, self.bias, self.act_bits, self.out_features)
         y = torch.cat([p._forward2d(x) for p in self.parts], dim=1)
         return y if self.bias is None else y + self.bias.float()

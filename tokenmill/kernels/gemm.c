@@ -1,0 +1,259 @@
+/* The integer prefill GEMM: y [T, N] = x [T, K] @ W^T for packed weights and many rows
+ * of x (a prompt), in the GEMV's exact integer arithmetic (linear.c).
+ *
+ * Why: the other prefill path converts W to float32 tiles for torch's float32 GEMM, which
+ * is bound by the FMA units (8 multiply-adds per instruction on AVX2). vpmaddwd multiplies
+ * 16 pairs of int16 per instruction: on a Zen 3 core this micro-kernel runs ~60 G
+ * multiply-adds/s, float32 GEMM ~38 (benchmarks/README.md). The activations are the
+ * GEMV's own integers (tm_quant_block: 16-bit by default), the codes are exact, every block
+ * dot is an exact int32, so a prompt's rows get the same numbers as decode's GEMV up to
+ * the order of the float sums.
+ *
+ * Data flow of one call
+ *   x [T, K] float32 -> xq int16 [T, K] (natural order), dx [T, nb] block scales,
+ *                        sx [T, nb] float sums (for the mins)            (calling thread)
+ *   per tile of RT = GR * TM_W weight rows (one thread each):
+ *     codes - Z as int16, two per int32 ("pairs"): tw int32 [K/2, RT]: pair p of every row
+ *     side by side, so one vector load holds pair p of TM_W rows
+ *     unit scales td float [nu, RT] (a unit: a 32-block, or a 16-value half for 6-bit
+ *     codes, whose scales are per 16), mins tm float [nb, RT]
+ *   per NT tokens (micro-kernel): for each unit, S = 16 (8) steps of
+ *     s[g][t] += madd16(pair p of rows g, pair p of token t broadcast)     int32, exact
+ *   then acc[g][t] += s * (d_unit * dx_t) (+ m_block * sx_t): float, in registers.
+ *
+ * Exactness: |c - Z| <= 128 and |q| <= 32767, so a 32-value unit sums to < 2^31; 6-bit
+ * units are 16 values (|c - 32| <= 32).
+ */
+#include "tm.h"
+
+#define GR 2             /* row vectors per micro-tile */
+#define RT (GR * TM_W)   /* weight rows per tile: 16 on AVX2 */
+#define NT 3             /* tokens per micro-tile: 2 x 3 int32 + 2 x 3 float accumulators */
+#define TOKEN_PASS 1024  /* tokens per pass over the weights: their int16 rows stay in L3 */
+
+
+/* Whether this build sends prefill (T > PREFILL_MIN_T in layers/native_linear.py) to this
+ * GEMM rather than to float32 tiles: where it measured faster. AVX2 (vpmaddwd: 16 MACs per
+ * instruction); not NEON (smull + pairwise add: 8 MACs in 2 instructions, no faster than
+ * an FMA), not the scalar build, not AVX-512 (its float32 path and AMX are not measured
+ * against this). */
+int tm_gemm_prefill(void) { return TM_W == 8 && !TM_AVX512; }
+
+/* ------------------------------------------------------------------------------ */
+/* Weight tiles                                                                    */
+/* ------------------------------------------------------------------------------ */
+
+/* Codes 4i..4i+3 of the G blocks of full group g, vector i (lane order: block k's four
+ * codes at bytes 4k..4k+3), as unsigned bytes. */
+static inline void group_vector(const tm_weight *w, const uint8_t *row, int g, int i, uint8_t out[4 * TM_GB]) {
+    const int vb = 4 * TM_GB;
+    if (w->bits == 8) {
+        memcpy(out, row + (size_t)g * GW + i * vb, vb);
+    } else if (w->bits == 4) {
+        const uint8_t *p = row + (size_t)g * (GW / 2) + (i >> 1) * vb;
+        const int shift = (i & 1) * 4;
+        for (int e = 0; e < vb; e++) out[e] = (p[e] >> shift) & 15;
+    } else { /* 6-bit: low nibbles as a 4-bit group, then the top two bits */
+        const uint8_t *p = row + (size_t)g * (GW * 3 / 4);
+        const uint8_t *lo = p + (i >> 1) * vb, *hi = p + GW / 2 + (i >> 2) * vb;
+        const int ls = (i & 1) * 4, hs = 2 * (i & 3);
+        for (int e = 0; e < vb; e++) out[e] = ((lo[e] >> ls) & 15) | (((hi[e] >> hs) & 3) << 4);
+    }
+}
+
+/* Two codes minus the zero point as one int32 of two int16 (low half: the first). */
+static inline int32_t code_pair(const uint8_t *c, int z) {
+    return (int32_t)((uint32_t)(uint16_t)(c[0] - z) | (uint32_t)(uint16_t)(c[1] - z) << 16);
+}
+
+/* Row r's unit scales to td[u * RT], its block mins to tm[b * RT]. */
+static void tile_scales(const tm_weight *w, int r, float *td, float *tm) {
+    const int nb = w->k / QK;
+    if (w->bits == 6) { /* unit = half h of block k of group g: scale dsup * sc[g][h][k] */
+        const int8_t *sc = (const int8_t *)w->scales + (size_t)r * 2 * nb;
+        for (int b = 0; b < nb; b++) {
+            const float ds = tm_half_to_float(w->dsup[(size_t)r * (nb / 8) + b / 8]);
+            const int g = b / TM_GB, k = b % TM_GB;
+            for (int h = 0; h < 2; h++) td[(size_t)(2 * b + h) * RT] = ds * (float)sc[g * 2 * TM_GB + h * TM_GB + k];
+        }
+        return;
+    }
+    for (int b = 0; b < nb; b++) {
+        td[(size_t)b * RT] = tm_block_scale(w, r, b);
+        if (w->mins) tm[(size_t)b * RT] = tm_block_min(w, r, b);
+    }
+}
+
+/* Row r's codes minus the zero point as int16 pairs in natural order: pair p (values 2p,
+ * 2p + 1) to dst[p * RT]; its scales too (tile_scales). Plain C, ~1.1 ns per weight on
+ * Zen 3: about a tenth of a 512-token prefill's GEMM time. (Filling the tile a group of
+ * every row at a time, to keep the stores in L1, measured no faster: the time is the
+ * scalar unpacking; a SIMD widen-and-transpose is the next step.) */
+static void tile_row(const tm_weight *w, int r, int32_t *dst, float *td, float *tm) {
+    const int nb = w->k / QK, nfull = nb / TM_GB, nbt = nb % TM_GB, z = zero_point(w);
+    const uint8_t *row = w->codes + (size_t)r * row_bytes(w);
+    for (int g = 0; g < nfull; g++)
+        for (int i = 0; i < 8; i++) { /* value j = 4i + t of block k: pairs 2i, 2i + 1 */
+            uint8_t c[4 * TM_GB];
+            group_vector(w, row, g, i, c);
+            for (int k = 0; k < TM_GB; k++) {
+                const size_t p = (size_t)(g * TM_GB + k) * (QK / 2) + 2 * i;
+                const uint8_t *v = c + 4 * k;
+                dst[p * RT] = code_pair(v, z);
+                dst[(p + 1) * RT] = code_pair(v + 2, z);
+            }
+        }
+    const uint8_t *tail = row + (size_t)nfull * GW * w->bits / 8;
+    for (int u = 0; u < nbt; u++) {
+        uint8_t c[QK];
+        tail_block_codes(tail, w->bits, u, nbt, c);
+        const size_t p0 = (size_t)(nfull * TM_GB + u) * (QK / 2);
+        for (int j = 0; j < QK / 2; j++) dst[(p0 + j) * RT] = code_pair(c + 2 * j, z);
+    }
+    tile_scales(w, r, td, tm);
+}
+
+/* The tile of rows [r0, r0 + RT): rows past N are zero (they compute 0, never stored). */
+static void build_tile(const tm_weight *w, int r0, int32_t *tw, float *td, float *tm) {
+    const int nb = w->k / QK, nu = w->bits == 6 ? 2 * nb : nb;
+    for (int l = 0; l < RT; l++) {
+        if (r0 + l < w->n) {
+            tile_row(w, r0 + l, tw + l, td + l, tm + l);
+            continue;
+        }
+        for (int p = 0; p < w->k / 2; p++) tw[(size_t)p * RT + l] = 0;
+        for (int u = 0; u < nu; u++) td[(size_t)u * RT + l] = 0.f;
+        for (int b = 0; b < nb; b++) tm[(size_t)b * RT + l] = 0.f;
+    }
+}
+
+/* ------------------------------------------------------------------------------ */
+/* The micro-kernel: RT rows x n (<= NT) tokens over all of K                      */
+/* ------------------------------------------------------------------------------ */
+
+/* n tokens from the one whose row xq, dx, sx point at (row strides K and nb); n, SIX
+ * (6-bit: 16-value units) and MINS are constants after inlining. out: [n, RT]. (Slicing K
+ * so that a slice of the tile stays in L1 measured slower: the tile streams from L2 fine.) */
+static inline __attribute__((always_inline)) void micro(const int32_t *tw, const float *td, const float *tm,
+                                                        const int16_t *xq, const float *dx, const float *sx,
+                                                        int K, int n, int SIX, int MINS,
+                                                        float *out) {
+    const int nb = K / QK, S = SIX ? QK / 4 : QK / 2, upb = SIX ? 2 : 1; /* steps, units per block */
+    const int32_t *xp[NT];
+    for (int t = 0; t < n; t++) xp[t] = (const int32_t *)(xq + (size_t)t * K);
+    vf acc[GR][NT];
+    for (int g = 0; g < GR; g++)
+        for (int t = 0; t < n; t++) acc[g][t] = vf_zero();
+    for (int b = 0; b < nb; b++) {
+        for (int h = 0; h < upb; h++) {
+            const int u = b * upb + h;
+            const int32_t *wu = tw + (size_t)u * S * RT;
+            const size_t pu = (size_t)u * S;
+            vi s[GR][NT];
+            for (int g = 0; g < GR; g++)
+                for (int t = 0; t < n; t++) s[g][t] = vi_zero();
+#pragma GCC unroll 1 /* unrolled, gcc computes all products first and spills them */
+            for (int st = 0; st < S; st++) {
+                vi wv[GR];
+                for (int g = 0; g < GR; g++) wv[g] = vi_load(wu + st * RT + g * TM_W);
+                for (int t = 0; t < n; t++) {
+                    const int32_t x2 = xp[t][pu + st];
+                    for (int g = 0; g < GR; g++) s[g][t] = vi_madd16(s[g][t], wv[g], x2);
+                }
+            }
+            for (int g = 0; g < GR; g++) {
+                const vf d = vf_load(td + (size_t)u * RT + g * TM_W);
+                for (int t = 0; t < n; t++)
+                    acc[g][t] = vf_fma(vf_from_vi(s[g][t]), vf_mul(d, vf_set1(dx[(size_t)t * nb + b])), acc[g][t]);
+            }
+        }
+        if (MINS)
+            for (int g = 0; g < GR; g++) {
+                const vf m = vf_load(tm + (size_t)b * RT + g * TM_W);
+                for (int t = 0; t < n; t++) acc[g][t] = vf_fma(m, vf_set1(sx[(size_t)t * nb + b]), acc[g][t]);
+            }
+    }
+    for (int t = 0; t < n; t++)
+        for (int g = 0; g < GR; g++) vf_store(out + t * RT + g * TM_W, acc[g][t]);
+}
+
+typedef void (*micro_fn)(const int32_t *, const float *, const float *, const int16_t *, const float *,
+                         const float *, int, float *);
+#define DEF_MICRO(N, SIX, MINS)                                                                          \
+    static void micro_##N##_##SIX##_##MINS(const int32_t *tw, const float *td, const float *tm,          \
+                                           const int16_t *xq, const float *dx, const float *sx, int K,   \
+                                           float *out) {                                                 \
+        micro(tw, td, tm, xq, dx, sx, K, N, SIX, MINS, out);                                             \
+    }
+#define DEF_MICRO_N(SIX, MINS) DEF_MICRO(1, SIX, MINS) DEF_MICRO(2, SIX, MINS) DEF_MICRO(3, SIX, MINS)
+DEF_MICRO_N(0, 0)
+DEF_MICRO_N(0, 1)
+DEF_MICRO_N(1, 0)
+/* [six][mins][n - 1] (6-bit codes have no mins) */
+static const micro_fn MICRO[2][2][NT] = {
+    {{micro_1_0_0, micro_2_0_0, micro_3_0_0}, {micro_1_0_1, micro_2_0_1, micro_3_0_1}},
+    {{micro_1_1_0, micro_2_1_0, micro_3_1_0}, {micro_1_1_0, micro_2_1_0, micro_3_1_0}},
+};
+
+/* ------------------------------------------------------------------------------ */
+/* The entry point                                                                 */
+/* ------------------------------------------------------------------------------ */
+
+static __thread tm_buf act_buf;  /* the calling thread's int16 activations */
+static __thread tm_buf tile_buf; /* each thread's weight tile */
+
+/* y [T, N] = x [T, K] @ W^T (+ bias) for packed weights (bits 4, 6 or 8; one segment),
+ * activations quantized per 32-block to 16 bits if act16, else to the 8-bit range.
+ * Returns 1, 0 on OOM, -1 for weights it does not take (float, 6-bit rows not in whole
+ * groups). */
+int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads, int act16) {
+    if (w->bits != 4 && w->bits != 6 && w->bits != 8) return -1;
+    const int K = w->k, N = w->n, nb = K / QK, six = w->bits == 6;
+    if (six && (!w->dsup || nb % TM_GB)) return -1;
+    /* ---- x -> int16 [T, K], dx and sx [T, nb] ---- */
+    const size_t qbytes = ((size_t)T * K * 2 + 63) & ~(size_t)63, fbytes = (size_t)T * nb * 4;
+    char *abuf = tm_buf_get(&act_buf, qbytes + 2 * fbytes);
+    if (!abuf) return 0;
+    int16_t *xq = (int16_t *)abuf;
+    float *dx = (float *)(abuf + qbytes), *sx = dx + (size_t)T * nb;
+    const float qmax = act16 ? 32767.f : 127.f;
+    int nt = tm_threads(nthreads);
+    (void)nt;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int t = 0; t < T; t++)
+        for (int b = 0; b < nb; b++) {
+            const size_t o = (size_t)t * K + (size_t)b * QK, i = (size_t)t * nb + b;
+            tm_quant_block(x + o, qmax, xq + o, dx + i, sx + i);
+        }
+    /* ---- tiles of RT rows, one thread each, every token ---- */
+    const int ntiles = (N + RT - 1) / RT, nu = six ? 2 * nb : nb;
+    const size_t twords = (size_t)K / 2 * RT, tfloats = (size_t)(nu + nb) * RT;
+    const micro_fn *mk = MICRO[six][w->mins != NULL];
+    int oom = 0;
+    nt = nt < ntiles ? nt : ntiles;
+    for (int tp = 0; tp < T; tp += TOKEN_PASS) {
+        const int tend = T - tp < TOKEN_PASS ? T : tp + TOKEN_PASS;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+        for (int tile = 0; tile < ntiles; tile++) {
+            int32_t *tw = tm_buf_get(&tile_buf, twords * 4 + tfloats * 4);
+            if (!tw) {
+                oom = 1;
+                continue;
+            }
+            float *td = (float *)(tw + twords), *tm = td + (size_t)nu * RT;
+            const int r0 = tile * RT, rows = N - r0 < RT ? N - r0 : RT;
+            build_tile(w, r0, tw, td, tm);
+            float out[NT * RT];
+            for (int t0 = tp; t0 < tend; t0 += NT) {
+                const int n = tend - t0 < NT ? tend - t0 : NT;
+                const size_t ti = (size_t)t0 * nb;
+                mk[n - 1](tw, td, tm, xq + (size_t)t0 * K, dx + ti, sx + ti, K, out);
+                for (int t = 0; t < n; t++) {
+                    float *yr = y + (size_t)(t0 + t) * N + r0;
+                    for (int l = 0; l < rows; l++) yr[l] = out[t * RT + l] + (bias ? bias[r0 + l] : 0.f);
+                }
+            }
+        }
+    }
+    return oom ? 0 : 1;
+}
