@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as GT
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
-from kernel_builds import BUILDS, use_build
+from kernel_builds import BUILDS, library_for, use_build
 
 from tokenmill import kernels
 from tokenmill.kernels import build
@@ -284,6 +284,29 @@ def test_integer_gemm_matches_reference_and_gemv(kbuild, qtype, act_bits):
             assert ((y.double() - kernel_reference(layer, x, act_bits)).abs() <= 1e-5 * scale).all()
             gemv = kernels.linear(cw, x, layer.bias, act_bits)
             assert ((y - gemv).double().abs() <= 1e-6 * scale).all(), (n, k, t)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 targets")
+def test_integer_gemm_plain_c_tiles(monkeypatch):
+    """The plain-C tile builder (every block on AVX-512 builds, the tails elsewhere), forced
+    on an AVX2 build (GEMM_SCALAR_TILES): the same integers as the reference."""
+    library_for("x86-64-v3")  # skips where the host cannot run AVX2
+    try:
+        lib = kernels.load(("-march=x86-64-v3", "-DGEMM_SCALAR_TILES"))
+    except (kernels.BuildError, OSError) as e:
+        pytest.skip(f"cannot build: {e}")
+    monkeypatch.setattr(kernels, "_lib", lib)
+    monkeypatch.setattr(kernels, "_tried", True)
+    torch.manual_seed(8)
+    for qtype in [GT.Q4_0, GT.Q8_0, GT.Q5_1, GT.Q4_K, GT.Q6_K]:
+        n, k = (17, 2048 + 256) if qtype in (GT.Q4_K, GT.Q6_K) else (17, 1024 + 480)
+        layer = QuantLinear.from_gguf(gguf_bytes(qtype, n, k), qtype, n, k, bias=torch.randn(n))
+        x = torch.randn(5, k)
+        err = (
+            kernels.gemm(layer.native(), x, layer.bias, 16).double()
+            - kernel_reference(layer, x, 16)
+        ).abs()
+        assert (err <= 1e-5 * dot_error_scale(layer, x)).all(), qtype
 
 
 def test_prefill_rows_take_the_path_the_build_names(kbuild, monkeypatch):

@@ -43,24 +43,6 @@ int tm_gemm_prefill(void) { return TM_W == 8 && !TM_AVX512; }
 /* Weight tiles                                                                    */
 /* ------------------------------------------------------------------------------ */
 
-/* Codes 4i..4i+3 of the G blocks of full group g, vector i (lane order: block k's four
- * codes at bytes 4k..4k+3), as unsigned bytes. */
-static inline void group_vector(const tm_weight *w, const uint8_t *row, int g, int i, uint8_t out[4 * TM_GB]) {
-    const int vb = 4 * TM_GB;
-    if (w->bits == 8) {
-        memcpy(out, row + (size_t)g * GW + i * vb, vb);
-    } else if (w->bits == 4) {
-        const uint8_t *p = row + (size_t)g * (GW / 2) + (i >> 1) * vb;
-        const int shift = (i & 1) * 4;
-        for (int e = 0; e < vb; e++) out[e] = (p[e] >> shift) & 15;
-    } else { /* 6-bit: low nibbles as a 4-bit group, then the top two bits */
-        const uint8_t *p = row + (size_t)g * (GW * 3 / 4);
-        const uint8_t *lo = p + (i >> 1) * vb, *hi = p + GW / 2 + (i >> 2) * vb;
-        const int ls = (i & 1) * 4, hs = 2 * (i & 3);
-        for (int e = 0; e < vb; e++) out[e] = ((lo[e] >> ls) & 15) | (((hi[e] >> hs) & 3) << 4);
-    }
-}
-
 /* Two codes minus the zero point as one int32 of two int16 (low half: the first). */
 static inline int32_t code_pair(const uint8_t *c, int z) {
     return (int32_t)((uint32_t)(uint16_t)(c[0] - z) | (uint32_t)(uint16_t)(c[1] - z) << 16);
@@ -84,46 +66,67 @@ static void tile_scales(const tm_weight *w, int r, float *td, float *tm) {
     }
 }
 
-/* Row r's codes minus the zero point as int16 pairs in natural order: pair p (values 2p,
- * 2p + 1) to dst[p * RT]; its scales too (tile_scales). Plain C, ~1.1 ns per weight on
- * Zen 3: about a tenth of a 512-token prefill's GEMM time. (Filling the tile a group of
- * every row at a time, to keep the stores in L1, measured no faster: the time is the
- * scalar unpacking; a SIMD widen-and-transpose is the next step.) */
-static void tile_row(const tm_weight *w, int r, int32_t *dst, float *td, float *tm) {
-    const int nb = w->k / QK, nfull = nb / TM_GB, nbt = nb % TM_GB, z = zero_point(w);
-    const uint8_t *row = w->codes + (size_t)r * row_bytes(w);
-    for (int g = 0; g < nfull; g++)
-        for (int i = 0; i < 8; i++) { /* value j = 4i + t of block k: pairs 2i, 2i + 1 */
-            uint8_t c[4 * TM_GB];
-            group_vector(w, row, g, i, c);
-            for (int k = 0; k < TM_GB; k++) {
-                const size_t p = (size_t)(g * TM_GB + k) * (QK / 2) + 2 * i;
-                const uint8_t *v = c + 4 * k;
-                dst[p * RT] = code_pair(v, z);
-                dst[(p + 1) * RT] = code_pair(v + 2, z);
-            }
-        }
-    const uint8_t *tail = row + (size_t)nfull * GW * w->bits / 8;
-    for (int u = 0; u < nbt; u++) {
-        uint8_t c[QK];
-        tail_block_codes(tail, w->bits, u, nbt, c);
-        const size_t p0 = (size_t)(nfull * TM_GB + u) * (QK / 2);
-        for (int j = 0; j < QK / 2; j++) dst[(p0 + j) * RT] = code_pair(c + 2 * j, z);
+/* The 32 codes of block b of a row in natural order (lane order undone), any build. */
+static void block_codes(const tm_weight *w, const uint8_t *row, int b, uint8_t out[QK]) {
+    const int nb = w->k / QK, nfull = nb / TM_GB;
+    if (b >= nfull * TM_GB) {
+        tail_block_codes(row + (size_t)nfull * GW * w->bits / 8, w->bits, b - nfull * TM_GB, nb % TM_GB, out);
+        return;
     }
-    tile_scales(w, r, td, tm);
+    for (int j = 0; j < QK; j++) { /* byte / nibble / crumb of lane-order position p */
+        const size_t p = lane_pos(nb, b, j) - (size_t)(b / TM_GB) * GW, i = p / (4 * TM_GB), e = p % (4 * TM_GB);
+        const size_t vbytes = 4 * TM_GB;
+        if (w->bits == 8) {
+            out[j] = row[(size_t)(b / TM_GB) * GW + p];
+        } else if (w->bits == 4) {
+            out[j] = (row[(size_t)(b / TM_GB) * (GW / 2) + (i >> 1) * vbytes + e] >> ((i & 1) * 4)) & 15;
+        } else {
+            const uint8_t *g = row + (size_t)(b / TM_GB) * (GW * 3 / 4);
+            out[j] = ((g[(i >> 1) * vbytes + e] >> ((i & 1) * 4)) & 15) | (((g[GW / 2 + (i >> 2) * vbytes + e] >> (2 * (i & 3))) & 3) << 4);
+        }
+    }
 }
 
-/* The tile of rows [r0, r0 + RT): rows past N are zero (they compute 0, never stored). */
+/* The tile of rows [r0, r0 + RT): codes minus the zero point as int16 pairs in natural
+ * order, pair p (values 2p, 2p + 1) of row r0 + l at tw[p * RT + l], unit scales at
+ * td[u * RT + l], block mins at tm[b * RT + l]. Rows past N repeat row N - 1 (computed,
+ * never stored). Full groups: the code vectors of TM_W rows widened to pairs and
+ * transposed in registers, so that the tile is written a vector at a time (plain C
+ * took 1.1 ns per weight on Zen 3, ~10% of a 512-token prefill and ~30% at 128 tokens). */
 static void build_tile(const tm_weight *w, int r0, int32_t *tw, float *td, float *tm) {
-    const int nb = w->k / QK, nu = w->bits == 6 ? 2 * nb : nb;
-    for (int l = 0; l < RT; l++) {
-        if (r0 + l < w->n) {
-            tile_row(w, r0 + l, tw + l, td + l, tm + l);
-            continue;
+    const int nb = w->k / QK, z = zero_point(w);
+    const size_t rb = row_bytes(w);
+    const uint8_t *rp[RT];
+    for (int l = 0; l < RT; l++) rp[l] = w->codes + (size_t)(r0 + l < w->n ? r0 + l : w->n - 1) * rb;
+    int b0 = 0; /* the blocks before b0 are in the tile */
+#if !TM_AVX512 && !defined(GEMM_SCALAR_TILES) /* (the define: to test block_codes off AVX-512) */
+    const int nfull = nb / TM_GB;
+    for (int s = 0; s < GR; s++) /* TM_W rows at a time */
+        for (int g = 0; g < nfull; g++) {
+            vb c[TM_W][8];
+            for (int l = 0; l < TM_W; l++) tm_group_codes(rp[s * TM_W + l], g, w->bits, c[l]);
+            for (int i = 0; i < 8; i++) { /* codes 4i..4i+3 of block k: pairs 2i, 2i + 1 */
+                vi even[TM_W], odd[TM_W];
+                for (int l = 0; l < TM_W; l++) vb_widen_pairs(c[l][i], z, &even[l], &odd[l]);
+                vi_transpose(even); /* lane l: row l */
+                vi_transpose(odd);
+                for (int k = 0; k < TM_W; k++) {
+                    int32_t *d = tw + ((size_t)(g * TM_W + k) * (QK / 2) + 2 * i) * RT + s * TM_W;
+                    vi_store(d, even[k]);
+                    vi_store(d + RT, odd[k]);
+                }
+            }
         }
-        for (int p = 0; p < w->k / 2; p++) tw[(size_t)p * RT + l] = 0;
-        for (int u = 0; u < nu; u++) td[(size_t)u * RT + l] = 0.f;
-        for (int b = 0; b < nb; b++) tm[(size_t)b * RT + l] = 0.f;
+    b0 = nfull * TM_GB;
+#endif
+    for (int l = 0; l < RT; l++) {
+        for (int b = b0; b < nb; b++) { /* the tail blocks (every block on AVX-512 builds) */
+            uint8_t c[QK];
+            block_codes(w, rp[l], b, c);
+            int32_t *d = tw + (size_t)b * (QK / 2) * RT + l;
+            for (int j = 0; j < QK / 2; j++) d[j * RT] = code_pair(c + 2 * j, z);
+        }
+        tile_scales(w, r0 + l < w->n ? r0 + l : w->n - 1, td + l, tm + l);
     }
 }
 

@@ -203,11 +203,8 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
         vf acc[TCHUNK];
         for (int t = 0; t < T; t++) acc[t] = vf_zero();
         for (int g = 0; g < nfull && bits == 6; g++) { /* Q6_K: two halves per block */
-            const uint8_t *p = row + (size_t)g * (GW * 3 / 4);
             vb c[8];
-            for (int i = 0; i < 4; i++) vb_nibbles(vb_load(p + i * 4 * TM_GB), &c[2 * i], &c[2 * i + 1]);
-            vb_add_crumbs(c, vb_load(p + GW / 2));
-            vb_add_crumbs(c + 4, vb_load(p + GW / 2 + 4 * TM_GB));
+            tm_group_codes(row, g, 6, c);
             const vf dsup = vf_set1(tm_half_to_float(w->dsup[(size_t)r * (nb / 8) + (size_t)g * TM_GB / 8]));
             const int8_t *sc = (const int8_t *)w->scales + (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB;
             const vf d0 = vf_mul(vf_load_i8(sc), dsup), d1 = vf_mul(vf_load_i8(sc + TM_GB), dsup);
@@ -224,13 +221,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
         }
         for (int g = 0; g < nfull && bits != 6; g++) {
             vb c[8];
-            if (bits == 4) {
-                const uint8_t *p = row + (size_t)g * (GW / 2);
-                for (int i = 0; i < 4; i++) vb_nibbles(vb_load(p + i * 4 * TM_GB), &c[2 * i], &c[2 * i + 1]);
-            } else {
-                const uint8_t *p = row + (size_t)g * GW;
-                for (int i = 0; i < 8; i++) c[i] = vb_load(p + i * 4 * TM_GB);
-            }
+            tm_group_codes(row, g, bits, c);
             vf d, m = vf_zero();
             if (w->dsup) { /* K-quant: codes times the super-block's scale (256 values) */
                 const size_t su = (size_t)r * (nb / 8) + (size_t)g * TM_GB / 8;

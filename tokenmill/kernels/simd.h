@@ -19,13 +19,16 @@
  *                         vf_hsums(v[TM_W]) (lane u = the sum of v[u]),
  *                         vf_load_f16 / vf_load_bf16 (TM_W 16-bit floats -> float32),
  *                         vf_load_u8 / vf_load_i8 (TM_W unsigned / signed bytes -> float32)
- *   vi   TM_W int32       vi_zero vi_load vi_add vi_sub vi_sum, vf_from_vi, vi_round
+ *   vi   TM_W int32       vi_zero vi_load vi_store vi_add vi_sub vi_sum, vf_from_vi, vi_round
  *                         (float -> int32, ties to even), vf_pow2i (2^n), vi_store_i16,
  *                         vi_madd16(acc, w, x2): acc + per lane the lane's two int16 times
- *                         x2's two int16 (low half times low half, high times high), summed
+ *                         x2's two int16 (low half times low half, high times high), summed;
+ *                         vi_transpose(v[TM_W]): v[k] lane l <- v[l] lane k
  *   vb   4*TM_W bytes     vb_load, vb_nibbles (low and high 4 bits of every byte),
  *                         vb_add_crumbs(c[4], v) (c[s] |= bits 2s..2s+1 of v at bits 4..5:
- *                         the top bits of 6-bit codes)
+ *                         the top bits of 6-bit codes), vb_widen_pairs(c, z, &even, &odd)
+ *                         (codes minus z as int16 pairs: lane k of even = codes 4k, 4k+1,
+ *                         of odd = 4k+2, 4k+3; the first of a pair in the low half)
  *   group_dot(c, n, xh, xl, bits) -> vi: the integer core of the packed GEMV. c: n (<= 8)
  *                         code vectors (vb, unsigned codes of `bits` 4, 6 or 8); xh / xl: the 16-bit
  *                         activations q = 256 hi + lo at the same positions, as signed high

@@ -59,6 +59,7 @@ static inline vf vf_load_bf16(const uint16_t *p) {
 
 static inline vi vi_zero(void) { return _mm256_setzero_si256(); }
 static inline vi vi_load(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline void vi_store(int32_t *p, vi a) { _mm256_storeu_si256((__m256i *)p, a); }
 static inline vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
 static inline vi vi_sub(vi a, vi b) { return _mm256_sub_epi32(a, b); }
 static inline int32_t vi_sum(vi a) {
@@ -81,11 +82,41 @@ static inline vi vi_madd16(vi acc, vi w, int32_t x2) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_set1_epi32(x2)));
 }
 
+/* 8x8 int32 transpose in place: v[k] lane l <- v[l] lane k */
+static inline void vi_transpose(vi v[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+        v[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+    }
+}
+
 static inline vb vb_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
     const __m256i m = _mm256_set1_epi8(0x0f);
     *lo = _mm256_and_si256(v, m);
     *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+}
+
+/* Codes minus z as int16 pairs: lane k of *even = codes 4k, 4k+1 of c, of *odd = 4k+2, 4k+3
+ * (the first of each pair in the low half) */
+static inline void vb_widen_pairs(vb c, int z, vi *even, vi *odd) {
+    const __m256i zz = _mm256_set1_epi16((short)z), idx = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m256i lo = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(c)), zz);
+    const __m256i hi = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(c, 1)), zz);
+    const __m256i a = _mm256_permutevar8x32_epi32(lo, idx), b = _mm256_permutevar8x32_epi32(hi, idx);
+    *even = _mm256_permute2x128_si256(a, b, 0x20); /* blocks 0-3 | 4-7 */
+    *odd = _mm256_permute2x128_si256(a, b, 0x31);
 }
 
 /* c[s] |= bits 2s..2s+1 of v, moved to bits 4..5 (s = 0..3): the top two bits of four

@@ -58,6 +58,7 @@ static inline vf vf_load_bf16(const uint16_t *p) { return vreinterpretq_f32_u32(
 
 static inline vi vi_zero(void) { return vdupq_n_s32(0); }
 static inline vi vi_load(const int32_t *p) { return vld1q_s32(p); }
+static inline void vi_store(int32_t *p, vi a) { vst1q_s32(p, a); }
 static inline vi vi_add(vi a, vi b) { return vaddq_s32(a, b); }
 static inline vi vi_sub(vi a, vi b) { return vsubq_s32(a, b); }
 static inline int32_t vi_sum(vi a) { return vaddvq_s32(a); }
@@ -67,6 +68,15 @@ static inline vf vf_pow2i(vi n) {
     return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(n, vdupq_n_s32(127)), 23));
 }
 static inline void vi_store_i16(int16_t *p, vi a) { vst1_s16(p, vmovn_s32(a)); }
+/* 4x4 int32 transpose in place: v[k] lane l <- v[l] lane k */
+static inline void vi_transpose(vi v[4]) {
+    const int32x4_t t0 = vtrn1q_s32(v[0], v[1]), t1 = vtrn2q_s32(v[0], v[1]);
+    const int32x4_t t2 = vtrn1q_s32(v[2], v[3]), t3 = vtrn2q_s32(v[2], v[3]);
+    v[0] = vreinterpretq_s32_s64(vtrn1q_s64(vreinterpretq_s64_s32(t0), vreinterpretq_s64_s32(t2)));
+    v[1] = vreinterpretq_s32_s64(vtrn1q_s64(vreinterpretq_s64_s32(t1), vreinterpretq_s64_s32(t3)));
+    v[2] = vreinterpretq_s32_s64(vtrn2q_s64(vreinterpretq_s64_s32(t0), vreinterpretq_s64_s32(t2)));
+    v[3] = vreinterpretq_s32_s64(vtrn2q_s64(vreinterpretq_s64_s32(t1), vreinterpretq_s64_s32(t3)));
+}
 /* acc + per lane: the lane's two int16 times x2's two int16, summed (smull, pairwise add) */
 static inline vi vi_madd16(vi acc, vi w, int32_t x2) {
     const int16x8_t a = vreinterpretq_s16_s32(w), b = vreinterpretq_s16_s32(vdupq_n_s32(x2));
@@ -74,6 +84,15 @@ static inline vi vi_madd16(vi acc, vi w, int32_t x2) {
 }
 
 static inline vb vb_load(const void *p) { return vld1q_u8((const uint8_t *)p); }
+/* Codes minus z as int16 pairs: lane k of *even = codes 4k, 4k+1 of c, of *odd = 4k+2, 4k+3 */
+static inline void vb_widen_pairs(vb c, int z, vi *even, vi *odd) {
+    const int16x8_t zz = vdupq_n_s16((int16_t)z);
+    const int32x4_t lo = vreinterpretq_s32_s16(vsubq_s16(vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(c))), zz));
+    const int32x4_t hi = vreinterpretq_s32_s16(vsubq_s16(vreinterpretq_s16_u16(vmovl_high_u8(c)), zz));
+    *even = vuzp1q_s32(lo, hi);
+    *odd = vuzp2q_s32(lo, hi);
+}
+
 /* c[s] |= bits 2s..2s+1 of v, moved to bits 4..5 (s = 0..3) */
 static inline void vb_add_crumbs(vb c[4], vb v) {
     const uint8x16_t m = vdupq_n_u8(0x30);

@@ -52,6 +52,9 @@ static inline vf vf_load_bf16(const uint16_t *p) { TM_MAP(vf, tm_bf16_to_float(p
 
 static inline vi vi_zero(void) { TM_MAP(vi, 0); }
 static inline vi vi_load(const int32_t *p) { TM_MAP(vi, p[i]); }
+static inline void vi_store(int32_t *p, vi a) {
+    for (int i = 0; i < 4; i++) p[i] = a.v[i];
+}
 static inline vi vi_add(vi a, vi b) { TM_MAP(vi, a.v[i] + b.v[i]); }
 static inline vi vi_sub(vi a, vi b) { TM_MAP(vi, a.v[i] - b.v[i]); }
 static inline int32_t vi_sum(vi a) { return a.v[0] + a.v[1] + a.v[2] + a.v[3]; }
@@ -78,6 +81,23 @@ static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
         lo->v[i] = v.v[i] & 15;
         hi->v[i] = v.v[i] >> 4;
     }
+}
+
+/* Codes minus z as int16 pairs: lane k of *even = codes 4k, 4k+1 of c, of *odd = 4k+2, 4k+3 */
+static inline void vb_widen_pairs(vb c, int z, vi *even, vi *odd) {
+    for (int k = 0; k < 4; k++) {
+        const uint8_t *q = c.v + 4 * k;
+        even->v[k] = (int32_t)((uint32_t)(uint16_t)(q[0] - z) | (uint32_t)(uint16_t)(q[1] - z) << 16);
+        odd->v[k] = (int32_t)((uint32_t)(uint16_t)(q[2] - z) | (uint32_t)(uint16_t)(q[3] - z) << 16);
+    }
+}
+
+/* 4x4 int32 transpose in place: v[k] lane l <- v[l] lane k */
+static inline void vi_transpose(vi v[4]) {
+    vi t[4];
+    for (int k = 0; k < 4; k++)
+        for (int l = 0; l < 4; l++) t[k].v[l] = v[l].v[k];
+    for (int k = 0; k < 4; k++) v[k] = t[k];
 }
 
 /* c[s] |= bits 2s..2s+1 of v, moved to bits 4..5 (s = 0..3) */

@@ -223,6 +223,23 @@ static inline void tail_block_codes(const uint8_t *tail, int bits, int u, int nb
     }
 }
 
+#if !TM_AVX512 /* a code vector (vb) holds one lane-order vector of a group: TM_GB == TM_W */
+/* The 8 code vectors of full group g of a packed row: lane k of vector i holds codes
+ * 4i..4i+3 of block k (4-bit: the nibble split; 6-bit: low nibbles plus the top bits). */
+static inline void tm_group_codes(const uint8_t *row, int g, int bits, vb c[8]) {
+    if (bits == 8) {
+        for (int i = 0; i < 8; i++) c[i] = vb_load(row + (size_t)g * GW + i * 4 * TM_GB);
+        return;
+    }
+    const uint8_t *p = row + (size_t)g * (bits == 6 ? GW * 3 / 4 : GW / 2);
+    for (int i = 0; i < 4; i++) vb_nibbles(vb_load(p + i * 4 * TM_GB), &c[2 * i], &c[2 * i + 1]);
+    if (bits == 6) {
+        vb_add_crumbs(c, vb_load(p + GW / 2));
+        vb_add_crumbs(c + 4, vb_load(p + GW / 2 + 4 * TM_GB));
+    }
+}
+#endif
+
 /* One 32-block of activations v to integers: q = round(v * qmax / amax), ties to even
  * (qmax 127: 8-bit, 32767: 16-bit). Sets *dx = amax / qmax (the block's scale) and *sum
  * = the exact float sum of v; returns the sum of q. The GEMV's and the GEMM's quantizers
