@@ -13,8 +13,11 @@ Methods:
   fp32        F.linear on float32 weights (tokenmill's path before quantization)
   bf16        F.linear on bfloat16 weights and activations (oneDNN)
   int8pack    torch._weight_int8pack_mm (int8 weights, per-row scales)
-  q4 / q8     QuantLinear from GGUF Q4_1 / Q8_0 blocks: int8 VNNI kernel for
-              T <= PREFILL_MIN_T, dequantize-to-float32 + GEMM above it
+  q4 / q8     QuantLinear from GGUF Q4_1 / Q8_0 blocks, as the layer routes them: the
+              native GEMV up to layer.gemv_rows() rows, then the integer GEMM (builds
+              where kernels.gemm_prefill(): AVX2) or dequantize-to-float32 + GEMM
+  q4-gemm     the integer GEMM (kernels.gemm) at any T, any build
+  q4-tiles    the float32-tile path (dequantize + torch GEMM) at any T
 
 --cpu-time times with the calling thread's CPU clock: robust against other processes
 on a shared machine, but only meaningful with --threads 1.
@@ -33,6 +36,7 @@ from gguf import GGMLQuantizationType as GT
 from gguf.quants import quantize
 
 from tokenmill import kernels
+from tokenmill.layers.native_linear import GEMM_MIN_T
 from tokenmill.layers.quant_linear import PREFILL_MIN_T, QuantLinear
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576), (2048, 2048)]
@@ -70,12 +74,19 @@ def methods(n: int, k: int, t: int) -> dict[str, tuple[callable, int]]:
     w8 = torch.round(w / scale[:, None]).to(torch.int8)
     q4 = QuantLinear.from_gguf(quantize(w.numpy(), GT.Q4_1), GT.Q4_1, n, k)
     q8 = QuantLinear.from_gguf(quantize(w.numpy(), GT.Q8_0), GT.Q8_0, n, k)
+    native = {}
+    if kernels.library() is not None:
+        native = {
+            "q4-gemm": (lambda: kernels.gemm(q4.native(), x, None, q4.act_bits), q4.nbytes),
+            "q4-tiles": (lambda: q4._prefill(q4.native(), x), q4.nbytes),
+        }
     return {
         "fp32": (lambda: F.linear(x, w), w.numel() * 4),
         "bf16": (lambda: F.linear(xb, wb), wb.numel() * 2),
         "int8pack": (lambda: torch._weight_int8pack_mm(x, w8, scale), w8.numel() + n * 4),
         "q4": (lambda: q4(x), q4.nbytes),
         "q8": (lambda: q8(x), q8.nbytes),
+        **native,
     }
 
 
@@ -94,7 +105,8 @@ def main() -> None:
     native = kernels.library() is not None
     print(
         f"threads {torch.get_num_threads()}, clock {clock.__name__}, native kernels {native}"
-        f" (kernels {kernels.isa()}), PREFILL_MIN_T {PREFILL_MIN_T}"
+        f" (kernels {kernels.isa()}, integer GEMM for prefill: {kernels.gemm_prefill()}),"
+        f" PREFILL_MIN_T {PREFILL_MIN_T}, GEMM_MIN_T {GEMM_MIN_T}"
     )
     copy, total = bandwidth(clock, 3)
     print(f"memory bandwidth (256 MB): copy {copy:.1f} GB/s (read+write), sum {total:.1f} GB/s\n")

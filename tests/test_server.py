@@ -110,6 +110,8 @@ def test_health_models_and_metrics(base_url, client):
     # which code runs: the server (same machine, same environment) names the kernels' ISA
     [info] = [ln for ln in text.splitlines() if ln.startswith("tokenmill_build_info{")]
     assert f'kernels="{kernels.isa()}"' in info and 'weights="gguf"' in info
+    prefill = "integer GEMM" if kernels.gemm_prefill() else "float32 tiles"
+    assert f'prefill="{prefill}"' in info
     assert info.endswith("} 1")
 
 

@@ -303,6 +303,7 @@ class TerminalView:
             f"{m['num_heads']} query heads / {m['num_kv_heads']} K/V heads of {m['head_dim']} dims · "
             f"MLP {m['intermediate_size']} ({m['mlp']}, {m['activation']}) · vocab {m['vocab_size']:,} · "
             f"{m['dtype']} · weights {m.get('weights', '?')} · kernels {m.get('kernels', '?')}"
+            f" · prefill {m.get('prefill', '?')}"
         )
         if "decode_path" in m:
             self.console.print(

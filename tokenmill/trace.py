@@ -347,6 +347,7 @@ class Trace:
             "dtype": engine.info["dtype"],
             "weights": engine.info["weights"],
             "kernels": engine.info["kernels"],
+            "prefill": engine.info["prefill"],
             # what an untraced decode step would run (a traced one runs the torch path)
             "decode_path": path.name,
             "decode_path_reason": path.reason,

@@ -27,6 +27,7 @@ class ModelRecord(TypedDict):
     dtype: str
     weights: str  # models/quantize.py's scheme, or "torch"
     kernels: str  # the native kernels' instruction set
+    prefill: str  # how prompt-sized products run: integer GEMM, float32 tiles or torch
     decode_path: str  # models/paths.py: what an untraced decode step runs
     decode_path_reason: str
     parallel: list[str] | None  # what each rank holds, in a parallel run

@@ -40,7 +40,15 @@ class TokenmillRunner:
             "weight_bytes_by_dtype": weight_bytes_by_dtype(engine.model),
             "kv_pool_bytes": engine.cache.nbytes,
             "kernels": kernels.isa(),
-            "notes": ["prefix caching off"],
+            "notes": [
+                "prefix caching off",
+                "prefill of packed weights: "
+                + (
+                    "integer GEMM"
+                    if kernels.gemm_prefill()
+                    else "float32 GEMM on dequantized tiles"
+                ),
+            ],
         }
         if engine.parallel is not None:  # what each rank holds, and (per run) collectives
             self.info["parallel"] = {

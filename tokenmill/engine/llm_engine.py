@@ -224,7 +224,14 @@ class LLMEngine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "weights": self.quantization or "torch",
             "kernels": kernels.isa() if self.device.type == "cpu" else "torch",
+            "prefill": self._prefill_path(),
         }
+
+    def _prefill_path(self) -> str:
+        """How prompt-sized products of packed weights run (layers/native_linear.py)."""
+        if self.device.type != "cpu" or kernels.library() is None:
+            return "torch"
+        return "integer GEMM" if kernels.gemm_prefill() else "float32 tiles"
 
     def view(self) -> EngineView:
         """The read-only view a trace gets at the end of each step (engine/hooks.py)."""

@@ -1,8 +1,8 @@
 """Native CPU kernels (linear layers over packed weights, decode attention, the whole
 decode step), called through ctypes.
 
-The C sources here (linear.c, attention.c, stack.c over the per-instruction-set layer
-simd.h) are compiled on first use by `build.py` for the host (or TOKENMILL_MARCH) and
+The C sources here (linear.c, gemm.c, attention.c, stack.c over the per-instruction-set
+layer simd.h) are compiled on first use by `build.py` for the host (or TOKENMILL_MARCH) and
 cached; linear.c's header documents the packed weight format, tm.h which code each
 instruction set runs. `isa()` names the one loaded. If the library cannot be built or
 loaded (no compiler, a sandbox without exec permission on the cache folder...),

@@ -1,4 +1,4 @@
-/* Shared declarations of tokenmill's native kernels (linear.c, attention.c, stack.c).
+/* Shared declarations of tokenmill's native kernels (linear.c, gemm.c, attention.c, stack.c).
  *
  * The library is plain C compiled at first use with the system gcc (kernels/build.py),
  * loaded with ctypes, -march=native by default (TOKENMILL_MARCH overrides it). Which
