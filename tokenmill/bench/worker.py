@@ -42,12 +42,7 @@ class TokenmillRunner:
             "kernels": kernels.isa(),
             "notes": [
                 "prefix caching off",
-                "prefill of packed weights: "
-                + (
-                    "integer GEMM"
-                    if kernels.gemm_prefill()
-                    else "float32 GEMM on dequantized tiles"
-                ),
+                f"prefill of packed weights: {engine.info()['prefill']}",
             ],
         }
         if engine.parallel is not None:  # what each rank holds, and (per run) collectives

@@ -145,6 +145,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tm_gemm.argtypes = [vp, vp, i32, vp, vp, i32, i32]
     lib.tm_gemm.restype = i32
     lib.tm_gemm_prefill.restype = i32
+    lib.gemm_prefill = bool(lib.tm_gemm_prefill())  # a build constant, asked per forward
     lib.tm_dequant_lanes.argtypes = [vp, i32, i32, vp, i32]
     lib.tm_dequant_lanes.restype = None
     lib.tm_lanes_f32.argtypes = [vp, i32, i32, vp, i32]
@@ -222,7 +223,7 @@ def gemm_prefill() -> bool:
     integer GEMM (gemm.c) rather than as float32 tiles for torch's GEMM: on the builds
     where that measured faster (AVX2)."""
     lib = library()
-    return lib is not None and bool(lib.tm_gemm_prefill())
+    return lib is not None and lib.gemm_prefill
 
 
 def uses_avx512() -> bool:

@@ -31,8 +31,7 @@
 #define NT 3             /* tokens per micro-tile: 2 x 3 int32 + 2 x 3 float accumulators */
 #define TOKEN_PASS 1024  /* tokens per pass over the weights: their int16 rows stay in L3 */
 
-
-/* Whether this build sends prefill (T > PREFILL_MIN_T in layers/native_linear.py) to this
+/* Whether this build sends prefill (from GEMM_MIN_T rows, layers/native_linear.py) to this
  * GEMM rather than to float32 tiles: where it measured faster. AVX2 (vpmaddwd: 16 MACs per
  * instruction); not NEON (smull + pairwise add: 8 MACs in 2 instructions, no faster than
  * an FMA), not the scalar build, not AVX-512 (its float32 path and AMX are not measured

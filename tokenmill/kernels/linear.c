@@ -41,8 +41,8 @@
  *   AVX-512  activations as two VNNI operands (signed high byte, unsigned low byte):
  *            two vpdpbusd per 64 values (linear_avx512.h)
  *   others   the same two byte planes, multiplied by group_dot of the simd.h layer:
- *            vpmaddubsw (4-bit codes) or vpmaddwd on AVX2, sdot/udot or smlal on NEON,
- *            plain C on scalar
+ *            vpmaddubsw (4- and 6-bit codes) or vpmaddwd (8-bit) on AVX2, sdot/udot or
+ *            smlal on NEON, plain C on scalar
  *
  * 6-bit codes (GGUF Q6_K, exactly): w = d16 * (c - 32) with a scale per 16 values, d16 =
  * dsup * sc (a float16 per 256 values times a signed byte per 16, as the file has them).

@@ -55,12 +55,12 @@ class NativeLinear(nn.Module):
     Same interface as layers.linear.Linear: forward(x [.., in]) -> [.., out] float32
     (x's dtype if it is not float32). `bias` is a float32 Parameter like Linear's, so the
     loader can fill it by name. Subclasses provide `_make_native` (the C view of the
-    weight), `dequantize` (W as float32 with torch ops) and `nbytes`; `lane_order` says
-    whether the float32 tiles come out in the packed column order (x is then permuted
-    to match) or in natural order.
+    weight), `dequantize` (W as float32 with torch ops) and `nbytes`; `packed` says
+    whether the weight is packed blocks: then its float32 tiles come out in the packed
+    column order (x is permuted to match), and the integer GEMM can take it.
     """
 
-    lane_order = False
+    packed = False
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
@@ -110,20 +110,20 @@ class NativeLinear(nn.Module):
         act_bits = getattr(self, "act_bits", 16)
         if x.shape[0] <= self.gemv_rows():
             return kernels.linear(cw, x, self.bias, act_bits)
-        if self.lane_order and kernels.gemm_prefill():
+        if self.packed and kernels.gemm_prefill():
             return kernels.gemm(cw, x, self.bias, act_bits)
         return self._prefill(cw, x)
 
     def gemv_rows(self) -> int:
         """The most rows of x the native GEMV takes; more go to the prefill path (the
         integer GEMM for packed weights where it runs, else float32 tiles)."""
-        return GEMM_MIN_T - 1 if self.lane_order and kernels.gemm_prefill() else PREFILL_MIN_T
+        return GEMM_MIN_T - 1 if self.packed and kernels.gemm_prefill() else PREFILL_MIN_T
 
     def _prefill(self, cw: kernels.TmWeight, x: torch.Tensor) -> torch.Tensor:
         """Many rows: float32 GEMM against W converted tile by tile; for packed weights
         x's columns are permuted to the lane order (the permutation of the shared K axis
         cancels out)."""
-        xl = kernels.lanes_f32(x) if self.lane_order else x  # [T, K]
+        xl = kernels.lanes_f32(x) if self.packed else x  # [T, K]
         n = self.out_features
         chunk = max(64, _PREFILL_CHUNK_BYTES // (4 * self.in_features) // 64 * 64)
         if chunk >= n:
@@ -168,7 +168,7 @@ class SegmentedLinear(NativeLinear):
         super().__init__(parts[0].in_features, sum(p.out_features for p in parts), bias)
         self.parts = nn.ModuleList(parts)
         self.act_bits = getattr(parts[0], "act_bits", 16)
-        self.lane_order = all(p.lane_order for p in parts)  # all packed: one GEMV threshold
+        self.packed = all(p.packed for p in parts)  # all packed: the same GEMV threshold
 
     def _make_native(self) -> kernels.TmWeight:
         # copies: each part's own TmWeight stays a single segment for standalone calls

@@ -109,7 +109,7 @@ class QuantLinear(NativeLinear):
     construction). The rest of the interface: NativeLinear.
     """
 
-    lane_order = True
+    packed = True
 
     def __init__(
         self,
