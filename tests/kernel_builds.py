@@ -1,8 +1,9 @@
 """The kernel library built for several targets, so each instruction-set path is tested
 on any CI machine: the host's own build ("native"), and on x86-64 the AVX2 path
-(x86-64-v3) and the portable scalar path (x86-64-v2). A target the host cannot execute
-is skipped, with the reason. AArch64 NEON is tested under emulation in
-test_kernels_aarch64.py.
+(x86-64-v3), the AVX-VNNI path over an exact AVX2 emulation of its two instructions
+(no CPU here has them, and QEMU's TCG does not implement them), and the portable scalar
+path (x86-64-v2). A target the host cannot execute is skipped, with the reason. AArch64
+NEON is tested under emulation in test_kernels_aarch64.py.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from tokenmill import kernels
 X86_BUILDS = {
     "native": (None, (), None),
     "x86-64-v3": (("-march=x86-64-v3",), ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"), "avx2"),
+    "avx-vnni-emulated": (
+        ("-march=x86-64-v3", "-DTM_EMULATE_AVXVNNI"),
+        ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"),
+        "avx2+vnni(emulated)",
+    ),
     "x86-64-v2": (("-march=x86-64-v2",), ("sse4_2", "popcnt", "ssse3"), "scalar"),
 }
 BUILDS = list(X86_BUILDS) if platform.machine() in ("x86_64", "AMD64") else ["native"]

@@ -322,7 +322,7 @@ def test_prefill_rows_take_the_path_the_build_names(kbuild, monkeypatch):
     layer(torch.randn(first_prefill - 1, 256))
     layer(torch.randn(first_prefill, 256))
     assert calls == ["linear", expected]
-    assert kernels.gemm_prefill() == (kernels.isa() == "avx2")
+    assert kernels.gemm_prefill() == kernels.isa().startswith("avx2")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

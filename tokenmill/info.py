@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 # CPU features that change which kernel code path runs, as /proc/cpuinfo spells them.
-CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+CPU_FEATURES = ("avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
 ENV_VARS = ("TOKENMILL_CACHE", "TOKENMILL_KERNELS", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
 
 

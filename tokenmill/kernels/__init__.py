@@ -199,8 +199,8 @@ def library() -> ctypes.CDLL | None:
 
 
 def isa() -> str:
-    """The instruction set the kernels run: avx512, avx2, neon, scalar, or "none" (no
-    library: the pure-torch path)."""
+    """The instruction set the kernels run: avx512, avx2, avx2+vnni (AVX-VNNI), neon,
+    neon+dotprod, scalar, or "none" (no library: the pure-torch path)."""
     lib = library()
     return "none" if lib is None else lib.tm_isa().decode()
 

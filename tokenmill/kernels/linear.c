@@ -107,14 +107,17 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
             const int32_t qsum = tm_quant_block(x + (size_t)r * K + (size_t)b * QK, qmax, qv, &dxb, &sum);
             int8_t hv[QK];
             uint8_t lv[QK];
-            int32_t hsum = 0;
+            int32_t hsum = 0, lsum = 0;
             for (int j = 0; j < QK; j++) {
                 hv[j] = (int8_t)(qv[j] >> 8); /* arithmetic: q = 256 (q >> 8) + (q & 255) */
                 lv[j] = (uint8_t)(qv[j] & 255);
                 hsum += hv[j];
+                lsum += lv[j];
             }
-            /* what the layer's group_dot leaves out (simd.h): tail blocks go through it too */
-            const int32_t left_out = TM_A16_HI8_BIAS && bits == 8 ? -32768 * hsum : 0;
+            /* what the layer's group_dot adds to 8-bit codes' dots (simd.h): tail blocks go
+             * through it too */
+            const int32_t left_out = bits == 8 ? TM_A16_LEFT_OUT8(hsum, lsum) : 0;
+            (void)hsum, (void)lsum;
             const size_t pos = lane_pos(nb, b, 0);
             if (b < full) { /* four values at a time to their lanes */
                 for (int i = 0; i < 8; i++) {
@@ -243,7 +246,8 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
             }
         }
         float tail[TCHUNK] = {0};
-        if (nbt) /* the tail blocks, natural order, through group_dot too (tail_dot) */
+        if (nbt && bits != 6) /* the tail blocks, natural order, through group_dot too
+                                 (tail_dot); 6-bit rows are whole groups */
             tail_dot(w, xq, r, t0, T, bits, row + (size_t)nfull * GW * bits / 8, tail);
         const float bv = bias ? bias[r] : 0.f;
         for (int t = 0; t < T; t++) y[(size_t)(t0 + t) * w->n + r] = vf_sum(acc[t]) + tail[t] + bv;

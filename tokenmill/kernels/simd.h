@@ -3,7 +3,8 @@
  *
  * Exactly one layer is compiled in, chosen from the compiler's target (-march):
  *
- *   simd_avx2.h    x86-64 AVX2 + FMA + F16C (x86-64-v3)        TM_W = 8
+ *   simd_avx2.h    x86-64 AVX2 + FMA + F16C (x86-64-v3),       TM_W = 8
+ *                  with AVX-VNNI where the CPU has it
  *   simd_neon.h    AArch64 Advanced SIMD                       TM_W = 4
  *   simd_scalar.h  anything else: plain C loops, the reference TM_W = 4
  *
@@ -33,9 +34,9 @@
  *                         code vectors (vb, unsigned codes of `bits` 4, 6 or 8); xh / xl: the 16-bit
  *                         activations q = 256 hi + lo at the same positions, as signed high
  *                         bytes and unsigned low bytes. Lane k of the result: the exact sum
- *                         of c * q over bytes 4k..4k+3 of every vector (less 32768 * their
- *                         high bytes' sum for 8-bit codes where the layer defines
- *                         TM_A16_HI8_BIAS: quantize_x adds it back). A full lane-order group
+ *                         of c * q over bytes 4k..4k+3 of every vector (for 8-bit codes,
+ *                         plus TM_A16_LEFT_OUT8(high bytes' sum, low bytes' sum) where the
+ *                         layer defines it: quantize_x takes it back). A full lane-order group
  *                         (n = 8) gives block k's dot in lane k; one natural-order tail
  *                         block (n = 32 / (4 TM_W)) its dot as the sum of the lanes.
  */
@@ -91,8 +92,8 @@ static inline float tm_bf16_to_float(uint16_t h) {
 #else
 #include "simd_scalar.h"
 #endif
-#ifndef TM_A16_HI8_BIAS
-#define TM_A16_HI8_BIAS 0
+#ifndef TM_A16_LEFT_OUT8 /* what group_dot leaves out of 8-bit codes' dot, if anything */
+#define TM_A16_LEFT_OUT8(hsum, lsum) 0
 #endif
 
 /* ---- derived operations, written once over the primitives ---- */

@@ -1,9 +1,45 @@
 /* x86-64 AVX2 + FMA + F16C (x86-64-v3) primitives: 256-bit vectors, 8 lanes.
- * See simd.h for the contract every simd_*.h fulfils. */
+ * See simd.h for the contract every simd_*.h fulfils.
+ *
+ * AVX-VNNI (Intel Alder Lake and later client cores, Sapphire Rapids, Zen 5; gcc defines
+ * __AVXVNNI__ under -march=native there): vpdpbusd multiplies unsigned by signed bytes
+ * and adds four products into each int32 lane, vpdpwssd does the same for int16 pairs,
+ * both without saturation. They replace the vpmaddubsw / vpmaddwd / add chains of
+ * group_dot and vi_madd16. TM_EMULATE_AVXVNNI builds the same code over an exact AVX2
+ * emulation of the two instructions: how the tests prove the path on a CPU without them
+ * (QEMU's TCG does not implement AVX-VNNI either). */
 #include <immintrin.h>
 
 #define TM_W 8
+#if defined(__AVXVNNI__)
+#define TM_VNNI 1
+#define TM_SIMD_NAME "avx2+vnni"
+/* acc + per int32 lane the four products of u's unsigned bytes by s's signed bytes */
+static inline __m256i vnni_dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+/* acc + per int32 lane the two products of a's int16 by b's int16 */
+static inline __m256i vnni_dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_avx_epi32(acc, a, b); }
+#elif defined(TM_EMULATE_AVXVNNI)
+#define TM_VNNI 1
+#define TM_SIMD_NAME "avx2+vnni(emulated)"
+static inline __m256i vnni_dpbusd(__m256i acc, __m256i u, __m256i s) {
+    /* even and odd bytes as int16 (u zero-, s sign-extended): every product and pair sum
+     * is exact in vpmaddwd's int32 */
+    const __m256i ue = _mm256_and_si256(u, _mm256_set1_epi16(0xff)), uo = _mm256_srli_epi16(u, 8);
+    const __m256i se = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), so = _mm256_srai_epi16(s, 8);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ue, se), _mm256_madd_epi16(uo, so)));
+}
+static inline __m256i vnni_dpwssd(__m256i acc, __m256i a, __m256i b) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+}
+#else
+#define TM_VNNI 0
 #define TM_SIMD_NAME "avx2"
+#endif
+#if TM_VNNI
+/* vpdpbusd's low-byte pass runs on 8-bit codes as c - 128 (it needs one signed operand):
+ * quantize_x folds the missing 128 * sum(low bytes) into its zero-point term. */
+#define TM_A16_LEFT_OUT8(hsum, lsum) (-128 * (lsum))
+#endif
 
 typedef __m256 vf;  /* 8 floats */
 typedef __m256i vi; /* 8 int32 */
@@ -79,7 +115,11 @@ static inline void vi_store_i16(int16_t *p, vi a) {
 
 /* acc + per lane: the lane's two int16 times x2's two int16, summed (vpmaddwd: 16 MACs) */
 static inline vi vi_madd16(vi acc, vi w, int32_t x2) {
+#if TM_VNNI
+    return vnni_dpwssd(acc, w, _mm256_set1_epi32(x2));
+#else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_set1_epi32(x2)));
+#endif
 }
 
 /* 8x8 int32 transpose in place: v[k] lane l <- v[l] lane k */
@@ -141,6 +181,21 @@ static inline void vb_add_crumbs(vb c[4], vb v) {
  *   against 8 for the unpacking below.
  * 8-bit codes: bytes unpacked to int16 (in-lane, beside the activation's two bytes),
  *   then vpmaddwd; hadd puts the blocks back in order. */
+#if TM_VNNI
+/* With AVX-VNNI: per vector one vpdpbusd on the high bytes (codes unsigned, activations
+ * signed) and one on the low bytes (activations unsigned, codes signed: 4- and 6-bit
+ * codes are, 8-bit ones enter as c - 128, see TM_A16_LEFT_OUT8); two accumulators per
+ * pass so consecutive vectors do not wait on each other's latency. */
+static inline vi group_dot(const vb *c, int n, const int8_t *xh, const uint8_t *xl, int bits) {
+    __m256i h[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, l[2] = {h[0], h[0]};
+    const __m256i flip = _mm256_set1_epi8(bits == 8 ? (char)0x80 : 0);
+    for (int i = 0; i < n; i++) {
+        h[i & 1] = vnni_dpbusd(h[i & 1], c[i], _mm256_loadu_si256((const __m256i *)(xh + 32 * i)));
+        l[i & 1] = vnni_dpbusd(l[i & 1], _mm256_loadu_si256((const __m256i *)(xl + 32 * i)), _mm256_xor_si256(c[i], flip));
+    }
+    return _mm256_add_epi32(_mm256_slli_epi32(_mm256_add_epi32(h[0], h[1]), 8), _mm256_add_epi32(l[0], l[1]));
+}
+#else
 static inline vi group_dot(const vb *c, int n, const int8_t *xh, const uint8_t *xl, int bits) {
     const __m256i zero = _mm256_setzero_si256();
     if (bits == 4) {
@@ -181,3 +236,4 @@ static inline vi group_dot(const vb *c, int n, const int8_t *xh, const uint8_t *
     }
     return _mm256_hadd_epi32(a, b);
 }
+#endif

@@ -12,7 +12,7 @@
 #define TM_SIMD_NAME "neon+dotprod"
 /* The high-byte dot of 8-bit codes runs on c - 128 (sdot multiplies signed bytes):
  * quantize_x folds the missing 128 * 256 * sum(high bytes) into its zero-point term. */
-#define TM_A16_HI8_BIAS 1
+#define TM_A16_LEFT_OUT8(hsum, lsum) (-32768 * (hsum))
 #else
 #define TM_SIMD_NAME "neon"
 #endif
@@ -109,7 +109,7 @@ static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
 /* n (<= 8) code vectors c (16 codes each, lane k = block k of a group) against the
  * activations q = 256 hi + lo, given as their signed high bytes xh and unsigned low bytes
  * xl at the same positions. Lane k of the result: block k's sum of c * q (for 8-bit codes
- * with dotprod, less 32768 * the block's sum of high bytes: TM_A16_HI8_BIAS). */
+ * with dotprod, less 32768 * the block's sum of high bytes: TM_A16_LEFT_OUT8). */
 #if defined(__ARM_FEATURE_DOTPROD)
 static inline vi group_dot(const vb *c, int n, const int8_t *xh, const uint8_t *xl, int bits) {
     int32x4_t h = vdupq_n_s32(0);
