@@ -185,6 +185,23 @@ static inline __attribute__((always_inline)) void tail_dot(const tm_weight *w, c
     }
 }
 
+/* Row r's K-quant super-block scales to float: dsup [k / 256], and msup = -(the mins'
+ * super-block scales). k / 256 <= KSUP_MAX (the callers check). */
+enum { KSUP_MAX = 256 }; /* rows of up to 65536 values */
+static inline void ksup_row(const tm_weight *w, int r, float *dsup, float *msup) {
+    const int ns = w->k / 256;
+    const uint16_t *ds = w->dsup + (size_t)r * ns, *ms = w->msup ? w->msup + (size_t)r * ns : NULL;
+    int i = 0;
+    for (; i + TM_W <= ns; i += TM_W) {
+        vf_store(dsup + i, vf_load_f16(ds + i));
+        if (ms) vf_store(msup + i, vf_sub(vf_zero(), vf_load_f16(ms + i)));
+    }
+    for (; i < ns; i++) {
+        dsup[i] = tm_half_to_float(ds[i]);
+        if (ms) msup[i] = -tm_half_to_float(ms[i]);
+    }
+}
+
 /* Rows [r0, r1) of W against T (<= TCHUNK) activation rows starting at t0; T and bits
  * are constants after inlining. Per full group: the 8 code vectors are loaded once and
  * reused by every activation row; per row one group_dot and one float multiply-add that
@@ -222,17 +239,19 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
                 acc[t] = vf_fma(vf_mul(vf_from_vi(s1), dx), d1, acc[t]);
             }
         }
+        /* K-quants: the row's super-block scales (one per 256 values) as floats, converted
+         * a vector at a time here rather than one scalar per group below */
+        float dsup[KSUP_MAX], msup[KSUP_MAX];
+        if (w->dsup && bits != 6) ksup_row(w, r, dsup, msup);
         for (int g = 0; g < nfull && bits != 6; g++) {
             vb c[8];
             tm_group_codes(row, g, bits, c);
             vf d, m = vf_zero();
             if (w->dsup) { /* K-quant: codes times the super-block's scale (256 values) */
-                const size_t su = (size_t)r * (nb / 8) + (size_t)g * TM_GB / 8;
-                d = vf_mul(vf_load_u8((const uint8_t *)w->scales + srow + (size_t)g * TM_GB),
-                           vf_set1(tm_half_to_float(w->dsup[su])));
+                const int su = g * TM_GB / 8;
+                d = vf_mul(vf_load_u8((const uint8_t *)w->scales + srow + (size_t)g * TM_GB), vf_set1(dsup[su]));
                 if (w->mins)
-                    m = vf_mul(vf_load_u8((const uint8_t *)w->mins + srow + (size_t)g * TM_GB),
-                               vf_set1(-tm_half_to_float(w->msup[su])));
+                    m = vf_mul(vf_load_u8((const uint8_t *)w->mins + srow + (size_t)g * TM_GB), vf_set1(msup[su]));
             } else {
                 d = vf_scales(w->scales, f16, srow + (size_t)g * TM_GB);
                 if (w->mins) m = vf_scales(w->mins, f16, srow + (size_t)g * TM_GB);
@@ -447,6 +466,7 @@ static int linear_one(const tm_weight *w, const float *x, int T, float *y, const
                       int nthreads, int act16) {
     if (TM_AVX512 && w->dsup) return -1; /* the 512-bit kernels read plain scales only */
     if (w->bits == 6 && (w->k / QK) % TM_GB) return -1; /* 6-bit rows are whole groups */
+    if (w->dsup && w->k / 256 > KSUP_MAX) return -1;     /* ksup_row's buffers */
     const int fw = is_float(w);
     xq_t xq;
     if (!fw && !quantize_x(x, T, w->k, zero_point(w), w->bits, act16, &xq)) return 0;
