@@ -14,8 +14,9 @@ Methods:
   bf16        F.linear on bfloat16 weights and activations (oneDNN)
   int8pack    torch._weight_int8pack_mm (int8 weights, per-row scales)
   q4 / q8     QuantLinear from GGUF Q4_1 / Q8_0 blocks, as the layer routes them: the
-              native GEMV up to layer.gemv_rows() rows, then the integer GEMM (builds
-              where kernels.gemm_prefill(): AVX2) or dequantize-to-float32 + GEMM
+              native GEMV, from kernels.gemm_min_rows() rows the integer GEMM (builds
+              where kernels.gemm_prefill(): AVX2), elsewhere beyond layer.native_rows()
+              rows dequantize-to-float32 + GEMM
   q4-gemm     the integer GEMM (kernels.gemm) at any T, any build
   q4-tiles    the float32-tile path (dequantize + torch GEMM) at any T
 
@@ -36,7 +37,6 @@ from gguf import GGMLQuantizationType as GT
 from gguf.quants import quantize
 
 from tokenmill import kernels
-from tokenmill.layers.native_linear import GEMM_MIN_T
 from tokenmill.layers.quant_linear import PREFILL_MIN_T, QuantLinear
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576), (2048, 2048)]
@@ -106,7 +106,7 @@ def main() -> None:
     print(
         f"threads {torch.get_num_threads()}, clock {clock.__name__}, native kernels {native}"
         f" (kernels {kernels.isa()}, integer GEMM for prefill: {kernels.gemm_prefill()}),"
-        f" PREFILL_MIN_T {PREFILL_MIN_T}, GEMM_MIN_T {GEMM_MIN_T}"
+        f" PREFILL_MIN_T {PREFILL_MIN_T}, gemm_min_rows {kernels.gemm_min_rows()}"
     )
     copy, total = bandwidth(clock, 3)
     print(f"memory bandwidth (256 MB): copy {copy:.1f} GB/s (read+write), sum {total:.1f} GB/s\n")

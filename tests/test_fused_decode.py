@@ -41,8 +41,8 @@ CASES = {
 }
 
 
-def _run(folder, fused: bool, monkeypatch, partial_rotary: int | None, quantize=None):
-    """Prefill 3 sequences, 6 batched decode steps, then one mixed decode + prefill step.
+def _run(folder, fused: bool, monkeypatch, partial_rotary: int | None, quantize=None, n=3):
+    """Prefill n sequences, 6 batched decode steps, then one mixed decode + prefill step.
     Returns per step (logits [T, vocab], [attention outputs [T, q_size] per layer])."""
     monkeypatch.setattr(paths, "NATIVE_DECODE", fused)
     ckpt = open_checkpoint(folder)
@@ -69,20 +69,21 @@ def _run(folder, fused: bool, monkeypatch, partial_rotary: int | None, quantize=
             c.seq.num_computed += c.num_tokens
         return logits, list(attn_out)
 
-    seqs = [Sequence(f"s{i}", [], None, None) for i in range(4)]
+    seqs = [Sequence(f"s{i}", [], None, None) for i in range(n + 1)]
     results = []
-    for seq, n in zip(seqs[:3], (5, 23, 40), strict=True):  # 1, 2 and 3 blocks
-        seq.prompt_ids = torch.randint(2, 300, (n,), generator=gen).tolist()
-        results.append(step([ScheduledChunk(seq, n)]))
+    lengths = (5, 23, 40) + tuple(range(2, n - 1))  # 1, 2 and 3 blocks, then short ones
+    for seq, length in zip(seqs[:n], lengths, strict=True):
+        seq.prompt_ids = torch.randint(2, 300, (length,), generator=gen).tolist()
+        results.append(step([ScheduledChunk(seq, length)]))
     for _ in range(6):
-        for seq in seqs[:3]:
+        for seq in seqs[:n]:
             seq.prompt_ids = seq.prompt_ids + [int(torch.randint(2, 300, (1,), generator=gen))]
-        results.append(step([ScheduledChunk(seq, 1) for seq in seqs[:3]]))
-    seqs[3].prompt_ids = torch.randint(2, 300, (9,), generator=gen).tolist()
-    for seq in seqs[:3]:
+        results.append(step([ScheduledChunk(seq, 1) for seq in seqs[:n]]))
+    seqs[n].prompt_ids = torch.randint(2, 300, (9,), generator=gen).tolist()
+    for seq in seqs[:n]:
         seq.prompt_ids = seq.prompt_ids + [7]
     results.append(
-        step([ScheduledChunk(seq, 1) for seq in seqs[:3]] + [ScheduledChunk(seqs[3], 9)])
+        step([ScheduledChunk(seq, 1) for seq in seqs[:n]] + [ScheduledChunk(seqs[n], 9)])
     )
     return results
 
@@ -113,9 +114,16 @@ def test_fused_decode_matches_torch(kbuild, tmp_path, monkeypatch, name):
         assert (ref_logits - got_logits).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("scheme", ["q8", "q4"])
-def test_fused_stack_matches_per_layer_path(kbuild, tmp_path, monkeypatch, name, scheme):
+@pytest.mark.parametrize(
+    "name,scheme,n",
+    [(name, scheme, 3) for name in CASES for scheme in ("q8", "q4")]
+    # 20 rows per decode step: the integer GEMM's share of kernels.linear (from
+    # kernels.gemm_min_rows() rows, where it runs) inside the fused stack too
+    + [("llama-gqa", "q4", 20), ("qwen3-gqa-qknorm", "q8", 20)],
+)
+def test_fused_stack_matches_per_layer_path(kbuild, tmp_path, monkeypatch, name, scheme, n):
+    if n > 3:
+        assert n >= kernels.gemm_min_rows()
     arch, overrides = CASES[name]
     overrides = dict(overrides)
     partial = overrides.pop("partial_rotary", None)
@@ -130,23 +138,24 @@ def test_fused_stack_matches_per_layer_path(kbuild, tmp_path, monkeypatch, name,
             lambda model: paths.DecodePath(paths.NATIVE_ATTENTION, "test")
             if real_best(model).name == paths.STACK else real_best(model),
         )  # fmt: skip
-        ref = _run(tmp_path, True, monkeypatch, partial, scheme)
+        ref = _run(tmp_path, True, monkeypatch, partial, scheme, n)
     assert not runs
-    got = _run(tmp_path, True, monkeypatch, partial, scheme)
+    got = _run(tmp_path, True, monkeypatch, partial, scheme, n)
     # the 6 pure decode steps; GPT-2 (LayerNorm, plain MLP) keeps the per-layer path
     assert len(runs) == (0 if arch == "gpt2" else 6)
     # exact products with the same packed weights: no native library at all
     monkeypatch.setattr(kernels, "_lib", None)
     monkeypatch.setattr(kernels, "_tried", True)
-    exact = _run(tmp_path, False, monkeypatch, partial, scheme)
+    exact = _run(tmp_path, False, monkeypatch, partial, scheme, n)
     for (ref_logits, _), (got_logits, _), (ex, _) in zip(ref, got, exact, strict=True):
         scale = ex.abs().max().item()
         e_ref = (ref_logits - ex).abs().max().item() / scale
         e_got = (got_logits - ex).abs().max().item() / scale
-        # Both paths quantize activations to 16 bits (error ~1e-4 here); float rounding
-        # differences flip some of those roundings, so the two differ at that level,
-        # never more: the fused stack is exactly as accurate as the per-layer path.
-        assert e_got < 2 * e_ref + 1e-5 and e_got < 1e-3, (e_ref, e_got)
+        # Both paths quantize activations to 16 bits (error ~1e-4 here, up to 1.5e-3 on
+        # a few of the 20-sequence run's 4-bit prefills); float rounding differences flip
+        # some of those roundings, so the two differ at that level, never more: the
+        # fused stack is exactly as accurate as the per-layer path.
+        assert e_got < 2 * e_ref + 1e-5 and e_got < 2e-3, (e_ref, e_got)
 
 
 @pytest.mark.parametrize("name", ["qwen3-gqa-qknorm", "gemma3-sliding"])  # SiLU, tanh-GELU

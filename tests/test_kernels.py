@@ -310,19 +310,37 @@ def test_integer_gemm_plain_c_tiles(monkeypatch):
 
 
 def test_prefill_rows_take_the_path_the_build_names(kbuild, monkeypatch):
-    """Where the integer GEMM is the prefill path, packed layers send it GEMM_MIN_T rows
-    and more (fewer: the GEMV); elsewhere more than PREFILL_MIN_T rows go to float32 tiles."""
-    layer = QuantLinear.from_gguf(gguf_bytes(GT.Q4_0, 64, 256), GT.Q4_0, 64, 256)
+    """Where the integer GEMM is the prefill path, kernels.linear (so packed layers and the
+    fused decode stack) multiplies gemm_min_rows() rows and more by it, fewer by the GEMV;
+    elsewhere more than PREFILL_MIN_T rows go to float32 tiles. The GEMV's rows are
+    independent (one row at a time gives the same bits), the GEMM's sums run in another
+    order: bit equality tells which ran."""
+    torch.manual_seed(4)
+    layer = QuantLinear.from_gguf(gguf_bytes(GT.Q4_K, 64, 512), GT.Q4_K, 64, 512)
+    cw = layer.native()
+
+    def gemv(x):
+        return torch.cat([kernels.linear(cw, x[i : i + 1], None, 16) for i in range(len(x))])
+
+    assert kernels.gemm_prefill() == kernels.isa().startswith("avx2")
+    assert kernels.gemm_min_rows() == (16 if kernels.gemm_prefill() else 0)
+    if kernels.gemm_prefill():
+        x = torch.randn(kernels.gemm_min_rows(), 512)
+        assert torch.equal(layer(x[:-1]), gemv(x[:-1]))
+        assert torch.equal(layer(x), kernels.gemm(cw, x, None, 16))
+        assert not torch.equal(layer(x), gemv(x))
+        return
     calls = []
-    for name in ("linear", "gemm", "dequant_lanes"):
+    for name in ("linear", "dequant_lanes"):
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
-    first_prefill = native_linear.GEMM_MIN_T if kernels.gemm_prefill() else PREFILL_MIN_T + 1
-    expected = "gemm" if kernels.gemm_prefill() else "dequant_lanes"
-    layer(torch.randn(first_prefill - 1, 256))
-    layer(torch.randn(first_prefill, 256))
-    assert calls == ["linear", expected]
-    assert kernels.gemm_prefill() == kernels.isa().startswith("avx2")
+    x = torch.randn(PREFILL_MIN_T + 1, 512)
+    y = layer(x[:-1])
+    assert calls == ["linear"]
+    calls.clear()
+    layer(x)
+    assert calls == ["dequant_lanes"]
+    assert torch.equal(y, gemv(x[:-1]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

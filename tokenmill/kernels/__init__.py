@@ -35,6 +35,7 @@ __all__ = [
     "linear",
     "gemm",
     "gemm_prefill",
+    "gemm_min_rows",
     "dequant_lanes",
     "lanes_f32",
     "dequant_rows",
@@ -48,7 +49,7 @@ __all__ = [
 ]
 
 
-ABI = 7  # tm_info() // 1000 of the sources this module binds
+ABI = 8  # tm_info() // 1000 of the sources this module binds
 F16, BF16, F32 = 16, 17, 32  # tm_weight.bits of float weights (4 and 8: packed blocks)
 DEFAULT_GROUP_BLOCKS = 16  # the packing used when no library is loaded (any would do)
 
@@ -144,8 +145,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tm_linear.restype = i32
     lib.tm_gemm.argtypes = [vp, vp, i32, vp, vp, i32, i32]
     lib.tm_gemm.restype = i32
-    lib.tm_gemm_prefill.restype = i32
-    lib.gemm_prefill = bool(lib.tm_gemm_prefill())  # a build constant, asked per forward
+    lib.tm_gemm_min_rows.restype = i32
+    lib.gemm_min_rows = lib.tm_gemm_min_rows()  # a build constant, asked per forward
     lib.tm_dequant_lanes.argtypes = [vp, i32, i32, vp, i32]
     lib.tm_dequant_lanes.restype = None
     lib.tm_lanes_f32.argtypes = [vp, i32, i32, vp, i32]
@@ -218,12 +219,18 @@ def reads_kquant_scales() -> bool:
     return lib is not None and bool(lib.tm_kquant_scales())
 
 
-def gemm_prefill() -> bool:
-    """Whether the loaded library runs prefill-sized products of packed weights in its
-    integer GEMM (gemm.c) rather than as float32 tiles for torch's GEMM: on the builds
-    where that measured faster (AVX2)."""
+def gemm_min_rows() -> int:
+    """From how many rows of x `linear` multiplies packed weights by the integer GEMM
+    (gemm.c) instead of the GEMV: 16 on the builds where that measured faster (AVX2),
+    0 where it never does."""
     lib = library()
-    return lib is not None and lib.gemm_prefill
+    return 0 if lib is None else lib.gemm_min_rows
+
+
+def gemm_prefill() -> bool:
+    """Whether prompts' products with packed weights run in the integer GEMM (inside
+    `linear`) rather than as float32 tiles for torch's GEMM."""
+    return gemm_min_rows() > 0
 
 
 def uses_avx512() -> bool:
@@ -240,7 +247,9 @@ def linear(
 ) -> torch.Tensor:
     """y [T, N] = x [T, K] @ W^T (+ bias); packed weights quantize the activations per
     32-block to `act_bits` (8: llama.cpp's scheme; 16: near-float accuracy), 16-bit
-    float weights multiply x as float32.
+    float weights multiply x as float32. Packed weights go through the GEMV, or from
+    `gemm_min_rows()` rows (where that is not 0) through the integer GEMM: the same
+    integers, float sums in another order.
 
     x: contiguous float32; bias: [N] or None (made float32 if a loader cast it); rows: N
     of a chain of segments (tm_weight.next), whose first holds only its own rows.
@@ -252,8 +261,8 @@ def gemm(
     w: TmWeight, x: torch.Tensor, bias: torch.Tensor | None, act_bits: int = 16
 ) -> torch.Tensor:
     """y [T, N] = x [T, K] @ W^T (+ bias) by the integer GEMM of gemm.c, for packed
-    weights of one segment and any T, on any build (the layers send prefill-sized T here
-    where `gemm_prefill()`); the activations quantized like `linear`'s."""
+    weights of one segment and any T, on any build (`linear` sends it gemm_min_rows()
+    rows and more where that is not 0); the activations quantized like `linear`'s."""
     return _product("tm_gemm", w, x, bias, act_bits, w.n)
 
 

@@ -31,12 +31,25 @@
 #define NT 3             /* tokens per micro-tile: 2 x 3 int32 + 2 x 3 float accumulators */
 #define TOKEN_PASS 1024  /* tokens per pass over the weights: their int16 rows stay in L3 */
 
-/* Whether this build sends prefill (from GEMM_MIN_T rows, layers/native_linear.py) to this
- * GEMM rather than to float32 tiles: where it measured faster. AVX2 (vpmaddwd: 16 MACs per
+/* From how many rows of x tm_linear multiplies packed weights here rather than in the GEMV
+ * (linear.c), 0 on builds where it never does. Where it runs: AVX2 (vpmaddwd: 16 MACs per
  * instruction); not NEON (smull + pairwise add: 8 MACs in 2 instructions, no faster than
- * an FMA), not the scalar build, not AVX-512 (its float32 path and AMX are not measured
- * against this). */
-int tm_gemm_prefill(void) { return TM_W == 8 && !TM_AVX512; }
+ * an FMA), not the scalar build, not AVX-512 (its own GEMV and float32 tiles are not
+ * measured against this). The crossover, GEMV time / GEMM time on Zen 3, 2 threads, 7
+ * interleaved rounds: Llama-3.2-1B's 8192 x 2048, 2048 x 8192 and 3072 x 2048 weights,
+ * and SmolLM2-135M's five shapes (576 to 3072 rows, 576 or 1536 columns):
+ *     rows            6     8     10    12    16    24    32
+ *     1B Q4_0       0.69  0.92  0.98  1.04  1.27  1.45  1.58
+ *     1B Q4_K       0.66  0.84  0.93  1.02  1.21  1.47  1.58
+ *     1B Q6_K       0.70  0.83  0.97  1.05  1.21  1.41  1.55
+ *     1B Q8_0       0.82  1.04  1.11  1.25  1.43  1.66  1.83
+ *     135M Q4_1     0.82  0.83  0.96  0.94  1.17  1.38  1.52
+ *     135M Q8_0     0.88  0.92  1.03  1.18  1.27  1.50  1.64
+ * The GEMV is compute-bound from a few rows (its cost per row stays flat), the GEMM's
+ * tile building is paid once per call. Prompts and batched decode steps of 16 rows or
+ * more take the GEMM. */
+#define GEMM_MIN_ROWS 16
+int tm_gemm_min_rows(void) { return TM_W == 8 && !TM_AVX512 ? GEMM_MIN_ROWS : 0; }
 
 /* ------------------------------------------------------------------------------ */
 /* Weight tiles                                                                    */
@@ -235,7 +248,7 @@ int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bi
     nt = nt < ntiles ? nt : ntiles;
     for (int tp = 0; tp < T; tp += TOKEN_PASS) {
         const int tend = T - tp < TOKEN_PASS ? T : tp + TOKEN_PASS;
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#pragma omp parallel for num_threads(nt) schedule(dynamic) if (nt > 1)
         for (int tile = 0; tile < ntiles; tile++) {
             int32_t *tw = tm_buf_get(&tile_buf, twords * 4 + tfloats * 4);
             if (!tw) {

@@ -467,14 +467,16 @@ static int linear_one(const tm_weight *w, const float *x, int T, float *y, const
     if (TM_AVX512 && w->dsup) return -1; /* the 512-bit kernels read plain scales only */
     if (w->bits == 6 && (w->k / QK) % TM_GB) return -1; /* 6-bit rows are whole groups */
     if (w->dsup && w->k / 256 > KSUP_MAX) return -1;     /* ksup_row's buffers */
-    const int fw = is_float(w);
+    const int fw = is_float(w), gemm_rows = tm_gemm_min_rows();
+    if (!fw && gemm_rows && T >= gemm_rows) /* enough rows: the integer GEMM (gemm.c) */
+        return tm_gemm(w, x, T, y, bias, nthreads, act16);
     xq_t xq;
     if (!fw && !quantize_x(x, T, w->k, zero_point(w), w->bits, act16, &xq)) return 0;
     const int n = w->n, nblk = (n + ROWBLOCK - 1) / ROWBLOCK;
     int nt = tm_threads(nthreads);
     nt = nt < nblk ? nt : nblk;
     (void)nt;
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#pragma omp parallel for num_threads(nt) schedule(guided) if (nt > 1)
     for (int rb = 0; rb < nblk; rb++) {
         int r0 = rb * ROWBLOCK, r1 = r0 + ROWBLOCK < n ? r0 + ROWBLOCK : n;
         for (int t0 = 0; t0 < T; t0 += TCHUNK) {

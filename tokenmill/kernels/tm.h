@@ -35,7 +35,7 @@
 #define TM_GB TM_W
 #endif
 
-#define TM_ABI 7 /* tm_info() / 1000: bumped when a struct or signature changes */
+#define TM_ABI 8 /* tm_info() / 1000: bumped when a struct or signature changes */
 
 #define QK 32            /* values per block */
 #define GW (TM_GB * QK)  /* values per full lane-order group */
@@ -135,7 +135,7 @@ int tm_decode_attention(const tm_shape *s, const tm_layer *L, const tm_rows *row
                         float *out, int nthreads);
 int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads,
             int act16);
-int tm_gemm_prefill(void);
+int tm_gemm_min_rows(void);
 
 /* ---- small shared helpers ---- */
 

@@ -11,14 +11,16 @@ How a forward pass of x [T, in] runs:
   T small (decode, small batches)
       the native GEMV/small-T GEMM (kernels.linear): packed weights multiply quantized
       activations in exact integer arithmetic, float weights multiply float32 x.
-  T larger (prefill), packed weights, on builds whose integer GEMM is the prefill path
-  (kernels.gemm_prefill(): AVX2)
-      the integer GEMM (kernels.gemm): the same integers as the GEMV, int16 multiplies at
-      twice the multiply-adds per instruction of float32 FMAs; T >= GEMM_MIN_T.
-  T larger otherwise
+  packed weights, on builds whose integer GEMM is the prefill path (kernels.gemm_prefill():
+  AVX2), any T
+      kernels.linear too: from kernels.gemm_min_rows() rows (16) the C side multiplies by
+      the integer GEMM (gemm.c): the same integers as the GEMV, int16 multiplies at twice
+      the multiply-adds per instruction of float32 FMAs. The fused decode stack calls the
+      same C function, so batched decode steps of 16 rows or more take the GEMM too.
+  T > PREFILL_MIN_T otherwise
       weight rows converted chunk by chunk to float32 tiles (kernels.dequant_lanes),
       multiplied by torch's float32 GEMM: within 1e-4 of the exact product on SmolLM2's
-      logits; T > PREFILL_MIN_T. (A bfloat16 GEMM ran a 512-token prefill 2x faster on AMX
+      logits. (A bfloat16 GEMM ran a 512-token prefill 2x faster on AMX
       but moved logits by up to 0.5, so that a prompt prefilled alone and in a batch
       continued differently.)
   no native library
@@ -28,6 +30,7 @@ How a forward pass of x [T, in] runs:
 from __future__ import annotations
 
 import ctypes
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -35,14 +38,10 @@ from torch import nn
 
 from tokenmill import kernels
 
-# Above this many rows of x, dequantize-to-float32 + GEMM beats the native kernel: on
-# SmolLM2's shapes (2 threads) the crossover lies between 64 and 96 rows
-# (re-measure with benchmarks/gemv.py --t).
+# Above this many rows of x, dequantize-to-float32 + GEMM beats the native GEMV (builds
+# without the integer GEMM): on SmolLM2's shapes (2 threads) the crossover lies between
+# 64 and 96 rows (re-measure with benchmarks/gemv.py --t).
 PREFILL_MIN_T = 80
-# From this many rows the integer GEMM beats the GEMV where it runs (on SmolLM2's and
-# Llama-3.2-1B's shapes, 2 threads, Zen 3: even at 32 rows, 1.2-1.4x at 64; re-measure
-# with benchmarks/gemv.py --t).
-GEMM_MIN_T = 40
 # Most bytes of float32 W per GEMM call in the prefill path: bounds the temporary (a
 # 49152-row un-embedding would be 56 MB); cache-sized 1-4 MB chunks measured no faster
 # than whole layers, since every call re-packs its operands.
@@ -107,17 +106,15 @@ class NativeLinear(nn.Module):
         if cw is None:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x, self.dequantize(), bias)
-        act_bits = getattr(self, "act_bits", 16)
-        if x.shape[0] <= self.gemv_rows():
-            return kernels.linear(cw, x, self.bias, act_bits)
-        if self.packed and kernels.gemm_prefill():
-            return kernels.gemm(cw, x, self.bias, act_bits)
+        if x.shape[0] <= self.native_rows():
+            return kernels.linear(cw, x, self.bias, getattr(self, "act_bits", 16))
         return self._prefill(cw, x)
 
-    def gemv_rows(self) -> int:
-        """The most rows of x the native GEMV takes; more go to the prefill path (the
-        integer GEMM for packed weights where it runs, else float32 tiles)."""
-        return GEMM_MIN_T - 1 if self.packed and kernels.gemm_prefill() else PREFILL_MIN_T
+    def native_rows(self) -> int:
+        """The most rows of x kernels.linear takes (the GEMV, or the integer GEMM from
+        kernels.gemm_min_rows() rows: for packed weights where it runs, every row count);
+        more go to float32 tiles."""
+        return sys.maxsize if self.packed and kernels.gemm_prefill() else PREFILL_MIN_T
 
     def _prefill(self, cw: kernels.TmWeight, x: torch.Tensor) -> torch.Tensor:
         """Many rows: float32 GEMM against W converted tile by tile; for packed weights
@@ -185,7 +182,7 @@ class SegmentedLinear(NativeLinear):
 
     def _forward2d(self, x: torch.Tensor) -> torch.Tensor:
         cw = self._cw or self.native()
-        if cw is not None and x.shape[0] <= self.gemv_rows():
+        if cw is not None and x.shape[0] <= self.native_rows():
             return kernels.linear(cw, x, self.bias, self.act_bits, self.out_features)
         y = torch.cat([p._forward2d(x) for p in self.parts], dim=1)
         return y if self.bias is None else y + self.bias.float()
