@@ -55,11 +55,6 @@ int tm_gemm_min_rows(void) { return TM_W == 8 && !TM_AVX512 ? GEMM_MIN_ROWS : 0;
 /* Weight tiles                                                                    */
 /* ------------------------------------------------------------------------------ */
 
-/* Two codes minus the zero point as one int32 of two int16 (low half: the first). */
-static inline int32_t code_pair(const uint8_t *c, int z) {
-    return (int32_t)((uint32_t)(uint16_t)(c[0] - z) | (uint32_t)(uint16_t)(c[1] - z) << 16);
-}
-
 /* Row r's unit scales to td[u * RT], its block mins to tm[b * RT]. */
 static void tile_scales(const tm_weight *w, int r, float *td, float *tm) {
     const int nb = w->k / QK;
@@ -136,7 +131,7 @@ static void build_tile(const tm_weight *w, int r0, int32_t *tw, float *td, float
             uint8_t c[QK];
             block_codes(w, rp[l], b, c);
             int32_t *d = tw + (size_t)b * (QK / 2) * RT + l;
-            for (int j = 0; j < QK / 2; j++) d[j * RT] = code_pair(c + 2 * j, z);
+            for (int j = 0; j < QK / 2; j++) d[j * RT] = tm_code_pair(c + 2 * j, z);
         }
         tile_scales(w, r0 + l < w->n ? r0 + l : w->n - 1, td + l, tm + l);
     }

@@ -222,12 +222,16 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
         }
         vf acc[TCHUNK];
         for (int t = 0; t < T; t++) acc[t] = vf_zero();
+        /* K-quants: the row's super-block scales (one per 256 values) as floats, converted
+         * a vector at a time here rather than one scalar per group below */
+        float dsup[KSUP_MAX], msup[KSUP_MAX];
+        if (w->dsup) ksup_row(w, r, dsup, msup);
         for (int g = 0; g < nfull && bits == 6; g++) { /* Q6_K: two halves per block */
             vb c[8];
             tm_group_codes(row, g, 6, c);
-            const vf dsup = vf_set1(tm_half_to_float(w->dsup[(size_t)r * (nb / 8) + (size_t)g * TM_GB / 8]));
+            const vf ds = vf_set1(dsup[g * TM_GB / 8]);
             const int8_t *sc = (const int8_t *)w->scales + (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB;
-            const vf d0 = vf_mul(vf_load_i8(sc), dsup), d1 = vf_mul(vf_load_i8(sc + TM_GB), dsup);
+            const vf d0 = vf_mul(vf_load_i8(sc), ds), d1 = vf_mul(vf_load_i8(sc + TM_GB), ds);
             for (int t = 0; t < T; t++) {
                 const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + (size_t)g * TM_GB;
                 const size_t xo = tt * xq->kpad + (size_t)g * GW, xh = xo + 16 * TM_GB;
@@ -239,10 +243,6 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
                 acc[t] = vf_fma(vf_mul(vf_from_vi(s1), dx), d1, acc[t]);
             }
         }
-        /* K-quants: the row's super-block scales (one per 256 values) as floats, converted
-         * a vector at a time here rather than one scalar per group below */
-        float dsup[KSUP_MAX], msup[KSUP_MAX];
-        if (w->dsup && bits != 6) ksup_row(w, r, dsup, msup);
         for (int g = 0; g < nfull && bits != 6; g++) {
             vb c[8];
             tm_group_codes(row, g, bits, c);

@@ -85,6 +85,12 @@ static inline float tm_bf16_to_float(uint16_t h) {
     return f;
 }
 
+/* Two codes minus the zero point z as one int32 of two int16 (low half: the first): the
+ * integer GEMM's operand (gemm.c), built with vb_widen_pairs a vector at a time. */
+static inline int32_t tm_code_pair(const uint8_t *c, int z) {
+    return (int32_t)((uint32_t)(uint16_t)(c[0] - z) | (uint32_t)(uint16_t)(c[1] - z) << 16);
+}
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "simd_avx2.h"
 #elif defined(__aarch64__) && defined(__ARM_NEON)
@@ -92,7 +98,7 @@ static inline float tm_bf16_to_float(uint16_t h) {
 #else
 #include "simd_scalar.h"
 #endif
-#ifndef TM_A16_LEFT_OUT8 /* what group_dot leaves out of 8-bit codes' dot, if anything */
+#ifndef TM_A16_LEFT_OUT8 /* what group_dot adds to 8-bit codes' dots, if anything */
 #define TM_A16_LEFT_OUT8(hsum, lsum) 0
 #endif
 

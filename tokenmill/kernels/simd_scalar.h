@@ -86,9 +86,8 @@ static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
 /* Codes minus z as int16 pairs: lane k of *even = codes 4k, 4k+1 of c, of *odd = 4k+2, 4k+3 */
 static inline void vb_widen_pairs(vb c, int z, vi *even, vi *odd) {
     for (int k = 0; k < 4; k++) {
-        const uint8_t *q = c.v + 4 * k;
-        even->v[k] = (int32_t)((uint32_t)(uint16_t)(q[0] - z) | (uint32_t)(uint16_t)(q[1] - z) << 16);
-        odd->v[k] = (int32_t)((uint32_t)(uint16_t)(q[2] - z) | (uint32_t)(uint16_t)(q[3] - z) << 16);
+        even->v[k] = tm_code_pair(c.v + 4 * k, z);
+        odd->v[k] = tm_code_pair(c.v + 4 * k + 2, z);
     }
 }
 

@@ -20,9 +20,8 @@ How a forward pass of x [T, in] runs:
   T > PREFILL_MIN_T otherwise
       weight rows converted chunk by chunk to float32 tiles (kernels.dequant_lanes),
       multiplied by torch's float32 GEMM: within 1e-4 of the exact product on SmolLM2's
-      logits. (A bfloat16 GEMM ran a 512-token prefill 2x faster on AMX
-      but moved logits by up to 0.5, so that a prompt prefilled alone and in a batch
-      continued differently.)
+      logits. (A bfloat16 GEMM ran a 512-token prefill 2x faster on AMX but moved logits
+      by up to 0.5, so that a prompt prefilled alone and in a batch continued differently.)
   no native library
       the whole weight converted with torch ops, then F.linear (slow, exact).
 """
