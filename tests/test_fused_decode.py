@@ -110,7 +110,9 @@ def test_fused_decode_matches_torch(kbuild, tmp_path, monkeypatch, name):
     assert len(calls) == 7 * len(got[0][1])  # every decode step, every layer
     for (ref_logits, ref_attn), (got_logits, got_attn) in zip(ref, got, strict=True):
         for a, b in zip(ref_attn, got_attn, strict=True):
-            assert (a - b).abs().max().item() < 1e-5
+            # float32 rounding relative to the outputs' size (|a| ~ 2.5: torch's own
+            # attention on AVX-512 hosts differs from the kernels' sums by ~1e-5)
+            assert (a - b).abs().max().item() < 1e-5 * max(1.0, a.abs().max().item())
         assert (ref_logits - got_logits).abs().max().item() < 1e-4
 
 

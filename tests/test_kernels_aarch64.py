@@ -67,7 +67,9 @@ def runs(tmp_path_factory) -> dict[str, tuple[list[str], dict[str, np.ndarray]]]
     result = {}
     for name, march in BUILDS.items():
         exe, out = folder / f"driver-{name}", folder / f"{name}.bin"
-        cmd = [CC, "-O2", "-std=gnu11", "-static", "-fopenmp", f"-march={march}"]
+        cmd = [CC, "-O3", "-std=gnu11", "-static", "-fopenmp", f"-march={march}"]
+        # a warning in any target fails the test (the driver leaves struct fields zero)
+        cmd += ["-Wall", "-Wextra", "-Werror", "-Wno-missing-field-initializers"]
         build = subprocess.run(
             [*cmd, "-o", str(exe), str(DRIVER), *map(str, SOURCES), "-lm"],
             capture_output=True,

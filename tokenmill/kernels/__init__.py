@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 
-ABI = 8  # tm_info() // 1000 of the sources this module binds
+ABI = 9  # tm_info() // 1000 of the sources this module binds
 F16, BF16, F32 = 16, 17, 32  # tm_weight.bits of float weights (4 and 8: packed blocks)
 DEFAULT_GROUP_BLOCKS = 16  # the packing used when no library is loaded (any would do)
 

@@ -1,28 +1,7 @@
 /* Decode attention over the paged KV cache, float32: one call per layer does, for every
  * decode row and K/V head, the q/k RMSNorm, RoPE, the cache write of the new k/v and
- * softmax(q K^T * scale) V. The inner loops are written once over simd.h; AVX-512 builds
- * keep their 512-bit versions of the three hot loops (scores, values, softmax). */
+ * softmax(q K^T * scale) V. The inner loops are written once over simd.h. */
 #include "tm.h"
-
-#if TM_AVX512
-/* The 16 horizontal sums of v[0..15] as one vector (element u = sum of v[u]): a
- * transpose-and-add tree, ~3 instructions per sum instead of a full reduction each. */
-static inline __m512 hsum16(const __m512 v[16]) {
-    __m512 a[8], b[4];
-    for (int i = 0; i < 8; i++) /* per 128-bit lane: [v2i 0+2, v2i+1 0+2, v2i 1+3, v2i+1 1+3] */
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) { /* per 128-bit lane: the lane sums of v4i .. v4i+3 */
-        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    /* add the four 128-bit lanes: 0x88 picks lanes (0, 2), 0xDD lanes (1, 3) */
-    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
-    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
-}
-#endif
 
 /* RoPE ("rotate half") of the first `dim` features of x [hd] in place, with the cos/sin
  * row of the token's position (sin's first half carries the minus sign, rotary.py). */
@@ -39,19 +18,6 @@ static inline void rope_inplace(float *x, int dim, const float *c, const float *
 static void attn_scores(const float *q, const float *base, const int64_t *sl, size_t stride, int m,
                         int hd, float scale, float *sc) {
     int j = 0;
-#if TM_AVX512
-    if (hd % 16 == 0)
-        for (; j + 16 <= m; j += 16) { /* 16 keys at a time: one horizontal-sum tree */
-            __m512 v[16];
-            for (int u = 0; u < 16; u++) {
-                const float *k = base + (size_t)sl[j + u] * stride;
-                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
-                for (int i = 16; i < hd; i += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), a);
-                v[u] = a;
-            }
-            _mm512_storeu_ps(sc + j, _mm512_mul_ps(hsum16(v), _mm512_set1_ps(scale)));
-        }
-#else
     if (hd % TM_W == 0)
         for (; j + TM_W <= m; j += TM_W) { /* TM_W keys at a time: one horizontal-sum tree */
             vf v[TM_W];
@@ -63,44 +29,17 @@ static void attn_scores(const float *q, const float *base, const int64_t *sl, si
             }
             vf_store(sc + j, vf_mul(vf_hsums(v), vf_set1(scale)));
         }
-#endif
     for (; j < m; j++) sc[j] = tm_dot(q, base + (size_t)sl[j] * stride, hd) * scale;
 }
 
 /* acc [rep, hd] = sum_j p[r * m + j] * V_j for each of the rep rows of p, V_j as in
  * attn_scores. The accumulators of a few rows x 4 vectors of features stay in registers
  * while the keys stream by (instead of a load and a store of acc per key and row). */
-#define VROWS (TM_W == 4 ? 4 : 2) /* rows per register block: 16 (AVX2) or 32 (NEON) registers */
+/* rows per register block: 4 x 4 accumulators where there are 32 vector registers
+ * (AVX-512, NEON; the scalar build's are arrays), 2 x 4 on AVX2's 16 */
+#define VROWS (TM_W == 8 ? 2 : 4)
 static void attn_values(const float *p, int m, int rep, const float *base, const int64_t *sl,
                         size_t stride, int hd, float *acc) {
-#if TM_AVX512
-    if (hd % 16 == 0) {
-        for (int r0 = 0; r0 < rep; r0 += 4) {
-            const int nr = rep - r0 < 4 ? rep - r0 : 4;
-            for (int d0 = 0; d0 < hd; d0 += 64) {
-                const int nv = (hd - d0 < 64 ? hd - d0 : 64) / 16;
-                __m512 a[4][4], vv[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-                for (int r = 0; r < 4; r++)
-                    for (int i = 0; i < 4; i++) a[r][i] = _mm512_setzero_ps();
-                for (int j = 0; j < m; j++) {
-                    const float *v = base + (size_t)sl[j] * stride + d0;
-                    for (int i = 0; i < 4; i++)
-                        if (i < nv) vv[i] = _mm512_loadu_ps(v + 16 * i);
-                    for (int r = 0; r < 4; r++)
-                        if (r < nr) {
-                            const __m512 pr = _mm512_set1_ps(p[(size_t)(r0 + r) * m + j]);
-                            for (int i = 0; i < 4; i++)
-                                if (i < nv) a[r][i] = _mm512_fmadd_ps(pr, vv[i], a[r][i]);
-                        }
-                }
-                for (int r = 0; r < 4; r++)
-                    for (int i = 0; i < 4; i++)
-                        if (r < nr && i < nv) _mm512_storeu_ps(acc + (size_t)(r0 + r) * hd + d0 + 16 * i, a[r][i]);
-            }
-        }
-        return;
-    }
-#else
     if (hd % TM_W == 0) {
         for (int r0 = 0; r0 < rep; r0 += VROWS) {
             const int nr = rep - r0 < VROWS ? rep - r0 : VROWS;
@@ -127,7 +66,6 @@ static void attn_values(const float *p, int m, int rep, const float *base, const
         }
         return;
     }
-#endif
     memset(acc, 0, (size_t)rep * hd * sizeof(float));
     for (int j = 0; j < m; j++) {
         const float *vj = base + (size_t)sl[j] * stride;
@@ -139,27 +77,14 @@ static void attn_values(const float *p, int m, int rep, const float *base, const
 static inline float softmax_exp(float *s, int n) {
     float mx = -INFINITY;
     int j = 0;
-#if !TM_AVX512
     if (n >= TM_W) {
         vf vmx = vf_load(s);
         for (j = TM_W; j + TM_W <= n; j += TM_W) vmx = vf_max(vmx, vf_load(s + j));
         mx = vf_hmax(vmx);
     }
-#endif
     for (; j < n; j++) mx = s[j] > mx ? s[j] : mx;
     j = 0;
     float sum = 0.f;
-#if TM_AVX512
-    const __m512 vm = _mm512_set1_ps(mx);
-    __m512 acc = _mm512_setzero_ps();
-    for (; j < n; j += 16) {
-        const __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
-        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vm));
-        _mm512_mask_storeu_ps(s + j, m, e);
-        acc = _mm512_mask_add_ps(acc, m, acc, e);
-    }
-    sum = _mm512_reduce_add_ps(acc);
-#else
     const vf vm = vf_set1(mx);
     vf acc = vf_zero();
     for (; j + TM_W <= n; j += TM_W) {
@@ -168,7 +93,6 @@ static inline float softmax_exp(float *s, int n) {
         acc = vf_add(acc, e);
     }
     sum = vf_sum(acc);
-#endif
     for (; j < n; j++) {
         s[j] = expf(s[j] - mx);
         sum += s[j];

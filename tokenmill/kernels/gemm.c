@@ -49,7 +49,7 @@
  * tile building is paid once per call. Prompts and batched decode steps of 16 rows or
  * more take the GEMM. */
 #define GEMM_MIN_ROWS 16
-int tm_gemm_min_rows(void) { return TM_W == 8 && !TM_AVX512 ? GEMM_MIN_ROWS : 0; }
+int tm_gemm_min_rows(void) { return TM_W >= 8 ? GEMM_MIN_ROWS : 0; }
 
 /* ------------------------------------------------------------------------------ */
 /* Weight tiles                                                                    */
@@ -106,7 +106,7 @@ static void build_tile(const tm_weight *w, int r0, int32_t *tw, float *td, float
     const uint8_t *rp[RT];
     for (int l = 0; l < RT; l++) rp[l] = w->codes + (size_t)(r0 + l < w->n ? r0 + l : w->n - 1) * rb;
     int b0 = 0; /* the blocks before b0 are in the tile */
-#if !TM_AVX512 && !defined(GEMM_SCALAR_TILES) /* (the define: to test block_codes off AVX-512) */
+#if !defined(GEMM_SCALAR_TILES) /* (the define: to test block_codes on whole rows) */
     const int nfull = nb / TM_GB;
     for (int s = 0; s < GR; s++) /* TM_W rows at a time */
         for (int g = 0; g < nfull; g++) {
@@ -127,7 +127,7 @@ static void build_tile(const tm_weight *w, int r0, int32_t *tw, float *td, float
     b0 = nfull * TM_GB;
 #endif
     for (int l = 0; l < RT; l++) {
-        for (int b = b0; b < nb; b++) { /* the tail blocks (every block on AVX-512 builds) */
+        for (int b = b0; b < nb; b++) { /* the tail blocks */
             uint8_t c[QK];
             block_codes(w, rp[l], b, c);
             int32_t *d = tw + (size_t)b * (QK / 2) * RT + l;

@@ -37,17 +37,15 @@
  * sum: the min term adds no activation-quantization error). Every build computes the
  * same integers; results differ only in the order of the float sums.
  *
- * How each build multiplies codes by activations:
- *   AVX-512  activations as two VNNI operands (signed high byte, unsigned low byte):
- *            two vpdpbusd per 64 values (linear_avx512.h)
- *   others   the same two byte planes, multiplied by group_dot of the simd.h layer:
- *            vpmaddubsw (4- and 6-bit codes) or vpmaddwd (8-bit) on AVX2, sdot/udot or
- *            smlal on NEON, plain C on scalar
+ * How every build multiplies codes by activations: the activations as two byte planes
+ * (signed high byte, unsigned low byte), multiplied by group_dot of the simd.h layer:
+ * vpdpbusd on AVX-512 VNNI and AVX-VNNI, vpmaddubsw (4- and 6-bit codes) or vpmaddwd
+ * (8-bit) on AVX2 and AVX-512 without VNNI, sdot/udot or smlal on NEON, plain C on scalar.
  *
  * 6-bit codes (GGUF Q6_K, exactly): w = d16 * (c - 32) with a scale per 16 values, d16 =
  * dsup * sc (a float16 per 256 values times a signed byte per 16, as the file has them).
- * Rows are whole groups (k a multiple of 32 * TM_GB; the AVX-512 build holds Q6_K as
- * 8-bit blocks instead). Per group: the low 4 bits as a 4-bit group (GW/2 bytes), then the
+ * Rows are whole groups (k a multiple of 32 * TM_GB; other rows hold Q6_K as 8-bit
+ * blocks instead). Per group: the low 4 bits as a 4-bit group (GW/2 bytes), then the
  * top 2 bits (GW/4 bytes): byte c*4G + r holds vector 4c + s of the group at bits 2s.
  *   codes   uint8 [N, K*3/4];  scales int8 [N, K/16], per group [half h][block k]
  *   (block k's values 0-15 are vectors 0-3 of the group, 16-31 vectors 4-7); dsup [N, K/256]
@@ -57,10 +55,6 @@
  * float32 in registers (F16C / shifts / NEON fcvtl) and multiplied by float32 x.
  */
 #include "tm.h"
-
-#if TM_AVX512
-#include "linear_avx512.h"
-#else
 
 /* ------------------------------------------------------------------------------ */
 /* Activation quantization (per call, on the calling thread: T*K is small)         */
@@ -149,15 +143,40 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
 /* ------------------------------------------------------------------------------ */
 
 /* The nb % TM_GB tail blocks of row r (codes at `tc`, natural order in chunks of two
- * blocks) against T activation rows from t0, into tail[t]: each block as 32 / (4 TM_W)
- * code vectors through group_dot, whose lanes sum to the block's dot. A chunk of two
- * 4-bit blocks is one nibble split: low nibbles block 2q, high nibbles block 2q+1. */
+ * blocks) against T activation rows from t0, into tail[t], through group_dot too.
+ * Up to 8 lanes (a block fills 32 / (4 TM_W) code vectors): each block's dot is the sum
+ * of the lanes; a chunk of two 4-bit blocks is one nibble split (low nibbles block 2q,
+ * high nibbles block 2q+1). 16 lanes (AVX-512: a vector holds 64 codes): two blocks per
+ * vector, their codes side by side like their activations (natural order), block u's
+ * dot the sum of lanes 0-7 and block u + 1's of lanes 8-15. A lone last block leaves
+ * lanes 8-15 zero codes against zero activations (the padding of quantize_x). */
 enum { TAIL_NV = QK / (4 * TM_GB) > 0 ? QK / (4 * TM_GB) : 1 }; /* vectors per block */
 
 static inline __attribute__((always_inline)) void tail_dot(const tm_weight *w, const xq_t *xq, int r,
                                                            int t0, int T, int bits,
                                                            const uint8_t *tc, float *tail) {
     const int nb = w->k / QK, nfull = nb / TM_GB, nbt = nb % TM_GB;
+#if 4 * TM_GB > QK
+    for (int u = 0; u < nbt; u += 2) {
+        const int n = u + 1 < nbt ? 2 : 1, b = nfull * TM_GB + u;
+        uint8_t cv[4 * TM_GB] __attribute__((aligned(64))) = {0};
+        for (int h = 0; h < n; h++) tail_block_codes(tc, bits, u + h, nbt, cv + QK * h);
+        const vb c = vb_load(cv);
+        float d[2], m[2];
+        for (int h = 0; h < n; h++) d[h] = tm_block_scale(w, r, b + h), m[h] = tm_block_min(w, r, b + h);
+        for (int t = 0; t < T; t++) {
+            const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + b;
+            const size_t xo = tt * xq->kpad + (size_t)b * QK;
+            int32_t lane[TM_W];
+            vi_store(lane, group_dot(&c, 1, xq->q + xo, xq->ql + xo, bits));
+            for (int h = 0; h < n; h++) {
+                int32_t s = -xq->zc[xi + h];
+                for (int k = 0; k < TM_W / 2; k++) s += lane[h * TM_W / 2 + k];
+                tail[t] += d[h] * (xq->dx[xi + h] * (float)s) + m[h] * xq->sx[xi + h];
+            }
+        }
+    }
+#else
     for (int u = 0; u < nbt;) {
         vb ca[TAIL_NV], cb[TAIL_NV];
         int n = 1;
@@ -183,6 +202,7 @@ static inline __attribute__((always_inline)) void tail_dot(const tm_weight *w, c
         }
         u += n;
     }
+#endif
 }
 
 /* Row r's K-quant super-block scales to float: dsup [k / 256], and msup = -(the mins'
@@ -200,6 +220,18 @@ static inline void ksup_row(const tm_weight *w, int r, float *dsup, float *msup)
         dsup[i] = tm_half_to_float(ds[i]);
         if (ms) msup[i] = -tm_half_to_float(ms[i]);
     }
+}
+
+/* The super-block scales of group g's TM_GB blocks, one per lane: a super-block is 8
+ * blocks, so one scale for a whole group of up to 8 blocks, two on AVX-512. */
+static inline vf sup_lanes(const float *sup, int g) {
+#if TM_GB <= 8
+    return vf_set1(sup[g * TM_GB / 8]);
+#else
+    float t[TM_GB];
+    for (int k = 0; k < TM_GB; k++) t[k] = sup[(g * TM_GB + k) / 8];
+    return vf_load(t);
+#endif
 }
 
 /* Rows [r0, r1) of W against T (<= TCHUNK) activation rows starting at t0; T and bits
@@ -229,7 +261,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
         for (int g = 0; g < nfull && bits == 6; g++) { /* Q6_K: two halves per block */
             vb c[8];
             tm_group_codes(row, g, 6, c);
-            const vf ds = vf_set1(dsup[g * TM_GB / 8]);
+            const vf ds = sup_lanes(dsup, g);
             const int8_t *sc = (const int8_t *)w->scales + (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB;
             const vf d0 = vf_mul(vf_load_i8(sc), ds), d1 = vf_mul(vf_load_i8(sc + TM_GB), ds);
             for (int t = 0; t < T; t++) {
@@ -248,10 +280,9 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
             tm_group_codes(row, g, bits, c);
             vf d, m = vf_zero();
             if (w->dsup) { /* K-quant: codes times the super-block's scale (256 values) */
-                const int su = g * TM_GB / 8;
-                d = vf_mul(vf_load_u8((const uint8_t *)w->scales + srow + (size_t)g * TM_GB), vf_set1(dsup[su]));
+                d = vf_mul(vf_load_u8((const uint8_t *)w->scales + srow + (size_t)g * TM_GB), sup_lanes(dsup, g));
                 if (w->mins)
-                    m = vf_mul(vf_load_u8((const uint8_t *)w->mins + srow + (size_t)g * TM_GB), vf_set1(msup[su]));
+                    m = vf_mul(vf_load_u8((const uint8_t *)w->mins + srow + (size_t)g * TM_GB), sup_lanes(msup, g));
             } else {
                 d = vf_scales(w->scales, f16, srow + (size_t)g * TM_GB);
                 if (w->mins) m = vf_scales(w->mins, f16, srow + (size_t)g * TM_GB);
@@ -314,10 +345,13 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
     if (w->bits == 6) { /* whole groups only: vector i of block k, scale of half i / 4 */
         for (int g = 0; g < nfull; g++) {
             const uint8_t *p = row + (size_t)g * (GW * 3 / 4);
-            const float ds = tm_half_to_float(w->dsup[(size_t)r * (nb / 8) + (size_t)g * TM_GB / 8]);
+            const uint16_t *dsr = w->dsup + (size_t)r * (nb / 8);
             const int8_t *sc = (const int8_t *)w->scales + (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB;
             float de[2][4 * TM_GB]; /* per element of a vector: its block's scale, per half */
-            for (int e = 0; e < 4 * TM_GB; e++) de[0][e] = ds * (float)sc[e / 4], de[1][e] = ds * (float)sc[TM_GB + e / 4];
+            for (int e = 0; e < 4 * TM_GB; e++) {
+                const float ds = tm_half_to_float(dsr[(g * TM_GB + e / 4) / 8]); /* block e / 4 */
+                de[0][e] = ds * (float)sc[e / 4], de[1][e] = ds * (float)sc[TM_GB + e / 4];
+            }
             for (int i = 0; i < 8; i++) {
                 const uint8_t *lo = p + (i >> 1) * vb_bytes, *hi = p + GW / 2 + (i >> 2) * vb_bytes;
                 const int ls = (i & 1) * 4, hs = 2 * (i & 3);
@@ -354,7 +388,6 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
         for (int j = 0; j < QK; j++) o[j] = (float)(cb[j] - z) * d + m;
     }
 }
-#endif /* TM_AVX512 */
 
 /* ------------------------------------------------------------------------------ */
 /* Float weights: y = x W^T with W float16, bfloat16 or float32, float32 arithmetic */
@@ -464,7 +497,6 @@ int tm_linear(const tm_weight *w, const float *x, int T, float *y, const float *
 
 static int linear_one(const tm_weight *w, const float *x, int T, float *y, const float *bias,
                       int nthreads, int act16) {
-    if (TM_AVX512 && w->dsup) return -1; /* the 512-bit kernels read plain scales only */
     if (w->bits == 6 && (w->k / QK) % TM_GB) return -1; /* 6-bit rows are whole groups */
     if (w->dsup && w->k / 256 > KSUP_MAX) return -1;     /* ksup_row's buffers */
     const int fw = is_float(w), gemm_rows = tm_gemm_min_rows();
@@ -560,17 +592,18 @@ int tm_dequant_rows(const tm_weight *w, const int64_t *ids, int n, float *out) {
 /* What this build is: Python checks these once at load                           */
 /* ------------------------------------------------------------------------------ */
 
-/* ABI version * 1000 + 1 if the AVX-512 specializations are in. */
-int tm_info(void) { return TM_ABI * 1000 + TM_AVX512; }
+/* ABI version * 1000 + the vector width in 32-bit lanes. */
+int tm_info(void) { return TM_ABI * 1000 + TM_W; }
 
 /* Blocks per lane-order group: the packing Python must produce for this build. */
 int tm_group_blocks(void) { return TM_GB; }
 
-/* Whether this build reads K-quant scales as stored (else Python passes float32 ones). */
-int tm_kquant_scales(void) { return !TM_AVX512; }
+/* Whether this build reads K-quant scales as stored (else Python passes float32 ones):
+ * every build does now; kept so that Python asks rather than assumes. */
+int tm_kquant_scales(void) { return 1; }
 
 /* The instruction set the kernels were compiled for (see tm.h). */
-const char *tm_isa(void) { return TM_AVX512 ? "avx512" : TM_SIMD_NAME; }
+const char *tm_isa(void) { return TM_SIMD_NAME; }
 
 /* Sizes of the structs Python mirrors with ctypes: caught at load if they drift. */
 int tm_struct_size(int which) {

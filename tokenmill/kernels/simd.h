@@ -3,13 +3,17 @@
  *
  * Exactly one layer is compiled in, chosen from the compiler's target (-march):
  *
+ *   simd_avx512.h  x86-64 AVX-512 F/BW/DQ/VL (x86-64-v4),      TM_W = 16
+ *                  with AVX-512 VNNI where the CPU has it
  *   simd_avx2.h    x86-64 AVX2 + FMA + F16C (x86-64-v3),       TM_W = 8
  *                  with AVX-VNNI where the CPU has it
  *   simd_neon.h    AArch64 Advanced SIMD                       TM_W = 4
+ *                  with the dot-product extension where it has it
  *   simd_scalar.h  anything else: plain C loops, the reference TM_W = 4
  *
- * (Hosts with AVX-512 VNNI/BF16 also compile the AVX2 layer, and override the hottest
- * kernels with the 512-bit specializations in linear_avx512.h.)
+ * Every kernel is written once over these primitives: no instruction set has code of its
+ * own outside its layer, so every layer runs the same kernels, and the tests run every
+ * layer on any x86-64 host (AVX-512 and AVX-VNNI through emulations: kernel_builds.py).
  *
  * The contract. TM_W is the number of 32-bit lanes of a vector; it is also the number of
  * 32-value blocks in one lane-order group of the packed weights (linear.c).
@@ -91,7 +95,10 @@ static inline int32_t tm_code_pair(const uint8_t *c, int z) {
     return (int32_t)((uint32_t)(uint16_t)(c[0] - z) | (uint32_t)(uint16_t)(c[1] - z) << 16);
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(TM_SIMDE_AVX512) || (defined(__AVX512F__) && defined(__AVX512BW__) && \
+                                 defined(__AVX512DQ__) && defined(__AVX512VL__))
+#include "simd_avx512.h"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "simd_avx2.h"
 #elif defined(__aarch64__) && defined(__ARM_NEON)
 #include "simd_neon.h"

@@ -8,29 +8,6 @@
  * 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), both through exp(-|.|) <= 1. */
 static void gated_act(const float *g, const float *u, int f, int act, float *out) {
     int i = 0;
-#if TM_AVX512
-    const __m512 one = _mm512_set1_ps(1.f), half = _mm512_set1_ps(0.5f);
-    const __m512 sign = _mm512_set1_ps(-0.f);
-    for (; i + 16 <= f; i += 16) {
-        const __m512 x = _mm512_loadu_ps(g + i);
-        __m512 a;
-        if (act == 0) {
-            const __m512 e = exp_ps(_mm512_or_ps(_mm512_abs_ps(x), sign)); /* exp(-|x|) */
-            const __m512 r = _mm512_div_ps(one, _mm512_add_ps(one, e));
-            const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-            a = _mm512_mul_ps(x, _mm512_mask_mul_ps(r, neg, r, e)); /* x<0: e/(1+e) */
-        } else {
-            const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-            const __m512 z = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
-                                           _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
-            const __m512 e = exp_ps(_mm512_mul_ps(_mm512_set1_ps(-2.f), _mm512_abs_ps(z)));
-            __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e)); /* tanh|z| */
-            t = _mm512_or_ps(t, _mm512_and_ps(z, sign));                           /* sign of z */
-            a = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, t));
-        }
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(a, _mm512_loadu_ps(u + i)));
-    }
-#else
     const vf one = vf_set1(1.f), half = vf_set1(0.5f);
     for (; i + TM_W <= f; i += TM_W) {
         const vf x = vf_load(g + i);
@@ -48,7 +25,6 @@ static void gated_act(const float *g, const float *u, int f, int act, float *out
         }
         vf_store(out + i, vf_mul(a, vf_load(u + i)));
     }
-#endif
     for (; i < f; i++) {
         const float x = g[i];
         float a;

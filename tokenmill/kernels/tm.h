@@ -2,15 +2,16 @@
  *
  * The library is plain C compiled at first use with the system gcc (kernels/build.py),
  * loaded with ctypes, -march=native by default (TOKENMILL_MARCH overrides it). Which
- * vector code a build runs (tm_isa()):
+ * vector code a build runs (tm_isa()) is chosen by one thing, the simd.h layer the target
+ * compiles in; every kernel is written once over that layer:
  *
- *   avx512     AVX-512 F/BW/VL + VNNI + BF16: the 512-bit specializations of linear_avx512.h
- *              for the packed GEMV, activation quantization, dequantization and the
- *              attention inner loops; the AVX2 layer for everything else
- *   avx2       x86-64-v3 (AVX2, FMA, F16C): simd_avx2.h
- *   neon       AArch64: simd_neon.h
- *   scalar     anything else: simd_scalar.h (the reference every other path is tested
- *              against)
+ *   avx512[+vnni]  x86-64-v4 (AVX-512 F/BW/DQ/VL), with VNNI where the CPU has it:
+ *                  simd_avx512.h, 16 lanes
+ *   avx2[+vnni]    x86-64-v3 (AVX2, FMA, F16C), with AVX-VNNI where the CPU has it:
+ *                  simd_avx2.h, 8 lanes
+ *   neon[+dotprod] AArch64: simd_neon.h, 4 lanes
+ *   scalar         anything else: simd_scalar.h (the reference every other path is tested
+ *                  against), 4 lanes
  */
 #ifndef TM_H
 #define TM_H
@@ -25,17 +26,9 @@
 
 #include "simd.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512VNNI__) && defined(__AVX512BF16__)
-#define TM_AVX512 1
-#include <immintrin.h>
-#define TM_GB 16 /* blocks per lane-order group: one 512-bit vector of 32-bit lanes */
-#else
-#define TM_AVX512 0
-#define TM_GB TM_W
-#endif
+#define TM_GB TM_W /* blocks per lane-order group: one vector of 32-bit lanes */
 
-#define TM_ABI 8 /* tm_info() / 1000: bumped when a struct or signature changes */
+#define TM_ABI 9 /* tm_info() / 1000: bumped when a struct or signature changes */
 
 #define QK 32            /* values per block */
 #define GW (TM_GB * QK)  /* values per full lane-order group */
@@ -223,7 +216,6 @@ static inline void tail_block_codes(const uint8_t *tail, int bits, int u, int nb
     }
 }
 
-#if !TM_AVX512 /* a code vector (vb) holds one lane-order vector of a group: TM_GB == TM_W */
 /* The 8 code vectors of full group g of a packed row: lane k of vector i holds codes
  * 4i..4i+3 of block k (4-bit: the nibble split; 6-bit: low nibbles plus the top bits). */
 static inline void tm_group_codes(const uint8_t *row, int g, int bits, vb c[8]) {
@@ -238,7 +230,6 @@ static inline void tm_group_codes(const uint8_t *row, int g, int bits, vb c[8]) 
         vb_add_crumbs(c + 4, vb_load(p + GW / 2 + 4 * TM_GB));
     }
 }
-#endif
 
 /* One 32-block of activations v to integers: q = round(v * qmax / amax), ties to even
  * (qmax 127: 8-bit, 32767: 16-bit). Sets *dx = amax / qmax (the block's scale) and *sum
@@ -268,53 +259,10 @@ static inline int32_t tm_quant_block(const float *v, float qmax, int16_t q[QK], 
 /* Float helpers shared by attention.c and stack.c                                 */
 /* ------------------------------------------------------------------------------ */
 
-#if TM_AVX512
-/* exp(x) for x <= 0 (max-subtracted scores), ~1 ulp: x = n ln2 + r, |r| <= ln2/2,
- * exp(r) by a degree-6 polynomial (Cephes expf), times 2^n; x < -87 gives 0. */
-static inline __m512 exp_ps(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.f);
-    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, lo);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_maskz_scalef_ps(~under, p, n); /* p * 2^n */
-}
-#endif
-
-static inline float tm_dot(const float *a, const float *b, int n) {
-#if TM_AVX512
-    int i = 0;
-    __m512 v = _mm512_setzero_ps();
-    for (; i + 16 <= n; i += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), v);
-    float acc = _mm512_reduce_add_ps(v);
-    for (; i < n; i++) acc += a[i] * b[i];
-    return acc;
-#else
-    return vf_dot(a, b, n);
-#endif
-}
+static inline float tm_dot(const float *a, const float *b, int n) { return vf_dot(a, b, n); }
 
 /* y [n] += a * x [n] */
-static inline void tm_axpy(float *y, float a, const float *x, int n) {
-#if TM_AVX512
-    int i = 0;
-    const __m512 va = _mm512_set1_ps(a);
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a * x[i];
-#else
-    vf_axpy(y, a, x, n);
-#endif
-}
+static inline void tm_axpy(float *y, float a, const float *x, int n) { vf_axpy(y, a, x, n); }
 
 /* RMSNorm: out [n] = x * w / sqrt(mean(x^2) + eps), the sum of squares accumulated in
  * float like F.rms_norm; out may be x (in place). */
