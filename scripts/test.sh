@@ -13,9 +13,11 @@ pip install -q torch==2.13.0
 pip install -q -e '.[test]'
 
 # From Debian, as root: headless Chromium for the browser test (test tools cannot download
-# browsers), and the AArch64 cross compiler and qemu-user for the NEON kernel tests.
+# browsers), the AArch64 cross compiler and qemu-user for the NEON kernel tests, and SIMDe
+# (header-only AVX-512 intrinsics over AVX2) to run the AVX-512 layer on any x86-64 host.
 need=()
 [ -x /usr/bin/chromium ] || need+=(chromium)
+[ -f /usr/include/simde/x86/avx512.h ] || need+=(libsimde-dev)
 command -v aarch64-linux-gnu-gcc >/dev/null || need+=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross)
 command -v qemu-aarch64 >/dev/null || need+=(qemu-user)
 if [ ${#need[@]} -gt 0 ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
@@ -30,4 +32,5 @@ python scripts/fetch_fixtures.py
 ruff check tokenmill tests benchmarks scripts
 ruff format --check tokenmill tests benchmarks scripts
 
+export TOKENMILL_REQUIRE_NATIVE=1  # a host build that fails is a red suite, not a torch fallback
 python -m pytest "$@"

@@ -465,7 +465,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if hasattr(args, "model"):
             args.model_path = prepare_model(args)
-        args.func(args)
+        # None, or an exit status (`info`: non-zero when the native kernels are unavailable)
+        status = args.func(args)
     except KeyboardInterrupt:
         sys.exit(130)
     except BrokenPipeError:
@@ -475,6 +476,8 @@ def main(argv: list[str] | None = None) -> None:
     except (LoadError, FetchError, ValueError, OSError) as e:
         print(f"tokenmill: error: {e}", file=sys.stderr)
         sys.exit(1)
+    if status:
+        sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,17 @@ vLLM's `collect_env` and `ollama --version` play this role: which tokenmill, Pyt
 torch; how many threads; which CPU and which instruction set the native kernels run on
 (that decides whether decode is fast); where models are cached and which known models
 are already there. One command, plain `key: value` lines to paste into an issue.
+
+When the native kernels are unavailable (and TOKENMILL_KERNELS=0 did not turn them off on
+purpose), the first line says so, why, what it costs and what to do, with the compiler's
+first error lines under it, and the command exits with KERNELS_UNAVAILABLE: a script or CI
+step that runs `tokenmill info` sees a slow host as a failure, not as a listing.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import sys
@@ -16,7 +22,16 @@ from pathlib import Path
 
 # CPU features that change which kernel code path runs, as /proc/cpuinfo spells them.
 CPU_FEATURES = ("avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
-ENV_VARS = ("TOKENMILL_CACHE", "TOKENMILL_KERNELS", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+ENV_VARS = (
+    "TOKENMILL_CACHE",
+    "TOKENMILL_KERNELS",
+    "TOKENMILL_MARCH",
+    "TOKENMILL_REQUIRE_NATIVE",
+    "CC",
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+)
+KERNELS_UNAVAILABLE = 3  # exit status; the CLI uses 1 for errors, 2 for bad arguments
 
 
 def register(subparsers, add_model_args, add_sampling_args) -> None:
@@ -30,14 +45,30 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
     p.set_defaults(func=cmd_info)
 
 
+@functools.cache  # one build attempt per process, even where a failure raises
+def kernel_problem() -> str | None:
+    """Why the native kernels are unavailable (first line: what failed, the cost, what to
+    do; then compiler lines), or None when they loaded or TOKENMILL_KERNELS=0 turned them
+    off. Compiles them on first use, and prints nothing itself."""
+    from tokenmill import kernels
+    from tokenmill.kernels.build import BuildError, describe_failure
+
+    try:
+        return kernels.unavailable()
+    except (BuildError, OSError) as e:  # TOKENMILL_REQUIRE_NATIVE=1: report it, don't crash
+        return describe_failure(e)
+
+
 def kernel_instruction_set() -> str:
     """The instruction set the native kernels run on this machine, as tokenmill.kernels
     reports it (compiling them on first use), with what "none" means."""
     from tokenmill import kernels
 
+    if kernel_problem() is not None:
+        return "none: native kernels unavailable (see the first line), pure-torch path (slow)"
     isa = kernels.isa()
-    if isa == "none":
-        return "none: native kernels unavailable, pure-torch fallback (slow)"
+    if isa == "none":  # TOKENMILL_KERNELS=0
+        return "none: turned off by TOKENMILL_KERNELS=0, pure-torch path (slow)"
     return isa
 
 
@@ -104,8 +135,14 @@ def facts() -> list[tuple[str, str]]:
     return rows
 
 
-def cmd_info(args: argparse.Namespace) -> None:
+def cmd_info(args: argparse.Namespace) -> int:
+    """Prints the facts; returns the exit status: KERNELS_UNAVAILABLE when the native
+    kernels could not be built or loaded, else 0."""
+    problem = kernel_problem()
+    if problem is not None:  # first, where it is seen, and in what a report pastes
+        print(f"tokenmill: {problem}")
     rows = facts()
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
         print(f"{label.ljust(width)}  {value}")
+    return KERNELS_UNAVAILABLE if problem is not None else 0

@@ -6,8 +6,9 @@ layer simd.h) are compiled on first use by `build.py` for the host (or TOKENMILL
 cached; linear.c's header documents the packed weight format, tm.h which code each
 instruction set runs. `isa()` names the one loaded. If the library cannot be built or
 loaded (no compiler, a sandbox without exec permission on the cache folder...),
-`library()` returns None after one warning and callers take their pure-torch path
-instead: slower, never a crash. Set TOKENMILL_KERNELS=0 to force that path.
+`library()` returns None after one line on stderr (what failed, the cost, what to do)
+and callers take their pure-torch path instead: slower, never a crash. Set
+TOKENMILL_KERNELS=0 to force that path, TOKENMILL_REQUIRE_NATIVE=1 to make a failure raise.
 
 Everything here works on raw pointers (`tensor.data_ptr()`), so callers must pass
 contiguous CPU tensors of the documented dtypes and keep them alive during the call.
@@ -15,14 +16,21 @@ contiguous CPU tensors of the documented dtypes and keep them alive during the c
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
 import os
+import sys
 import threading
-import warnings
 
 import torch
 
-from tokenmill.kernels.build import BuildError, compile_library
+from tokenmill.kernels.build import (
+    BuildError,
+    compile_library,
+    compiled_here,
+    describe_failure,
+    require_native,
+)
 
 __all__ = [
     "TmWeight",
@@ -135,6 +143,7 @@ STRUCTS = (TmWeight, TmLayer, TmStack, TmShape, TmRows)  # tm_struct_size(i) che
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
+_error: str | None = None  # why library() is None: what it printed (or would have)
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -171,15 +180,44 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def _open(path: str | os.PathLike) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    try:
+        return _bind(lib)
+    except (AttributeError, OSError):
+        # Unload it: dlopen finds an open library by its path name, so the rebuilt file
+        # at this same path would otherwise come back as this one.
+        if hasattr(_ctypes, "dlclose"):  # POSIX
+            _ctypes.dlclose(lib._handle)
+        raise
+
+
 def load(arch_flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
     """Compile (if needed) and load the library for a target, e.g. ("-march=x86-64-v3",);
-    None: the default (native, or TOKENMILL_MARCH). Raises BuildError or OSError."""
-    return _bind(ctypes.CDLL(str(compile_library(arch_flags))))
+    None: the default (native, or TOKENMILL_MARCH). A cached file that does not load or
+    is not this library (truncated by a full disk or a killed copy, another program's
+    file) is rebuilt once in its place. Raises BuildError or OSError."""
+    path = compile_library(arch_flags)
+    try:
+        return _open(path)
+    except (AttributeError, OSError) as e:  # AttributeError: a symbol it lacks (tm_info)
+        if compiled_here(path):  # not damaged: a rebuild would fail the same way
+            raise OSError(f"cannot load the kernels just compiled, {path}: {e}") from None
+        damaged = f"{path} did not load ({e})"
+    path = compile_library(arch_flags, rebuild=True)
+    try:
+        return _open(path)
+    except (AttributeError, OSError) as e:
+        raise OSError(f"cannot load the kernels: {path} did not load ({e}), also when "
+                      f"rebuilt; before: {damaged}") from None  # fmt: skip
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None (after one warning) if it is unavailable."""
-    global _lib, _tried
+def library(quiet: bool = False) -> ctypes.CDLL | None:
+    """The loaded kernel library, or None if it is unavailable, after one line on stderr
+    (not with `quiet`: `tokenmill info` prints it itself). TOKENMILL_KERNELS=0: None, on
+    purpose and silently. TOKENMILL_REQUIRE_NATIVE=1: a failure raises (BuildError or
+    OSError) instead, at every call."""
+    global _lib, _tried, _error
     if _tried:
         return _lib
     with _lock:
@@ -188,15 +226,24 @@ def library() -> ctypes.CDLL | None:
                 try:
                     _lib = load()
                 except (BuildError, OSError) as e:
-                    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                    warnings.warn(
-                        f"tokenmill: native quantized kernels unavailable ({first}); "
-                        "using the slower pure-torch path",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
+                    if require_native():
+                        e.add_note("TOKENMILL_REQUIRE_NATIVE=1: no fallback to the torch path")
+                        raise
+                    _error = describe_failure(e)
+                    if not quiet:
+                        # One tokenmill line, not a warnings-module dump with a source line.
+                        print(f"tokenmill: {_error}", file=sys.stderr)
             _tried = True
     return _lib
+
+
+def unavailable() -> str | None:
+    """Why the native library is not loaded, as library() reports it (first line: what
+    failed, the cost, what to do; then compiler lines), or None when it is loaded or
+    TOKENMILL_KERNELS=0 turned it off. Raises like library() under
+    TOKENMILL_REQUIRE_NATIVE=1."""
+    # _error alone could be stale: tests swap _lib in and out
+    return None if library(quiet=True) is not None else _error
 
 
 def isa() -> str:
