@@ -39,7 +39,6 @@ __all__ = [
     "isa",
     "group_blocks",
     "reads_kquant_scales",
-    "uses_avx512",
     "linear",
     "gemm",
     "gemm_prefill",
@@ -247,8 +246,9 @@ def unavailable() -> str | None:
 
 
 def isa() -> str:
-    """The instruction set the kernels run: avx512, avx2, avx2+vnni (AVX-VNNI), neon,
-    neon+dotprod, scalar, or "none" (no library: the pure-torch path)."""
+    """The instruction set the kernels run: avx512+vnni, avx512, avx2+vnni (AVX-VNNI), avx2,
+    neon+dotprod, neon, scalar (emulated builds add "(simde)" or "(emulated)"), or "none"
+    (no library: the pure-torch path)."""
     lib = library()
     return "none" if lib is None else lib.tm_isa().decode()
 
@@ -261,15 +261,15 @@ def group_blocks() -> int:
 
 def reads_kquant_scales() -> bool:
     """Whether the loaded library reads GGUF K-quant scales as stored (a uint8 code per
-    block times a float16 per 256 values); the AVX-512 build wants float32 ones."""
+    block times a float16 per 256 values): every build since ABI 9."""
     lib = library()
     return lib is not None and bool(lib.tm_kquant_scales())
 
 
 def gemm_min_rows() -> int:
     """From how many rows of x `linear` multiplies packed weights by the integer GEMM
-    (gemm.c) instead of the GEMV: 16 on the builds where that measured faster (AVX2),
-    0 where it never does."""
+    (gemm.c) instead of the GEMV: 16 on AVX2 and 24 on AVX-512, where that measured
+    faster, 0 where it never does (NEON, scalar)."""
     lib = library()
     return 0 if lib is None else lib.gemm_min_rows
 
@@ -278,11 +278,6 @@ def gemm_prefill() -> bool:
     """Whether prompts' products with packed weights run in the integer GEMM (inside
     `linear`) rather than as float32 tiles for torch's GEMM."""
     return gemm_min_rows() > 0
-
-
-def uses_avx512() -> bool:
-    """Whether the loaded library took the AVX-512 VNNI/BF16 code path."""
-    return isa() == "avx512"
 
 
 def linear(

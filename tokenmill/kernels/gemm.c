@@ -26,16 +26,22 @@
  */
 #include "tm.h"
 
+#ifndef GR
 #define GR 2             /* row vectors per micro-tile */
+#endif
 #define RT (GR * TM_W)   /* weight rows per tile: 16 on AVX2 */
-#define NT 3             /* tokens per micro-tile: 2 x 3 int32 + 2 x 3 float accumulators */
+#ifndef NT /* tokens per micro-tile: GR x NT int32 + GR x NT float accumulators (AVX-512's
+              32 registers hold 4 tokens: 1.1-1.15x the GEMM's speed at 128-512 tokens on a
+              Sapphire Rapids core over 3; AVX2's 16 hold 3) */
+#define NT (TM_W == 16 ? 4 : 3)
+#endif
+#define NT_MAX 6 /* micro-kernels are instantiated for 1..NT_MAX tokens */
 #define TOKEN_PASS 1024  /* tokens per pass over the weights: their int16 rows stay in L3 */
 
 /* From how many rows of x tm_linear multiplies packed weights here rather than in the GEMV
  * (linear.c), 0 on builds where it never does. Where it runs: AVX2 (vpmaddwd: 16 MACs per
- * instruction); not NEON (smull + pairwise add: 8 MACs in 2 instructions, no faster than
- * an FMA), not the scalar build, not AVX-512 (its own GEMV and float32 tiles are not
- * measured against this). The crossover, GEMV time / GEMM time on Zen 3, 2 threads, 7
+ * instruction) and AVX-512 (32: vpdpwssd with VNNI, vpmaddwd without); not NEON (smull +
+ * pairwise add: 8 MACs in 2 instructions, no faster than an FMA), not the scalar build. The crossover, GEMV time / GEMM time on Zen 3, 2 threads, 7
  * interleaved rounds: Llama-3.2-1B's 8192 x 2048, 2048 x 8192 and 3072 x 2048 weights,
  * and SmolLM2-135M's five shapes (576 to 3072 rows, 576 or 1536 columns):
  *     rows            6     8     10    12    16    24    32
@@ -46,9 +52,20 @@
  *     135M Q4_1     0.82  0.83  0.96  0.94  1.17  1.38  1.52
  *     135M Q8_0     0.88  0.92  1.03  1.18  1.27  1.50  1.64
  * The GEMV is compute-bound from a few rows (its cost per row stays flat), the GEMM's
- * tile building is paid once per call. Prompts and batched decode steps of 16 rows or
- * more take the GEMM. */
-#define GEMM_MIN_ROWS 16
+ * tile building is paid once per call. On AVX2 prompts and batched decode steps of 16 rows
+ * or more take the GEMM. AVX-512 VNNI's GEMV is stronger (vpdpbusd: 64 MACs per
+ * instruction); GEMV time / GEMM time on a Sapphire Rapids-class Xeon, 2 threads, 7
+ * interleaved rounds:
+ *     rows            8     12    16    24    32
+ *     1B Q4_K 8192  0.85  0.96  0.96  1.13  1.30
+ *     1B Q4_K 2048  0.96  0.98  1.17  1.35  1.47
+ *     1B Q8_0       1.06  1.00  0.87  1.02  1.13
+ *     1B Q6_K       0.98  1.00  1.08  1.35  1.50
+ *     1B Q4_0 3072  0.99  1.01  0.81  0.97  1.05
+ * so there the GEMM takes 24 rows and more. */
+#ifndef GEMM_MIN_ROWS
+#define GEMM_MIN_ROWS (TM_W == 16 ? 24 : 16)
+#endif
 int tm_gemm_min_rows(void) { return TM_W >= 8 ? GEMM_MIN_ROWS : 0; }
 
 /* ------------------------------------------------------------------------------ */
@@ -149,9 +166,9 @@ static inline __attribute__((always_inline)) void micro(const int32_t *tw, const
                                                         int K, int n, int SIX, int MINS,
                                                         float *out) {
     const int nb = K / QK, S = SIX ? QK / 4 : QK / 2, upb = SIX ? 2 : 1; /* steps, units per block */
-    const int32_t *xp[NT];
+    const int32_t *xp[NT_MAX];
     for (int t = 0; t < n; t++) xp[t] = (const int32_t *)(xq + (size_t)t * K);
-    vf acc[GR][NT];
+    vf acc[GR][NT_MAX];
     for (int g = 0; g < GR; g++)
         for (int t = 0; t < n; t++) acc[g][t] = vf_zero();
     for (int b = 0; b < nb; b++) {
@@ -159,7 +176,7 @@ static inline __attribute__((always_inline)) void micro(const int32_t *tw, const
             const int u = b * upb + h;
             const int32_t *wu = tw + (size_t)u * S * RT;
             const size_t pu = (size_t)u * S;
-            vi s[GR][NT];
+            vi s[GR][NT_MAX];
             for (int g = 0; g < GR; g++)
                 for (int t = 0; t < n; t++) s[g][t] = vi_zero();
 #pragma GCC unroll 1 /* unrolled, gcc computes all products first and spills them */
@@ -195,15 +212,17 @@ typedef void (*micro_fn)(const int32_t *, const float *, const float *, const in
                                            float *out) {                                                 \
         micro(tw, td, tm, xq, dx, sx, K, N, SIX, MINS, out);                                             \
     }
-#define DEF_MICRO_N(SIX, MINS) DEF_MICRO(1, SIX, MINS) DEF_MICRO(2, SIX, MINS) DEF_MICRO(3, SIX, MINS)
+#define DEF_MICRO_N(SIX, MINS)                                                                 \
+    DEF_MICRO(1, SIX, MINS) DEF_MICRO(2, SIX, MINS) DEF_MICRO(3, SIX, MINS) DEF_MICRO(4, SIX, MINS) \
+    DEF_MICRO(5, SIX, MINS) DEF_MICRO(6, SIX, MINS)
 DEF_MICRO_N(0, 0)
 DEF_MICRO_N(0, 1)
 DEF_MICRO_N(1, 0)
-/* [six][mins][n - 1] (6-bit codes have no mins) */
-static const micro_fn MICRO[2][2][NT] = {
-    {{micro_1_0_0, micro_2_0_0, micro_3_0_0}, {micro_1_0_1, micro_2_0_1, micro_3_0_1}},
-    {{micro_1_1_0, micro_2_1_0, micro_3_1_0}, {micro_1_1_0, micro_2_1_0, micro_3_1_0}},
-};
+#define MICRO_ROW(SIX, MINS)                                                                           \
+    {micro_1_##SIX##_##MINS, micro_2_##SIX##_##MINS, micro_3_##SIX##_##MINS, micro_4_##SIX##_##MINS, \
+     micro_5_##SIX##_##MINS, micro_6_##SIX##_##MINS}
+/* [six][mins][n - 1] (6-bit codes have no mins); the first NT of each row are used */
+static const micro_fn MICRO[2][2][6] = {{MICRO_ROW(0, 0), MICRO_ROW(0, 1)}, {MICRO_ROW(1, 0), MICRO_ROW(1, 0)}};
 
 /* ------------------------------------------------------------------------------ */
 /* The entry point                                                                 */

@@ -12,11 +12,12 @@ How a forward pass of x [T, in] runs:
       the native GEMV/small-T GEMM (kernels.linear): packed weights multiply quantized
       activations in exact integer arithmetic, float weights multiply float32 x.
   packed weights, on builds whose integer GEMM is the prefill path (kernels.gemm_prefill():
-  AVX2), any T
-      kernels.linear too: from kernels.gemm_min_rows() rows (16) the C side multiplies by
-      the integer GEMM (gemm.c): the same integers as the GEMV, int16 multiplies at twice
-      the multiply-adds per instruction of float32 FMAs. The fused decode stack calls the
-      same C function, so batched decode steps of 16 rows or more take the GEMM too.
+  AVX2, AVX-512), any T
+      kernels.linear too: from kernels.gemm_min_rows() rows (16 AVX2, 24 AVX-512) the C
+      side multiplies by the integer GEMM (gemm.c): the same integers as the GEMV, int16
+      multiplies at twice the multiply-adds per instruction of float32 FMAs. The fused
+      decode stack calls the same C function, so batched decode steps that size take the
+      GEMM too.
   T > PREFILL_MIN_T otherwise
       weight rows converted chunk by chunk to float32 tiles (kernels.dequant_lanes),
       multiplied by torch's float32 GEMM: within 1e-4 of the exact product on SmolLM2's
