@@ -111,10 +111,12 @@ def raced(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
 
 @needs_cc
 def test_concurrent_first_use(raced: tuple[str, Path]):
-    """Both processes end with the same working library, and no temporary file is left."""
+    """Both processes end with the same working library and its checksum, and no
+    temporary file is left."""
     isa, path = raced
     assert isa not in ("", "none") and path.is_file()
-    assert not [p for p in path.parent.iterdir() if p != path]  # no .tmp.so, no .failed
+    left = sorted(p.name for p in path.parent.iterdir())
+    assert left == [path.name, build.checksum_file(path).name]  # no .tmp.so, no .failed
 
 
 def counting_compiles(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
@@ -130,18 +132,36 @@ def counting_compiles(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
 
 @needs_cc
-def test_truncated_library_is_rebuilt(cache, raced, monkeypatch):
-    """A .so cut short (a full disk, a killed copy) fails to load; load rebuilds it once
-    in its place and ends with a working library."""
+@pytest.mark.parametrize("keep", [100, "half"])
+def test_truncated_library_is_rebuilt(cache, raced, monkeypatch, keep):
+    """A .so cut short (a full disk, a killed copy), with the checksum of the whole one
+    beside it, is found damaged before dlopen sees it (a file cut mid-way can SIGBUS
+    there) and rebuilt once in its place: a working library."""
+    isa, real = raced
+    path, _ = build.library_path()
+    path.parent.mkdir(parents=True)
+    data = real.read_bytes()
+    path.write_bytes(data[: len(data) // 2 if keep == "half" else keep])
+    shutil.copy(build.checksum_file(real), build.checksum_file(path))
+    calls = counting_compiles(monkeypatch)
+    assert kernels.load().tm_isa().decode() == isa
+    assert calls == [False]  # one call: it checked the file and rebuilt it
+    assert path.read_bytes() == data or build._intact(path)
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name, path.name + ".sha256"]
+
+
+@needs_cc
+def test_library_that_passes_its_check_but_fails_to_load_is_rebuilt(cache, raced, monkeypatch):
+    """The second line of defence: a file whose checksum matches but which does not load
+    (here a cut file with its own checksum written beside it) is rebuilt once by load."""
     isa, real = raced
     path, _ = build.library_path()
     path.parent.mkdir(parents=True)
     path.write_bytes(real.read_bytes()[:100])
+    build.checksum_file(path).write_text(build._digest(path) + "\n")
     calls = counting_compiles(monkeypatch)
     assert kernels.load().tm_isa().decode() == isa
-    assert calls == [False, True]  # found the damaged file, rebuilt once
-    assert path.stat().st_size > 100
-    assert [p.name for p in path.parent.iterdir()] == [path.name]
+    assert calls == [False, True]  # loaded the bad file, rebuilt once
 
 
 @needs_cc
@@ -155,6 +175,7 @@ def test_foreign_library_is_rebuilt(cache, raced, monkeypatch, tmp_path):
     src.write_text("int x(void) { return 1; }\n")
     subprocess.run([cmd[0], "-shared", "-fPIC", "-o", str(path), str(src)], check=True)
     calls = counting_compiles(monkeypatch)
+    build.checksum_file(path).write_text(build._digest(path) + "\n")  # passes the check
     lib = kernels.load()
     assert lib.tm_isa().decode() == isa and lib.tm_info() // 1000 == kernels.ABI
     assert calls == [False, True]

@@ -26,8 +26,11 @@ What can go wrong, and what each case does:
   runs again: there the fresh compiler output matters more than the seconds.
 - A cache folder this process cannot write: the library is compiled into a private
   temporary folder (removed at exit) and loaded from there, with one line saying so.
-- A damaged or foreign file at the library's path is rebuilt once by
-  `tokenmill.kernels.load`.
+- A damaged or foreign file at the library's path: every build writes the library's size
+  and SHA-256 beside it (`quant-<hash>.so.sha256`), and a cached file is checked against
+  them before it is loaded, since dlopen of a file truncated mid-way can die of SIGBUS
+  rather than fail. A mismatch (or no checksum) is rebuilt in its place; a file that
+  passes the check and still does not load is rebuilt once by `tokenmill.kernels.load`.
 
 OpenMP: we link the `libgomp.so.1` soname. Torch's CPU wheel ships its own
 `libgomp.so.1` and loads it first, so the dynamic loader resolves ours to that same
@@ -169,6 +172,24 @@ def _exists(path: Path) -> bool:
         return False
 
 
+def checksum_file(path: Path) -> Path:
+    """Where the size and SHA-256 of the library at `path` are kept."""
+    return path.with_name(path.name + ".sha256")
+
+
+def _digest(path: Path | str) -> str:
+    data = Path(path).read_bytes()
+    return f"{len(data)} {hashlib.sha256(data).hexdigest()}"
+
+
+def _intact(path: Path) -> bool:
+    """Whether the cached library is the file its build wrote (size and checksum)."""
+    try:
+        return checksum_file(path).read_text().strip() == _digest(path)
+    except OSError:
+        return False
+
+
 def failure_marker(path: Path) -> Path:
     """The file that remembers a failed build of the library at `path` (same key)."""
     return path.with_suffix(".failed")
@@ -220,7 +241,9 @@ def compile_library(arch_flags: tuple[str, ...] | None = None, *, rebuild: bool 
     cached, cmd = library_path(arch_flags)
     path = _private.get(cached, cached)
     if _exists(path) and not rebuild:
-        return path
+        if _intact(path):
+            return path
+        rebuild = True  # truncated, foreign or without its checksum: built again in place
     marker = failure_marker(cached)
     if not rebuild and not require_native():
         remembered = _remembered_failure(marker)
@@ -248,6 +271,11 @@ def compile_library(arch_flags: tuple[str, ...] | None = None, *, rebuild: bool 
             if proc.returncode > 0:  # the compiler's verdict; not a signal (OOM killer...)
                 _remember_failure(marker, error)
             raise error
+        sums = checksum_file(path)  # first, so a reader never sees the library without it
+        fd, tmp_sums = tempfile.mkstemp(prefix=sums.name + ".", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(_digest(tmp) + "\n")
+        os.replace(tmp_sums, sums)
         os.replace(tmp, path)
         _compiled.add(path)
     except (OSError, subprocess.SubprocessError) as e:
