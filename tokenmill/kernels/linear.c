@@ -159,21 +159,23 @@ static inline __attribute__((always_inline)) void tail_dot(const tm_weight *w, c
 #if 4 * TM_GB > QK
     for (int u = 0; u < nbt; u += 2) {
         const int n = u + 1 < nbt ? 2 : 1, b = nfull * TM_GB + u;
-        uint8_t cv[4 * TM_GB] __attribute__((aligned(64))) = {0};
-        for (int h = 0; h < n; h++) tail_block_codes(tc, bits, u + h, nbt, cv + QK * h);
-        const vb c = vb_load(cv);
+        vb c;
+        if (n == 2) { /* a whole chunk: vb_tail_pair loads it (simd_avx512.h) */
+            c = vb_tail_pair(tc + (size_t)QK * u * bits / 8, bits);
+        } else { /* the last, lone block: its codes and 32 zero bytes (in-bounds reads) */
+            uint8_t cv[4 * TM_GB] __attribute__((aligned(64))) = {0};
+            tail_block_codes(tc, bits, u, nbt, cv);
+            c = vb_load(cv);
+        }
         float d[2], m[2];
         for (int h = 0; h < n; h++) d[h] = tm_block_scale(w, r, b + h), m[h] = tm_block_min(w, r, b + h);
         for (int t = 0; t < T; t++) {
             const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + b;
             const size_t xo = tt * xq->kpad + (size_t)b * QK;
-            int32_t lane[TM_W];
-            vi_store(lane, group_dot(&c, 1, xq->q + xo, xq->ql + xo, bits));
-            for (int h = 0; h < n; h++) {
-                int32_t s = -xq->zc[xi + h];
-                for (int k = 0; k < TM_W / 2; k++) s += lane[h * TM_W / 2 + k];
-                tail[t] += d[h] * (xq->dx[xi + h] * (float)s) + m[h] * xq->sx[xi + h];
-            }
+            int32_t s[2];
+            vi_sum_halves(group_dot(&c, 1, xq->q + xo, xq->ql + xo, bits), &s[0], &s[1]);
+            for (int h = 0; h < n; h++)
+                tail[t] += d[h] * (xq->dx[xi + h] * (float)(s[h] - xq->zc[xi + h])) + m[h] * xq->sx[xi + h];
         }
     }
 #else

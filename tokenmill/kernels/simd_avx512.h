@@ -262,6 +262,27 @@ static inline void vb_add_crumbs(vb c[4], vb v) {
     c[3] = _mm512_or_si512(c[3], _mm512_and_si512(_mm512_srli_epi16(v, 2), m));
 }
 
+/* Wide layers only (a vector holds two 32-value blocks): the codes of a natural-order
+ * chunk of two tail blocks as one vector, block u in bytes 0-31 and block u + 1 in bytes
+ * 32-63. 8-bit codes are 64 bytes as they are; 4-bit ones 32 bytes, low nibbles block u
+ * and high nibbles block u + 1 (linear.c's tail format). */
+static inline vb vb_tail_pair(const uint8_t *p, int bits) {
+    if (bits == 8) return _mm512_loadu_si512(p);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p), m = _mm256_set1_epi8(0x0f);
+    const __m256i lo = _mm256_and_si256(v, m), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+/* Wide layers only: the sums of lanes 0-7 and of lanes 8-15 */
+static inline void vi_sum_halves(vi a, int32_t *lo, int32_t *hi) {
+    const __m256i l = _mm512_castsi512_si256(a), h = _mm512_extracti64x4_epi64(a, 1);
+    /* both halves' 8 lanes at once: pairs, then quads, in 128-bit lanes */
+    const __m256i a0 = _mm256_hadd_epi32(l, h);  /* [l01 l23 h01 h23 | l45 l67 h45 h67] */
+    const __m256i a1 = _mm256_hadd_epi32(a0, a0); /* [l0-3 h0-3 . . | l4-7 h4-7 . .] */
+    const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a1), _mm256_extracti128_si256(a1, 1));
+    *lo = _mm_cvtsi128_si32(s);
+    *hi = _mm_extract_epi32(s, 1);
+}
+
 /* n (<= 8) code vectors c (64 codes each, lane k = block k of a group) against the
  * activations q = 256 hi + lo (signed high bytes xh, unsigned low bytes xl). Lane k of the
  * result: the exact sum of c * q over bytes 4k..4k+3 of every vector.
