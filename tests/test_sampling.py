@@ -442,6 +442,10 @@ BAD_PARAMS = [
     ("temperature", float("inf")),
     ("top_p", 0.0),
     ("top_p", 1.5),
+    ("top_p", 1e-46),  # > 0 in float64, 0 in the sampler's float32 (issue 21)
+    ("temperature", 1e39),  # inf in float32
+    ("repetition_penalty", 1e-46),
+    ("presence_penalty", -1e39),
     ("top_k", -2),
     ("top_k", 1.5),
     ("top_k", True),
@@ -475,6 +479,26 @@ def test_bad_params_raise_naming_the_parameter(name: str, value: object) -> None
     with pytest.raises(ValueError, match=name) as info:
         SamplingParams(**{name: value})
     assert "\n" not in str(info.value)
+
+
+def test_a_top_k_past_int64_is_off() -> None:
+    """top_k 2**63 (int64 overflow in the sampler's tensor, which failed every request in
+    the step) keeps every token, as any k past the vocabulary does."""
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(4))
+    huge = [state(SamplingParams(top_k=2**63, seed=9), vocab_size=50) for _ in range(2)]
+    off = [state(SamplingParams(top_k=0, seed=9), vocab_size=50) for _ in range(2)]
+    assert run_steps(huge, logits, 10) == run_steps(off, logits, 10)
+    mixed = [
+        state(SamplingParams(top_k=2**63), vocab_size=50),
+        state(SamplingParams(top_k=3), vocab_size=50),
+    ]
+    assert len(Sampler()(logits, mixed).token_ids) == 2
+
+
+def test_floats_are_kept_as_their_float32() -> None:
+    assert SamplingParams(temperature=1e-46).greedy  # 0 in float32
+    assert SamplingParams(min_p=1e-46).min_p == 0.0
+    assert SamplingParams(top_p=0.1).top_p == float(torch.tensor(0.1).item())
 
 
 def test_params_normalisation() -> None:

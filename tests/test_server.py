@@ -9,6 +9,7 @@ an engine step that raises.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -371,6 +372,7 @@ BAD_REQUESTS = [
     ("temperature type", "completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ("temperature range", "completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
     ("top_p zero", "completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("top_p zero in float32", "completions", {"prompt": "x", "top_p": 1e-46}, 400, "top_p"),
     ("n zero", "completions", {"prompt": "x", "n": 0}, 400, "n"),
     ("max_tokens zero", "completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens bool", "completions", {"prompt": "x", "max_tokens": True}, 400, "max_tokens"),
@@ -444,6 +446,22 @@ def test_bad_request(base_url, path, body, status, param):
     error = _assert_openai_error(response, status, param)
     if status == 404 and param == "model":
         assert error["code"] == "model_not_found"
+
+
+@pytest.mark.slow
+def test_a_top_k_past_int64_fails_no_one(base_url, client):
+    """top_k 2**63 overflowed the sampler's int64 tensor and failed every request in its
+    step (issue 21): now it means "off", beside an ordinary request in the same step."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        huge = pool.submit(
+            httpx.post,
+            f"{base_url}/v1/completions",
+            json={"prompt": PROMPT, "max_tokens": 8, "top_k": 2**63, "seed": 1},
+            timeout=60,
+        )
+        plain = pool.submit(_greedy_completion, client, PROMPT, 8)
+        assert huge.result().status_code == 200, huge.result().text
+        assert plain.result().usage.completion_tokens == 8
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ Torch-free: the CLI and the sampling parameters use these before the engine load
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 
@@ -45,10 +46,12 @@ def check_float(
     hi: float | None = None,
     *,
     lo_open: bool = False,
+    float32: bool = False,
     error: type = ValueError,
 ) -> float:
     """`value` as a float if it is a finite number in [lo, hi] ((lo, hi] if lo_open);
-    else `error` naming `name`."""
+    else `error` naming `name`. float32: checked as the float32 it becomes where it is
+    used (1e-46 is 0 there, 1e39 is inf), and returned as that float32."""
     value = _unwrap(value)
     if hi is None:
         allowed = f"> {lo}" if lo_open else f">= {lo}"
@@ -57,6 +60,11 @@ def check_float(
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise error(f"{name} must be a number {allowed}, got {short_repr(value)}")
     value = float(value)
+    if float32 and math.isfinite(value):
+        try:
+            value = struct.unpack("f", struct.pack("f", value))[0]
+        except OverflowError:
+            raise error(f"{name} must be {allowed} (as a float32), got {value}") from None
     above_lo = value > lo if lo_open else value >= lo
     # `not` on the comparisons also rejects NaN; the isfinite check rejects +inf.
     if not math.isfinite(value) or not above_lo or (hi is not None and not value <= hi):

@@ -21,6 +21,7 @@ from tokenmill.checks import check_int as _check_int
 CONSTRAINTS = ("json_schema", "regex", "choice", "grammar")
 MAX_LOGPROBS = 20  # OpenAI's and vLLM's cap on top-N alternatives
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax
+TOP_K_MAX = 2**31 - 1  # any k past the vocabulary is "off"; int64 tensors take this
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 
@@ -59,18 +60,26 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.max_tokens = _check_int("max_tokens", self.max_tokens, 1)
-        self.temperature = _check_float("temperature", self.temperature, 0.0)
-        self.top_p = _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        # Floats are checked as the float32 they become in the sampler's tensors: top_p
+        # 1e-46 passes "> 0" in float64 and is 0 there (a 500 for every request in the
+        # step, issue 21).
+        f32 = dict(float32=True)
+        self.temperature = _check_float("temperature", self.temperature, 0.0, **f32)
+        self.top_p = _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True, **f32)
         if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
             raise ValueError(f"top_k must be 0 or -1 (off) or an integer >= 1, got {self.top_k!r}")
-        self.top_k = max(self.top_k, 0)
-        self.min_p = _check_float("min_p", self.min_p, 0.0, 1.0)
+        # 0 = off; any k past the vocabulary keeps everything, so a k too big for an
+        # int64 tensor (2**63) is clamped, not overflowed
+        self.top_k = min(max(self.top_k, 0), TOP_K_MAX)
+        self.min_p = _check_float("min_p", self.min_p, 0.0, 1.0, **f32)
         self.repetition_penalty = _check_float(
-            "repetition_penalty", self.repetition_penalty, 0.0, lo_open=True
+            "repetition_penalty", self.repetition_penalty, 0.0, lo_open=True, **f32
         )
-        self.presence_penalty = _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.presence_penalty = _check_float(
+            "presence_penalty", self.presence_penalty, -2.0, 2.0, **f32
+        )
         self.frequency_penalty = _check_float(
-            "frequency_penalty", self.frequency_penalty, -2.0, 2.0
+            "frequency_penalty", self.frequency_penalty, -2.0, 2.0, **f32
         )
         self.logit_bias = self._checked_logit_bias(self.logit_bias)
         if self.seed is not None:
