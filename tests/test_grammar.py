@@ -202,6 +202,59 @@ def test_compile_errors_name_the_problem_in_one_line(compiler, kind, value, mess
     assert info.value.kind == kind
 
 
+def _ref_chain(n: int) -> dict:
+    """n object schemas, each one property deep into the next through $ref."""
+    defs = {
+        f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}}
+        for i in range(n)
+    }
+    defs[f"d{n}"] = {"type": "string"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def _rule_chain(n: int, gbnf: bool = False) -> str:
+    if gbnf:
+        return "\n".join(
+            ["root ::= r0"] + [f'r{i} ::= "x" r{i + 1}' for i in range(n)] + [f'r{n} ::= "y"']
+        )
+    return "\n".join(["start: r0"] + [f'r{i}: "x" r{i + 1}' for i in range(n)] + [f'r{n}: "y"'])
+
+
+@pytest.mark.parametrize(
+    "kind, value, message",
+    [
+        # each of these segfaulted the process inside llguidance (issue 21): 1,000 $defs
+        # chained through $ref, 3,000 chained grammar rules, in Lark and GBNF, and a tool
+        # call's grammar with such a schema inside
+        ("json_schema", _ref_chain(1000), "nests more than 300 levels"),
+        ("grammar", _rule_chain(3000), "chains more than 500 rules"),
+        ("grammar", _rule_chain(3000, gbnf=True), "chains more than 500 rules"),
+        ("grammar", "start: %json " + json.dumps(_ref_chain(1000)), "a JSON schema in the grammar"),
+    ],
+    ids=["ref-chain", "lark-chain", "gbnf-chain", "embedded-json"],
+)
+def test_constraints_too_deep_for_llguidance_are_refused(compiler, kind, value, message):
+    with pytest.raises(GrammarError, match=message) as info:
+        compiler.compile(kind, value)
+    assert "\n" not in str(info.value)
+
+
+def test_deep_but_reasonable_constraints_still_compile(compiler):
+    """Recursive schemas (a tree) and chains well inside the limits compile."""
+    tree = {
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+            }
+        },
+        "$ref": "#/$defs/node",
+    }
+    compiler.compile("json_schema", tree)
+    compiler.compile("json_schema", _ref_chain(60))
+    compiler.compile("grammar", _rule_chain(300))
+
+
 def test_compiled_grammars_are_cached_and_matchers_independent(compiler, tokenizer):
     a = compiler.compile(
         "json_schema", {"type": "object", "properties": {"x": {"type": "integer"}}}

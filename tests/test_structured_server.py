@@ -223,6 +223,29 @@ def test_bad_schema_is_400_and_the_server_keeps_serving(url, client):
 
 
 @pytest.mark.slow
+def test_schemas_and_grammars_too_deep_are_400s_not_a_crash(url, client):
+    """1,000 $defs chained through $ref, or 3,000 chained rules, segfaulted the server
+    inside llguidance (issue 21): now each is one client's 400, and the server serves on."""
+    defs = {
+        f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}}
+        for i in range(1000)
+    }
+    defs["d1000"] = {"type": "string"}
+    schema = {"$defs": defs, "$ref": "#/$defs/d0"}
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "response_format"
+    rules = "\n".join(["start: r0"] + [f'r{i}: "x" r{i + 1}' for i in range(3000)] + ['r3000: "y"'])
+    with pytest.raises(openai.BadRequestError, match="rules deep"):
+        _ask(client, "hi", extra_body={"guided_grammar": rules})
+    assert _ask(client, "Is water wet?", extra_body={"guided_choice": ["yes", "no"]}).choices
+
+
+@pytest.mark.slow
 def test_tool_call_round_trip(client):
     messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
     first = client.chat.completions.create(

@@ -52,6 +52,14 @@ CACHE_SIZE = 64  # compiled grammars kept per model
 # (benchmarks/structured.py).
 PARALLEL_MIN_ROWS = 16
 _LIMITS = {"verbose_errors": False}  # no parser dumps in error messages
+# Depth limits checked before llguidance sees a constraint: its compiler recurses once per
+# level, and a chain of ~1,000 schemas through $ref or ~3,000 grammar rules overflows the
+# native stack (SIGSEGV: the whole server, issue 21). Inline nesting it catches itself.
+# objects nested along any path, $ref targets included, counted per JSON object (a
+# property is 3: the schema, its "properties", the property's schema): ~100 levels of
+# nested objects, where 500 chained through $ref compiled and 1,000 crashed
+MAX_SCHEMA_DEPTH = 300
+MAX_RULE_DEPTH = 500  # grammar rules along any chain of references
 
 
 class GrammarError(ValueError):
@@ -109,6 +117,120 @@ def _message(kind: str, error: str) -> str:
     if kind != "grammar":  # positions refer to the Lark text made from it, not the user's
         error = re.sub(r"^at \d+\(\d+\): ", "", error).split("(in regex): ", 1)[-1]
     return f"invalid {kind}: {error}"
+
+
+# --------------------------------------------------------------------------- bounds
+
+
+def _pointer(root: Any, ref: str) -> Any:
+    """The value a local JSON pointer ("#/$defs/a") names in root, or None."""
+    node = root
+    for part in ref[2:].split("/") if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def schema_depth(schema: Any, limit: int = MAX_SCHEMA_DEPTH) -> int:
+    """How many JSON objects nest along the deepest path of `schema`, following local $refs
+    (a recursive $ref counts once: a cycle is a grammar rule, not depth). Stops counting
+    past `limit` (returns limit + 1), so its own recursion stays bounded."""
+    ref_depth: dict[str, int] = {}  # finished $ref targets
+    active: set[str] = set()  # $ref targets on the current path (cycles)
+
+    def depth(node: Any, level: int) -> int:
+        if level > limit:
+            return level
+        if isinstance(node, list):
+            return max((depth(v, level) for v in node), default=level - 1)
+        if not isinstance(node, dict):
+            return level - 1
+        deepest = level
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#") and ref not in active:
+            if ref not in ref_depth:  # its depth below this level, counted from here on
+                active.add(ref)
+                target = _pointer(schema, ref)
+                below = depth(target, level + 1) - level if target is not None else 0
+                active.discard(ref)
+                if level + below > limit:  # stop: the answer is "too deep" already
+                    return level + below
+                ref_depth[ref] = below
+            deepest = max(deepest, level + ref_depth[ref])
+        for key, value in node.items():
+            if key != "$ref" and isinstance(value, (dict, list)):
+                deepest = max(deepest, depth(value, level + 1))
+            if deepest > limit:
+                break
+        return deepest
+
+    return min(depth(schema, 1), limit + 1)
+
+
+_RULE = re.compile(r"^\s*[?!]?([A-Za-z_][A-Za-z_0-9]*)(?:\.-?\d+)?\s*:(?!:)", re.M)
+_LITERAL = re.compile(r'"(?:\\.|[^"\\])*"|/(?:\\.|[^/\\\n])+/[a-z]*')
+_NAME = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
+
+
+def rule_depth(lark: str, limit: int = MAX_RULE_DEPTH) -> int:
+    """The longest chain of rule references in a Lark grammar (llguidance's text, GBNF
+    already converted), cycles not counted; linear in the text, no recursion."""
+    heads = list(_RULE.finditer(lark))
+    refs: dict[str, set[str]] = {}
+    for i, head in enumerate(heads):
+        end = heads[i + 1].start() if i + 1 < len(heads) else len(lark)
+        body = _LITERAL.sub(" ", lark[head.end() : end])
+        refs.setdefault(head[1], set()).update(_NAME.findall(body))
+    done: dict[str, int] = {}
+    for start in refs:
+        if start in done:
+            continue
+        stack, on_path = [(start, iter(refs[start]))], {start}
+        while stack:  # iterative depth-first search: depth = 1 + deepest reference
+            name, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                stack.pop()
+                on_path.discard(name)
+                kids = (done.get(c, 0) for c in refs[name] if c in refs and c not in on_path)
+                done[name] = min(1 + max(kids, default=0), limit + 1)
+            elif child in refs and child not in done and child not in on_path:
+                stack.append((child, iter(refs[child])))
+                on_path.add(child)
+    return max(done.values(), default=0)
+
+
+def check_bounds(kind: str, value: Any, source: str) -> None:
+    """Raise GrammarError for a constraint deep enough to overflow llguidance's stack."""
+    if kind == "json_schema" and schema_depth(value) > MAX_SCHEMA_DEPTH:
+        raise GrammarError(
+            kind,
+            f"json_schema nests more than {MAX_SCHEMA_DEPTH} levels deep "
+            "(counting $ref targets); flatten it",
+        )
+    if kind != "grammar":
+        return
+    if rule_depth(source) > MAX_RULE_DEPTH:
+        raise GrammarError(
+            kind, f"grammar chains more than {MAX_RULE_DEPTH} rules deep; flatten it"
+        )
+    decoder = json.JSONDecoder()
+    for embedded in re.finditer(r"%json\s*", source):  # schemas inside (tool calls)
+        try:
+            schema, _ = decoder.raw_decode(source, embedded.end())
+        except ValueError:
+            continue  # not JSON: llguidance reports it
+        if schema_depth(schema) > MAX_SCHEMA_DEPTH:
+            raise GrammarError(
+                kind,
+                f"a JSON schema in the grammar nests more than {MAX_SCHEMA_DEPTH} levels "
+                "deep (counting $ref targets); flatten it",
+            )
 
 
 # --------------------------------------------------------------------------- matching
@@ -307,6 +429,7 @@ class GrammarCompiler:
             raise
         except (ValueError, TypeError) as e:  # e.g. a schema that is not an object
             raise GrammarError(kind, _message(kind, str(e))) from None
+        check_bounds(kind, value, source)
         limits = llguidance.LLParserLimits(**_LIMITS)
         # Builds the lexer and parser tables with the GIL released.
         matcher = llguidance.LLMatcher(lltokenizer, source, log_level=0, limits=limits)
