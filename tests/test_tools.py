@@ -362,3 +362,43 @@ def test_forced_calls_always_parse_and_validate(compiler, setup, seed):
             assert call.name == tools.forced
     if not tools.parallel or tools.forced or tools.fmt == LLAMA3:
         assert len(calls) == 1
+
+
+# A tool whose parameters define and point at their own $defs ("#/$defs/city" from the
+# parameters' root): forced calls gave a 400 "Pointer '/$defs/city' does not exist".
+DEFS_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "plan_trip",
+        "parameters": {
+            "type": "object",
+            "$defs": {
+                "city": {"type": "string", "enum": ["Paris", "Rome"]},
+                "route": {
+                    "type": "array",
+                    "items": {"$ref": "#/$defs/city"},
+                    "minItems": 1,
+                    "maxItems": 2,
+                },
+            },
+            "properties": {"start": {"$ref": "#/$defs/city"}, "via": {"$ref": "#/$defs/route"}},
+            "required": ["start", "via"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("template", [PLAIN_CHATML, LLAMA3_SNIPPET, MISTRAL_SNIPPET, MISTRAL_NAMED])
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**32))
+def test_forced_calls_with_parameter_defs_validate(compiler, template, seed):
+    tools = ToolRequest.create(
+        [Tool.model_validate(DEFS_TOOL), TOOLS[0]], "required", None, template
+    )
+    text = walk(compiler, tools.grammar(), random.Random(seed))
+    content, calls = parse_tool_calls(tools.fmt, text)
+    assert calls and content is None, text
+    schemas = {"plan_trip": DEFS_TOOL["function"]["parameters"], **SCHEMAS}
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])

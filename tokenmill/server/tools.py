@@ -291,7 +291,61 @@ def _call_schema(function: dict[str, Any], key: str) -> dict[str, Any]:
 
 
 def _json_directive(schema: dict[str, Any]) -> str:
-    return f"%json {json.dumps(schema, ensure_ascii=False)}"
+    return f"%json {json.dumps(_hoist_defs(schema), ensure_ascii=False)}"
+
+
+def _hoist_defs(root: dict[str, Any]) -> dict[str, Any]:
+    """The schema with every nested "$defs"/"definitions" moved to the root's "$defs".
+
+    A tool's parameters may define their own {"$defs": {"city": ...}} and point at them
+    as "#/$defs/city": a pointer from the parameters' own root. Nested inside a call's
+    schema, that pointer would name the call's root, which has no $defs ("Pointer
+    '/$defs/city' does not exist"). Each nested set of definitions gets a prefix of its
+    own (p0_, p1_, ...), and the pointers below it are rewritten to match."""
+    hoisted: dict[str, Any] = dict(root.get("$defs") or {})
+    count = 0
+
+    def rewrite_refs(node: Any, renames: dict[str, str]) -> Any:
+        if isinstance(node, list):
+            return [rewrite_refs(v, renames) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str):
+                for old, new in renames.items():
+                    if value == old or value.startswith(old + "/"):
+                        value = new + value[len(old) :]
+                        break
+            out[key] = rewrite_refs(value, renames)
+        return out
+
+    def walk(node: Any, top: bool) -> Any:
+        nonlocal count
+        if isinstance(node, list):
+            return [walk(v, False) for v in node]
+        if not isinstance(node, dict):
+            return node
+        defs = {
+            k: node[k]
+            for k in ("$defs", "definitions")
+            if not top and isinstance(node.get(k), dict)
+        }
+        if defs:
+            prefix, count = f"p{count}_", count + 1
+            renames = {
+                f"#/{k}/{name}": f"#/$defs/{prefix}{name}" for k, d in defs.items() for name in d
+            }
+            node = rewrite_refs({k: v for k, v in node.items() if k not in defs}, renames)
+            for d in defs.values():
+                for name, sub in d.items():
+                    hoisted[prefix + name] = walk(rewrite_refs(sub, renames), False)
+        return {k: (v if k == "$defs" and top else walk(v, False)) for k, v in node.items()}
+
+    out = walk(root, True)
+    if hoisted:
+        out["$defs"] = hoisted
+    return out
 
 
 def encode_tool_chat(
