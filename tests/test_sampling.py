@@ -464,6 +464,9 @@ BAD_PARAMS = [
     ("stop", ""),
     ("stop", ["a", ""]),
     ("stop", [1]),
+    ("stop", [f"s{i}" for i in range(65)]),  # 12,000 of them slowed every client (issue 21)
+    ("stop", ["x" * 1001]),
+    ("stop_token_ids", list(range(1025))),
     ("stop_token_ids", [-1]),
     ("stop_token_ids", 5),
     ("ignore_eos", "yes"),

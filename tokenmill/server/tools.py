@@ -31,9 +31,9 @@ import string
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StringConstraints
 
 from tokenmill.sampling.grammar import JSON_LAYOUT
 from tokenmill.server.text import Text
@@ -55,8 +55,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+# OpenAI's rule ([a-zA-Z0-9_-], 1 to 64), plus dots: an empty or spaced name cannot be
+# called back by a client, and it is the marker the call's grammar spells out
+ToolName = Annotated[
+    Text, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+]
+
+
 class FunctionDefinition(_Strict):
-    name: Text
+    name: ToolName
     description: Text | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # calls are always valid when forced; taken as given
@@ -68,7 +75,7 @@ class Tool(_Strict):
 
 
 class FunctionName(_Strict):
-    name: Text
+    name: ToolName
 
 
 class NamedToolChoice(_Strict):
