@@ -29,7 +29,7 @@ static void attn_scores(const float *q, const float *base, const int64_t *sl, si
             }
             vf_store(sc + j, vf_mul(vf_hsums(v), vf_set1(scale)));
         }
-    for (; j < m; j++) sc[j] = tm_dot(q, base + (size_t)sl[j] * stride, hd) * scale;
+    for (; j < m; j++) sc[j] = vf_dot(q, base + (size_t)sl[j] * stride, hd) * scale;
 }
 
 /* acc [rep, hd] = sum_j p[r * m + j] * V_j for each of the rep rows of p, V_j as in
@@ -69,7 +69,7 @@ static void attn_values(const float *p, int m, int rep, const float *base, const
     memset(acc, 0, (size_t)rep * hd * sizeof(float));
     for (int j = 0; j < m; j++) {
         const float *vj = base + (size_t)sl[j] * stride;
-        for (int r = 0; r < rep; r++) tm_axpy(acc + (size_t)r * hd, p[(size_t)r * m + j], vj, hd);
+        for (int r = 0; r < rep; r++) vf_axpy(acc + (size_t)r * hd, p[(size_t)r * m + j], vj, hd);
     }
 }
 

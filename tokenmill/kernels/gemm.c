@@ -35,15 +35,17 @@
               Sapphire Rapids core over 3; AVX2's 16 hold 3) */
 #define NT (TM_W == 16 ? 4 : 3)
 #endif
-#define NT_MAX 6 /* micro-kernels are instantiated for 1..NT_MAX tokens */
+#define NT_MAX 4 /* micro-kernels are instantiated for 1..NT_MAX tokens */
+_Static_assert(NT <= NT_MAX, "NT is at most NT_MAX");
 #define TOKEN_PASS 1024  /* tokens per pass over the weights: their int16 rows stay in L3 */
 
 /* From how many rows of x tm_linear multiplies packed weights here rather than in the GEMV
  * (linear.c), 0 on builds where it never does. Where it runs: AVX2 (vpmaddwd: 16 MACs per
  * instruction) and AVX-512 (32: vpdpwssd with VNNI, vpmaddwd without); not NEON (smull +
- * pairwise add: 8 MACs in 2 instructions, no faster than an FMA), not the scalar build. The crossover, GEMV time / GEMM time on Zen 3, 2 threads, 7
- * interleaved rounds: Llama-3.2-1B's 8192 x 2048, 2048 x 8192 and 3072 x 2048 weights,
- * and SmolLM2-135M's five shapes (576 to 3072 rows, 576 or 1536 columns):
+ * pairwise add: 8 MACs in 2 instructions, no faster than an FMA), not the scalar build.
+ * The crossover, GEMV time / GEMM time on Zen 3, 2 threads, 7 interleaved rounds:
+ * Llama-3.2-1B's 8192 x 2048, 2048 x 8192 and 3072 x 2048 weights, and SmolLM2-135M's
+ * five shapes (576 to 3072 rows, 576 or 1536 columns):
  *     rows            6     8     10    12    16    24    32
  *     1B Q4_0       0.69  0.92  0.98  1.04  1.27  1.45  1.58
  *     1B Q4_K       0.66  0.84  0.93  1.02  1.21  1.47  1.58
@@ -212,17 +214,15 @@ typedef void (*micro_fn)(const int32_t *, const float *, const float *, const in
                                            float *out) {                                                 \
         micro(tw, td, tm, xq, dx, sx, K, N, SIX, MINS, out);                                             \
     }
-#define DEF_MICRO_N(SIX, MINS)                                                                 \
-    DEF_MICRO(1, SIX, MINS) DEF_MICRO(2, SIX, MINS) DEF_MICRO(3, SIX, MINS) DEF_MICRO(4, SIX, MINS) \
-    DEF_MICRO(5, SIX, MINS) DEF_MICRO(6, SIX, MINS)
+#define DEF_MICRO_N(SIX, MINS) \
+    DEF_MICRO(1, SIX, MINS) DEF_MICRO(2, SIX, MINS) DEF_MICRO(3, SIX, MINS) DEF_MICRO(4, SIX, MINS)
 DEF_MICRO_N(0, 0)
 DEF_MICRO_N(0, 1)
 DEF_MICRO_N(1, 0)
-#define MICRO_ROW(SIX, MINS)                                                                           \
-    {micro_1_##SIX##_##MINS, micro_2_##SIX##_##MINS, micro_3_##SIX##_##MINS, micro_4_##SIX##_##MINS, \
-     micro_5_##SIX##_##MINS, micro_6_##SIX##_##MINS}
+#define MICRO_ROW(SIX, MINS) \
+    {micro_1_##SIX##_##MINS, micro_2_##SIX##_##MINS, micro_3_##SIX##_##MINS, micro_4_##SIX##_##MINS}
 /* [six][mins][n - 1] (6-bit codes have no mins); the first NT of each row are used */
-static const micro_fn MICRO[2][2][6] = {{MICRO_ROW(0, 0), MICRO_ROW(0, 1)}, {MICRO_ROW(1, 0), MICRO_ROW(1, 0)}};
+static const micro_fn MICRO[2][2][NT_MAX] = {{MICRO_ROW(0, 0), MICRO_ROW(0, 1)}, {MICRO_ROW(1, 0), MICRO_ROW(1, 0)}};
 
 /* ------------------------------------------------------------------------------ */
 /* The entry point                                                                 */

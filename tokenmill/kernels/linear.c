@@ -230,9 +230,7 @@ static inline vf sup_lanes(const float *sup, int g) {
 #if TM_GB <= 8
     return vf_set1(sup[g * TM_GB / 8]);
 #else
-    float t[TM_GB];
-    for (int k = 0; k < TM_GB; k++) t[k] = sup[(g * TM_GB + k) / 8];
-    return vf_load(t);
+    return vf_set_halves(sup[2 * g], sup[2 * g + 1]);
 #endif
 }
 

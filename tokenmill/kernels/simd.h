@@ -43,6 +43,10 @@
  *                         layer defines it: quantize_x takes it back). A full lane-order group
  *                         (n = 8) gives block k's dot in lane k; one natural-order tail
  *                         block (n = 32 / (4 TM_W)) its dot as the sum of the lanes.
+ * Wide layers only (4 TM_W > 32: a vector holds two blocks, AVX-512):
+ *   vb_tail_pair(p, bits) two natural-order tail blocks as one code vector (linear.c),
+ *   vi_sum_halves(v, &lo, &hi) the sums of the lower and the upper half of the lanes,
+ *   vf_set_halves(lo, hi) lo in the lower half of the lanes, hi in the upper.
  */
 #ifndef TM_SIMD_H
 #define TM_SIMD_H

@@ -259,15 +259,10 @@ static inline int32_t tm_quant_block(const float *v, float qmax, int16_t q[QK], 
 /* Float helpers shared by attention.c and stack.c                                 */
 /* ------------------------------------------------------------------------------ */
 
-static inline float tm_dot(const float *a, const float *b, int n) { return vf_dot(a, b, n); }
-
-/* y [n] += a * x [n] */
-static inline void tm_axpy(float *y, float a, const float *x, int n) { vf_axpy(y, a, x, n); }
-
 /* RMSNorm: out [n] = x * w / sqrt(mean(x^2) + eps), the sum of squares accumulated in
  * float like F.rms_norm; out may be x (in place). */
 static inline void tm_rms_norm(const float *x, int n, const float *w, float eps, float *out) {
-    const float inv = 1.f / sqrtf(tm_dot(x, x, n) / n + eps);
+    const float inv = 1.f / sqrtf(vf_dot(x, x, n) / n + eps);
     for (int i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
 }
 
