@@ -10,6 +10,11 @@ new sequence whose prompt starts with blocks already named reuses them (referenc
 count + 1) instead of computing them again. A block whose count drops to zero goes
 to the free list but keeps its name, so it can still be hit until it is evicted
 for reuse (least recently freed first).
+
+Isolation: the chain starts from a root, None for the shared cache or a salt
+(`salt_root`, from a request's `cache_salt` or its API key) for a private one. The
+same prompt under two roots gives different names, so one client can neither reuse
+nor time another's cached prompt.
 """
 
 from __future__ import annotations
@@ -28,10 +33,19 @@ class Block:
     ref_count: int = 0
     hash: int | None = None  # set once the block is full and its K/V computed
     tokens: tuple[int, ...] = ()  # the tokens behind `hash` (guards against collisions)
+    parent: int | None = None  # the hash chained before them (so is the whole prefix)
 
 
 def chain_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
     return hash((prev, tokens))
+
+
+def salt_root(*parts: str | None) -> int | None:
+    """The hash-chain root for a cache scope named by `parts` (e.g. an API key's index and
+    a request's cache_salt); None, the shared cache, when every part is None."""
+    if all(part is None for part in parts):
+        return None
+    return hash(("tokenmill-cache-salt", *parts))
 
 
 class BlockManager:
@@ -73,28 +87,32 @@ class BlockManager:
         if block.hash is not None:  # evict its old name
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
-            block.hash, block.tokens = None, ()
+            block.hash, block.tokens, block.parent = None, (), None
         block.ref_count = 1
         return block_id
 
-    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], int | None]:
-        """Blocks already holding a prefix of `token_ids`, each taken (ref + 1), and the
-        hash of the last one.
+    def match_prefix(
+        self, token_ids: list[int], root: int | None = None
+    ) -> tuple[list[int], int | None]:
+        """Blocks already holding a prefix of `token_ids` named under `root`, each taken
+        (ref + 1), and the hash of the last one (`root` when none matched).
 
         The last token is never served from the cache: its logits must be computed.
         """
         if not self.enable_prefix_caching:
-            return [], None
+            return [], root
         taken: list[int] = []
-        prev = None
+        prev = root
         bs = self.block_size
         for b in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[b * bs : (b + 1) * bs])
             h = chain_hash(prev, tokens)
             block_id = self.cached.get(h)
-            if block_id is None or self.blocks[block_id].tokens != tokens:
+            if block_id is None:
                 break
             block = self.blocks[block_id]
+            if block.tokens != tokens or block.parent != prev:  # a hash collision
+                break
             if block.ref_count == 0:
                 del self.free[block_id]
             block.ref_count += 1
@@ -138,7 +156,7 @@ class BlockManager:
             tokens = tuple(seq.token_at(i) for i in range(b * bs, (b + 1) * bs))
             h = chain_hash(seq.last_hash, tokens)
             if block.hash is None:
-                block.hash, block.tokens = h, tokens
+                block.hash, block.tokens, block.parent = h, tokens, seq.last_hash
                 self.cached.setdefault(h, block.id)
             seq.last_hash = h
             seq.committed_blocks += 1

@@ -330,10 +330,13 @@ class LLMEngine:
         completion_index: int = 0,
         trace=None,
         grammar: CompiledGrammar | None = None,
+        cache_salt: int | None = None,
     ) -> int:
         """Queue a request; returns its prompt length in tokens.
 
         trace: a tokenmill.trace.Trace to record this request's pipeline step by step.
+        cache_salt: the prefix-cache scope (block_manager.salt_root): the request reuses
+        and names cached blocks only under it; None is the shared cache.
         grammar: params' constraint already compiled by compile_grammar; compiled here
         (on the caller's thread) when not given."""
         params = params or SamplingParams()
@@ -358,7 +361,7 @@ class LLMEngine:
             )
         except ValueError as e:  # GrammarError included
             raise RequestError(str(e)) from None
-        seq = Sequence(request_id, ids, params, state, trace=trace)
+        seq = Sequence(request_id, ids, params, state, trace=trace, cache_salt=cache_salt)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids)
         self.requests[request_id] = _Request(seq, detok, StopStringMatcher(params.stop))
         self.scheduler.add(seq)

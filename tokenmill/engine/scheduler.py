@@ -81,7 +81,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
-                seq.block_table, seq.last_hash = self.blocks.match_prefix(seq.token_ids)
+                seq.block_table, seq.last_hash = self.blocks.match_prefix(
+                    seq.token_ids, seq.cache_salt
+                )
                 seq.committed_blocks = len(seq.block_table)
                 seq.num_computed = len(seq.block_table) * self.blocks.block_size
                 if seq.num_preemptions == 0:
@@ -112,7 +114,7 @@ class Scheduler:
     def _reset(self, seq: Sequence) -> None:
         self.blocks.release(seq.block_table)
         seq.num_computed = 0
-        seq.committed_blocks, seq.last_hash = 0, None
+        seq.committed_blocks, seq.last_hash = 0, seq.cache_salt
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks at once."""

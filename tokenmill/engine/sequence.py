@@ -39,8 +39,15 @@ class Sequence:
     finish_time: float | None = None
     num_preemptions: int = 0
     committed_blocks: int = 0  # leading blocks named for the prefix cache
-    last_hash: int | None = None  # hash of the last named block
+    # The root of this sequence's prefix-cache hash chain: None for the shared cache, a
+    # salt (block_manager.salt_root) for a private one; blocks named under one root are
+    # never matched under another (vLLM's cache_salt).
+    cache_salt: int | None = None
+    last_hash: int | None = None  # hash of the last named block (cache_salt before any)
     trace: object | None = None  # a tokenmill.trace.Trace recording this request's steps
+
+    def __post_init__(self) -> None:
+        self.last_hash = self.cache_salt
 
     @property
     def token_ids(self) -> list[int]:

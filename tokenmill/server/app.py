@@ -59,6 +59,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 
+from tokenmill.engine.block_manager import salt_root
 from tokenmill.engine.llm_engine import LLMEngine, RequestError
 from tokenmill.sampling import SamplingParams
 from tokenmill.sampling.grammar import GrammarError
@@ -89,6 +90,7 @@ log = logging.getLogger("tokenmill.server")
 
 STATIC_DIR = Path(__file__).parent / "static"
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+PREFIX_CACHE_SCOPES = ("global", "per-key")
 # Worker threads for tokenizing and template rendering. A few: each job is bounded (the
 # body limit, the template budget), and more would only compete with the engine thread.
 PREP_THREADS = 4
@@ -106,17 +108,31 @@ def create_app(
     engine: AsyncEngine,
     *,
     model_name: str,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     aliases: Sequence[str] = (),
     limits: ServerLimits | None = None,
+    prefix_cache_scope: str | None = None,
 ) -> FastAPI:
-    """An app serving `engine` under the name `model_name`; `api_key` guards /v1 paths;
-    `limits` bounds request bodies (the default size follows the context length).
+    """An app serving `engine` under the name `model_name`; `api_key` (one key or
+    several, one per client) guards /v1 paths; `limits` bounds request bodies (the
+    default size follows the context length).
+
+    prefix_cache_scope: "global" (every client shares cached prompt blocks) or
+    "per-key" (only requests with the same API key do); default per-key when keys are
+    set. A request's `cache_salt` narrows its scope further either way.
 
     Requests may also name the model by any of `aliases` (e.g. its file name); responses
     and /v1/models always use `model_name`, as vLLM does with several served names."""
-    if api_key is not None and not api_key:
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if api_key is not None and (not keys or not all(keys)):
         raise ValueError("api_key is empty: pass None to serve without a key")
+    if prefix_cache_scope is None:
+        prefix_cache_scope = "per-key" if keys else "global"
+    if prefix_cache_scope not in PREFIX_CACHE_SCOPES:
+        raise ValueError(
+            f"prefix_cache_scope must be one of {', '.join(PREFIX_CACHE_SCOPES)}, "
+            f"got {prefix_cache_scope!r}"
+        )
     limits = limits or ServerLimits()
     max_body = limits.max_body_bytes or default_max_body_bytes(engine.engine.max_model_len)
 
@@ -143,11 +159,12 @@ def create_app(
     app.state.model_names = {model_name, *aliases}
     app.state.created = int(time.time())
     app.state.max_body_bytes = max_body
+    app.state.prefix_cache_scope = prefix_cache_scope
     _add_error_handlers(app)
     # Added last = outermost: the counter sees every answer, the body limit's included.
     app.add_middleware(BodyLimit, max_bytes=max_body, timeout_s=limits.body_timeout_s)
     app.add_middleware(CountRequests, requests=engine.metrics.http)
-    auth = [Depends(_api_key_check(api_key))] if api_key else []
+    auth = [Depends(_api_key_check(keys))] if keys else []
     routers = [router, _inspect_router(), ops_router]
     for included in filter(None, routers):
         app.include_router(included, dependencies=[] if included is ops_router else auth)
@@ -213,19 +230,32 @@ def _server_error(exc: Exception) -> APIError:
     return APIError(500, str(exc), type="server_error", code="internal_error")
 
 
-def _api_key_check(api_key: str) -> Callable[[Request], Awaitable[None]]:
-    expected = f"Bearer {api_key}".encode()
+def _api_key_check(keys: list[str]) -> Callable[[Request], Awaitable[None]]:
+    expected = [f"Bearer {key}".encode() for key in keys]
 
     async def check(request: Request) -> None:
         given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
+        # Every key compared, in constant time each: which one matched stays hidden.
+        matches = [hmac.compare_digest(given, e) for e in expected]
+        if not any(matches):
             raise APIError(
                 401,
                 "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
             )
+        request.state.api_key_index = matches.index(True)
 
     return check
+
+
+def cache_salt_for(request: Request, cache_salt: str | None) -> int | None:
+    """The prefix-cache root of a request: its API key's (under the per-key scope) and
+    its own cache_salt's; None, the shared cache, when neither applies."""
+    key = None
+    if request.app.state.prefix_cache_scope == "per-key":
+        key = getattr(request.state, "api_key_index", None)
+        key = None if key is None else f"key-{key}"
+    return salt_root(key, None if cache_salt is None else f"salt-{cache_salt}")
 
 
 # --------------------------------------------------------------------------- routes
@@ -438,7 +468,10 @@ async def _run(
     except GrammarError as e:
         raise invalid(str(e), body.constraint_param) from None
     try:
-        stream = await _engine(request).generate(request_id, prompts, params, grammar=grammar)
+        salt = cache_salt_for(request, body.cache_salt)
+        stream = await _engine(request).generate(
+            request_id, prompts, params, grammar=grammar, cache_salt=salt
+        )
     except (QueueFull, ShuttingDown, RequestError) as e:  # RequestError: e.g. a logit_bias id
         raise engine_error(e, type(body).model_fields) from None
     if body.stream:

@@ -149,6 +149,7 @@ class _Add:
     params: SamplingParams
     trace: object | None
     grammar: CompiledGrammar | None = None
+    cache_salt: int | None = None
 
 
 @dataclass
@@ -211,9 +212,12 @@ class AsyncEngine:
         *,
         trace: object | None = None,
         grammar: CompiledGrammar | None = None,
+        cache_salt: int | None = None,
     ) -> RequestStream:
         """Queue a request: params.n engine requests per prompt. Raises QueueFull,
         ShuttingDown, EngineFailure, or RequestError for one that could never be queued.
+
+        cache_salt: the request's prefix-cache scope (block_manager.salt_root).
 
         grammar: params' constraint, compiled (LLMEngine.compile_grammar, off the engine
         thread); a constrained request must bring it, so no compilation runs on the
@@ -241,7 +245,7 @@ class AsyncEngine:
         request_ids = [f"{request_id}-{i}" for i in range(count)]
         stream = RequestStream(request_ids, lambda ids: self._commands.put(_Abort(ids)))
         per_choice = [prompt for prompt in prompts for _ in range(params.n)]
-        self._commands.put(_Add(stream, per_choice, params, trace, grammar))
+        self._commands.put(_Add(stream, per_choice, params, trace, grammar, cache_salt))
         return stream
 
     async def generate(
@@ -252,12 +256,15 @@ class AsyncEngine:
         *,
         trace: object | None = None,
         grammar: CompiledGrammar | None = None,
+        cache_salt: int | None = None,
     ) -> RequestStream:
         """Submit and wait until the engine has taken the request.
 
         Raises QueueFull, ShuttingDown, EngineFailure, or RequestError (a request the
         engine refuses)."""
-        stream = self.submit(request_id, prompts, params, trace=trace, grammar=grammar)
+        stream = self.submit(
+            request_id, prompts, params, trace=trace, grammar=grammar, cache_salt=cache_salt
+        )
         await stream.admitted()
         return stream
 
@@ -267,13 +274,16 @@ class AsyncEngine:
         params: SamplingParams,
         trace: object,
         grammar: CompiledGrammar | None = None,
+        cache_salt: int | None = None,
     ) -> Generation:
         """Run one request with a tokenmill.trace.Trace recording every step; for the
         inspector (POST /v1/inspect). The request is aborted if the caller is cancelled."""
         if params.n != 1:
             raise ValueError(f"a traced request makes one completion, not n={params.n}")
         request_id = f"trace-{uuid.uuid4().hex}"
-        stream = await self.generate(request_id, [prompt_ids], params, trace=trace, grammar=grammar)
+        stream = await self.generate(
+            request_id, [prompt_ids], params, trace=trace, grammar=grammar, cache_salt=cache_salt
+        )
         return (await stream.collect())[0]
 
     def stats(self) -> EngineStats:
@@ -334,6 +344,7 @@ class AsyncEngine:
                     completion_index=index % command.params.n,
                     trace=command.trace,
                     grammar=command.grammar,
+                    cache_salt=command.cache_salt,
                 )
                 added.append(request_id)
         except Exception as e:  # RequestError is the client's fault; others are ours

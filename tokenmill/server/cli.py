@@ -56,9 +56,19 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument(
         "--api-key",
+        nargs="+",
         default=None,
-        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, "
-        "else none)",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1 routes, one key per client "
+        f"(default: ${API_KEY_ENV}, comma-separated, else none)",
+    )
+    p.add_argument(
+        "--prefix-cache-scope",
+        choices=["global", "per-key"],
+        default=None,
+        help="who shares cached prompt blocks: every client, or only requests with the same "
+        "API key (default: per-key when keys are set, else global); a request's cache_salt "
+        "narrows it further",
     )
     p.add_argument(
         "--served-model-name",
@@ -128,14 +138,18 @@ def served_model_names(args: argparse.Namespace, path: Path) -> list[str]:
     return list(args.served_model_name or hub.names_for(args.model, path))
 
 
-def api_key_from(args: argparse.Namespace) -> str | None:
-    """--api-key, else $TOKENMILL_API_KEY, else None. An empty key is an error, not "no
-    key": whoever typed it meant to protect the server."""
-    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
-    if key is not None and not key.strip():
-        source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
+def api_key_from(args: argparse.Namespace) -> list[str] | None:
+    """--api-key, else $TOKENMILL_API_KEY (comma-separated), else None. An empty key is
+    an error, not "no key": whoever typed it meant to protect the server."""
+    if args.api_key is not None:
+        keys, source = list(args.api_key), "--api-key"
+    elif (env := os.environ.get(API_KEY_ENV)) is not None:
+        keys, source = env.split(","), f"${API_KEY_ENV}"
+    else:
+        return None
+    if not keys or any(not key.strip() for key in keys):
         raise ValueError(f"{source} is empty; give a key, or leave it unset to serve without one")
-    return key
+    return keys
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -164,7 +178,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
         keep_alive_s=args.keep_alive_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
     )
-    app = create_app(engine, model_name=name, api_key=api_key, aliases=aliases, limits=limits)
+    app = create_app(
+        engine,
+        model_name=name,
+        api_key=api_key,
+        aliases=aliases,
+        limits=limits,
+        prefix_cache_scope=args.prefix_cache_scope,
+    )
     log.info(
         "serving %s at http://%s:%d/v1 (request bodies up to %d bytes)",
         name,

@@ -48,6 +48,7 @@ from tokenmill.server.tools import (
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 MAX_N = 128  # OpenAI's cap on completions per request
+MAX_CACHE_SALT = 256  # characters; a salt names a scope, it is not a payload
 
 
 class APIError(Exception):
@@ -144,6 +145,9 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    # vLLM's prefix-cache isolation: only requests with the same salt (and, under
+    # --prefix-cache-scope per-key, the same API key) share cached prompt blocks.
+    cache_salt: Text | None = None
     # Structured output (tokenmill/server/structured.py), OpenAI's and vLLM's names.
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | Text | None = None
@@ -162,6 +166,11 @@ class _GenerationRequest(BaseModel):
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
         if self.n is not None and self.n > MAX_N:
             raise invalid(f"n must be at most {MAX_N}, got {self.n}", "n")
+        if self.cache_salt is not None and not 1 <= len(self.cache_salt) <= MAX_CACHE_SALT:
+            raise invalid(
+                f"cache_salt must be 1 to {MAX_CACHE_SALT} characters, got {len(self.cache_salt)}",
+                "cache_salt",
+            )
 
     @property
     def include_usage(self) -> bool:
