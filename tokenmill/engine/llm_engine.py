@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ from tokenmill.sampling import (
 from tokenmill.sampling.grammar import CompiledGrammar, GrammarCompiler
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
 from tokenmill.tokenizer.tokenizer import TextTooLong
+
+log = logging.getLogger("tokenmill.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,6 +78,9 @@ class RequestOutput:
     arrival: float
     first_token_time: float | None
     finish_time: float | None
+    # Set (with finish_reason "error") when this request alone failed in a step, e.g. its
+    # sampling or its grammar raised: one line for the client; the rest of the step ran.
+    error: str | None = None
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
@@ -398,24 +404,75 @@ class LLMEngine:
             self.stats["prefill_tokens_computed"] += in_prompt
             seq.num_computed += chunk.num_tokens
             self.blocks.commit_full_blocks(seq)
-        states = [chunks[i].seq.sampling for i in sampled]
-        result = self.sampler(logits, states)
-        for row, i in enumerate(sampled):
-            seq = chunks[i].seq
-            if seq.trace is not None:  # before the state records the new token
-                seq.trace.on_sample(logits[row], seq.sampling, result.token_ids[row])
+        seqs = [chunks[i].seq for i in sampled]
+        picks = self._sample(logits, seqs)
         now = time.perf_counter()
         outputs = []
-        for row, i in enumerate(sampled):
-            seq = chunks[i].seq
-            token = result.token_ids[row]
-            lp = None
-            if result.logprobs[row] is not None:
-                lp = TokenLogprob(token, result.logprobs[row], result.top_logprobs[row] or {})
-            outputs.append(self._advance(seq, token, lp, now))
+        # Per sequence from here: what one request's sampling state, grammar or trace
+        # raises fails that request alone, never the others in the step.
+        for row, (seq, pick) in enumerate(zip(seqs, picks, strict=True)):
+            try:
+                if isinstance(pick, Exception):
+                    raise pick
+                token, lp = pick
+                if seq.trace is not None:  # before the state records the new token
+                    seq.trace.on_sample(logits[row], seq.sampling, token)
+                outputs.append(self._advance(seq, token, lp, now))
+            except Exception as e:
+                outputs.append(self._fail(seq, e, now))
         for chunk in traced:
-            chunk.seq.trace.on_step_end(chunk.seq, self.view())
+            if chunk.seq.finish_reason != "error":
+                chunk.seq.trace.on_step_end(chunk.seq, self.view())
         return outputs
+
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> list[tuple[int, TokenLogprob | None] | Exception]:
+        """The next token (and its logprob) of each sampled row, batched. Should the batch
+        raise, each row is sampled alone, so the row at fault gets its exception and the
+        others their tokens: the same ones, as rows are independent and seeded generators
+        are put back to where they were before the failed batch drew from them."""
+        # logits: [B, V], row i for seqs[i]
+        seeded = [s.sampling.generator for s in seqs if s.sampling.generator is not None]
+        saved = [g.get_state() for g in seeded]  # ~5 KB each, only for seeded requests
+        try:
+            result = self.sampler(logits, [seq.sampling for seq in seqs])
+            rows = [(result, i) for i in range(len(seqs))]
+        except Exception:
+            for g, state in zip(seeded, saved, strict=True):
+                g.set_state(state)
+            rows = []
+            for i, seq in enumerate(seqs):
+                try:
+                    rows.append((self.sampler(logits[i : i + 1], [seq.sampling]), 0))
+                except Exception as e:
+                    rows.append((e, 0))
+        picks: list[tuple[int, TokenLogprob | None] | Exception] = []
+        for result, i in rows:
+            if isinstance(result, Exception):
+                picks.append(result)
+                continue
+            token, lp = result.token_ids[i], None
+            if result.logprobs[i] is not None:
+                lp = TokenLogprob(token, result.logprobs[i], result.top_logprobs[i] or {})
+            picks.append((token, lp))
+        return picks
+
+    def _fail(self, seq: Sequence, error: Exception, now: float) -> RequestOutput:
+        """End one request whose step failed: free its blocks, tell its client in one line
+        (the traceback goes to the log only)."""
+        log.error(
+            "request %s failed in a step; the others in it carry on",
+            seq.request_id,
+            exc_info=error,
+        )
+        self.requests.pop(seq.request_id, None)
+        seq.finish_reason, seq.finish_time = "error", now
+        self.scheduler.finish(seq)
+        out = self._output(seq, "", [], [])
+        first_line = (str(error).strip().splitlines() or [""])[0][:200]
+        out.error = f"this request failed while sampling ({type(error).__name__}: {first_line})"
+        return out
 
     def _advance(
         self, seq: Sequence, token: int, lp: TokenLogprob | None, now: float

@@ -21,9 +21,11 @@ that are aborted together.
 `drain()` (the server's SIGTERM) stops admitting: later submits raise ShuttingDown
 (HTTP 503), while the requests already in the engine run to their end.
 
-An exception in a step fails the requests of that step's batch (every request
-in the engine, as a step batches them all) with a 500 and frees their blocks; the
-loop itself keeps going.
+A request whose own sampling, grammar or trace fails in a step fails alone
+(LLMEngine reports it in its RequestOutput.error; the API request gets a 500 and its
+other choices are aborted). An exception in the step itself (the forward pass) fails
+the requests of that step's batch (every request in the engine, as a step batches
+them all) with a 500 and frees their blocks; the loop itself keeps going.
 """
 
 from __future__ import annotations
@@ -376,6 +378,12 @@ class AsyncEngine:
     def _deliver(self, out: RequestOutput, now: float) -> None:
         live = self._live.get(out.request_id)
         if live is None:  # a request the server did not submit
+            return
+        if out.error is not None:  # this request alone failed: so does its API request
+            for request_id in live.stream.request_ids:
+                if self._live.pop(request_id, None) is not None and request_id != out.request_id:
+                    self.engine.abort(request_id)
+            live.stream.post(EngineFailure(out.error))
             return
         if out.token_ids:
             since = live.stream.submitted if live.last_token is None else live.last_token
