@@ -337,12 +337,15 @@ class LLMEngine:
         trace=None,
         grammar: CompiledGrammar | None = None,
         cache_salt: int | None = None,
+        group: str | None = None,
     ) -> int:
         """Queue a request; returns its prompt length in tokens.
 
         trace: a tokenmill.trace.Trace to record this request's pipeline step by step.
         cache_salt: the prefix-cache scope (block_manager.salt_root): the request reuses
         and names cached blocks only under it; None is the shared cache.
+        group: whom the request counts against for fair admission (the scheduler): the
+        n choices of one API request share one; None gives it a group of its own.
         grammar: params' constraint already compiled by compile_grammar; compiled here
         (on the caller's thread) when not given."""
         params = params or SamplingParams()
@@ -367,7 +370,9 @@ class LLMEngine:
             )
         except ValueError as e:  # GrammarError included
             raise RequestError(str(e)) from None
-        seq = Sequence(request_id, ids, params, state, trace=trace, cache_salt=cache_salt)
+        seq = Sequence(
+            request_id, ids, params, state, trace=trace, cache_salt=cache_salt, group=group
+        )
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids)
         self.requests[request_id] = _Request(seq, detok, StopStringMatcher(params.stop))
         self.scheduler.add(seq)

@@ -4,16 +4,23 @@ Each step has a token budget (`max_num_batched_tokens`). Running sequences go
 first, oldest first: a decoding sequence costs one token, a sequence still in its
 prompt takes as much of the budget as is left (chunked prefill: a long prompt is
 split over several steps so it never stalls everyone's decoding). Waiting
-sequences are admitted first come, first served while budget, sequence slots and
-free blocks last. When a running sequence needs a block and none is free, the
-newest running sequence is preempted: its blocks are released and it returns to
-the front of the waiting queue, to be recomputed later (its full blocks often
-come straight back from the prefix cache).
+sequences are admitted while budget, sequence slots and free blocks last.
+
+Fairness between requests: a sequence belongs to a group (its API request: the n
+choices of one request share one). Admission takes the waiting sequence whose group
+has the fewest running, oldest first among equals, so one request's 128 choices
+cannot queue ahead of a small request that came later. When a group with nothing
+running waits for a slot or for blocks, the newest sequence of the group holding the
+most slots beyond its fair share (max_num_seqs / active groups) is preempted to make
+room. When a running sequence needs a block and none is free, the victim is the
+newest sequence of the group running the most (with one group: simply the newest):
+its blocks are released and it returns to the waiting queue, to be recomputed later
+(its full blocks often come straight back from the prefix cache).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from tokenmill.engine.block_manager import BlockManager
@@ -61,25 +68,27 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
+        self._make_room_for_starved()
         # ---- running sequences: decode steps and prefill continuations ----
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed, budget)
             while not self.blocks.can_grow(seq.block_table, seq.num_computed + n):
-                victim = self.running[-1]
+                victim = self._victim(i)  # only among those not scheduled yet
                 self._preempt(victim)
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:
-                break  # preempted itself: everyone after it is gone too
+                continue  # preempted itself: running[i] is now the next one
             self.blocks.grow(seq.block_table, seq.num_computed + n)
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
             i += 1
-        # ---- admit waiting sequences, first come first served ----
+        # ---- admit waiting sequences, fewest running in their group first ----
+        running = Counter(seq.group for seq in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = min(self.waiting, key=lambda s: running[s.group])  # first of the least
             if not seq.block_table:
                 seq.block_table, seq.last_hash = self.blocks.match_prefix(
                     seq.token_ids, seq.cache_salt
@@ -96,12 +105,51 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 self.blocks.query_tokens += len(seq.prompt_ids)
                 self.blocks.hit_tokens += seq.num_cached_prompt
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
+            running[seq.group] += 1
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
         return chunks
+
+    def _victim(self, start: int) -> Sequence:
+        """The sequence to preempt among running[start:]: the newest of the group that
+        runs the most sequences (with a single group, the newest of all)."""
+        counts = Counter(seq.group for seq in self.running)
+        candidates = range(start, len(self.running))
+        return self.running[max(candidates, key=lambda j: (counts[self.running[j].group], j))]
+
+    def _make_room_for_starved(self) -> None:
+        """A group with nothing running that cannot be admitted (no slot, or too few
+        free blocks for its next chunk) takes from the group furthest above its fair
+        share of slots (max_num_seqs / groups) or of blocks (the pool / groups), newest
+        sequence first, until it fits or no group is above its share."""
+        counts = Counter(seq.group for seq in self.running)
+        starved = next((s for s in self.waiting if counts[s.group] == 0), None)
+        if starved is None or not self.running:
+            return
+        need = self.blocks.blocks_for(min(len(starved), self.max_num_batched_tokens))
+        if need > self.blocks.num_blocks:
+            return  # it can never fit: LLMEngine refuses it, no one is preempted for it
+        groups = len(counts) + 1
+        while True:
+            if len(self.running) >= self.max_num_seqs:
+                held = counts  # short of slots
+                fair = max(1, self.max_num_seqs // groups)
+            elif need > self.blocks.num_free:
+                held = Counter()  # short of blocks
+                for seq in self.running:
+                    held[seq.group] += len(seq.block_table)
+                fair = max(1, self.blocks.num_blocks // groups)
+            else:
+                return  # it fits now
+            group, most = held.most_common(1)[0]
+            if most <= fair:
+                return
+            newest = max(j for j, s in enumerate(self.running) if s.group == group)
+            self._preempt(self.running[newest])
+            counts[group] -= 1
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

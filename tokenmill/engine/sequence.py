@@ -45,9 +45,14 @@ class Sequence:
     cache_salt: int | None = None
     last_hash: int | None = None  # hash of the last named block (cache_salt before any)
     trace: object | None = None  # a tokenmill.trace.Trace recording this request's steps
+    # Who this sequence counts against for fair scheduling: its API request (the n
+    # choices of one request share it). None: a group of its own (request_id).
+    group: str | None = None
 
     def __post_init__(self) -> None:
         self.last_hash = self.cache_salt
+        if self.group is None:
+            self.group = self.request_id
 
     @property
     def token_ids(self) -> list[int]:

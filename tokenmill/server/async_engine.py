@@ -347,6 +347,7 @@ class AsyncEngine:
                     trace=command.trace,
                     grammar=command.grammar,
                     cache_salt=command.cache_salt,
+                    group=stream.request_ids[0],  # the API request: its n choices share it
                 )
                 added.append(request_id)
         except Exception as e:  # RequestError is the client's fault; others are ours

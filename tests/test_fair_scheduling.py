@@ -1,0 +1,119 @@
+"""Fair admission (issue 21 item 10): one request's many sequences cannot starve a small
+request that came later.
+
+Before: during `{"n": 128, "max_tokens": 8000, "ignore_eos": true}` another client's
+4-token request waited behind the 64 waiting choices until it timed out, first come
+first served. Now admission takes the group (API request) with the fewest running
+first, and a group with nothing running takes a slot, or blocks, from the group
+furthest above its fair share."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import build_hf_model
+
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.sequence import Status
+from tokenmill.sampling import SamplingParams
+
+LONG = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+SHORT = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+SMALL_PROMPT = [7, 8, 9]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    build_hf_model("llama", folder, initializer_range=0.05, max_position_embeddings=1024)
+    return folder
+
+
+def _add_big(engine: LLMEngine, n: int) -> None:
+    for i in range(n):  # what the server does for one API request with n choices
+        engine.add_request(f"big-{i}", [3 + i, 4, 5, 6], LONG, group="big")
+
+
+def _steps_until_done(engine: LLMEngine, request_id: str, limit: int) -> tuple[int, list[int]]:
+    tokens: list[int] = []
+    for step in range(1, limit + 1):
+        for out in engine.step():
+            if out.request_id == request_id:
+                tokens += out.token_ids
+                if out.finished:
+                    return step, tokens
+    raise AssertionError(f"{request_id} did not finish in {limit} steps")
+
+
+def _alone(tiny) -> list[int]:
+    engine = LLMEngine(tiny, kv_cache_memory="2048tok", threads=1)
+    engine.add_request("small", SMALL_PROMPT, SHORT)
+    return _steps_until_done(engine, "small", 10)[1]
+
+
+def test_a_small_request_is_not_queued_behind_one_requests_many_choices(tiny):
+    engine = LLMEngine(tiny, kv_cache_memory="2048tok", threads=1, max_num_seqs=4)
+    _add_big(engine, 12)  # 4 run, 8 wait
+    for _ in range(3):
+        engine.step()
+    engine.add_request("small", SMALL_PROMPT, SHORT)
+    # Slots are full and the big request holds them all: its newest choice gives one up,
+    # so the small request starts at once and is done in its own 4 steps, not after 200.
+    steps, tokens = _steps_until_done(engine, "small", 10)
+    assert steps == 4
+    assert tokens == _alone(tiny)
+    engine.step()
+    big = [engine.requests[f"big-{i}"].seq for i in range(12)]
+    assert sum(s.status is Status.RUNNING for s in big) == 4  # the slot went back to big
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_blocks_are_shared_fairly_too(tiny):
+    # 12 blocks of 16: the big request's 3 choices grow until the pool is full
+    engine = LLMEngine(tiny, kv_cache_memory="192tok", threads=1, max_num_seqs=8)
+    _add_big(engine, 3)
+    while engine.blocks.num_free > 0:
+        engine.step()
+    engine.add_request("small", SMALL_PROMPT, SHORT)
+    steps, tokens = _steps_until_done(engine, "small", 10)
+    assert steps == 4
+    assert tokens == _alone(tiny)
+    assert engine.scheduler.num_preemptions >= 1
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    engine.blocks.check_invariants([])
+
+
+def test_admission_is_first_come_first_served_among_equals(tiny):
+    engine = LLMEngine(tiny, kv_cache_memory="2048tok", threads=1, max_num_seqs=2)
+    for rid in ("a", "b", "c", "d"):
+        engine.add_request(rid, SMALL_PROMPT, SHORT)
+    engine.step()
+    running = [s.request_id for s in engine.scheduler.running]
+    assert running == ["a", "b"]
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_preempted_choices_still_give_the_same_tokens(tiny):
+    # the big request's choices are preempted for the small one and recomputed: greedy
+    # output must not change
+    def run(with_small: bool) -> dict[str, list[int]]:
+        engine = LLMEngine(tiny, kv_cache_memory="2048tok", threads=1, max_num_seqs=2)
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        for i in range(3):
+            engine.add_request(f"big-{i}", [3 + i, 4, 5, 6], params, group="big")
+        out: dict[str, list[int]] = {}
+        for step in range(200):
+            if with_small and step == 2:
+                engine.add_request("small", SMALL_PROMPT, SHORT)
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+            if not engine.has_unfinished():
+                break
+        if with_small:
+            assert engine.scheduler.num_preemptions >= 1
+        return {k: v for k, v in out.items() if k.startswith("big")}
+
+    assert run(True) == run(False)
