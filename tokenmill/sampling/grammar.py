@@ -23,8 +23,10 @@ matcher simply stays where it was.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -45,7 +47,15 @@ log = logging.getLogger("tokenmill.grammar")
 # own (", " and ": "), keeps it on the values. A schema can still ask for another with
 # its "x-guidance" key (llguidance applies defaults, then the schema's, then overrides).
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-CACHE_SIZE = 64  # compiled grammars kept per model
+CACHE_SIZE = 64  # compiled grammars kept per model, at most
+# ... and at most this many bytes of them: a 20,000-entry guided_choice is ~50 MiB
+# compiled, and 64 of them took RSS from 1 to 4.3 GB (issue 21 item 6).
+CACHE_BYTES = 256 * 2**20
+CACHE_IDLE_S = 600.0  # an entry unused this long is dropped at the next compile
+# The size of a compiled grammar is not reported by llguidance: it is estimated as the
+# process's RSS growth across the compile, and at least this many bytes per character of
+# its source (measured: 45-80 for guided_choice lists of 2,000-20,000 entries).
+BYTES_PER_SOURCE_CHAR = 64
 # From this many rows on, masks are filled by llguidance's thread pool; below it, one
 # after another on the engine thread. Handing 4 rows to the pool took 1.9-2.1 ms a step
 # on 2 busy cores (its thread competes with torch's), filling them in turn 0.75 ms
@@ -279,6 +289,7 @@ class CompiledGrammar:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     compile_ms: float
+    nbytes: int = 0  # estimated memory of `template` (see BYTES_PER_SOURCE_CHAR)
 
     def matcher(self) -> GrammarMatcher:
         return GrammarMatcher(
@@ -296,6 +307,25 @@ def _shared_executor() -> Any:
         if _executor is None:
             _executor = llguidance.LLExecutor()
         return _executor
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory (Linux; 0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _give_back_memory() -> None:
+    """Return freed heap pages to the OS (glibc's malloc_trim): llguidance frees a
+    dropped grammar into the C heap, which otherwise keeps the pages, and RSS would
+    stay at its peak after a burst of large constraints."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
@@ -377,13 +407,30 @@ class GrammarCompiler:
     eos_token_ids: the tokens that end a sequence; the grammar allows them once it is
     complete."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]):
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        *,
+        cache_bytes: int = CACHE_BYTES,
+        cache_idle_s: float = CACHE_IDLE_S,
+    ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = [t for t in eos_token_ids if 0 <= t < vocab_size]
+        self.cache_bytes = cache_bytes
+        self.cache_idle_s = cache_idle_s
         self._lock = threading.Lock()
         self._lltokenizer: Any = None
-        self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
+        # key -> (grammar, last use on time.monotonic()), least recently used first
+        self._cache: OrderedDict[tuple, tuple[CompiledGrammar, float]] = OrderedDict()
+        self._cached_bytes = 0
+
+    @property
+    def cached_bytes(self) -> int:
+        """The estimated memory of the grammars in the cache."""
+        return self._cached_bytes
 
     def lltokenizer(self) -> Any:
         """llguidance's view of the vocabulary, built on first use (~0.5 s for 50k
@@ -419,8 +466,10 @@ class GrammarCompiler:
             raise GrammarError(kind, f"{kind} contains a lone UTF-16 surrogate") from None
         with self._lock:
             if key in self._cache:
+                compiled, _ = self._cache[key]
+                self._cache[key] = (compiled, time.monotonic())
                 self._cache.move_to_end(key)
-                return self._cache[key]
+                return compiled
         lltokenizer = self.lltokenizer()
         t0 = time.perf_counter()
         try:
@@ -431,8 +480,10 @@ class GrammarCompiler:
             raise GrammarError(kind, _message(kind, str(e))) from None
         check_bounds(kind, value, source)
         limits = llguidance.LLParserLimits(**_LIMITS)
+        rss = _rss_bytes()
         # Builds the lexer and parser tables with the GIL released.
         matcher = llguidance.LLMatcher(lltokenizer, source, log_level=0, limits=limits)
+        nbytes = max(_rss_bytes() - rss, BYTES_PER_SOURCE_CHAR * len(source))
         if matcher.is_error():
             raise GrammarError(kind, _message(kind, matcher.get_error()))
         compiled = CompiledGrammar(
@@ -441,9 +492,27 @@ class GrammarCompiler:
             self.vocab_size,
             tuple(self.eos_token_ids),
             (time.perf_counter() - t0) * 1000,
+            nbytes,
         )
-        with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+        self._keep(key, compiled)
         return compiled
+
+    def _keep(self, key: tuple, compiled: CompiledGrammar) -> None:
+        """Cache `compiled`, then drop entries idle past cache_idle_s and least recently
+        used ones until the cache holds at most CACHE_SIZE entries and cache_bytes. One
+        grammar larger than the whole budget is used, not kept."""
+        now, dropped = time.monotonic(), 0
+        with self._lock:
+            if key not in self._cache and compiled.nbytes <= self.cache_bytes:
+                self._cache[key] = (compiled, now)
+                self._cached_bytes += compiled.nbytes
+            while self._cache:
+                oldest, (grammar, used) = next(iter(self._cache.items()))
+                over = len(self._cache) > CACHE_SIZE or self._cached_bytes > self.cache_bytes
+                if not over and now - used <= self.cache_idle_s:
+                    break
+                del self._cache[oldest]
+                self._cached_bytes -= grammar.nbytes
+                dropped += grammar.nbytes
+        if dropped >= 8 * 2**20:  # worth a trim (a few ms)
+            _give_back_memory()
