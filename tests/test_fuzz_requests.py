@@ -10,15 +10,17 @@ sequence, KV block or request left).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import threading
 import time
 
 import httpx
 import pytest
 from helpers import build_hf_model
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from server_fixture import metric, metric_by_label, running_server, sse_events
 
@@ -179,10 +181,15 @@ _valid_chat = st.fixed_dictionaries(
 # --------------------------------------------------------------------------- the checks
 
 
+# What no response body may carry: a traceback, a native panic, a build or install path.
+_LEAKS = ("Traceback", "panic", "backtrace", ".rs:", "/root/", "/home/", "site-packages")
+
+
 def _check_error(error: dict) -> None:
     assert set(error) == {"message", "type", "param", "code"}, error
     assert isinstance(error["message"], str) and error["message"], error
     assert "\n" not in error["message"] and error["type"] != "server_error", error
+    assert not [leak for leak in _LEAKS if leak in error["message"]], error
 
 
 def _check(response: httpx.Response, *, stream: bool, inspect: bool = False) -> None:
@@ -248,6 +255,177 @@ def test_fuzz_inspect(http, body):
 def test_fuzz_raw_bytes(http, raw, path):
     response = http.post(path, content=raw, headers={"content-type": "application/json"})
     _check(response, stream=False)
+
+
+# --------------------------------------------------------------------------- deep and big
+# What the second attack run (issue 21) found: a $ref chain or a grammar rule chain deep
+# enough to overflow llguidance's native stack (a segfault: the whole server), a schema
+# big enough to panic it (the panic text reached the client), numbers that pass a check
+# in float64 or Python ints but not as the float32/int64 they become (every request in
+# the step failed), and tool-call arguments nested deep enough for a RecursionError.
+
+
+@contextlib.contextmanager
+def _deep_json():
+    """Let json.dumps encode a body nested ~4,500 levels deep (Python's limit is 1,000)."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def _ref_chain(depth: int) -> dict:
+    defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}}
+            for i in range(depth)}  # fmt: skip
+    defs[f"d{depth}"] = {"type": "string"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def _patterns(count: int) -> dict:
+    properties = {f"p{i}": {"type": "string", "pattern": f"^x{i}[a-z]+$"} for i in range(count)}
+    return {"type": "object", "properties": properties}
+
+
+def _lark_chain(length: int) -> str:
+    rules = "\n".join(f'r{i}: "x" r{i + 1}' for i in range(length))
+    return f'start: r0\n{rules}\nr{length}: "y"'
+
+
+def _gbnf_chain(length: int) -> str:
+    rules = "\n".join(f'r{i} ::= "x" r{i + 1}' for i in range(length))
+    return f'root ::= r0\n{rules}\nr{length} ::= "y"'
+
+
+# Drawn as (shape, size) and built in the test: hypothesis would print a failing example,
+# and its printer recurses once per level of a 1,000-deep schema.
+_depth = st.sampled_from([1, 50, 250, 299, 301, 500, 900, 1200]) | st.integers(1, 1500)
+_chain = st.sampled_from([10, 499, 501, 1000, 3000]) | st.integers(1, 4000)
+_SCHEMAS = {"ref": _ref_chain, "nested": _nested, "patterns": _patterns}
+_schema = st.tuples(st.sampled_from(["ref", "nested"]), _depth) | st.tuples(
+    st.just("patterns"), st.sampled_from([10, 2000, 15000])
+)
+_constraint = st.one_of(
+    st.tuples(st.sampled_from(["response_format", "guided_json"]), _schema),
+    st.tuples(st.sampled_from(["lark", "gbnf"]), _chain),
+    st.tuples(st.just("guided_choice"), st.sampled_from([1, 1000, 20000])),
+)
+
+
+def _build_constraint(field: str, size) -> dict:
+    if field == "response_format":
+        schema = _SCHEMAS[size[0]](size[1])
+        return {field: {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    if field == "guided_json":
+        return {field: _SCHEMAS[size[0]](size[1])}
+    if field in ("lark", "gbnf"):
+        return {"guided_grammar": (_lark_chain if field == "lark" else _gbnf_chain)(size)}
+    return {field: [f"c{i}" for i in range(size)]}
+
+
+# float32's edges: its smallest subnormal and normal, its largest finite value and just
+# past it (inf there), and values that are 0 there but not in float64
+_f32_edges = st.sampled_from(
+    [1e-46, 1.4e-45, 1.18e-38, 1e-39, 3.4028234e38, 3.5e38, 1e300, -1e-46, 2.0**-149, 0.0]
+)
+_i64_edges = st.sampled_from(
+    [2**31 - 1, 2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64, -(2**63), -(2**63) - 1, 10**30]
+)
+_edge_fields = {
+    "top_p": _f32_edges, "min_p": _f32_edges, "temperature": _f32_edges,
+    "presence_penalty": _f32_edges, "frequency_penalty": _f32_edges,
+    "repetition_penalty": _f32_edges, "top_k": _i64_edges, "seed": _i64_edges,
+    "max_tokens": _i64_edges, "n": _i64_edges,
+    "logit_bias": st.dictionaries(st.sampled_from(["5", "7"]), _f32_edges, max_size=2),
+    "stop_token_ids": st.lists(_i64_edges, max_size=2),
+}  # fmt: skip
+
+
+@settings(FUZZ, max_examples=_examples(10))
+@given(constraint=_constraint, stream=st.booleans())
+# the attack run's own cases first (issue 21 items 1 and 7), then random ones
+@example(constraint=("response_format", ("ref", 1000)), stream=True)
+@example(constraint=("lark", 3000), stream=False)
+@example(constraint=("gbnf", 3000), stream=False)
+@example(constraint=("guided_json", ("patterns", 15000)), stream=False)
+def test_fuzz_deep_and_big_constraints(http, constraint, stream):
+    body = {"prompt": "t1", "max_tokens": 2, "stream": stream, **_build_constraint(*constraint)}
+    with _deep_json():
+        _post(http, "/v1/completions", body)
+
+
+@settings(FUZZ, max_examples=_examples(30))
+@given(
+    edges=st.fixed_dictionaries({}, optional=_edge_fields).filter(bool),
+    valid=st.fixed_dictionaries({}, optional=_valid_fields),
+)
+@example(edges={"top_p": 1e-46}, valid={"n": 3, "stream": True})  # item 2
+@example(edges={"top_k": 2**63}, valid={"temperature": 1.0})
+def test_fuzz_numbers_at_the_edges(http, edges, valid):
+    # a valid body with one or more numbers at an edge: they must be a 400, or run
+    body = {"prompt": "t1 t2", **valid, **edges}
+    body["max_tokens"] = body["max_tokens"] if "max_tokens" in edges else 2
+    _post(http, "/v1/completions", body)
+
+
+def _tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+_TOOL_SCHEMAS = [
+    {"type": "object"},
+    {"type": "object", "properties": {"city": {"$ref": "#/$defs/city"}},
+     "$defs": {"city": {"type": "string"}}},
+    {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},
+]  # fmt: skip
+_tool_schema = st.tuples(st.just("fixed"), st.integers(0, 2)) | st.tuples(
+    st.sampled_from(["ref", "nested"]), _depth
+)
+_tools = st.one_of(
+    st.lists(st.tuples(st.sampled_from(["f", "g", "", "a b", "x" * 65]), _tool_schema),
+             min_size=1, max_size=3),
+    st.sampled_from([129, 5000, 20000]),
+)  # fmt: skip
+
+
+def _build_tools(tools) -> list[dict]:
+    if isinstance(tools, int):
+        return [_tool(f"f{i}", {"type": "object"}) for i in range(tools)]
+    return [
+        _tool(name, _TOOL_SCHEMAS[size] if shape == "fixed" else _SCHEMAS[shape](size))
+        for name, (shape, size) in tools
+    ]
+
+
+@settings(FUZZ, max_examples=_examples(16))
+@example(tools=[("f", ("fixed", 1))], choice="required", nesting=0)  # item 13
+@example(tools=[("f", ("fixed", 0))], choice="auto", nesting=990)  # item 8
+@example(tools=20000, choice="auto", nesting=0)  # item 5
+@given(
+    tools=_tools,
+    choice=st.sampled_from(["auto", "none", "required"]),
+    nesting=st.sampled_from([0, 10, 500, 990, 5000]),
+)
+def test_fuzz_tool_lists_and_deep_arguments(http, tools, choice, nesting):
+    arguments = "[" * nesting + "]" * nesting if nesting else "{}"
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    messages = [
+        {"role": "user", "content": "t1"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "t2"},
+    ]
+    body = {"messages": messages, "tools": _build_tools(tools), "tool_choice": choice,
+            "max_tokens": 2}  # fmt: skip
+    with _deep_json():
+        _post(http, "/v1/chat/completions", body)
 
 
 # --------------------------------------------------------------------------- hostile template
