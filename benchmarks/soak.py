@@ -14,6 +14,16 @@ unknown route, a 2 MiB Content-Length), and health/metrics/models reads. At the 
 server must be idle again: no running or waiting sequence, no KV block held, no request
 in flight. tests/test_soak.py runs the same load for a minute in CI.
 
+With --attackers K (default 2), K more threads replay the second attack run (issue 21)
+after a quiet phase (--quiet-s) of legitimate load alone: a $ref chain of 1,000 schemas,
+a 3,000-rule grammar, 15,000 patterns, top_p 1e-46 and top_k 2**63, 8,000 tools,
+tool-call arguments nested 990 deep, distinct 20,000-entry choice lists (the grammar
+cache), 64 stop strings of 1,000 characters with n=4, one request with n=16 and 2,000
+tokens (cut after 3 s), a traced 1,500-token prompt, a 1 MB prompt, a foreign Host
+header, and guesses at another client's cached prompt under another cache_salt. A probe
+thread sends the same small chat throughout; the report compares its latency under
+attack with its quiet median, and RSS at the end with RSS after the quiet phase.
+
 Nothing but loopback: the server and every client are on 127.0.0.1.
 """
 
@@ -68,6 +78,26 @@ class Report:
     errors: list[str] = field(default_factory=list)  # transport errors, unexpected bodies
     idle_after: dict[str, float] = field(default_factory=dict)
     server_by_code: dict[str, float] = field(default_factory=dict)
+    attacks: Counter = field(default_factory=Counter)  # "name status" -> count
+    probe: list[tuple[float, float]] = field(default_factory=list)  # (at s, latency s)
+    quiet_s: float = 0.0  # when the attackers started
+    server_died: int | None = None  # its exit status, had it exited
+
+    def probe_ratio(self) -> tuple[float, float, float] | None:
+        """(quiet median, worst under attack, ratio) of the probe's latency, in seconds."""
+        quiet = [lat for at, lat in self.probe if at < self.quiet_s]
+        loud = [lat for at, lat in self.probe if at >= self.quiet_s]
+        if not quiet or not loud:
+            return None
+        median = statistics.median(quiet)
+        return median, max(loud), max(loud) / median
+
+    def rss_ratio(self) -> float | None:
+        """RSS at the end over RSS when the attacks began (1.0: flat)."""
+        before = [b for t, b in self.rss if t <= self.quiet_s]
+        if not before or not self.rss or not self.quiet_s:
+            return None
+        return self.rss[-1][1] / before[-1]
 
     def add(self, kind: str, status: int | str, seconds: float) -> None:
         self.by_status[str(status)] += 1
@@ -92,6 +122,10 @@ class Report:
             "rss_mib": [(round(t, 1), round(b / 2**20, 1)) for t, b in self.rss],
             "idle_after": self.idle_after,
             "errors": self.errors[:20],
+            "attacks": dict(self.attacks),
+            "probe_quiet_median_worst_ratio": self.probe_ratio(),
+            "rss_end_over_start_of_attacks": self.rss_ratio(),
+            "server_died": self.server_died,
         }
 
 
@@ -121,26 +155,54 @@ def _codes(text: str) -> dict[str, float]:
 class Soak:
     """The load: `workers` threads for `seconds`, RSS sampled every `sample_s`."""
 
-    def __init__(self, base_url: str, *, pid: int | None, workers: int, seed: int):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        pid: int | None,
+        workers: int,
+        seed: int,
+        attackers: int = 0,
+        quiet_s: float = 0.0,
+        proc=None,
+    ):
         self.url = base_url
         self.pid = pid
         self.workers = workers
         self.seed = seed
+        self.attackers = attackers
+        self.quiet_s = quiet_s if attackers else 0.0
+        self.proc = proc  # the server's Popen, when this run started it (to see it die)
         self.report = Report()
         self._lock = threading.Lock()
 
     def run(self, seconds: float, sample_s: float = 2.0) -> Report:
         start = time.monotonic()
+        self._start = start
         stop = threading.Event()
         threads = [
             threading.Thread(target=self._worker, args=(i, stop), daemon=True)
             for i in range(self.workers)
         ]
+        threads.append(threading.Thread(target=self._probe, args=(stop,), daemon=True))
+        attackers = [
+            threading.Thread(target=self._attacker, args=(i, stop), daemon=True)
+            for i in range(self.attackers)
+        ]
+        self.report.quiet_s = self.quiet_s
         for t in threads:
             t.start()
         while time.monotonic() - start < seconds:
+            if attackers and time.monotonic() - start >= self.quiet_s:
+                for t in attackers:
+                    t.start()
+                threads += attackers
+                attackers = []
             if self.pid is not None:
                 self.report.rss.append((time.monotonic() - start, rss_bytes(self.pid)))
+            if self.proc is not None and self.proc.poll() is not None:
+                self.report.server_died = self.proc.returncode
+                break
             time.sleep(sample_s)
         stop.set()
         for t in threads:
@@ -275,6 +337,151 @@ class Soak:
         response = http.get(path)
         self._record("read", response.status_code, start)
 
+    # ---- the probe: one legitimate small chat after another, quiet and under attack ----
+    def _probe(self, stop: threading.Event) -> None:
+        body = {"messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 8,
+                "temperature": 0}  # fmt: skip
+        with httpx.Client(base_url=self.url, timeout=120) as http:
+            while not stop.is_set():
+                start = time.monotonic()
+                try:
+                    response = http.post("/v1/chat/completions", json=body)
+                except httpx.TransportError as e:
+                    with self._lock:
+                        self.report.errors.append(f"probe: {type(e).__name__}: {e}")
+                    continue
+                self._record("probe", response.status_code, start)
+                if response.status_code == 200:
+                    with self._lock:
+                        self.report.probe.append((start - self._start, time.monotonic() - start))
+                time.sleep(0.5)
+
+    # ---- the attackers (issue 21) ----
+    def _attacker(self, index: int, stop: threading.Event) -> None:
+        rng = random.Random(self.seed * 1000 + 500 + index)
+        attacks = list(ATTACKS.items())
+        with httpx.Client(base_url=self.url, timeout=300) as http:
+            while not stop.is_set():
+                name, (weight, expected, make) = rng.choices(
+                    attacks, [w for _, (w, _, _) in attacks]
+                )[0]
+                try:
+                    status = make(self, http, rng)
+                except httpx.TransportError as e:
+                    status = f"{type(e).__name__}"
+                with self._lock:
+                    self.report.attacks[f"{name} {status}"] += 1
+                    self.report.by_status[str(status)] += 1
+                    if str(status) not in expected:
+                        self.report.errors.append(f"attack {name}: {status}")
+
+    def _post_attack(self, http: httpx.Client, path: str, body: dict, **kw) -> int:
+        content = json.dumps(body)
+        headers = {"content-type": "application/json", **kw.pop("headers", {})}
+        return http.post(path, content=content, headers=headers, **kw).status_code
+
+    def _attack_schema(self, http: httpx.Client, rng: random.Random) -> int:
+        depth = 1000
+        defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}}
+                for i in range(depth)}  # fmt: skip
+        defs[f"d{depth}"] = {"type": "string"}
+        schema = {"$ref": "#/$defs/d0", "$defs": defs}
+        if rng.random() < 0.5:  # or 15,000 patterns (a panic in llguidance)
+            props = {f"p{i}": {"type": "string", "pattern": f"^x{i}[a-z]+$"} for i in range(15000)}
+            schema = {"type": "object", "properties": props}
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        return self._post_attack(
+            http, "/v1/completions", {"prompt": "x", "max_tokens": 4, "response_format": fmt}
+        )
+
+    def _attack_grammar(self, http: httpx.Client, rng: random.Random) -> int:
+        rules = "\n".join(f'r{i}: "x" r{i + 1}' for i in range(3000))
+        grammar = f'start: r0\n{rules}\nr3000: "y"'
+        return self._post_attack(
+            http, "/v1/completions", {"prompt": "x", "max_tokens": 4, "guided_grammar": grammar}
+        )
+
+    def _attack_numbers(self, http: httpx.Client, rng: random.Random) -> int:
+        bad = rng.choice([{"top_p": 1e-46}, {"top_k": 2**63}, {"temperature": 3.5e38},
+                          {"seed": 2**64}, {"max_tokens": 2**63}])  # fmt: skip
+        body = {"prompt": rng.choice(PROMPTS), "max_tokens": 4, "n": 2, **bad}
+        return self._post_attack(http, "/v1/completions", body)
+
+    def _attack_tools(self, http: httpx.Client, rng: random.Random) -> int:
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        tools = [{**tool, "function": {**tool["function"], "name": f"f{i}"}} for i in range(8000)]
+        body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 4}
+        return self._post_attack(http, "/v1/chat/completions", body)
+
+    def _attack_deep_arguments(self, http: httpx.Client, rng: random.Random) -> int:
+        call = {"id": "c1", "type": "function",
+                "function": {"name": "f", "arguments": "[" * 990 + "]" * 990}}  # fmt: skip
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        messages = [{"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "ok"}]  # fmt: skip
+        body = {"messages": messages, "tools": [tool], "max_tokens": 4}
+        return self._post_attack(http, "/v1/chat/completions", body)
+
+    def _attack_choices(self, http: httpx.Client, rng: random.Random) -> int:
+        tag = rng.randrange(10**9)  # distinct every time: the grammar cache must stay bounded
+        choices = [f"option {tag} {i}" for i in range(20000)]
+        return self._post_attack(
+            http, "/v1/completions", {"prompt": "x", "max_tokens": 4, "guided_choice": choices}
+        )
+
+    def _attack_stops(self, http: httpx.Client, rng: random.Random) -> int:
+        stops = [f"{i:04d}" + "z" * 996 for i in range(64)]
+        body = {"prompt": rng.choice(PROMPTS), "max_tokens": 16, "n": 4, "stop": stops}
+        return self._post_attack(http, "/v1/completions", body)
+
+    def _attack_big_n(self, http: httpx.Client, rng: random.Random) -> int | str:
+        body = {"prompt": "Once upon a time", "n": 16, "max_tokens": 2000, "ignore_eos": True,
+                "stream": True, "temperature": 0.8}  # fmt: skip
+        start = time.monotonic()
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                response.read()
+                return response.status_code
+            for _ in response.iter_lines():
+                if time.monotonic() - start > 3:
+                    return "aborted"  # leaving the block cuts it: its 16 sequences go
+        return 200
+
+    def _attack_inspect(self, http: httpx.Client, rng: random.Random) -> int:
+        prompt = " ".join(rng.choice(PROMPTS) for _ in range(250))  # ~1,500 tokens
+        body = {"prompt": prompt, "max_tokens": 8, "stream": False}
+        return self._post_attack(http, "/v1/inspect", body)
+
+    def _attack_giant_prompt(self, http: httpx.Client, rng: random.Random) -> int:
+        return self._post_attack(http, "/v1/completions", {"prompt": "a " * 500_000})
+
+    def _attack_host(self, http: httpx.Client, rng: random.Random) -> int:
+        return http.get("/v1/models", headers={"Host": "attacker.example"}).status_code
+
+    def _attack_prefix_guess(self, http: httpx.Client, rng: random.Random) -> int:
+        secret = "The secret plan of client A is " + "x y z " * 200
+        salt = f"client-{rng.randrange(2)}"
+        body = {"prompt": secret, "max_tokens": 1, "cache_salt": salt}
+        return self._post_attack(http, "/v1/completions", body)
+
+
+# name: (weight, statuses that are right, action); heavy ones are rare
+ATTACKS = {
+    "schema": (3, {"400"}, Soak._attack_schema),
+    "grammar": (3, {"400"}, Soak._attack_grammar),
+    "numbers": (8, {"400"}, Soak._attack_numbers),
+    "tools": (3, {"400", "200", "429"}, Soak._attack_tools),
+    "deep_arguments": (4, {"400", "200", "429"}, Soak._attack_deep_arguments),
+    "choices": (2, {"200", "400", "429"}, Soak._attack_choices),
+    "stops": (4, {"200", "429"}, Soak._attack_stops),
+    "big_n": (3, {"200", "aborted", "429"}, Soak._attack_big_n),
+    "inspect": (2, {"200", "400", "429"}, Soak._attack_inspect),
+    "giant_prompt": (3, {"400", "413"}, Soak._attack_giant_prompt),
+    "host": (4, {"400", "421"}, Soak._attack_host),
+    "prefix_guess": (4, {"200", "429"}, Soak._attack_prefix_guess),
+}
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -316,6 +523,16 @@ def print_report(report: Report) -> None:
     if d["rss_mib"]:
         print("RSS MiB over time:", " ".join(f"{t:.0f}s:{m:.0f}" for t, m in d["rss_mib"]))
     print("idle after:", d["idle_after"])
+    if d["attacks"]:
+        print("attacks (name status: count):", dict(sorted(d["attacks"].items())))
+    if report.probe_ratio():
+        median, worst, ratio = report.probe_ratio()
+        print(f"probe chat: quiet median {median:.3f} s, worst under attack {worst:.3f} s "
+              f"({ratio:.1f}x)")  # fmt: skip
+    if report.rss_ratio():
+        print(f"RSS at the end / when the attacks began: {report.rss_ratio():.3f}")
+    if d["server_died"] is not None:
+        print(f"the server DIED with status {d['server_died']}")
     if d["errors"]:
         print("errors:", *d["errors"], sep="\n  ")
 
@@ -332,6 +549,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pid", type=int, default=None, help="its process id, for RSS")
     p.add_argument("--sample-s", type=float, default=5.0, help="seconds between RSS samples")
     p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--attackers", type=int, default=2, help="attack threads (0: none)")
+    p.add_argument(
+        "--quiet-s", type=float, default=60.0, help="seconds of legitimate load before attacks"
+    )
     args = p.parse_args(argv)
     proc = None
     if args.url is None:
@@ -340,9 +561,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         url, pid = args.url.rstrip("/"), args.pid
     try:
-        report = Soak(url, pid=pid, workers=args.workers, seed=args.seed).run(
-            args.minutes * 60, args.sample_s
-        )
+        soak = Soak(url, pid=pid, workers=args.workers, seed=args.seed,
+                    attackers=args.attackers, quiet_s=args.quiet_s, proc=proc)  # fmt: skip
+        report = soak.run(args.minutes * 60, args.sample_s)
     finally:
         if proc is not None:
             proc.terminate()
@@ -350,7 +571,12 @@ def main(argv: list[str] | None = None) -> int:
     print_report(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_dict(), indent=1))
-    failed = [c for c in report.by_status if c.startswith("5")] or any(report.idle_after.values())
+    failed = (
+        [c for c in report.by_status if c.startswith("5")]
+        or any(report.idle_after.values())
+        or report.server_died is not None
+        or report.errors
+    )
     return 1 if failed else 0
 
 

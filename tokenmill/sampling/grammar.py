@@ -49,8 +49,9 @@ log = logging.getLogger("tokenmill.grammar")
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 64  # compiled grammars kept per model, at most
 # ... and at most this many bytes of them: a 20,000-entry guided_choice is ~50 MiB
-# compiled, and 64 of them took RSS from 1 to 4.3 GB (issue 21 item 6).
-CACHE_BYTES = 256 * 2**20
+# compiled, and 64 of them took RSS from 1 to 4.3 GB (issue 21 item 6). A typical JSON
+# schema compiles to well under 1 MiB, so this still keeps hundreds of them.
+CACHE_BYTES = 64 * 2**20
 CACHE_IDLE_S = 600.0  # an entry unused this long is dropped at the next compile
 # The size of a compiled grammar is not reported by llguidance: it is estimated as the
 # process's RSS growth across the compile, and at least this many bytes per character of
