@@ -117,3 +117,29 @@ def test_preempted_choices_still_give_the_same_tokens(tiny):
         return {k: v for k, v in out.items() if k.startswith("big")}
 
     assert run(True) == run(False)
+
+
+def test_the_server_admits_a_small_request_beside_one_with_many_choices(tiny):
+    # the attack run's shape, scaled down: n=12 x 200 tokens on 4 slots, then a 4-token
+    # request from someone else; it must finish while the big one is still running
+    import asyncio
+    import dataclasses
+
+    from tokenmill.server.async_engine import AsyncEngine
+
+    server = AsyncEngine(LLMEngine(tiny, kv_cache_memory="2048tok", threads=1, max_num_seqs=4))
+
+    async def main() -> tuple[list[int], bool]:
+        server.start()
+        try:
+            big = await server.generate("big", [[3, 4, 5, 6]], dataclasses.replace(LONG, n=12))
+            small = await server.generate("small", [SMALL_PROMPT], SHORT)
+            (generation,) = await small.collect()
+            still_running = len(server.engine.requests) == 12
+            big.abort()
+            return generation.token_ids, still_running
+        finally:
+            server.stop()
+
+    tokens, big_still_running = asyncio.run(main())
+    assert tokens == _alone(tiny) and big_still_running
