@@ -168,10 +168,10 @@ def test_stalled_headers_lose_their_connection(url):
 
 def test_wrong_method_is_405_with_allow(url):
     response = httpx.get(f"{url}/v1/completions")
-    assert response.status_code == 405 and response.headers["allow"] == "POST"
+    assert response.status_code == 405 and response.headers["allow"] == "POST, OPTIONS"
     assert response.json()["error"]["code"] == "method_not_allowed"
     response = httpx.delete(f"{url}/v1/models")
-    assert response.status_code == 405 and response.headers["allow"] == "GET"
+    assert response.status_code == 405 and response.headers["allow"] == "GET, HEAD, OPTIONS"
     assert httpx.post(f"{url}/v1/nothing").status_code == 404  # unknown stays 404
 
 

@@ -70,7 +70,7 @@ from tokenmill.server.async_engine import (
     RequestStream,
     ShuttingDown,
 )
-from tokenmill.server.limits import BodyLimit, ServerLimits, default_max_body_bytes
+from tokenmill.server.limits import BodyLimit, HostCheck, ServerLimits, default_max_body_bytes
 from tokenmill.server.metrics import CLIENT_CLOSED_REQUEST, CONTENT_TYPE, CountRequests
 from tokenmill.server.protocol import (
     APIError,
@@ -85,15 +85,26 @@ from tokenmill.server.protocol import (
 )
 from tokenmill.server.sse import engine_error, sse
 from tokenmill.server.tools import ToolRequest, encode_tool_chat
+from tokenmill.tokenizer.tokenizer import TextTooLong
 
 log = logging.getLogger("tokenmill.server")
 
 STATIC_DIR = Path(__file__).parent / "static"
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 PREFIX_CACHE_SCOPES = ("global", "per-key")
-# Worker threads for tokenizing and template rendering. A few: each job is bounded (the
-# body limit, the template budget), and more would only compete with the engine thread.
+# Worker threads for tokenizing, template rendering, tool checks and grammar compiles.
+# A few: each job is bounded (the body limit, the template budget), and more would only
+# compete with the engine thread. Two lanes: a request whose body has BIG_BODY_BYTES or
+# more runs its jobs on the big lane's own thread, so giant prompts queue behind each
+# other, not ahead of everyone (8 prompts of 1 MB held a normal chat for 13.7 s when all
+# shared one pool: issue 21 item 14).
 PREP_THREADS = 4
+BIG_PREP_THREADS = 1
+BIG_BODY_BYTES = 64 << 10  # ~16k tokens of English; a normal chat is a few KB
+# Methods the fallback routes answer (with 405, or 204 for OPTIONS) so that no API path
+# falls through to the static files' "405, Allow: GET, HEAD". Not CONNECT: h11 treats it
+# as a tunnel.
+OTHER_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE"]
 
 T = TypeVar("T")
 
@@ -139,12 +150,16 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="tokenmill-prep")
+        app.state.prep_big = ThreadPoolExecutor(
+            BIG_PREP_THREADS, thread_name_prefix="tokenmill-prep-big"
+        )
         engine.start()
         try:
             yield
         finally:
             engine.stop()
             app.state.prep.shutdown(wait=False, cancel_futures=True)
+            app.state.prep_big.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(
         title="tokenmill",
@@ -162,14 +177,21 @@ def create_app(
     app.state.prefix_cache_scope = prefix_cache_scope
     _add_error_handlers(app)
     # Added last = outermost: the counter sees every answer, the body limit's included.
+    if limits.allowed_hosts is not None:  # inside the body limit: a bounded body first
+        app.add_middleware(HostCheck, allowed=limits.allowed_hosts)
     app.add_middleware(BodyLimit, max_bytes=max_body, timeout_s=limits.body_timeout_s)
     app.add_middleware(CountRequests, requests=engine.metrics.http)
     auth = [Depends(_api_key_check(keys))] if keys else []
     routers = [router, _inspect_router(), ops_router]
+    app.state.api_routes = [r for included in filter(None, routers) for r in included.routes]
+    for route in app.state.api_routes:  # before include_router copies them into the app
+        if "GET" in route.methods:
+            route.methods.add("HEAD")  # as Starlette's own routes do; uvicorn drops the body
     for included in filter(None, routers):
         app.include_router(included, dependencies=[] if included is ops_router else auth)
-    app.state.api_routes = [r for included in filter(None, routers) for r in included.routes]
     app.include_router(fallback_router, dependencies=auth)
+    for route in ops_router.routes:  # /health, /metrics: open, like their GET routes
+        app.add_api_route(route.path, other_method, methods=OTHER_METHODS, include_in_schema=False)
     if (STATIC_DIR / "index.html").is_file():
         app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static")
     return app
@@ -215,6 +237,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def engine_failure(request: Request, exc: EngineFailure) -> JSONResponse:
         return _error_response(_server_error(exc))
 
+    async def too_deep(request: Request, exc: RecursionError) -> JSONResponse:
+        # Whatever recursed past Python's stack (JSON nested ~1,000 deep walked somewhere)
+        # was the client's structure: a 400, not a 500 with a traceback (issue 21 item 8).
+        log.info("%s %s: RecursionError: %s", request.method, request.url.path, exc)
+        error = invalid("the request nests too deeply to process; flatten it")
+        return _error_response(error)
+
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Starlette logs the traceback and re-raises after sending this.
         return _error_response(_server_error(RuntimeError("internal server error")))
@@ -223,6 +252,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(EngineFailure, engine_failure)
+    app.add_exception_handler(RecursionError, too_deep)
     app.add_exception_handler(Exception, unexpected)
 
 
@@ -294,7 +324,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     engine = _engine(request)
     model = _check_model(request, body.model)
     body.check_extra_fields()
-    tools = body.tool_request(engine.engine.tokenizer)
+    # off the loop: a tool list's checks walk every schema (20,000 tools held it 4.7 s)
+    tools = await off_loop(request, body.tool_request, engine.engine.tokenizer)
     prompt_ids = await off_loop(request, _chat_prompt, engine.engine, body, tools)
     max_model_len = engine.engine.max_model_len
     params = body.sampling_params(default_max_tokens=max(1, max_model_len - len(prompt_ids)))
@@ -335,21 +366,26 @@ async def metrics(request: Request) -> PlainTextResponse:
     return PlainTextResponse(engine.metrics.render(engine.stats()), media_type=CONTENT_TYPE)
 
 
-@fallback_router.api_route(
-    "/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False
-)
-async def unknown_route(path: str, request: Request) -> JSONResponse:
+@fallback_router.api_route("/v1/{path:path}", methods=OTHER_METHODS, include_in_schema=False)
+async def unknown_route(path: str, request: Request) -> Response:
+    return await other_method(request)
+
+
+async def other_method(request: Request) -> Response:
+    """A known path with a method its routes lack: 405 naming the right ones in `Allow`
+    (OPTIONS: 204 with that header); an unknown /v1 path: 404."""
+    path = _shorter(request.url.path)
     allowed = _allowed_methods(request)
-    if allowed:
-        raise APIError(
-            405,
-            f"Method {request.method} is not allowed for /v1/{_shorter(path)}; "
-            f"use {', '.join(allowed)}",
-            code="method_not_allowed",
-            headers={"Allow": ", ".join(allowed)},
-        )
+    if not allowed:
+        raise APIError(404, f"Unknown API route: {request.method} {path}", code="not_found")
+    allow = ", ".join([*allowed, "OPTIONS"])
+    if request.method == "OPTIONS":
+        return Response(status_code=204, headers={"Allow": allow})
     raise APIError(
-        404, f"Unknown API route: {request.method} /v1/{_shorter(path)}", code="not_found"
+        405,
+        f"Method {request.method} is not allowed for {path}; use {', '.join(allowed)}",
+        code="method_not_allowed",
+        headers={"Allow": allow},
     )
 
 
@@ -358,7 +394,7 @@ def _allowed_methods(request: Request) -> list[str]:
     methods: set[str] = set()
     for route in request.app.state.api_routes:
         match, _ = route.matches(request.scope)
-        if match is Match.PARTIAL:
+        if match is not Match.NONE:
             methods |= route.methods
     return sorted(methods)
 
@@ -403,9 +439,12 @@ def _decoder(engine: LLMEngine) -> Callable[[int], str]:
 
 async def off_loop(request: Request, fn: Callable[..., T], *args: Any) -> T:
     """fn(*args) on a worker thread: tokenizing or rendering a big prompt must not hold the
-    event loop (the tokenizers library releases the GIL while it works)."""
+    event loop (the tokenizers library releases the GIL while it works). A request with a
+    big body uses the big lane (see BIG_BODY_BYTES)."""
+    big = getattr(request.state, "body_bytes", 0) >= BIG_BODY_BYTES  # set by BodyLimit
+    pool = request.app.state.prep_big if big else request.app.state.prep
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(request.app.state.prep, functools.partial(fn, *args))
+    return await loop.run_in_executor(pool, functools.partial(fn, *args))
 
 
 def _completion_prompts(
@@ -433,12 +472,31 @@ def _chat_prompt(
 ) -> list[int]:
     """Render the messages (and tools) with the model's chat template (within its limits;
     messages' text kept as text) and tokenize them. Runs on a worker thread."""
-    messages = [message.as_template_input() for message in body.messages]
+    messages = [message.as_template_input(i) for i, message in enumerate(body.messages)]
+    _check_messages_fit(engine, messages)
     template = engine.tokenizer.chat_template
     try:
         return encode_tool_chat(engine.encode_chat, messages, tools, template)
     except ValueError as e:  # ChatTemplateError, RequestError (too long), a refused message
         raise invalid(str(e), "messages") from None
+
+
+def _check_messages_fit(engine: LLMEngine, messages: list[dict[str, Any]]) -> None:
+    """Refuse messages whose text alone certainly needs more tokens than the context,
+    before the template renders it or anything tokenizes it (a 1 MB message was swept for
+    special-token text and rendered before the rendered prompt was measured). The
+    template writes every message's content into the prompt, so the prompt has at least
+    these bytes."""
+    text = "".join(m["content"] for m in messages if isinstance(m.get("content"), str))
+    try:
+        engine.tokenizer.check_length(text, engine.max_model_len)
+    except TextTooLong as e:
+        raise invalid(
+            f"messages hold {e.num_bytes} bytes of text, at least {e.min_tokens} tokens: "
+            f"more than the model's context of {engine.max_model_len - 1} (leaving room "
+            "for at least one generated token)",
+            "messages",
+        ) from None
 
 
 async def _run(
@@ -505,6 +563,11 @@ async def _events(
                 return  # _EventStream aborts the rest
     except EngineFailure as e:
         yield sse(_server_error(e).body())
+        yield sse("[DONE]")
+        return
+    except Exception:  # a chunk that could not be made: the stream still ends cleanly
+        log.exception("%s: the stream failed", fmt.id)
+        yield sse(_server_error(RuntimeError("internal server error")).body())
         yield sse("[DONE]")
         return
     if include_usage:

@@ -26,6 +26,7 @@ from tokenmill.server.limits import ServerLimits
 API_KEY_ENV = "TOKENMILL_API_KEY"
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+WILDCARD = ("0.0.0.0", "::", "")  # every interface: clients name the machine as they like
 
 
 def _seconds(text: str) -> float:
@@ -69,6 +70,15 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         help="who shares cached prompt blocks: every client, or only requests with the same "
         "API key (default: per-key when keys are set, else global); a request's cache_salt "
         "narrows it further",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        type=_host_list,
+        default=None,
+        metavar="HOSTS",
+        help="comma-separated names a request's Host header may give, '*' for any "
+        "(default without an API key: localhost, 127.0.0.1, ::1 and --host, which keeps "
+        "web pages elsewhere out through DNS rebinding; with a key, or on 0.0.0.0: any)",
     )
     p.add_argument(
         "--served-model-name",
@@ -133,6 +143,25 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def _host_list(text: str) -> tuple[str, ...]:
+    hosts = tuple(h.strip() for h in text.split(","))
+    if not all(hosts):
+        raise argparse.ArgumentTypeError(f"must be comma-separated host names, got {text!r}")
+    return hosts
+
+
+def allowed_hosts_from(args: argparse.Namespace, api_key: object) -> tuple[str, ...] | None:
+    """The Host header values the server answers (None: any). --allowed-hosts when given;
+    else, on loopback or one address without a key, the loopback names and --host (a
+    browser on this machine must not be the way in for any web page, issue 21 item 17);
+    else any: a key guards the server, or it listens on every interface anyway."""
+    if args.allowed_hosts is not None:
+        return None if "*" in args.allowed_hosts else args.allowed_hosts
+    if api_key is not None or args.host in WILDCARD:
+        return None
+    return tuple(dict.fromkeys((*LOOPBACK, args.host)))
+
+
 def served_model_names(args: argparse.Namespace, path: Path) -> list[str]:
     """The names the server answers to, the one it reports first."""
     return list(args.served_model_name or hub.names_for(args.model, path))
@@ -177,6 +206,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         header_timeout_s=args.header_timeout,
         keep_alive_s=args.keep_alive_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
+        allowed_hosts=allowed_hosts_from(args, api_key),
     )
     app = create_app(
         engine,

@@ -8,6 +8,10 @@
     header_timeout_protocol()     uvicorn's h11 protocol, plus a deadline for the request
                                   line and headers of each request on a connection (h11
                                   already caps their size at 16 KiB)
+    HostCheck (ASGI middleware)   the Host header must name this server (400 otherwise):
+                                  without it a page on any site could reach a loopback
+                                  server through DNS rebinding (its name re-pointed at
+                                  127.0.0.1), and a server without a key would answer
 
 Imports nothing heavy at module level: `tokenmill serve --help` reads ServerLimits'
 defaults, and the CLI's start-up should not pay for uvicorn.
@@ -25,6 +29,7 @@ non-ASCII character), and never less than 1 MiB.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,6 +53,8 @@ class ServerLimits:
     header_timeout_s: float = 10.0  # request line + headers, from connection or last response
     keep_alive_s: float = 5.0  # an idle connection between requests (uvicorn's default)
     shutdown_timeout_s: float = 30.0  # on SIGTERM, how long running requests may finish
+    # the host names (or addresses) a request's Host header may give; None: any
+    allowed_hosts: tuple[str, ...] | None = None
 
 
 async def send_error(
@@ -108,6 +115,8 @@ class BodyLimit:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
+        # request.state.body_bytes: the app picks a worker lane by it
+        scope.setdefault("state", {})["body_bytes"] = size
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
     async def _too_large(self, send: Send, size: int) -> None:
@@ -144,6 +153,47 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+def host_name(host: str) -> str:
+    """The name part of a Host header value or an --allowed-hosts entry, compared
+    case-insensitively: "LocalHost:8000" -> "localhost", "[::1]:8000" -> "::1"."""
+    host = host.strip().lower()
+    if host.startswith("["):  # an IPv6 literal, maybe with a port after its "]"
+        return host[1:].split("]", 1)[0]
+    if host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    return host.rstrip(".")  # "localhost." is the same name, fully qualified
+
+
+class HostCheck:
+    """ASGI middleware: answer only requests whose Host header names an allowed host.
+
+    A browser sends the name it looked up, so a rebinding page's requests carry its own
+    name ("attacker.example") and are refused here, while the web page served at
+    http://127.0.0.1:PORT/ or http://localhost:PORT/ keeps working. A request without a
+    Host header (HTTP/1.0) comes from no browser and passes."""
+
+    def __init__(self, app: ASGIApp, *, allowed: Collection[str]):
+        self.app = app
+        self.allowed = frozenset(host_name(h) for h in allowed)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            host = next((v for k, v in scope["headers"] if k == b"host"), None)
+            if host is not None:
+                name = host_name(host.decode("latin-1"))
+                if name not in self.allowed:
+                    shown = name if len(name) <= 100 else name[:97] + "..."
+                    await send_error(
+                        send,
+                        400,
+                        f"this server does not answer to the host {shown!r} (the request's "
+                        "Host header); its operator can add it with --allowed-hosts",
+                        "invalid_host",
+                    )
+                    return
+        await self.app(scope, receive, send)
 
 
 def header_timeout_protocol(header_timeout_s: float) -> type:

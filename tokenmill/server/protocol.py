@@ -26,9 +26,9 @@ import json
 import re
 import time
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from tokenmill.engine.llm_engine import RequestOutput, TokenLogprob
 from tokenmill.sampling import SamplingParams
@@ -37,12 +37,15 @@ from tokenmill.server.async_engine import Generation
 from tokenmill.server.structured import ResponseFormat, StructuredOutputs
 from tokenmill.server.text import Text
 from tokenmill.server.tools import (
+    MAX_JSON_DEPTH,
+    MAX_TOOLS,
     Delta,
     Tool,
     ToolCallIn,
     ToolCallParser,
     ToolChoice,
     ToolRequest,
+    json_depth,
     parse_tool_calls,
 )
 
@@ -78,8 +81,39 @@ class APIError(Exception):
 
 def error_body(message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:
     """OpenAI's error shape. Render it ASCII-escaped (json.dumps' default): a message may
-    quote what the client sent."""
+    quote what the client sent. The message goes through `clean_message` first."""
+    message = clean_message(message, internal=type == "server_error")
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# What no error message may carry to a client, whatever raised it (issue 21 item 7: a
+# schema made llguidance panic, and its 3.4 KB 400 held the assertion, a backtrace and
+# build paths): a native panic or backtrace, a Python traceback, source and build paths;
+# in a server error also loopback addresses with their port (a distributed rank's).
+MAX_MESSAGE_CHARS = 2000
+_TRACE = re.compile(r"<backtrace>|stack backtrace:|Traceback \(most recent call last\)")
+_PANIC = re.compile(r"\bpanic(?:ked at\b|:)\s.*", re.S)
+_SOURCE_PATH = re.compile(
+    r"(?:[A-Za-z]:)?(?:[\\/][\w.@+~-]+)+\.(?:rs|py|pyx|c|cc|cpp|h|hpp|so)\b(?::\d+)*"
+)
+_ADDRESS = re.compile(r"\b(?:127(?:\.\d{1,3}){3}|0\.0\.0\.0|localhost|\[::1?\]):\d+\b")
+
+
+def clean_message(message: str, internal: bool = False) -> str:
+    """`message` as one line without the leaks above, at most MAX_MESSAGE_CHARS long.
+    internal: a server error's message (addresses are redacted there; a client's own
+    text, which 4xx messages quote, is left alone)."""
+    trace = _TRACE.search(message)
+    if trace is not None:
+        message = message[: trace.start()]
+    message = _PANIC.sub("an internal error in a native library", message)
+    message = _SOURCE_PATH.sub("<source>", message)
+    if internal:
+        message = _ADDRESS.sub("<address>", message)
+    message = re.sub(r"\s*[\r\n]+\s*", " ", message).strip()
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[: MAX_MESSAGE_CHARS - 3] + "..."
+    return message or "internal server error"
 
 
 def invalid(message: str, param: str | None = None) -> APIError:
@@ -254,11 +288,12 @@ class ChatMessage(_Strict):
         if self.tool_call_id is not None and self.role != "tool":
             raise invalid(f"{where}.tool_call_id is only allowed in tool messages", "messages")
 
-    def as_template_input(self) -> dict[str, Any]:
+    def as_template_input(self, index: int | None = None) -> dict[str, Any]:
         """The dict a chat template reads; "developer" is OpenAI's new name for "system".
 
         Tool calls carry their arguments as a dict, the form transformers' templates
-        expect (OpenAI sends JSON text)."""
+        expect (OpenAI sends JSON text). index: this message's place, for error messages
+        (a 400 for arguments nested too deep to render)."""
         content = self.content if self.content is not None else self.refusal or ""
         if not isinstance(content, str):
             content = "".join(part.text for part in content)
@@ -275,21 +310,35 @@ class ChatMessage(_Strict):
                     "type": "function",
                     "function": {
                         "name": call.function.name,
-                        "arguments": _json_or_text(call.function.arguments),
+                        "arguments": _json_or_text(
+                            call.function.arguments,
+                            f"messages[{'' if index is None else index}].tool_calls[{j}]"
+                            ".function.arguments",
+                        ),
                     },
                 }
-                for call in self.tool_calls
+                for j, call in enumerate(self.tool_calls)
             ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
 
 
-def _json_or_text(text: str) -> Any:
+def _json_or_text(text: str, where: str) -> Any:
+    """JSON text as its value (a 400 naming `where` when it nests too deep for the chat
+    template to walk: "[" * 990 was a 500, issue 21 item 8), other text as it is."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError:
         return text
+    except RecursionError:  # deeper than json's own stack allows
+        value = None
+        depth = MAX_JSON_DEPTH + 1
+    else:
+        depth = json_depth(value, MAX_JSON_DEPTH)
+    if depth > MAX_JSON_DEPTH:
+        raise invalid(f"{where} nests more than {MAX_JSON_DEPTH} levels", "messages")
+    return value
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -299,7 +348,9 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Tool] | None = None
+    # capped before it is validated: 20,000 definitions took 0.6 s to validate (on the
+    # event loop, where FastAPI validates a body); over the cap it is 2 ms
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     _tools: ToolRequest | None = PrivateAttr(default=None)  # set by tool_request()
@@ -425,6 +476,13 @@ def pydantic_errors_to_api_error(errors: list[dict[str, Any]]) -> APIError:
         return invalid(f"Missing required parameter: '{_path(loc)}'", param)
     if first["type"] == "extra_forbidden":
         return invalid(f"Unrecognized request argument supplied: {_path(loc)}", param)
+    if first["type"] == "too_long" and "max_length" in first.get("ctx", {}):
+        ctx = first["ctx"]
+        return invalid(
+            f"'{_path(loc)}' has {ctx.get('actual_length', 'too many')} items; at most "
+            f"{ctx['max_length']} are allowed",
+            param,
+        )
     same_field = [e for e in errors if _without_body(e["loc"])[:1] == loc[:1]]
     common = loc
     for error in same_field:

@@ -46,6 +46,13 @@ _ARGUMENT_KEYS = ("arguments", "parameters")
 _WHITESPACE = " \t\r\n"
 _DECODER = json.JSONDecoder()
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+MAX_TOOLS = 128  # OpenAI's cap on functions per request
+# Free-form JSON (a tool's parameters, a call's arguments) nests at most this deep, dicts
+# and lists counted alike: the chat template and the code that prepares it walk it
+# recursively (about two Python frames a level), and Python's default stack of 1,000
+# frames ran out near 500 levels (issue 21 item 8). MAX_SCHEMA_DEPTH (sampling/grammar.py)
+# allows about as much.
+MAX_JSON_DEPTH = 300
 
 
 # --------------------------------------------------------------------------- request models
@@ -137,6 +144,27 @@ def _hermes_call_text(name: str, arguments: Any) -> str:
     return f"<tool_call>\n{call}\n</tool_call>"
 
 
+def json_depth(value: Any, limit: int) -> int:
+    """How deep dicts and lists nest in `value` (a scalar is 0, [] is 1), counted without
+    recursion and no further than limit + 1: the caller refuses what is too deep before
+    anything recursive walks it."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, level)
+        if level > limit:
+            return level
+        stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
 def new_call_id(fmt: str) -> str:
     """A fresh tool-call id; Mistral's templates insist on 9 letters and digits."""
     if fmt == MISTRAL:
@@ -160,6 +188,9 @@ class ToolRequest:
     native: bool  # the template renders tools; else the Hermes prompt is added
     special_ids: dict[str, int] = field(default_factory=dict)  # Mistral's control tokens
     named_form: bool = False  # Mistral's newer [TOOL_CALLS]name[ARGS]{...}
+    # grammar()'s text, built once: it walks every schema, and the request asks for it
+    # several times (on the event loop, too)
+    _grammar: tuple[str | None] | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def create(
@@ -182,6 +213,8 @@ class ToolRequest:
             return None
         if not tools:
             raise ValueError("tools must not be empty: send no tools field instead")
+        if len(tools) > MAX_TOOLS:  # the request model caps it too; this is the Python API's
+            raise ValueError(f"tools has {len(tools)} functions; at most {MAX_TOOLS} are allowed")
         definitions = [t.model_dump(exclude_none=True) for t in tools]
         try:  # the parameters' schemas are free-form JSON, which the model types don't check
             json.dumps(definitions, ensure_ascii=False).encode()
@@ -190,8 +223,15 @@ class ToolRequest:
                 "tools contains a lone UTF-16 surrogate (such as \\ud800), which is not "
                 "valid Unicode"
             ) from None
+        for i, definition in enumerate(definitions):
+            parameters = definition["function"].get("parameters")
+            if json_depth(parameters, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+                raise ValueError(
+                    f"tools[{i}].function.parameters nests more than {MAX_JSON_DEPTH} levels"
+                )
         names = [t.function.name for t in tools]
-        duplicate = next((n for n in names if names.count(n) > 1), None)
+        seen: set[str] = set()  # a set, not names.count(): 20,000 tools took 4.7 s that way
+        duplicate = next((n for n in names if n in seen or seen.add(n)), None)
         if duplicate is not None:
             raise ValueError(f"tools defines the function {duplicate!r} twice")
         forced = None
@@ -236,6 +276,11 @@ class ToolRequest:
     def grammar(self) -> str | None:
         """Lark text (llguidance's dialect) whose every sentence is a valid call, when
         tool_choice requires one; None otherwise."""
+        if self._grammar is None:
+            self._grammar = (self._build_grammar(),)
+        return self._grammar[0]
+
+    def _build_grammar(self) -> str | None:
         if self.choice not in ("required", "function"):
             return None
         tools = [t for t in self.tools if self.forced in (None, t["function"]["name"])]
@@ -503,6 +548,9 @@ def _scan_call(text: str, i: int) -> _Scan:
             key, j = _DECODER.raw_decode(text, i)
         except json.JSONDecodeError:
             return scan  # the key is still being written
+        except RecursionError:  # cannot happen for a string; kept symmetric with values
+            scan.invalid = True
+            return scan
         j = _skip_ws(text, j)
         if j >= len(text):
             return scan
@@ -518,6 +566,11 @@ def _scan_call(text: str, i: int) -> _Scan:
             if key in _ARGUMENT_KEYS:
                 scan.args_start = v
             return scan  # incomplete (or broken, which the end of the output will tell)
+        except RecursionError:
+            # Nested deeper than the decoder's stack (~1,000 "[", which a regex can force
+            # a model to write): not a call, whole or streamed (was a 500, issue 21 item 8)
+            scan.invalid = True
+            return scan
         if end == len(text) and text[v] not in '{["':
             return scan  # a number or literal may still grow
         if key == "name" and isinstance(value, str):
@@ -689,6 +742,8 @@ class ToolCallParser:
             return _unless_empty(delta)
         try:
             _, end = _DECODER.raw_decode(self._text, start)
+        except RecursionError:  # nested too deep to be a call (see _scan_call)
+            return self._fallback(final)
         except json.JSONDecodeError:
             if final:
                 return self._fallback(final)
@@ -803,6 +858,6 @@ def parse_tool_calls(fmt: str, text: str) -> tuple[str | None, list[ToolCall]]:
 def _is_json(text: str) -> bool:
     try:
         json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return False
     return True
