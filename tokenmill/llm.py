@@ -2,6 +2,10 @@
 
 Offline use of the engine: every call adds its requests to the scheduler and steps
 the engine until they finish, so many prompts run batched together.
+
+`llm.close()`, or `with LLM(...) as llm:`, ends a parallel run's worker processes and
+releases its process group (another parallel LLM can then start in this process);
+a closed LLM refuses further calls.
 """
 
 from __future__ import annotations
@@ -93,6 +97,23 @@ class LLM:
         max_num_seqs, max_num_batched_tokens, block_size, threads...)."""
         self.engine = LLMEngine(model, dtype=dtype, device=device, **engine_kwargs)
         self._ids = itertools.count()
+        self.closed = False
+
+    def close(self) -> None:
+        """Stop a parallel run's other ranks (their processes end) and release its
+        process group; idempotent. Later generate/stream/chat calls raise RuntimeError."""
+        self.closed = True
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this LLM is closed; create a new one")
 
     @property
     def tokenizer(self):
@@ -103,6 +124,7 @@ class LLM:
         self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None
     ) -> list[Output]:
         """Generate for one prompt or a list of them (strings or token-id lists), batched."""
+        self._check_open()
         params = params or SamplingParams()
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -161,6 +183,7 @@ class LLM:
         self, prompt: Prompt, params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
         """Like `stream`, but yields the engine's per-step outputs (tokens, timings)."""
+        self._check_open()
         params = params or SamplingParams()
         rid = f"stream-{next(self._ids)}"
         self.engine.add_request(rid, prompt, params)

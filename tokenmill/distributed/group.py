@@ -29,6 +29,10 @@ class TPGroup:
         self._vmax = max(s.vocab[1] - s.vocab[0] for s in plan)
         # the C stack calls this between its own calls; kept alive with the group
         self.c_allreduce = kernels.ALLREDUCE_FN(self._c_allreduce)
+        # an all-reduce that failed inside a C callback: ctypes would print and drop the
+        # exception (the step then ending with partial sums), so it waits here for
+        # raise_pending() after the C call
+        self.error: BaseException | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x (a partial sum, contiguous) summed over the ranks, in place."""
@@ -39,8 +43,19 @@ class TPGroup:
         return x
 
     def _c_allreduce(self, ptr: int, n: int, _ctx) -> None:
+        if self.error is not None:  # this step already failed: its result is thrown away
+            return
         buf = (ctypes.c_float * n).from_address(ptr)
-        self.all_reduce(torch.frombuffer(buf, dtype=torch.float32))
+        try:
+            self.all_reduce(torch.frombuffer(buf, dtype=torch.float32))
+        except BaseException as e:
+            self.error = e
+
+    def raise_pending(self) -> None:
+        """Raise the error of an all-reduce that failed inside the C stack, if any."""
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
 
     def embed(self, lookup, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows of ids [T] when each rank holds a range of the vocabulary:

@@ -182,8 +182,15 @@ class LLMEngine:
             block_size, num_blocks, threads,
         )  # fmt: skip
         self.parallel = rt.Runtime(spec)
-        self.parallel_plan = rt.describe(ckpt, spec)
-        self.model, local_cfg, group = rt.build_part(ckpt, spec, 0, progress)
+        try:
+            self.parallel_plan = rt.describe(ckpt, spec)
+            self.model, local_cfg, group = rt.build_part(ckpt, spec, 0, progress)
+            # every rank loaded before the first step: a rank that dies loading is
+            # reported here, with its last output, not as the first step's failure
+            self.parallel.wait_ready()
+        except BaseException:
+            self.parallel.stop()
+            raise
         self.cache = KVCache(local_cfg, block_size, self.dtype, self.device, num_blocks=num_blocks)
         if tp > 1:
             self.runner = rt.TPRunner(self.model, self.cache, self.device, self.parallel, group)
@@ -195,9 +202,12 @@ class LLMEngine:
         atexit.register(self.close)
 
     def close(self) -> None:
-        """Stop the other ranks of a parallel run (nothing to do on one process)."""
+        """Stop the other ranks of a parallel run, wait for their processes to end and
+        release the process group, so that another parallel engine can start in this
+        process (nothing to do on one process). Idempotent."""
         if self.parallel is not None:
             self.parallel.stop()
+            atexit.unregister(self.close)
 
     def _pick_quantization(self, requested: str, fmt: str) -> str | None:
         """The weight scheme of models/quantize.py for a request (None: torch Linears)."""

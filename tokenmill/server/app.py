@@ -354,8 +354,11 @@ async def retrieve_model(model: str, request: Request) -> dict:
 
 @ops_router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    if not _engine(request).alive:
-        body = error_body("the engine loop is not running", "server_error", None, "unhealthy")
+    # 503 with one line naming the problem: the loop is down or stalled on pending work,
+    # or a parallel rank died or is stuck (AsyncEngine.health reads, never waits)
+    ok, reason = _engine(request).health()
+    if not ok:
+        body = error_body(reason, "server_error", None, "unhealthy")
         return JSONResponse(body, status_code=503)
     return JSONResponse({"status": "ok"})
 

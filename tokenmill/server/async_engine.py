@@ -26,6 +26,13 @@ A request whose own sampling, grammar or trace fails in a step fails alone
 other choices are aborted). An exception in the step itself (the forward pass) fails
 the requests of that step's batch (every request in the engine, as a step batches
 them all) with a 500 and frees their blocks; the loop itself keeps going.
+
+`health()` (GET /health) tells the truth without waiting on the engine: the loop
+notes the time each time it comes round (`_beat`, after every step) and whether it is
+idle (blocked on an empty command queue: nothing pending). Busy with no round
+completed for `stall_timeout` seconds is a stall; a parallel run's ranks are asked too
+(distributed/runtime.py::Runtime.health: a dead rank, or one that has not finished its
+part of the step in flight).
 """
 
 from __future__ import annotations
@@ -174,11 +181,18 @@ class AsyncEngine:
     engine: the synchronous LLMEngine (tokenizer, config, max_model_len); only the
     engine thread may call its methods that change state.
     max_waiting: the most engine requests that may wait (in the scheduler's queue or
-    not yet picked up by the engine thread) before `submit` raises QueueFull."""
+    not yet picked up by the engine thread) before `submit` raises QueueFull.
+    stall_timeout: seconds pending work may go without a completed step before
+    `health()` reports the engine stalled."""
 
-    def __init__(self, engine: LLMEngine, *, max_waiting: int | None = None):
+    def __init__(
+        self, engine: LLMEngine, *, max_waiting: int | None = None, stall_timeout: float = 30.0
+    ):
         self.engine = engine
         self.max_waiting = max_waiting
+        self.stall_timeout = stall_timeout
+        self._beat = time.monotonic()  # the engine loop's last round (see health())
+        self._idle = True  # the engine loop is blocked waiting for a command
         self.metrics = ServerMetrics(engine.info())
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -204,6 +218,25 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def health(self) -> tuple[bool, str]:
+        """(True, "ok"), or (False, one line saying why not): the loop is not running, a
+        parallel rank died or is stuck, or the loop has had pending work and completed
+        no step for stall_timeout seconds. Reads a few fields, never blocks."""
+        if not self.alive:
+            return False, "the engine loop is not running"
+        runtime = self.engine.parallel
+        if runtime is not None:
+            ok, reason = runtime.health(self.stall_timeout)
+            if not ok:
+                return False, reason
+        stalled = time.monotonic() - self._beat
+        if not self._idle and stalled > self.stall_timeout:
+            return (
+                False,
+                f"the engine loop has made no progress on pending work for {stalled:.0f} s",
+            )
+        return True, "ok"
 
     # ---- the event loop's API ----
     def submit(
@@ -320,7 +353,13 @@ class AsyncEngine:
                 self._step()
 
     def _next_commands(self, block: bool) -> list[_Add | _Abort | None]:
-        commands = [self._commands.get()] if block else []
+        self._beat = time.monotonic()  # the heartbeat: one round (a step) done
+        if block:  # idle: nothing pending until a command comes
+            self._idle = True
+            commands = [self._commands.get()]
+            self._beat, self._idle = time.monotonic(), False
+        else:
+            commands = []
         while True:
             try:
                 commands.append(self._commands.get_nowait())

@@ -135,6 +135,13 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         help="on SIGTERM, seconds running requests may take to finish",
     )
     p.add_argument(
+        "--health-stall-timeout",
+        type=_seconds,
+        default=30.0,
+        help="/health answers 503 once requests are pending and no engine step (or a "
+        "parallel rank's part of one) has finished for this many seconds",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -198,7 +205,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     llm = load_llm(
         args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
     )
-    engine = AsyncEngine(llm.engine, max_waiting=args.max_waiting)
+    engine = AsyncEngine(
+        llm.engine, max_waiting=args.max_waiting, stall_timeout=args.health_stall_timeout
+    )
+    if llm.engine.parallel is not None:  # a dead rank ends the server (after its answers)
+        llm.engine.parallel.exit_on_failure = True
     name, *aliases = served_model_names(args, llm.engine.path)
     limits = ServerLimits(
         max_body_bytes=args.max_body_bytes,
