@@ -10,6 +10,12 @@ loaded (no compiler, a sandbox without exec permission on the cache folder...),
 and callers take their pure-torch path instead: slower, never a crash. Set
 TOKENMILL_KERNELS=0 to force that path, TOKENMILL_REQUIRE_NATIVE=1 to make a failure raise.
 
+Threads: every call takes torch.get_num_threads() as the threads it may use; the C side
+(team.c) gives each parallel region fewer while a thread it had to wait for (descheduled
+beside a busy process) would hold up every barrier, and tries the whole team again after
+a cool-down. `team_stats()` says what it did; TOKENMILL_ADAPTIVE_THREADS=0 (or
+`adaptive_threads(False)`) keeps every region at the threads asked for.
+
 Everything here works on raw pointers (`tensor.data_ptr()`), so callers must pass
 contiguous CPU tensors of the documented dtypes and keep them alive during the call.
 """
@@ -53,6 +59,8 @@ __all__ = [
     "TmStack",
     "TmRows",
     "decode_stack",
+    "adaptive_threads",
+    "team_stats",
 ]
 
 
@@ -170,6 +178,16 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tm_isa.restype = ctypes.c_char_p
     lib.tm_struct_size.argtypes = [i32]
     lib.tm_struct_size.restype = i32
+    lib.tm_team_adapt.argtypes = [i32]
+    lib.tm_team_adapt.restype = i32
+    lib.tm_team_stats.argtypes = [vp]
+    lib.tm_team_stats.restype = None
+    i64 = ctypes.c_int64  # the team's clock (tests drive it with their own times)
+    lib.tm_now.restype = i64
+    lib.tm_team_at.argtypes = [i32, i32, i64]
+    lib.tm_team_at.restype = i32
+    lib.tm_team_note.argtypes = [i32, i64, i64, i64]
+    lib.tm_team_note.restype = None
     if lib.tm_info() // 1000 != ABI:
         raise OSError(f"kernel library reports ABI {lib.tm_info() // 1000}, expected {ABI}")
     for which, struct in enumerate(STRUCTS):
@@ -224,6 +242,9 @@ def library(quiet: bool = False) -> ctypes.CDLL | None:
             if os.environ.get("TOKENMILL_KERNELS", "1") != "0":
                 try:
                     _lib = load()
+                    _lib.tm_team_adapt(
+                        int(os.environ.get("TOKENMILL_ADAPTIVE_THREADS", "1") != "0")
+                    )
                 except (BuildError, OSError) as e:
                     if require_native():
                         e.add_note("TOKENMILL_REQUIRE_NATIVE=1: no fallback to the torch path")
@@ -264,6 +285,41 @@ def reads_kquant_scales() -> bool:
     block times a float16 per 256 values): every build since ABI 9."""
     lib = library()
     return lib is not None and bool(lib.tm_kquant_scales())
+
+
+TEAM_STATS = (
+    "regions",  # parallel regions that ran on more than one thread
+    "stalls",  # of those, regions whose master waited at the barrier for a stalled thread
+    "probes",  # times the whole team was tried again after a cool-down
+    "failed_probes",  # probes that stalled within their trial (the cool-down doubles)
+    "shrunk_regions",  # regions that ran with fewer threads than asked for
+    "deficit",  # threads taken off each region now
+    "cool_ns",  # the current cool-down
+    "adaptive",  # 1: teams shrink after stalls; 0: every region gets the threads asked for
+)
+
+
+def adaptive_threads(on: bool | None = None) -> bool:
+    """Whether parallel regions shrink their team after a stalled thread (team.c), and
+    with `on`, set it (False: the fixed team, as before; the results are the same either
+    way). Returns the setting in force before the call; False without the library."""
+    lib = library()
+    if lib is None:
+        return False
+    if on is None:
+        return bool(team_stats()["adaptive"])
+    return bool(lib.tm_team_adapt(int(on)))
+
+
+def team_stats() -> dict[str, int]:
+    """The thread-team counters of this process since the library loaded (TEAM_STATS
+    names them); empty without the library."""
+    lib = library()
+    if lib is None:
+        return {}
+    out = (ctypes.c_int64 * len(TEAM_STATS))()
+    lib.tm_team_stats(out)
+    return dict(zip(TEAM_STATS, out, strict=True))
 
 
 def gemm_min_rows() -> int:

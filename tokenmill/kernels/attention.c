@@ -120,16 +120,15 @@ int tm_decode_attention(const tm_shape *sh, const tm_layer *L, const tm_rows *ro
     const int64_t *positions = rows->positions, *new_slots = rows->new_slots;
     const int64_t *slots = rows->slots, *ctx_lens = rows->ctx_lens;
     const int rep = H / Hkv, stride = (H + 2 * Hkv) * hd, ntask = Bd * Hkv;
-    int nt = tm_threads(nthreads);
-    nt = nt < ntask ? nt : ntask;
+    const int nt = tm_team(nthreads, ntask);
     int ok = 1;
-    (void)nt;
+    int64_t start = tm_now(), done = start;
 #pragma omp parallel num_threads(nt) if (nt > 1) reduction(& : ok)
     {
         /* per thread: q [rep, hd], accumulators [rep, hd], scores [rep, cmax] */
         float *q = tm_scratch(((size_t)2 * rep * hd + (size_t)rep * cmax) * sizeof(float));
         if (!q) ok = 0;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int task = 0; task < ntask; task++) {
             if (!q) continue;
             const int b = task / Hkv, g = task % Hkv;
@@ -167,6 +166,8 @@ int tm_decode_attention(const tm_shape *sh, const tm_layer *L, const tm_rows *ro
                 for (int i = 0; i < hd; i++) o[i] = acc[(size_t)r * hd + i] * inv[r];
             }
         }
+        if (tm_thread_id() == 0) done = tm_now();
     }
+    tm_team_done(nt, start, done);
     return ok;
 }

@@ -246,7 +246,7 @@ int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bi
     int16_t *xq = (int16_t *)abuf;
     float *dx = (float *)(abuf + qbytes), *sx = dx + (size_t)T * nb;
     const float qmax = act16 ? 32767.f : 127.f;
-    int nt = tm_threads(nthreads);
+    int nt = tm_team(nthreads, T);
     (void)nt;
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int t = 0; t < T; t++)
@@ -259,30 +259,36 @@ int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bi
     const size_t twords = (size_t)K / 2 * RT, tfloats = (size_t)(nu + nb) * RT;
     const micro_fn *mk = MICRO[six][w->mins != NULL];
     int oom = 0;
-    nt = nt < ntiles ? nt : ntiles;
     for (int tp = 0; tp < T; tp += TOKEN_PASS) {
         const int tend = T - tp < TOKEN_PASS ? T : tp + TOKEN_PASS;
-#pragma omp parallel for num_threads(nt) schedule(dynamic) if (nt > 1)
-        for (int tile = 0; tile < ntiles; tile++) {
-            int32_t *tw = tm_buf_get(&tile_buf, twords * 4 + tfloats * 4);
-            if (!tw) {
-                oom = 1;
-                continue;
-            }
-            float *td = (float *)(tw + twords), *tm = td + (size_t)nu * RT;
-            const int r0 = tile * RT, rows = N - r0 < RT ? N - r0 : RT;
-            build_tile(w, r0, tw, td, tm);
-            float out[NT * RT];
-            for (int t0 = tp; t0 < tend; t0 += NT) {
-                const int n = tend - t0 < NT ? tend - t0 : NT;
-                const size_t ti = (size_t)t0 * nb;
-                mk[n - 1](tw, td, tm, xq + (size_t)t0 * K, dx + ti, sx + ti, K, out);
-                for (int t = 0; t < n; t++) {
-                    float *yr = y + (size_t)(t0 + t) * N + r0;
-                    for (int l = 0; l < rows; l++) yr[l] = out[t * RT + l] + (bias ? bias[r0 + l] : 0.f);
+        nt = tm_team(nthreads, ntiles);
+        int64_t start = tm_now(), done = start;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+        {
+#pragma omp for schedule(dynamic) nowait
+            for (int tile = 0; tile < ntiles; tile++) {
+                int32_t *tw = tm_buf_get(&tile_buf, twords * 4 + tfloats * 4);
+                if (!tw) {
+                    oom = 1;
+                    continue;
+                }
+                float *td = (float *)(tw + twords), *tm = td + (size_t)nu * RT;
+                const int r0 = tile * RT, rows = N - r0 < RT ? N - r0 : RT;
+                build_tile(w, r0, tw, td, tm);
+                float out[NT * RT];
+                for (int t0 = tp; t0 < tend; t0 += NT) {
+                    const int n = tend - t0 < NT ? tend - t0 : NT;
+                    const size_t ti = (size_t)t0 * nb;
+                    mk[n - 1](tw, td, tm, xq + (size_t)t0 * K, dx + ti, sx + ti, K, out);
+                    for (int t = 0; t < n; t++) {
+                        float *yr = y + (size_t)(t0 + t) * N + r0;
+                        for (int l = 0; l < rows; l++) yr[l] = out[t * RT + l] + (bias ? bias[r0 + l] : 0.f);
+                    }
                 }
             }
+            if (tm_thread_id() == 0) done = tm_now();
         }
+        tm_team_done(nt, start, done);
     }
     return oom ? 0 : 1;
 }

@@ -505,20 +505,26 @@ static int linear_one(const tm_weight *w, const float *x, int T, float *y, const
     xq_t xq;
     if (!fw && !quantize_x(x, T, w->k, zero_point(w), w->bits, act16, &xq)) return 0;
     const int n = w->n, nblk = (n + ROWBLOCK - 1) / ROWBLOCK;
-    int nt = tm_threads(nthreads);
-    nt = nt < nblk ? nt : nblk;
-    (void)nt;
-#pragma omp parallel for num_threads(nt) schedule(guided) if (nt > 1)
-    for (int rb = 0; rb < nblk; rb++) {
-        int r0 = rb * ROWBLOCK, r1 = r0 + ROWBLOCK < n ? r0 + ROWBLOCK : n;
-        for (int t0 = 0; t0 < T; t0 += TCHUNK) {
-            const int tc = T - t0 < TCHUNK ? T - t0 : TCHUNK;
-            if (fw)
-                float_any(w, x, r0, r1, t0, tc, y, bias);
-            else
-                rows_any(w, &xq, r0, r1, t0, tc, y, bias);
+    const int nt = tm_team(nthreads, nblk);
+    int64_t start = tm_now(), done = start;
+    /* guided: shrinking chunks of row blocks, few hand-outs when quiet (each one is an
+     * atomic on a line both cores share); a stalled thread is team.c's business */
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+#pragma omp for schedule(guided) nowait
+        for (int rb = 0; rb < nblk; rb++) {
+            int r0 = rb * ROWBLOCK, r1 = r0 + ROWBLOCK < n ? r0 + ROWBLOCK : n;
+            for (int t0 = 0; t0 < T; t0 += TCHUNK) {
+                const int tc = T - t0 < TCHUNK ? T - t0 : TCHUNK;
+                if (fw)
+                    float_any(w, x, r0, r1, t0, tc, y, bias);
+                else
+                    rows_any(w, &xq, r0, r1, t0, tc, y, bias);
+            }
         }
+        if (tm_thread_id() == 0) done = tm_now();
     }
+    tm_team_done(nt, start, done);
     return 1;
 }
 
@@ -544,7 +550,7 @@ static void row_lanes(const tm_weight *w, int r, float *out) {
 /* Rows [r0, r1) of W to out [r1 - r0, K] float32 in lane order (the caller permutes
  * x's columns the same way before its GEMM: tm_lanes_f32; 16-bit floats: natural). */
 void tm_dequant_lanes(const tm_weight *w, int r0, int r1, float *out, int nthreads) {
-    const int nt = tm_threads(nthreads);
+    const int nt = tm_team(nthreads, r1 - r0);
     (void)nt;
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int r = r0; r < r1; r++) row_lanes(w, r, out + (size_t)(r - r0) * w->k);
@@ -553,7 +559,7 @@ void tm_dequant_lanes(const tm_weight *w, int r0, int r1, float *out, int nthrea
 /* x [T, K] float32 -> out [T, K] with columns in lane order: the activation side of the
  * prefill GEMM against tm_dequant_lanes' weights (16-byte moves, one pass). */
 void tm_lanes_f32(const float *x, int T, int K, float *out, int nthreads) {
-    const int nfull = K / GW, nt = tm_threads(nthreads);
+    const int nfull = K / GW, nt = tm_team(nthreads, T);
     (void)nt;
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && (size_t)T * K > 65536)
     for (int t = 0; t < T; t++) {

@@ -129,6 +129,10 @@ int tm_decode_attention(const tm_shape *s, const tm_layer *L, const tm_rows *row
 int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads,
             int act16);
 int tm_gemm_min_rows(void);
+int tm_team_adapt(int on);
+void tm_team_stats(int64_t *out);
+int tm_team_at(int requested, int useful, int64_t now);
+void tm_team_note(int nt, int64_t start, int64_t master_done, int64_t end);
 
 /* ---- small shared helpers ---- */
 
@@ -140,6 +144,33 @@ static inline int tm_threads(int requested) {
     return 1;
 #endif
 }
+
+static inline int tm_thread_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* Thread teams (team.c). A parallel region asks tm_team for its size (the threads
+ * requested, <= 0: all, less those a recent region had to wait for, at most `useful`),
+ * its master notes tm_now() when its own share is done (the loop `nowait`), and after
+ * the region tm_team_done judges the wait at the barrier:
+ *
+ *     const int nt = tm_team(nthreads, ntasks);
+ *     int64_t start = tm_now(), done = start;
+ *     #pragma omp parallel num_threads(nt) if (nt > 1)
+ *     {
+ *         #pragma omp for schedule(...) nowait
+ *         for (...) ...;
+ *         if (tm_thread_id() == 0) done = tm_now();
+ *     }
+ *     tm_team_done(nt, start, done);
+ */
+int64_t tm_now(void); /* ns, CLOCK_MONOTONIC */
+int tm_team(int requested, int useful);
+void tm_team_done(int nt, int64_t start, int64_t master_done);
 
 /* A grow-only buffer: no malloc on the hot paths once it has grown. Returns NULL on OOM. */
 typedef struct {
