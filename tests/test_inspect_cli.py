@@ -63,7 +63,7 @@ def _section(text: str, start: str, end: str) -> list[str]:
 
 def test_heatmap_is_drawn_in_shades_a_pipe_keeps(plain):
     text, trace = plain
-    att = trace["steps"][0]["attention"]
+    (att,) = trace["steps"][0]["attention"]
     # each row: the token, its position, then two characters per key
     rows = [
         m for line in _section(text, "6. Masked", "   weight 0")

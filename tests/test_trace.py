@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tokenmill import trace as trace_module
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.models import paths
 from tokenmill.sampling import SamplingParams
@@ -74,7 +75,7 @@ def test_traced_run_has_the_same_tokens_and_logits(engine: LLMEngine, monkeypatc
     # Compare like with like: the trace must not change the math of its own path.
     monkeypatch.setattr(paths, "NATIVE_DECODE", False)
     plain, plain_logits = generate(engine, "plain", PROMPT, SAMPLED)
-    trace = Trace(layer=5, head=None)
+    trace = Trace(layers=[5])
     traced, traced_logits = generate(engine, "traced", PROMPT, SAMPLED, trace)
     assert traced.output_ids == plain.output_ids
     assert len(traced_logits) == len(plain_logits) == SAMPLED.max_tokens
@@ -138,11 +139,11 @@ def test_kv_sizes_match_the_cache(engine: LLMEngine) -> None:
 
 @pytest.mark.slow
 def test_attention_is_causal_and_normalised(engine: LLMEngine) -> None:
-    trace = Trace(layer=3, head=None)
+    trace = Trace(layers=[3])
     generate(engine, "attention", PROMPT, SamplingParams(max_tokens=4, temperature=0), trace)
     cfg = engine.config
     prefill, *decode = trace.steps
-    att = prefill["attention"]
+    (att,) = prefill["attention"]
     n = len(trace.prompt["ids"])
     assert att["layer"] == 3 and att["heads"] == list(range(cfg.num_heads))
     assert att["query_positions"] == list(range(n)) and att["context"] == n
@@ -150,8 +151,9 @@ def test_attention_is_causal_and_normalised(engine: LLMEngine) -> None:
     assert all(head[0][0] == 1.0 for head in att["weights"])  # the first token sees only itself
     for i, step in enumerate(decode):
         assert step["phase"] == "decode"
-        assert step["attention"]["query_positions"] == [n + i]
-        rows_are_causal_distributions(step["attention"])
+        (att,) = step["attention"]
+        assert att["query_positions"] == [n + i]
+        rows_are_causal_distributions(att)
     for step in trace.steps:
         layers = step["layers"]
         assert [layer["layer"] for layer in layers] == list(range(cfg.num_layers))
@@ -184,7 +186,7 @@ def test_positions_and_embeddings(engine: LLMEngine) -> None:
 
 @pytest.mark.slow
 def test_only_the_traced_request_is_recorded(engine: LLMEngine) -> None:
-    trace = Trace(layer=0, head=1)
+    trace = Trace(layers=[0], heads=[1])
     other = "A much longer prompt that shares the batch with the traced one, step after step"
     engine.add_request("other", other, SamplingParams(max_tokens=5, temperature=0))
     engine.add_request("mine", PROMPT, SamplingParams(max_tokens=3, temperature=0), trace=trace)
@@ -196,7 +198,7 @@ def test_only_the_traced_request_is_recorded(engine: LLMEngine) -> None:
     assert trace.steps[0]["embedding"]["shape"][0] == len(mine.prompt_ids)
     assert [s["sample"]["token"] for s in trace.steps] == mine.output_ids
     for step in trace.steps:
-        att = step["attention"]
+        (att,) = step["attention"]
         assert att["heads"] == [1] and att["context"] == step["start"] + step["num_tokens"]
 
 
@@ -269,7 +271,7 @@ def test_inspect_route(engine: LLMEngine) -> None:
     with TestClient(app) as client:
         body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "layer": 2, "head": 0}
         whole = client.post("/v1/inspect", json={**body, "stream": False}).json()
-        assert len(whole["steps"]) == 3 and whole["trace"]["layer"] == 2
+        assert len(whole["steps"]) == 3 and whole["trace"]["layers"] == [2]
         with client.stream("POST", "/v1/inspect", json=body) as r:
             assert r.headers["content-type"].startswith("text/event-stream")
             events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
@@ -300,36 +302,35 @@ def test_prefix_cached_prefill_attention(tmp_path: Path) -> None:
     engine.add_request("warm", shared + [50, 51], SamplingParams(max_tokens=1))
     while engine.has_unfinished():
         engine.step()
-    trace = Trace(layer=1, head=None)
+    trace = Trace(layers=[1])
     engine.add_request("hit", shared + [60, 61, 62], SamplingParams(max_tokens=2), trace=trace)
     while engine.has_unfinished():
         engine.step()
     prefill = trace.steps[0]
     assert prefill["start"] == 32  # two full blocks came from the prefix cache
-    att = prefill["attention"]
+    (att,) = prefill["attention"]
     assert att["query_positions"] == list(range(32, 41)) and att["context"] == 41
     rows_are_causal_distributions(att)
     assert prefill["kv"]["tokens"] == 41 and prefill["kv"]["written"] == 9
 
 
 def test_long_prompts_keep_the_newest_attention_rows(tmp_path: Path) -> None:
-    from tokenmill import trace as trace_module
 
     engine = tiny_engine("llama", tmp_path)
-    trace = Trace(layer=0, head=None)
+    trace = Trace(layers=[0])
     prompt = [2 + i % 300 for i in range(300)]
     engine.add_request("long", prompt, SamplingParams(max_tokens=1), trace=trace)
     while engine.has_unfinished():
         engine.step()
-    att = trace.steps[0]["attention"]
-    rows = trace_module.MAX_ATTENTION_CELLS // (engine.config.num_heads * 300)
+    (att,) = trace.steps[0]["attention"]
+    rows = trace_module.PROMPT_MAP_CELLS // (engine.config.num_heads * 300)
     assert rows < 300 and att["query_positions"] == list(range(300 - rows, 300))
     rows_are_causal_distributions(att)
 
 
 def test_learned_positions(tmp_path: Path) -> None:
     engine = tiny_engine("gpt2", tmp_path)
-    trace = Trace(sample_dims=5)
+    trace = Trace(layers=[0], sample_dims=5)
     engine.add_request("gpt2", [5, 6, 7], SamplingParams(max_tokens=2), trace=trace)
     while engine.has_unfinished():
         engine.step()
@@ -338,11 +339,149 @@ def test_learned_positions(tmp_path: Path) -> None:
     expected = engine.model.pos_embed.weight[:3, :5].tolist()
     for got, want in zip(pe["sample"], expected, strict=True):
         assert got == pytest.approx(want, abs=1e-4)
-    rows_are_causal_distributions(trace.steps[0]["attention"])
+    (att,) = trace.steps[0]["attention"]
+    rows_are_causal_distributions(att)
 
 
 def test_trace_arguments_are_checked() -> None:
     with pytest.raises(ValueError):
-        Trace(layer=-1)
+        Trace(layers=[-1])
+    with pytest.raises(ValueError):
+        Trace(heads=[-1])
     with pytest.raises(ValueError):
         Trace(top_n=0)
+
+
+# ---------------------------------------------------------------------- bounded cost
+# (issue 21 item 3: a long prompt's trace once built every layer's full attention matrix)
+
+LONG = 300  # prompt tokens: a few hundred, prefilled in chunks of CHUNK
+CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def chunked(smollm_path: Path) -> LLMEngine:
+    return LLMEngine(
+        smollm_path,
+        kv_cache_memory="64MiB",
+        enable_prefix_caching=False,
+        max_num_batched_tokens=CHUNK,
+    )
+
+
+def long_prompt(engine: LLMEngine) -> list[int]:
+    text = " ".join(f"item {i} is the number {i * 7 % 100}." for i in range(60))
+    ids = engine.tokenizer.encode(text)[:LONG]
+    assert len(ids) == LONG
+    return ids
+
+
+class WeightsRecorder:
+    """Wraps trace._attention_weights: the query rows [H, n, hd] of every call, by layer
+    order, so a test sees how much attention the trace itself computed."""
+
+    def __init__(self, monkeypatch):
+        self.rows: list[int] = []
+        real = trace_module._attention_weights
+
+        def recorded(q, keys, mask, scale, first_query):
+            self.rows.append(q.shape[1])
+            return real(q, keys, mask, scale, first_query)
+
+        monkeypatch.setattr(trace_module, "_attention_weights", recorded)
+
+
+@pytest.mark.slow
+def test_a_long_prompt_without_maps_computes_only_summary_rows(chunked, monkeypatch) -> None:
+    recorder = WeightsRecorder(monkeypatch)
+    trace = Trace()  # no attention maps asked for
+    prompt = long_prompt(chunked)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    generate(chunked, "no-maps", prompt, params, trace)
+    layers = chunked.config.num_layers
+    prefill = [s for s in trace.steps if s["phase"] == "prefill"]
+    assert len(prefill) == -(-LONG // CHUNK) and all(s["num_tokens"] <= CHUNK for s in prefill)
+    assert len(recorder.rows) == layers * len(trace.steps)  # one call per layer and step
+    # each call computed at most SUMMARY_ROWS query rows, never a chunk's (let alone all)
+    assert max(recorder.rows) == trace_module.SUMMARY_ROWS < CHUNK
+    assert all("attention" not in s for s in trace.steps)
+    for step in prefill:
+        for layer in step["layers"]:
+            assert layer["summary_rows"] == min(step["num_tokens"], trace_module.SUMMARY_ROWS)
+            assert layer["q"][0] == step["num_tokens"]  # the record still names the chunk
+            assert all(0 < m <= 1 for m in layer["max"])
+    assert trace.header()["trace"]["layers"] == []
+
+
+@pytest.mark.slow
+def test_maps_only_for_the_layers_and_heads_asked_for(chunked, monkeypatch) -> None:
+    recorder = WeightsRecorder(monkeypatch)
+    trace = Trace(layers=[2, 7], heads=[1, 4])
+    prompt = long_prompt(chunked)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    generate(chunked, "some-maps", prompt, params, trace)
+    rows = trace_module.prompt_map_rows(LONG, 2 * 2)
+    assert trace.map_from == LONG - rows
+    layers = chunked.config.num_layers
+    prefill_rows = recorder.rows[: layers * -(-LONG // CHUNK)]
+    wide = [i % layers for i, n in enumerate(prefill_rows) if n > trace_module.SUMMARY_ROWS]
+    assert set(wide) <= {2, 7}  # only the map layers computed more than the summary rows
+    kept: dict[int, list[int]] = {2: [], 7: []}
+    for step in trace.steps:
+        for att in step.get("attention", []):
+            assert att["heads"] == [1, 4] and len(att["weights"]) == 2
+            assert att["context"] == step["start"] + step["num_tokens"]
+            rows_are_causal_distributions(att)
+            kept[att["layer"]] += att["query_positions"]
+    generated = len(trace.steps) - len([s for s in trace.steps if s["phase"] == "prefill"])
+    expected = list(range(LONG - rows, LONG + generated))  # the prompt's end, then each decode
+    assert kept == {2: expected, 7: expected}
+
+
+@pytest.mark.slow
+def test_the_size_bound_holds_for_real_traces(chunked) -> None:
+    prompt = long_prompt(chunked)
+    cfg = chunked.config
+    for i, (layers, heads, top_n) in enumerate(
+        [([], None, 10), ([15], None, 10), ([0, 29], [3], 50), (list(range(30)), None, 1)]
+    ):
+        trace = Trace(layers=layers, heads=heads, top_n=top_n)
+        params = SamplingParams(max_tokens=6, temperature=1.0, seed=i, ignore_eos=True)
+        generate(chunked, f"bound-{i}", prompt, params, trace)
+        made = len(trace_module.dumps(trace.to_dict()).encode())
+        bound = trace_module.size_bound(
+            cfg,
+            LONG,
+            6,
+            map_layers=len(layers),
+            map_heads=cfg.num_heads if heads is None else len(heads),
+            top_n=top_n,
+            chunk_tokens=CHUNK,
+        )
+        assert made <= bound, (layers, heads, made, bound)
+        assert bound < 3 * made, (layers, heads, made, bound)  # and not far above
+
+
+@pytest.mark.slow
+def test_a_traced_prefill_is_chunked_and_other_requests_decode_between(chunked) -> None:
+    """The scheduler chunks a traced prompt like any other: an untraced request that is
+    decoding gets a token in every step of the traced prefill (order, not time)."""
+    engine = chunked
+    engine.add_request("other", "Once upon a time", SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()  # its prefill: it decodes from now on
+    trace = Trace(layers=[15])
+    engine.add_request(
+        "traced", long_prompt(engine), SamplingParams(max_tokens=2, ignore_eos=True), trace=trace
+    )
+    order: list[str] = []  # per engine step: what it held, in order
+    while engine.has_unfinished():
+        before = len(trace.steps)
+        outputs = engine.step()
+        if len(trace.steps) > before:
+            order.append(trace.steps[-1]["phase"])
+        if any(o.request_id == "other" and o.token_ids for o in outputs):
+            order.append("other token")
+    prefill_steps = [i for i, what in enumerate(order) if what == "prefill"]
+    assert len(prefill_steps) >= LONG // CHUNK  # the traced prompt took several steps
+    for i in prefill_steps:  # and every one of them also decoded the other request
+        assert order[i + 1] == "other token", order

@@ -75,7 +75,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
         llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     )
     view = TerminalView(Console(highlight=False, width=args.width), seed=args.seed)
-    trace = Trace(layer=layer, head=args.head, top_n=args.top_n, on_step=view.show_step)
+    trace = Trace(layers=[layer], heads=[args.head], top_n=args.top_n, on_step=view.show_step)
     engine.add_request("inspect", prompt, _params(args), trace=trace)
     try:
         while engine.has_unfinished():
@@ -182,6 +182,13 @@ def attention_strip(att: dict[str, Any]) -> Text:
     for w in shown:
         out.append_text(heat_cell(w, width=1))
     return out
+
+
+def _map(step: StepRecord) -> dict[str, Any] | None:
+    """The step's attention map (the one layer and head the command asks for), if the step
+    holds rows of it (a long prompt's map keeps only its last rows)."""
+    maps = step.get("attention")
+    return maps[0] if maps else None
 
 
 def head_cells(values: list[float]) -> Text:
@@ -459,7 +466,7 @@ class TerminalView:
         print_table(c, table)
 
     def _heatmap(self, trace, step: StepRecord) -> None:
-        att = step.get("attention")
+        att = _map(step)
         if att is None:
             return
         head = att["heads"][0]
@@ -581,7 +588,7 @@ class TerminalView:
             f"{format_bytes(kv['bytes'])}  ·  {step['step_ms']:.1f} ms"
         )
         lines: list[Any] = [head]
-        att = step.get("attention")
+        att = _map(step)
         if att is not None:
             lines.append(
                 Text(f"  attention L{att['layer']} H{att['heads'][0]} over {att['context']} keys ")

@@ -3,14 +3,26 @@
 A `Trace` passed to `LLMEngine.add_request(..., trace=...)` receives the engine's
 trace hooks for that request only, and turns what it sees into plain JSON-able
 data: the tokens, embedding and position samples, per layer the Q/K/V shapes and
-attention summaries (with the full weights for one chosen layer), the KV cache
-size, the sampler's distributions at every stage, the chosen token and timings.
+attention summaries, attention maps (weights) for the layers and heads asked for, the
+KV cache size, the sampler's distributions at every stage, the chosen token and timings.
 `tokenmill inspect` prints it, and `POST /v1/inspect` streams it to the web page.
+
+What a trace costs is bounded, whatever the prompt's length (issue 21 item 3: a
+5,800-token prompt once built every layer's full [H, L, C] attention matrix per chunk):
+- the per-layer summaries of a prefill chunk come from its last SUMMARY_ROWS query rows
+  (a decode step has one row), so they cost O(SUMMARY_ROWS x C) per layer, not O(L x C);
+- attention maps are kept only for `layers` x `heads`, and of the prompt only its last
+  rows, as many as PROMPT_MAP_CELLS allows (`prompt_map_rows`); only those rows' weights
+  are computed. Every decode step adds one row per map.
+`size_bound` gives the largest JSON a trace of a request can make, so the server can
+refuse an oversized one before it runs.
 
 Only the traced request's rows are recorded, and only small samples are kept. The
 hooks need each layer's tensors, so a step with a traced row runs the torch path
 (models/paths.py) for every row in it: the other requests of that step lose the native
-decode paths for as long as the trace runs (see benchmarks/trace_overhead.py).
+decode paths for as long as the trace runs (see benchmarks/trace_overhead.py). A traced
+prompt is chunked like any other (engine/scheduler.py), so other requests' decode steps
+run between its chunks.
 
 The contract (engine/hooks.py): `Trace` implements StepHooks, in the order given there,
 and reads the engine only through the read-only EngineView it gets at each step's end.
@@ -24,7 +36,7 @@ import functools
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +53,9 @@ from tokenmill.trace_schema import ModelRecord, PromptRecord, StepRecord, TraceR
 StepListener = Callable[["Trace", dict[str, Any]], None]
 
 MAX_SAMPLE_ROWS = 512  # embedding / position samples are kept for at most this many tokens
-MAX_ATTENTION_CELLS = 250_000  # weights kept per step (heads x rows x keys): a long prompt
-# keeps only its last rows, so a trace stays small enough to stream as JSON
+SUMMARY_ROWS = 16  # a prefill chunk's per-layer summaries come from its last this many rows
+PROMPT_MAP_CELLS = 250_000  # attention map weights kept of the prompt (maps x heads x rows x
+# keys): a long prompt keeps its last rows only, so its maps stay O(this), not O(T^2)
 
 
 def _round(values: Tensor | list[float], digits: int = 4) -> list:
@@ -52,6 +65,85 @@ def _round(values: Tensor | list[float], digits: int = 4) -> list:
     if isinstance(values, list):
         return [_round(v, digits) for v in values]
     return round(values, digits) if math.isfinite(values) else None
+
+
+def _round_weights(weights: Tensor) -> list:
+    """Attention weights (finite, in [0, 1]) as nested lists rounded to 4 decimals, in
+    one tensor op: rounded in float64, each value is the double nearest its 4-decimal
+    form, so it prints as at most 6 characters ("0.1234"), and no Python loop runs per
+    cell (a map holds up to PROMPT_MAP_CELLS of them)."""
+    return weights.detach().cpu().double().round(decimals=4).tolist()
+
+
+def prompt_map_rows(prompt_len: int, maps: int) -> int:
+    """How many of the prompt's last query rows the attention maps keep: as many as
+    PROMPT_MAP_CELLS allows for `maps` (kept layers x kept heads) maps of rows
+    `prompt_len` keys wide, at least the last one (it chose the first token); 0 when no
+    map is asked for."""
+    if maps <= 0 or prompt_len <= 0:
+        return 0
+    return max(1, min(prompt_len, PROMPT_MAP_CELLS // (maps * prompt_len)))
+
+
+# Upper bounds for size_bound, in bytes of compact JSON (separators "," and ":"):
+WEIGHT_BYTES = 7  # a weight rounded to 4 decimals ("0.1234", "1.0", "0.0") and its comma
+NUMBER_BYTES = 12  # any other rounded number or id, with its comma
+PIECE_BYTES = 96  # a token's piece or text, quoted (most vocabularies' longest are shorter;
+# SmolLM2's longest piece is 164 bytes, Gemma 3's 64)
+CANDIDATE_BYTES = 200  # one candidate's keys and numbers, besides its piece and text
+LAYER_BYTES = 300  # one layer record's keys, shapes and norms, besides its per-head lists
+HEAD_BYTES = 21  # a head's entropy ("12.345,"), peak weight ("0.123,") and argmax key
+STEP_BYTES = 1_400  # one step's keys, kv, timings, sample scalars, event framing
+HEADER_BYTES = 4_000  # the model record, trace settings and the summary's scalars
+
+
+def size_bound(
+    cfg,
+    prompt_len: int,
+    max_tokens: int,
+    *,
+    map_layers: int,
+    map_heads: int,
+    top_n: int,
+    chunk_tokens: int,
+    sample_dims: int = 8,
+) -> int:
+    """The most bytes of compact JSON a trace of this request can make (its header, every
+    step, the summary): what POST /v1/inspect checks against its cap before running.
+
+    cfg: the model's ModelConfig; map_layers x map_heads: the attention maps asked for;
+    chunk_tokens: the scheduler's per-step token budget (a prompt is prefilled in chunks
+    of at most this). The maps are bounded exactly (prompt_map_rows rows of the prompt, one
+    row per decode step, each as wide as its context); the rest per token, layer and
+    candidate, with a token's text taken as PIECE_BYTES (a request whose tokens are longer
+    than that can still pass; the route counts the real bytes as well). A preempted
+    request recomputes its prefill and may record more.
+    """
+    maps = map_layers * map_heads
+    decode_steps = max_tokens - 1
+    steps = -(-prompt_len // max(1, chunk_tokens)) + decode_steps
+    rows = min(prompt_len, MAX_SAMPLE_ROWS * steps) + decode_steps  # per-row samples
+    per_row = 3 * NUMBER_BYTES + PIECE_BYTES + (4 * sample_dims + 1) * NUMBER_BYTES
+    layers = cfg.num_layers * (LAYER_BYTES + cfg.num_heads * HEAD_BYTES)
+    sample = (top_n + 1) * (CANDIDATE_BYTES + 2 * PIECE_BYTES) + (top_n + 8) * NUMBER_BYTES
+    sample += 3 * PIECE_BYTES  # the chosen token's piece, text and released text
+    prompt = prompt_len * (NUMBER_BYTES + 3 * PIECE_BYTES)  # ids, pieces, texts, text
+    # the maps: rows of the prompt's last chunk are prompt_len keys wide; decode step t
+    # (1..decode_steps) reads prompt_len + t keys
+    map_rows = prompt_map_rows(prompt_len, maps)
+    cells = maps * (map_rows * prompt_len + decode_steps * prompt_len)
+    cells += maps * decode_steps * (decode_steps + 1) // 2
+    map_overhead = map_layers * (steps * 200 + (map_rows + decode_steps) * (NUMBER_BYTES + 2))
+    map_overhead += maps * (map_rows + decode_steps) * 2  # each row's brackets
+    return (
+        HEADER_BYTES
+        + prompt
+        + steps * (STEP_BYTES + layers)
+        + max_tokens * sample
+        + rows * per_row
+        + cells * WEIGHT_BYTES
+        + map_overhead
+    )
 
 
 def _attention_weights(
@@ -64,13 +156,17 @@ def _attention_weights(
     first_query + i. GQA: query head h reads K/V head h // (H // Hkv).
     Returns [H, L, C]; every row sums to 1.
     """
-    heads, length, _ = q.shape
-    keys = keys.float().repeat_interleave(heads // keys.shape[0], dim=0)  # [H, C, hd]
-    scores = torch.matmul(q.float(), keys.transpose(1, 2)) * scale  # [H, L, C]
+    heads, length, hd = q.shape
+    kv_heads, context = keys.shape[0], keys.shape[1]
+    # GQA without copying K: the query heads sharing a K/V head become rows of one
+    # product, [Hkv, rep * L, hd] x [Hkv, hd, C] -> [Hkv, rep * L, C] = [H, L, C].
+    grouped = q.float().reshape(kv_heads, (heads // kv_heads) * length, hd)
+    scores = torch.matmul(grouped, keys.float().transpose(1, 2)).view(heads, length, context)
+    scores *= scale
     if mask is None:
         rows = torch.arange(length, device=q.device)[:, None] + first_query
-        mask = torch.arange(keys.shape[1], device=q.device)[None, :] <= rows
-    return scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        mask = torch.arange(context, device=q.device)[None, :] <= rows
+    return scores.masked_fill_(~mask, float("-inf")).softmax(-1)
 
 
 def _timed(hook: Callable) -> Callable:
@@ -89,8 +185,7 @@ def _timed(hook: Callable) -> Callable:
 
 def _entropy(probs: Tensor) -> Tensor:
     """Shannon entropy in bits along the last dim (0 · log 0 counts as 0)."""
-    logs = torch.where(probs > 0, probs.log2(), torch.zeros_like(probs))
-    return -(probs * logs).sum(-1)
+    return torch.special.entr(probs).sum(-1) / math.log(2)
 
 
 def position_sample(model, positions: list[int], sample_dims: int) -> dict[str, Any]:
@@ -127,30 +222,43 @@ def position_sample(model, positions: list[int], sample_dims: int) -> dict[str, 
 class Trace:
     """Records one request's pipeline; pass it as `add_request(..., trace=Trace())`.
 
-    layer, head: whose full attention weights to keep (prefill: the [L, C] matrix;
-    decode: one row per step). head=None keeps every head of that layer.
+    layers, heads: whose attention maps (weights) to keep: every step keeps one map per
+    layer in `layers`, of the heads in `heads` (None: every head), with the rows of the
+    prompt's end (prompt_map_rows) and every decode step's row. No layers (the default):
+    no maps, only the per-layer summaries, the cheapest trace.
     top_n: how many candidate tokens to keep per sampled token.
     sample_dims: how many leading numbers of each vector to keep as a sample.
     on_step: called as on_step(trace, step) when a step's record is complete
     (from the engine's thread), e.g. to print it or stream it.
+    keep_steps: keep every step's record in `steps` (for to_dict); False keeps only what
+    the summary needs, so a streamed trace holds one step at a time.
     """
 
     def __init__(
         self,
-        layer: int = 0,
-        head: int | None = 0,
+        layers: Iterable[int] = (),
+        heads: Iterable[int] | None = None,
         top_n: int = 10,
         sample_dims: int = 8,
         on_step: StepListener | None = None,
+        keep_steps: bool = True,
     ):
-        if layer < 0 or (head is not None and head < 0) or top_n < 1 or sample_dims < 1:
-            raise ValueError("layer and head must be >= 0, top_n and sample_dims >= 1")
-        self.layer, self.head, self.top_n, self.sample_dims = layer, head, top_n, sample_dims
-        self.on_step = on_step
+        layers = sorted(set(layers))
+        heads = None if heads is None else sorted(set(heads))
+        if any(i < 0 for i in layers) or any(h < 0 for h in heads or ()):
+            raise ValueError("layers and heads must be >= 0")
+        if top_n < 1 or sample_dims < 1:
+            raise ValueError("top_n and sample_dims must be >= 1")
+        self.layers, self.heads, self.top_n, self.sample_dims = layers, heads, top_n, sample_dims
+        self.on_step, self.keep_steps = on_step, keep_steps
         self.model: ModelRecord | dict = {}
         self.prompt: PromptRecord | dict = {}
         self.steps: list[StepRecord] = []
         self.summary: dict[str, Any] = {}
+        self.map_from: int | None = None  # first prompt position whose map rows are kept
+        self._prompt_len = 0  # the traced request's, set as its first step begins
+        # per finished step: (step_ms, trace_ms, sampled token or None, its text)
+        self._timeline: list[tuple[float, float, int | None, str]] = []
         self._step: StepRecord | None = None
         self._started = 0.0
         self._hook_s = 0.0  # time spent inside this step's hooks
@@ -162,8 +270,9 @@ class Trace:
         start = seq.num_computed
         decode = is_decode(seq, num_tokens)  # the scheduler's rule, as the model runner packs
         self._started, self._hook_s = time.perf_counter(), 0.0
+        self._prompt_len = len(seq.prompt_ids)
         self._step = {
-            "index": len(self.steps),
+            "index": len(self._timeline),
             "phase": "decode" if decode else "prefill",
             "start": start,
             "num_tokens": num_tokens,
@@ -202,32 +311,48 @@ class Trace:
             q_seq, k_seq = q[index], keys[index, :, :context]  # [H, 1, hd], [Hkv, C, hd]
             m = mask[index, 0, :, :context]  # [1, C]
         else:
-            q_seq, k_seq, m = q[0], keys[0], mask
+            q_seq, k_seq, m = q[0], keys[0], mask  # [H, L, hd], [Hkv, C, hd], [L, C] | None
+        heads, length, _ = q_seq.shape
         context = k_seq.shape[1]
-        weights = _attention_weights(q_seq, k_seq, m, scale, context - q_seq.shape[1])
-        heads, length, _ = weights.shape
-        last = weights[:, -1]  # [H, C] the newest token's row
+        first = context - length  # the position of the chunk's first query row
+        if self.map_from is None:
+            if self.heads and self.heads[-1] >= heads:
+                raise ValueError(f"heads must be < {heads} (the model's), got {self.heads}")
+            kept_heads = heads if self.heads is None else len(self.heads)
+            maps = len(self.layers) * kept_heads
+            self.map_from = self._prompt_len - prompt_map_rows(self._prompt_len, maps)
+        # Only the rows needed are computed, always a suffix of the chunk: the last
+        # SUMMARY_ROWS for the summaries, and for a map layer its rows at map_from or later.
+        map_rows = max(0, context - max(first, self.map_from)) if layer_idx in self.layers else 0
+        n = min(length, max(SUMMARY_ROWS, map_rows))
+        rows_mask = None if m is None else m[length - n :]
+        weights = _attention_weights(q_seq[:, length - n :], k_seq, rows_mask, scale, context - n)
+        summarised = weights[:, -min(n, SUMMARY_ROWS) :]  # [H, S, C]
         self._step["layers"].append(
             {
                 "layer": layer_idx,
                 "q": [length, heads, q_seq.shape[-1]],
                 "k": [context, k_seq.shape[0], k_seq.shape[-1]],
                 "v": [context, k_seq.shape[0], k_seq.shape[-1]],
-                "entropy": _round(_entropy(weights).mean(-1), 3),  # [H] bits, mean over rows
-                "max": _round(weights.amax(-1).mean(-1), 3),  # [H] mean of each row's peak
-                "argmax": last.argmax(-1).tolist(),  # [H] key most attended by the newest token
+                "summary_rows": summarised.shape[1],
+                "entropy": _round(_entropy(summarised).mean(-1), 3),  # [H] bits, row mean
+                "max": _round(summarised.amax(-1).mean(-1), 3),  # [H] mean of each row's peak
+                "argmax": weights[:, -1].argmax(-1).tolist(),  # [H] the newest row's
             }
         )
-        if layer_idx == self.layer:
-            picked = weights if self.head is None else weights[self.head : self.head + 1]
-            rows = min(length, max(1, MAX_ATTENTION_CELLS // (picked.shape[0] * context)))
-            self._step["attention"] = {
-                "layer": layer_idx,
-                "heads": list(range(heads)) if self.head is None else [self.head],
-                "query_positions": list(range(context - rows, context)),
-                "context": context,
-                "weights": _round(picked[:, -rows:]),  # [heads][rows][C]: the newest rows
-            }
+        if map_rows > 0:
+            picked = weights[:, n - map_rows :]  # [H, map_rows, C]
+            if self.heads is not None:
+                picked = picked[self.heads]
+            self._step.setdefault("attention", []).append(
+                {
+                    "layer": layer_idx,
+                    "heads": list(range(heads)) if self.heads is None else self.heads,
+                    "query_positions": list(range(context - map_rows, context)),
+                    "context": context,
+                    "weights": _round_weights(picked),  # [heads][rows][C]
+                }
+            )
 
     @_timed
     def on_residual(self, meta, layer_idx: int, sublayer: str, x: Tensor) -> None:
@@ -313,13 +438,23 @@ class Trace:
         step["input_pieces"] = [tok.id_to_piece(i) for i in step["input_ids"]]
         if "positions" in step:
             step["position_encoding"] = engine.position_encoding(
-                step["positions"], self.sample_dims
+                step["positions"][:MAX_SAMPLE_ROWS], self.sample_dims
             )
         if "sample" in step:
             self._finish_sample(step["sample"], seq, engine)
         step["kv"] = self._kv(step, seq, engine)
         self._last_row = None
-        self.steps.append(step)
+        sample = step.get("sample")
+        self._timeline.append(
+            (
+                step["step_ms"],
+                step["trace_ms"],
+                None if sample is None else sample["token"],
+                "" if sample is None else sample["text"],
+            )
+        )
+        if self.keep_steps:
+            self.steps.append(step)
         self._summarise(seq)
         if self.on_step is not None:
             self.on_step(self, step)
@@ -395,18 +530,18 @@ class Trace:
         }
 
     def _summarise(self, seq) -> None:
-        sampled = [s for s in self.steps if "sample" in s]
-        first = next((i for i, s in enumerate(self.steps) if "sample" in s), None)
-        end = len(self.steps) if first is None else first + 1
-        prefill_ms = sum(s["step_ms"] for s in self.steps[:end])
-        decode_ms = [s["step_ms"] for s in self.steps[first + 1 :]] if first is not None else []
+        timeline = self._timeline
+        first = next((i for i, t in enumerate(timeline) if t[2] is not None), None)
+        end = len(timeline) if first is None else first + 1
+        prefill_ms = sum(t[0] for t in timeline[:end])
+        decode_ms = [t[0] for t in timeline[first + 1 :]] if first is not None else []
         ttft = None
         if seq.first_token_time is not None:  # the engine's clock, less the tracer's own time
-            traced_s = sum(s["trace_ms"] for s in self.steps[:end]) / 1000
+            traced_s = sum(t[1] for t in timeline[:end]) / 1000
             ttft = seq.first_token_time - seq.arrival - traced_s
         self.summary = {
-            "output_ids": [s["sample"]["token"] for s in sampled],
-            "text": "".join(s["sample"]["text"] for s in sampled),
+            "output_ids": [t[2] for t in timeline if t[2] is not None],
+            "text": "".join(t[3] for t in timeline),
             "prefill_ms": round(prefill_ms, 3),
             "decode_ms": decode_ms,
             "time_to_first_token_ms": round(ttft * 1000, 3) if ttft is not None else None,
@@ -416,6 +551,12 @@ class Trace:
             "finish_reason": seq.finish_reason,
         }
 
+    def live_summary(self) -> dict[str, Any]:
+        """The summary's scalars, without its per-token lists (output_ids, text,
+        decode_ms): what a streamed step carries, so each step's event stays the same size
+        however long the answer."""
+        return {k: v for k, v in self.summary.items() if k not in SUMMARY_LISTS}
+
     # ------------------------------------------------------------------ export
     def header(self) -> dict[str, Any]:
         """What the steps refer to: the model's shape, the prompt, the trace settings
@@ -423,12 +564,28 @@ class Trace:
         return {
             "model": self.model,
             "prompt": self.prompt,
-            "trace": {"layer": self.layer, "head": self.head, "top_n": self.top_n},
+            "trace": {
+                "layers": self.layers,
+                "heads": self.heads,
+                "top_n": self.top_n,
+                "summary_rows": SUMMARY_ROWS,
+                "map_from": self.map_from,
+            },
         }
 
     def to_dict(self) -> TraceRecord:
-        """Everything recorded, as JSON-able data (trace_schema.py)."""
+        """Everything recorded, as JSON-able data (trace_schema.py); `steps` is empty for
+        a trace made with keep_steps=False."""
         return {**self.header(), "steps": self.steps, "summary": self.summary}
 
     def save_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict()))
+        Path(path).write_text(dumps(self.to_dict()), encoding="utf-8")
+
+
+SUMMARY_LISTS = ("output_ids", "text", "decode_ms")
+
+
+def dumps(record: Any) -> str:
+    """A trace record as compact JSON (what size_bound counts): no spaces, UTF-8 text kept
+    as is."""
+    return json.dumps(record, separators=(",", ":"), ensure_ascii=False)

@@ -1,7 +1,8 @@
 """The trace's JSON, declared: what `Trace.to_dict()` holds (and `POST /v1/inspect`
 streams), the one schema that `tokenmill inspect` (inspect_cli.py) and the web page
 (server/static/app.js) read. Keys not marked optional are always present once the step
-that fills them has ended."""
+that fills them has ended. Over HTTP the JSON is compact (trace.dumps); a streamed step
+event carries the summary's scalars only (Trace.live_summary)."""
 
 from __future__ import annotations
 
@@ -46,11 +47,12 @@ class PromptRecord(TypedDict):
 
 class LayerRecord(TypedDict, total=False):
     layer: int
-    q: list[int]  # [rows, heads, head_dim]
+    q: list[int]  # [rows, heads, head_dim]: the step's whole chunk
     k: list[int]  # [context, kv heads, head_dim]
     v: list[int]
-    entropy: list[float]  # [heads] bits, mean over the rows
-    max: list[float]  # [heads]
+    summary_rows: int  # the chunk's last rows the summaries below are taken over (<= 16)
+    entropy: list[float]  # [heads] bits, mean over those rows
+    max: list[float]  # [heads] mean of each of those rows' peak weight
     argmax: list[int]  # [heads] key most attended by the newest token
     attention_update_norm: float  # ||what the attention sublayer added to x||
     attention_residual_norm: float
@@ -108,6 +110,26 @@ class KVRecord(TypedDict):
     pool_blocks_total: int
 
 
+class AttentionMap(TypedDict):
+    """One layer's attention weights in one step, for the heads asked for. A prefill step
+    holds its rows at the trace's map_from or later (the prompt's last rows), a decode step
+    its one row; a query row's weights past its own position are 0 (masked)."""
+
+    layer: int
+    heads: list[int]
+    query_positions: list[int]  # [rows]
+    context: int  # keys per row
+    weights: list[list[list[float]]]  # [heads][rows][context], rounded to 4 decimals
+
+
+class TraceSettings(TypedDict):
+    layers: list[int]  # the layers with attention maps ([]: none)
+    heads: list[int] | None  # their heads (None: every head)
+    top_n: int
+    summary_rows: int  # trace.SUMMARY_ROWS
+    map_from: int | None  # first prompt position with map rows (None until a step ran)
+
+
 class StepRecord(TypedDict, total=False):
     index: int
     phase: str  # "prefill" | "decode" (engine/scheduler.py::is_decode)
@@ -119,7 +141,7 @@ class StepRecord(TypedDict, total=False):
     position_encoding: dict[str, Any]  # trace.position_sample
     embedding: dict[str, Any]  # shape, sample, norms
     layers: list[LayerRecord]
-    attention: dict[str, Any]  # optional: the chosen layer's weights
+    attention: list[AttentionMap]  # optional: one per map layer with rows in this step
     sample: SampleRecord  # optional: steps that yield a token
     kv: KVRecord
     step_ms: float
@@ -130,6 +152,6 @@ class StepRecord(TypedDict, total=False):
 class TraceRecord(TypedDict):
     model: ModelRecord
     prompt: PromptRecord
-    trace: dict[str, Any]  # layer, head, top_n
+    trace: TraceSettings
     steps: list[StepRecord]
     summary: dict[str, Any]  # output_ids, text, timings, finish_reason

@@ -10,6 +10,12 @@ request the same way. Hook order within one engine step:
 A traced row takes the whole step off the native decode paths (models/paths.py: the
 hooks need each layer's tensors), so the other requests in that step run the torch path
 too: tracing is cheap, but not free for a batch that shares a step with it.
+
+on_attention gets a whole prefill chunk's queries and context (q [1, H, L, hd], keys
+[1, Hkv, C, hd]): a hook must compute from them only the rows it keeps, or a long
+prompt's trace costs O(L x C) per layer and chunk on the engine thread that every
+request shares (trace.py computes at most SUMMARY_ROWS rows per layer, plus the map rows
+asked for).
 """
 
 from __future__ import annotations

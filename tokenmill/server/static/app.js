@@ -176,7 +176,7 @@ function onStart(header) {
     `${m.num_heads} heads (${m.num_kv_heads} K/V) · vocab ${fmtInt(m.vocab_size)} · ${m.dtype}`;
   $("layer-count").textContent =
     `× ${m.num_layers} transformer layers — each layer's output is the next one's input`;
-  fillLayerSelect(m.num_layers, header.trace.layer);
+  fillLayerSelect(m.num_layers, header.trace.layers[0]);
   attentionHead = Math.min(attentionHead, m.num_heads - 1);
   const p = header.prompt;
   live.tokens = p.ids.map((id, i) => ({ id, text: p.texts[i], piece: p.pieces[i], generated: false }));
@@ -471,15 +471,16 @@ function fillLayerSelect(numLayers, current) {
   select.value = String(current);
 }
 
-/** query position -> that row's weights for `head`, from the prefill matrix and decode rows. */
-function attentionRows(head) {
+/** query position -> that row's weights for `layer` and `head`, from the prefill rows (of a
+ * long prompt only its last rows are traced) and the decode rows. */
+function attentionRows(layer, head) {
   const rows = new Map();
   for (const step of run.steps) {
-    const att = step.attention;
-    if (!att) continue;
-    const h = att.heads.indexOf(head);
-    if (h < 0) continue;
-    att.query_positions.forEach((q, r) => rows.set(q, att.weights[h][r]));
+    for (const att of step.attention ?? []) {
+      const h = att.heads.indexOf(head);
+      if (att.layer !== layer || h < 0) continue;
+      att.query_positions.forEach((q, r) => rows.set(q, att.weights[h][r]));
+    }
   }
   return rows;
 }
@@ -511,9 +512,9 @@ function focusQuery() {
 function renderAttention() {
   if (!run.header) return;
   renderHeadButtons();
-  const layer = run.header.trace.layer;
+  const layer = run.header.trace.layers[0]; // the page asks for one layer's maps
   $("att-where").textContent = `layer ${layer} · head ${attentionHead} · ${run.header.model.num_kv_heads} K/V heads shared by ${run.header.model.num_heads} query heads`;
-  const rows = attentionRows(attentionHead);
+  const rows = attentionRows(layer, attentionHead);
   const size = Math.max(1, run.tokens.length - (run.tokens.at(-1)?.generated ? 1 : 0));
   const canvas = $("heatmap");
   const { ctx, width } = fitCanvas(canvas);
