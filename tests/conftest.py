@@ -32,6 +32,14 @@ def smollm_path() -> Path:
     return real_model("smollm2-135m-instruct")
 
 
+@pytest.fixture(scope="module")
+def max_model_len(url: str) -> int:
+    """The context of the server a test module runs (its own `url` fixture)."""
+    import httpx
+
+    return httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"]
+
+
 @pytest.fixture(scope="session")
 def gemma_path() -> Path:
     return real_model("gemma-3-270m")

@@ -135,11 +135,6 @@ def url(smollm_path) -> str:
         yield base_url
 
 
-@pytest.fixture(scope="module")
-def max_model_len(url) -> int:
-    return httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"]
-
-
 @pytest.mark.slow
 def test_too_many_tools_is_400_before_validation(url):
     """Item 5: 20,000 definitions were validated, then checked for duplicates with

@@ -39,11 +39,6 @@ def url(smollm_path) -> str:
         yield base_url
 
 
-@pytest.fixture(scope="module")
-def max_model_len(url) -> int:
-    return httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"]
-
-
 def _raw_exchange(url: str, request: bytes, *, wait_s: float = 30.0) -> tuple[bytes, float]:
     """Send raw bytes on a fresh connection; return whatever the server sends back before
     it closes the connection (or `wait_s` passes), and how long that took."""
