@@ -289,9 +289,9 @@ def reads_kquant_scales() -> bool:
 
 TEAM_STATS = (
     "regions",  # parallel regions that ran on more than one thread
-    "stalls",  # of those, regions whose master waited at the barrier for a stalled thread
+    "slow_windows",  # 10 ms spans of regions that waited at barriers more than they worked
     "probes",  # times the whole team was tried again after a cool-down
-    "failed_probes",  # probes that stalled within their trial (the cool-down doubles)
+    "failed_probes",  # probes whose window was slow again (the cool-down doubles)
     "shrunk_regions",  # regions that ran with fewer threads than asked for
     "deficit",  # threads taken off each region now
     "cool_ns",  # the current cool-down

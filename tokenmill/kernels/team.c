@@ -1,5 +1,6 @@
-/* How many threads each parallel region gets: all that were asked for, less the ones a
- * recent region had to wait for (tm_team, tm_team_done in tm.h).
+/* How many threads each parallel region gets: all that were asked for, less one while
+ * the team spends more time waiting for a stalled thread than working (tm_team,
+ * tm_team_done in tm.h).
  *
  * Why: an OpenMP region ends at a barrier, so it lasts as long as its slowest thread.
  * Beside a process that keeps one core busy, the OS deschedules one of two decode
@@ -8,13 +9,16 @@
  * for it: decode fell from 290 to 85-99 tok/s on 2 threads, below the 165-170 of one
  * thread beside the same busy core (issue 21, item 16; benchmarks/contention.py).
  *
- * What: each region's master thread notes when it finished its own share; if it then
- * waited at the barrier longer than STALL_MIN and than STALL_SHARE of its own work, a
- * thread was stalled, and the next regions run with one thread less. After a cool-down
- * the full team is tried again (a probe); a stall within TRIAL of a probe doubles the
- * next cool-down (up to COOL_MAX), so beside a busy core the team stays small and
- * probes cost well under 1% of the time, while on a quiet machine a stray stall costs
- * one COOL_MIN of smaller teams. Quiet regions pay three clock reads (~25 ns each).
+ * What: each region's master notes when it finished its own share (`work`) and how long
+ * it then waited at the barrier (`wait`). Over a WINDOW of region time, nt threads beat
+ * nt - 1 only while the wait stays below the work (each region then takes work + wait
+ * against about 2 x work on one thread fewer, for 2 threads), so when the window's
+ * wait exceeds SLOW_NUM / SLOW_DEN of its work the next regions run with one thread
+ * less, for a cool-down; then the whole team is tried again (a probe). A slow window
+ * within TRIAL of the probe doubles the cool-down (up to COOL_MAX), a TRIAL without one
+ * halves it (down to COOL_MIN): beside a busy core the team stays small and the probes
+ * cost ~1% (a window every 2 s), while a machine that only scatters keeps its team.
+ * Quiet regions pay three clock reads (~25 ns each).
  *
  * The state is process-wide (every caller's regions share one OpenMP pool) and kept
  * with relaxed atomics: concurrent callers only make the heuristic coarser. */
@@ -22,25 +26,32 @@
 
 #include "tm.h"
 
-#define MS 1000000LL                 /* ns */
-#define STALL_MIN (50 * 1000LL)      /* ns a master may wait at a barrier unjudged */
-#define STALL_SHARE 4                /* ... and its work / STALL_SHARE */
-#define GAP (1 * MS)                 /* a region this long after the last team's end may have
-                                        to wake sleeping threads: not judged */
-#define COOL_MIN (20 * MS)           /* the first cool-down of an episode */
-#define COOL_MAX (1000 * MS)         /* the longest: how late a freed core is taken back */
-#define TRIAL (200 * MS)             /* a stall this soon after a probe fails the probe */
+#define MS 1000000LL       /* ns */
+#define WINDOW (10 * MS)   /* region time (work + wait) per decision: a few time slices */
+#define SLOW_NUM 1         /* a window is slow when wait > work * SLOW_NUM / SLOW_DEN */
+#define SLOW_DEN 1
+#define GAP (1 * MS)       /* a region this long after the last team's end may have to wake
+                              sleeping threads: not counted */
+#define COOL_MIN (20 * MS) /* the shortest cool-down, and the first */
+#define COOL_MAX (2000 * MS) /* the longest: how late a freed core is taken back */
+#define TRIAL (200 * MS)   /* a probe passes only if no window is slow for this long: right
+                              after a sleep the woken thread gets its core back for a while,
+                              so a first good window is no proof */
 
 #define LOAD(v) __atomic_load_n(&(v), __ATOMIC_RELAXED)
 #define STORE(v, x) __atomic_store_n(&(v), (x), __ATOMIC_RELAXED)
-#define BUMP(v) __atomic_fetch_add(&(v), 1, __ATOMIC_RELAXED)
+#define ADD(v, x) __atomic_add_fetch(&(v), (x), __ATOMIC_RELAXED)
+#define BUMP(v) ADD(v, 1)
+#define SWAP(v, x) __atomic_exchange_n(&(v), (x), __ATOMIC_RELAXED)
 
 static struct {
     int32_t adapt;   /* 0: teams are never shrunk (tm_team_adapt) */
     int32_t deficit; /* threads taken off every team until `until` */
-    int64_t until, cool, probe_at, last_end; /* ns, CLOCK_MONOTONIC */
-    int64_t regions, stalls, probes, failed, shrunk; /* counters for tm_team_stats */
-} team = {1, 0, 0, COOL_MIN, -TRIAL, 0, 0, 0, 0, 0, 0};
+    int64_t probe_at; /* when the whole team went on trial; 0: not on trial */
+    int64_t until, cool, last_end; /* ns, CLOCK_MONOTONIC */
+    int64_t wait, work;            /* ns in the current window */
+    int64_t regions, slow, probes, failed, shrunk; /* counters for tm_team_stats */
+} team = {1, 0, 0, 0, COOL_MIN, 0, 0, 0, 0, 0, 0, 0, 0};
 
 int64_t tm_now(void) {
     struct timespec ts;
@@ -94,9 +105,11 @@ int tm_team_at(int requested, int useful, int64_t now) {
     int deficit = LOAD(team.deficit);
     if (deficit > 0) {
         now = now < 0 ? tm_now() : now;
-        if (now >= LOAD(team.until)) { /* cooled down: probe with the whole team */
+        if (now >= LOAD(team.until)) { /* cooled down: the whole team, on trial */
             STORE(team.deficit, 0);
             STORE(team.probe_at, now);
+            STORE(team.wait, 0);
+            STORE(team.work, 0);
             BUMP(team.probes);
             deficit = 0;
         }
@@ -115,23 +128,32 @@ int tm_team(int requested, int useful) { return tm_team_at(requested, useful, -1
  * `master_done` and left the barrier at `end` (ns). */
 void tm_team_note(int nt, int64_t start, int64_t master_done, int64_t end) {
     if (nt <= 1) return;
-    const int64_t last = __atomic_exchange_n(&team.last_end, end, __ATOMIC_RELAXED);
+    const int64_t last = SWAP(team.last_end, end);
     BUMP(team.regions);
     if (!LOAD(team.adapt) || start - last > GAP) return;
-    const int64_t wait = end - master_done, work = master_done - start;
-    if (wait < STALL_MIN || wait < work / STALL_SHARE) return;
-    BUMP(team.stalls);
-    int64_t cool = COOL_MIN;
-    if (end - LOAD(team.probe_at) < TRIAL) { /* the probe failed: stay small for longer */
-        cool = 2 * LOAD(team.cool);
-        cool = cool > COOL_MAX ? COOL_MAX : cool;
-        STORE(team.probe_at, -TRIAL); /* one failure per probe */
+    const int64_t wait = ADD(team.wait, end - master_done), work = ADD(team.work, master_done - start);
+    if (wait + work < WINDOW) return;
+    STORE(team.wait, 0); /* the window is judged: a new one begins */
+    STORE(team.work, 0);
+    const int64_t probe_at = LOAD(team.probe_at);
+    int64_t cool = LOAD(team.cool);
+    if (wait * SLOW_DEN <= work * SLOW_NUM) { /* the team paid off */
+        if (probe_at && end - probe_at >= TRIAL) { /* the probe passed its trial */
+            STORE(team.probe_at, 0);
+            STORE(team.cool, cool / 2 < COOL_MIN ? COOL_MIN : cool / 2);
+        }
+        return;
+    }
+    BUMP(team.slow);
+    if (probe_at) { /* the probe failed: stay small for longer */
+        STORE(team.probe_at, 0);
+        cool = 2 * cool > COOL_MAX ? COOL_MAX : 2 * cool;
+        STORE(team.cool, cool);
         BUMP(team.failed);
     }
-    STORE(team.cool, cool);
     STORE(team.until, end + cool);
     /* one thread less than this region had, for this caller's count */
-    icv_lower(__atomic_add_fetch(&team.deficit, 1, __ATOMIC_RELAXED));
+    icv_lower(ADD(team.deficit, 1));
 }
 
 void tm_team_done(int nt, int64_t start, int64_t master_done) {
@@ -144,19 +166,21 @@ void tm_team_done(int nt, int64_t start, int64_t master_done) {
 int tm_team_adapt(int on) {
     const int was = LOAD(team.adapt);
     STORE(team.adapt, on ? 1 : 0);
-    STORE(team.deficit, 0); /* and a fresh episode */
+    STORE(team.deficit, 0); /* and a fresh start */
+    STORE(team.probe_at, 0);
     STORE(team.cool, COOL_MIN);
     STORE(team.until, 0);
-    STORE(team.probe_at, -TRIAL);
     STORE(team.last_end, 0);
+    STORE(team.wait, 0);
+    STORE(team.work, 0);
     icv_requested(0, 0); /* this thread's OpenMP count as it was */
     return was;
 }
 
-/* out [8]: multi-thread regions, stalls seen, probes, failed probes, regions run with a
+/* out [8]: multi-thread regions, slow windows, probes, failed probes, regions run with a
  * smaller team, the current deficit, the current cool-down (ns), whether teams adapt. */
 void tm_team_stats(int64_t *out) {
-    out[0] = LOAD(team.regions), out[1] = LOAD(team.stalls), out[2] = LOAD(team.probes);
+    out[0] = LOAD(team.regions), out[1] = LOAD(team.slow), out[2] = LOAD(team.probes);
     out[3] = LOAD(team.failed), out[4] = LOAD(team.shrunk), out[5] = LOAD(team.deficit);
     out[6] = LOAD(team.cool), out[7] = LOAD(team.adapt);
 }
