@@ -402,9 +402,16 @@ class Soak:
         )
 
     def _attack_numbers(self, http: httpx.Client, rng: random.Random) -> int:
-        bad = rng.choice([{"top_p": 1e-46}, {"top_k": 2**63}, {"temperature": 3.5e38},
-                          {"seed": 2**64}, {"max_tokens": 2**63}])  # fmt: skip
+        bad = rng.choice([{"top_p": 1e-46}, {"temperature": 3.5e38}, {"seed": 2**64},
+                          {"max_tokens": 2**63}])  # fmt: skip
         body = {"prompt": rng.choice(PROMPTS), "max_tokens": 4, "n": 2, **bad}
+        return self._post_attack(http, "/v1/completions", body)
+
+    def _attack_top_k(self, http: httpx.Client, rng: random.Random) -> int:
+        # past int64 (it overflowed and failed the whole step); now "off", as any top_k
+        # past the vocabulary, so it runs
+        body = {"prompt": rng.choice(PROMPTS), "max_tokens": 4, "n": 2, "top_k": 2**63,
+                "temperature": 1.0}  # fmt: skip
         return self._post_attack(http, "/v1/completions", body)
 
     def _attack_tools(self, http: httpx.Client, rng: random.Random) -> int:
@@ -471,11 +478,12 @@ ATTACKS = {
     "schema": (3, {"400"}, Soak._attack_schema),
     "grammar": (3, {"400"}, Soak._attack_grammar),
     "numbers": (8, {"400"}, Soak._attack_numbers),
+    "top_k": (2, {"200", "429"}, Soak._attack_top_k),
     "tools": (3, {"400", "200", "429"}, Soak._attack_tools),
     "deep_arguments": (4, {"400", "200", "429"}, Soak._attack_deep_arguments),
     "choices": (2, {"200", "400", "429"}, Soak._attack_choices),
-    "stops": (4, {"200", "429"}, Soak._attack_stops),
-    "big_n": (3, {"200", "aborted", "429"}, Soak._attack_big_n),
+    "stops": (4, {"200", "429", "400"}, Soak._attack_stops),  # 400: n over --max-waiting
+    "big_n": (3, {"200", "aborted", "429", "400"}, Soak._attack_big_n),
     "inspect": (2, {"200", "400", "429"}, Soak._attack_inspect),
     "giant_prompt": (3, {"400", "413"}, Soak._attack_giant_prompt),
     "host": (4, {"400", "421"}, Soak._attack_host),

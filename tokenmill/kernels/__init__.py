@@ -302,7 +302,9 @@ TEAM_STATS = (
 def adaptive_threads(on: bool | None = None) -> bool:
     """Whether parallel regions shrink their team after a stalled thread (team.c), and
     with `on`, set it (False: the fixed team, as before; the results are the same either
-    way). Returns the setting in force before the call; False without the library."""
+    way for the kernels; torch's own ops, whose thread count a shrunk team lowers too, may
+    differ in the last bits). Returns the setting in force before the call; False without
+    the library."""
     lib = library()
     if lib is None:
         return False
