@@ -445,17 +445,14 @@ class LLMEngine:
     ) -> list[tuple[int, TokenLogprob | None] | Exception]:
         """The next token (and its logprob) of each sampled row, batched. Should the batch
         raise, each row is sampled alone, so the row at fault gets its exception and the
-        others their tokens: the same ones, as rows are independent and seeded generators
-        are put back to where they were before the failed batch drew from them."""
+        others their tokens: the same ones, as rows are independent and a bad value fails
+        in the checks and filters, before any generator draws (the draw is the sampler's
+        last step but the logprobs'). No generator state is saved each step for this."""
         # logits: [B, V], row i for seqs[i]
-        seeded = [s.sampling.generator for s in seqs if s.sampling.generator is not None]
-        saved = [g.get_state() for g in seeded]  # ~5 KB each, only for seeded requests
         try:
             result = self.sampler(logits, [seq.sampling for seq in seqs])
             rows = [(result, i) for i in range(len(seqs))]
         except Exception:
-            for g, state in zip(seeded, saved, strict=True):
-                g.set_state(state)
             rows = []
             for i, seq in enumerate(seqs):
                 try:
