@@ -46,6 +46,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from tokenmill.engine.kv_cache import can_populate
 from tokenmill.engine.llm_engine import LLMEngine, RequestError, RequestOutput, TokenLogprob
 from tokenmill.sampling import SamplingParams
 from tokenmill.sampling.grammar import CompiledGrammar
@@ -203,6 +204,14 @@ class AsyncEngine:
 
     # ---- lifecycle ----
     def start(self) -> None:
+        # The KV pool made resident (see KVCache.make_resident): beside the engine where
+        # the kernel maps pages without touching their contents, else before it starts.
+        if can_populate():
+            threading.Thread(
+                target=self.engine.cache.make_resident, name="tokenmill-kv-resident", daemon=True
+            ).start()
+        else:
+            self.engine.cache.make_resident()
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._thread.start()
 
