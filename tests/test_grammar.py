@@ -239,6 +239,34 @@ def test_constraints_too_deep_for_llguidance_are_refused(compiler, kind, value, 
     assert "\n" not in str(info.value)
 
 
+def _properties(n: int) -> dict:
+    return {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "string", "pattern": f"^x{i}[a-z]+$"} for i in range(n)},
+    }
+
+
+def test_schemas_too_large_to_compile_in_bounded_time_are_refused(compiler, monkeypatch):
+    """15,000 pattern properties cost llguidance ~7 s of CPU before it panicked on its
+    symbol table (issue 21 items 7 and the soak's latency): counted before it starts."""
+    from tokenmill.sampling import grammar
+
+    def no_compile(*args, **kw):
+        raise AssertionError("llguidance was asked to compile it")
+
+    # the compile measures RSS right before llguidance starts: it must not get that far
+    monkeypatch.setattr(grammar, "_rss_bytes", no_compile)
+    message = "declares 15,000 properties, more than the 4,096"
+    with pytest.raises(GrammarError, match=message):
+        compiler.compile("json_schema", _properties(15_000))
+    # spread over nested objects and inside a tool call's grammar, counted all the same
+    nested = {"type": "object", "properties": {"a": _properties(3000), "b": _properties(3000)}}
+    with pytest.raises(GrammarError, match="declares 6,002 properties"):
+        compiler.compile("json_schema", nested)
+    with pytest.raises(GrammarError, match="a JSON schema in the grammar declares"):
+        compiler.compile("grammar", "start: %json " + json.dumps(_properties(5000)))
+
+
 def test_deep_but_reasonable_constraints_still_compile(compiler):
     """Recursive schemas (a tree) and chains well inside the limits compile."""
     tree = {
@@ -253,6 +281,7 @@ def test_deep_but_reasonable_constraints_still_compile(compiler):
     compiler.compile("json_schema", tree)
     compiler.compile("json_schema", _ref_chain(60))
     compiler.compile("grammar", _rule_chain(300))
+    compiler.compile("json_schema", _properties(4096))
 
 
 def test_compiled_grammars_are_cached_and_matchers_independent(compiler, tokenizer):

@@ -70,6 +70,11 @@ _LIMITS = {"verbose_errors": False}  # no parser dumps in error messages
 # property is 3: the schema, its "properties", the property's schema): ~100 levels of
 # nested objects, where 500 chained through $ref compiled and 1,000 crashed
 MAX_SCHEMA_DEPTH = 300
+# Properties in one schema, all objects together. llguidance's compile time grows faster
+# than the count (Zen 5, one core: 5,000 pattern properties 1.5 s, 8,000 5.5 s) and past
+# ~10,000 it panics on its u16 symbol table after seconds of work; no hand-written
+# schema comes near this.
+MAX_SCHEMA_PROPERTIES = 4096
 MAX_RULE_DEPTH = 500  # grammar rules along any chain of references
 
 
@@ -240,14 +245,42 @@ def rule_depth(lark: str, limit: int = MAX_RULE_DEPTH) -> int:
     return max(done.values(), default=0)
 
 
-def check_bounds(kind: str, value: Any, source: str) -> None:
-    """Raise GrammarError for a constraint deep enough to overflow llguidance's stack."""
-    if kind == "json_schema" and schema_depth(value) > MAX_SCHEMA_DEPTH:
+def schema_properties(schema: Any) -> int:
+    """How many properties the objects of `schema` declare, all together (iterative)."""
+    count, stack = 0, [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            props = node.get("properties")
+            if isinstance(props, dict):
+                count += len(props)
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
+    return count
+
+
+def _check_schema(kind: str, schema: Any, what: str) -> None:
+    if schema_depth(schema) > MAX_SCHEMA_DEPTH:
         raise GrammarError(
             kind,
-            f"json_schema nests more than {MAX_SCHEMA_DEPTH} levels deep "
+            f"{what} nests more than {MAX_SCHEMA_DEPTH} levels deep "
             "(counting $ref targets); flatten it",
         )
+    n = schema_properties(schema)
+    if n > MAX_SCHEMA_PROPERTIES:
+        raise GrammarError(
+            kind,
+            f"{what} declares {n:,} properties, more than the {MAX_SCHEMA_PROPERTIES:,} "
+            "that compile in bounded time; make it smaller",
+        )
+
+
+def check_bounds(kind: str, value: Any, source: str) -> None:
+    """Raise GrammarError for a constraint deep enough to overflow llguidance's stack, or
+    large enough to take seconds of CPU before failing anyway."""
+    if kind == "json_schema":
+        _check_schema(kind, value, "json_schema")
     if kind != "grammar":
         return
     if rule_depth(source) > MAX_RULE_DEPTH:
@@ -260,12 +293,7 @@ def check_bounds(kind: str, value: Any, source: str) -> None:
             schema, _ = decoder.raw_decode(source, embedded.end())
         except ValueError:
             continue  # not JSON: llguidance reports it
-        if schema_depth(schema) > MAX_SCHEMA_DEPTH:
-            raise GrammarError(
-                kind,
-                f"a JSON schema in the grammar nests more than {MAX_SCHEMA_DEPTH} levels "
-                "deep (counting $ref targets); flatten it",
-            )
+        _check_schema(kind, schema, "a JSON schema in the grammar")
 
 
 # --------------------------------------------------------------------------- matching
