@@ -80,6 +80,7 @@ class Report:
     server_by_code: dict[str, float] = field(default_factory=dict)
     attacks: Counter = field(default_factory=Counter)  # "name status" -> count
     probe: list[tuple[float, float]] = field(default_factory=list)  # (at s, latency s)
+    spans: list[tuple[str, float, float]] = field(default_factory=list)  # attack, from, to (s)
     quiet_s: float = 0.0  # when the attackers started
     server_died: int | None = None  # its exit status, had it exited
 
@@ -91,6 +92,14 @@ class Report:
             return None
         median = statistics.median(quiet)
         return median, max(loud), max(loud) / median
+
+    def slowest_probes(self, k: int = 5) -> list[tuple[float, float, list[str]]]:
+        """The k slowest probes under attack: (at s, latency s, the attacks in flight)."""
+        loud = sorted((p for p in self.probe if p[0] >= self.quiet_s), key=lambda p: -p[1])
+        return [
+            (at, lat, sorted({n for n, a, b in self.spans if a < at + lat and b > at}))
+            for at, lat in loud[:k]
+        ]
 
     def rss_ratio(self) -> float | None:
         """RSS at the end over RSS when the attacks began (1.0: flat)."""
@@ -124,6 +133,7 @@ class Report:
             "errors": self.errors[:20],
             "attacks": dict(self.attacks),
             "probe_quiet_median_worst_ratio": self.probe_ratio(),
+            "slowest_probes": self.slowest_probes(),
             "rss_end_over_start_of_attacks": self.rss_ratio(),
             "server_died": self.server_died,
         }
@@ -365,11 +375,13 @@ class Soak:
                 name, (weight, expected, make) = rng.choices(
                     attacks, [w for _, (w, _, _) in attacks]
                 )[0]
+                begun = time.monotonic() - self._start
                 try:
                     status = make(self, http, rng)
                 except httpx.TransportError as e:
                     status = f"{type(e).__name__}"
                 with self._lock:
+                    self.report.spans.append((name, begun, time.monotonic() - self._start))
                     self.report.attacks[f"{name} {status}"] += 1
                     self.report.by_status[str(status)] += 1
                     if str(status) not in expected:
@@ -537,6 +549,8 @@ def print_report(report: Report) -> None:
         median, worst, ratio = report.probe_ratio()
         print(f"probe chat: quiet median {median:.3f} s, worst under attack {worst:.3f} s "
               f"({ratio:.1f}x)")  # fmt: skip
+        for at, lat, names in report.slowest_probes():
+            print(f"  slow probe at {at:.0f} s: {lat:.2f} s, beside {', '.join(names) or '-'}")
     if report.rss_ratio():
         print(f"RSS at the end / when the attacks began: {report.rss_ratio():.3f}")
     if d["server_died"] is not None:
