@@ -143,3 +143,33 @@ def test_the_server_admits_a_small_request_beside_one_with_many_choices(tiny):
 
     tokens, big_still_running = asyncio.run(main())
     assert tokens == _alone(tiny) and big_still_running
+
+
+def test_two_traced_requests_take_turns_and_both_record_every_layer(tiny):
+    """A step records one trace (the model runner hands the layers one trace's rows): two
+    traced requests in one step left the second without embedding or layers (issue 21).
+    They take turns now, and an untraced request beside them runs every step."""
+    from tokenmill.trace import Trace
+
+    engine = LLMEngine(tiny, kv_cache_memory="2048tok", threads=1)
+    traces = {name: Trace(layers=[0]) for name in ("a", "b")}
+    for name, trace in traces.items():
+        engine.add_request(name, SMALL_PROMPT, SHORT, trace=trace)
+    engine.add_request("plain", SMALL_PROMPT, SHORT)
+    done: dict[str, int] = {}
+    for step in range(1, 30):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = step
+        if len(done) == 3:
+            break
+    assert done["plain"] == SHORT.max_tokens  # never held back by the traces
+    alone = _alone(tiny)
+    for name, trace in traces.items():
+        record = trace.to_dict()
+        assert record["summary"]["output_ids"] == alone  # the same tokens as untraced
+        assert len(record["steps"]) == SHORT.max_tokens
+        for step in record["steps"]:
+            assert len(step["layers"]) == engine.config.num_layers, (name, step["index"])
+            assert step["embedding"]["shape"][0] == step["num_tokens"]
+            assert len(step["attention"]) == 1  # the one layer asked for

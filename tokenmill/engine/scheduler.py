@@ -58,6 +58,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_steps = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -69,10 +70,16 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         self._make_room_for_starved()
+        self.num_steps += 1
+        turn = self._trace_turn()
+        traced = False  # a traced sequence is in this step already
         # ---- running sequences: decode steps and prefill continuations ----
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.trace is not None and seq is not turn:
+                i += 1  # one traced sequence a step: it waits for its turn
+                continue
             n = min(seq.num_uncomputed, budget)
             while not self.blocks.can_grow(seq.block_table, seq.num_computed + n):
                 victim = self._victim(i)  # only among those not scheduled yet
@@ -83,12 +90,17 @@ class Scheduler:
                 continue  # preempted itself: running[i] is now the next one
             self.blocks.grow(seq.block_table, seq.num_computed + n)
             chunks.append(ScheduledChunk(seq, n))
+            seq.last_step = self.num_steps
+            traced |= seq.trace is not None
             budget -= n
             i += 1
         # ---- admit waiting sequences, fewest running in their group first ----
         running = Counter(seq.group for seq in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = min(self.waiting, key=lambda s: running[s.group])  # first of the least
+            admissible = [s for s in self.waiting if not (traced and s.trace is not None)]
+            if not admissible:
+                break
+            seq = min(admissible, key=lambda s: running[s.group])  # first of the least
             if not seq.block_table:
                 seq.block_table, seq.last_hash = self.blocks.match_prefix(
                     seq.token_ids, seq.cache_salt
@@ -110,8 +122,25 @@ class Scheduler:
             self.running.append(seq)
             running[seq.group] += 1
             chunks.append(ScheduledChunk(seq, n))
+            seq.last_step = self.num_steps
+            traced |= seq.trace is not None
             budget -= n
         return chunks
+
+    def _trace_turn(self) -> Sequence | None:
+        """The one traced running sequence this step may run. A step records one trace
+        (the model runner hands the layers one trace's rows), so traced sequences take
+        turns: the one that ran least recently; and when another traced request is
+        waiting, every other step has no running trace, so that it can be admitted."""
+        turn = min(
+            (s for s in self.running if s.trace is not None),
+            key=lambda s: s.last_step,
+            default=None,
+        )
+        if turn is not None and turn.last_step == self.num_steps - 1:
+            if any(s.trace is not None for s in self.waiting):
+                return None
+        return turn
 
     def _victim(self, start: int) -> Sequence:
         """The sequence to preempt among running[start:]: the newest of the group that

@@ -45,6 +45,7 @@ class Sequence:
     cache_salt: int | None = None
     last_hash: int | None = None  # hash of the last named block (cache_salt before any)
     trace: object | None = None  # a tokenmill.trace.Trace recording this request's steps
+    last_step: int = -1  # the scheduler step that last ran it (traced ones take turns)
     # Who this sequence counts against for fair scheduling: its API request (the n
     # choices of one request share it). None: a group of its own (request_id).
     group: str | None = None
