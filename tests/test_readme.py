@@ -8,7 +8,10 @@ Every fenced block is one of three kinds, and each kind is checked:
           which CI runs, performs.
   python  Each snippet runs in a fresh interpreter, from a folder outside the clone; one
           that talks to http://127.0.0.1:8000 runs against a real `tokenmill serve` (on a
-          free port) with the real `openai` client.
+          free port) with the real `openai` client. Every `# prints: TEXT` comment is
+          checked against what the snippet printed (`...` matches anything), and every
+          module a snippet imports must import in a fresh venv set up by exactly the
+          quickstart's install steps.
   text    Usage synopses: every option they show exists on that command, and every value
           shown that is not a PLACEHOLDER is the option's default or among its choices.
 
@@ -18,10 +21,15 @@ A block of any other kind fails the test, so nothing in the README escapes check
 from __future__ import annotations
 
 import argparse
+import ast
+import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -101,15 +109,29 @@ def _partition(words: list[str], sep: str) -> tuple[list[str], str, list[str]]:
     return words, "", []
 
 
+def extras() -> dict[str, list[str]]:
+    """pyproject.toml's optional dependencies: {extra: [requirement, ...]}."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return project["optional-dependencies"]
+
+
 def check_install_step(words: list[str]) -> None:
-    """The README's install steps are the ones CI performs through scripts/test.sh."""
+    """The README's install steps are the ones CI performs through scripts/test.sh: the
+    extras the README installs are covered by the `test` extra that scripts/test.sh
+    installs, so CI has every package a reader gets."""
     line = " ".join(words)
     if words[:2] == ["pip", "install"]:
         torch = [w for w in words if w.startswith("torch")]
         if torch:
             assert f"pip install -q {torch[0]}" in TEST_SH, f"README pins {torch[0]}"
         else:
-            assert words[2:] == ["-e", "."] and "pip install -q -e '.[test]'" in TEST_SH
+            m = re.fullmatch(r"\.(?:\[([\w,]+)\])?", words[-1])
+            assert words[2:-1] == ["-e"] and m, f"README installs {line!r}"
+            assert "pip install -q -e '.[test]'" in TEST_SH
+            for extra in (m[1] or "").split(","):
+                if extra:
+                    missing = set(extras()[extra]) - set(extras()["test"])
+                    assert not missing, f"the test extra lacks {missing} of {extra!r}"
     elif words[:2] == ["bash", "scripts/test.sh"]:
         assert "exec bash scripts/test.sh" in (REPO / ".ci" / "run").read_text()
         if "-m" in words:  # a marker expression: its markers must be registered
@@ -170,6 +192,101 @@ def test_python_block(code, tmp_path, request):
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() and r.stdout.endswith("\n")
+    for promise in promises(code):
+        assert printed(promise, r.stdout), f"README promises {promise!r}; it printed:\n{r.stdout}"
+
+
+def promises(code: str) -> list[str]:
+    """The TEXT of each `# prints: TEXT` comment of a snippet, in order."""
+    return [m[1].strip() for m in re.finditer(r"#\s*prints:\s*(.+)$", code, re.M)]
+
+
+def printed(promise: str, stdout: str) -> bool:
+    """Whether `stdout` has the promised text, `...` matching anything (even newlines)."""
+    pattern = ".*?".join(re.escape(part.strip()) for part in promise.split("..."))
+    return re.search(pattern, stdout, re.S) is not None
+
+
+def test_promise_matching():
+    assert printed("Paris. stop ...", " Paris. stop 42.1\n")
+    assert printed("... Rayleigh scattering...", "lies in\nRayleigh scattering. This\n")
+    assert printed(
+        "The weather in Tokyo is ... 21 degrees", "The weather in Tokyo is nice, 21 degrees"
+    )
+    assert not printed("The capital of Japan is Tokyo.", "The capital of Japan is Kyoto.\n")
+    assert not printed("a ... b", "b a")
+
+
+@pytest.mark.parametrize("code", [c.values[0] for c in cases("python")])
+def test_python_block_says_what_it_prints(code):
+    """Every snippet shows its real output, so a reader sees what the model gets right."""
+    assert promises(code), "a python block without a `# prints:` comment"
+
+
+# ---------------------------------------------------------------------- the quickstart's venv
+
+# A fresh clone's files: what the copy of the working tree leaves out.
+NOT_COPIED = (
+    ".git",
+    ".venv",
+    "__pycache__",
+    "*.egg-info",
+    "build",
+    "dist",
+    ".*_cache",
+    ".hypothesis",
+)
+NOT_COPIED += ("test-artifacts", "*.gguf", "*.safetensors")
+
+
+def quickstart_install() -> str:
+    """The quickstart's first command up to its first `tokenmill` command: the install."""
+    line = next(code for _, lang, code in BLOCKS if lang == "bash" and "python3 -m venv" in code)
+    steps = line.strip().split(" && ")
+    return " && ".join(steps[: next(i for i, s in enumerate(steps) if s.startswith("tokenmill"))])
+
+
+def snippet_imports(code: str) -> set[str]:
+    """The top-level modules a python snippet imports."""
+    found = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+@pytest.fixture(scope="session")
+def quickstart_venv(tmp_path_factory) -> Path:
+    """A copy of the clone with a venv made by the quickstart's install steps, run as
+    written by bash in the copy (no site packages of the test environment): its python.
+    About a minute on 2 cores (torch's wheel from the local cache), once per session."""
+    clone = tmp_path_factory.mktemp("fresh") / "tokenmill"
+    shutil.copytree(REPO, clone, ignore=shutil.ignore_patterns(*NOT_COPIED))
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    if sys.prefix != sys.base_prefix:  # python3 as a new user finds it, not the test venv's
+        venv_bin = str(Path(sys.prefix) / "bin")
+        env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != venv_bin)
+    start = time.monotonic()
+    r = subprocess.run(
+        ["bash", "-c", quickstart_install()],
+        cwd=clone, env=env, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert r.returncode == 0, f"{quickstart_install()}:\n{r.stderr[-3000:]}"
+    print(f"\nquickstart install: {time.monotonic() - start:.0f} s", file=sys.stderr)
+    return clone / ".venv" / "bin" / "python"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("code", cases("python"))
+def test_python_block_imports_in_the_quickstart_venv(code, quickstart_venv, tmp_path):
+    modules = sorted(snippet_imports(code))
+    r = subprocess.run(
+        [str(quickstart_venv), "-c", "; ".join(f"import {m}" for m in modules)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 0, f"after the quickstart, import {', '.join(modules)}:\n{r.stderr}"
 
 
 # ---------------------------------------------------------------------- text (synopses)
