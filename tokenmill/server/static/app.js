@@ -40,6 +40,11 @@ function fmtBytes(n) {
   return i === 0 ? `${n} B` : `${n.toFixed(1)} ${units[i]}`;
 }
 
+/** "1 token", "2 tokens", "49,152 tokens". */
+const plural = (n, word, many = `${word}s`) => `${fmtInt(n)} ${n === 1 ? word : many}`;
+/** A float32 setting as it was typed: 0.8999999761581421 -> "0.9". */
+const num = (x) => String(Number(x.toPrecision(6)));
+
 const fmtMs = (ms) => (ms >= 1000 ? `${(ms / 1000).toFixed(2)} s` : `${ms.toFixed(ms < 10 ? 1 : 0)} ms`);
 const fmtInt = (n) => n.toLocaleString("en-US");
 
@@ -116,6 +121,7 @@ async function errorMessage(response) {
 // ------------------------------------------------------------------ state
 
 const history = []; // the conversation sent as `messages`
+let conversation = new AbortController(); // "New chat" aborts the answer in flight
 
 /** Everything one traced answer produced. */
 function newRun(bubble) {
@@ -129,6 +135,7 @@ function newRun(bubble) {
   };
 }
 
+let servedName = null; // the model's name from GET /v1/models (before any answer)
 let live = newRun(null); // the answer being streamed: the diagram follows it
 let run = live; // the answer the cards show (clicking an older answer's token switches)
 const runs = new WeakMap(); // assistant bubble -> its run
@@ -148,13 +155,18 @@ function stepFor(pos) {
 
 const player = { queue: [], busy: null };
 
+// Each event is queued with the run it belongs to: after "New chat" replaces `live`, the
+// old answer's leftover events are dropped instead of drawn into the cleared inspector.
 function enqueue(event) {
-  player.queue.push(event);
+  player.queue.push([live, event]);
   player.busy ??= drain();
 }
 
 async function drain() {
-  while (player.queue.length) await handle(player.queue.shift());
+  while (player.queue.length) {
+    const [owner, event] = player.queue.shift();
+    if (owner === live) await handle(event);
+  }
   player.busy = null;
 }
 
@@ -172,10 +184,11 @@ function onStart(header) {
   live.header = header;
   const m = header.model;
   $("model-name").textContent =
-    `${m.name} · ${m.arch} · ${m.num_layers} layers · d=${m.hidden_size} · ` +
-    `${m.num_heads} heads (${m.num_kv_heads} K/V) · vocab ${fmtInt(m.vocab_size)} · ${m.dtype}`;
+    `${servedName ?? m.name} · ${m.arch} · ${plural(m.num_layers, "layer")} · d=${m.hidden_size} · ` +
+    `${plural(m.num_heads, "head")} (${m.num_kv_heads} K/V) · vocab ${fmtInt(m.vocab_size)} · ${m.dtype}`;
+  $("model-name").title = `weights: ${m.name}`;
   $("layer-count").textContent =
-    `× ${m.num_layers} transformer layers — each layer's output is the next one's input`;
+    `× ${plural(m.num_layers, "transformer layer")} — each layer's output is the next one's input`;
   fillLayerSelect(m.num_layers, header.trace.layers[0]);
   attentionHead = Math.min(attentionHead, m.num_heads - 1);
   const p = header.prompt;
@@ -191,9 +204,10 @@ async function onStep(step, summary) {
   });
   showPhase(step);
   await walkPipeline(step, () => step.sample && addGenerated(step, index));
+  if (live.steps.at(-1) !== step) return; // "New chat" came during the walk
   renderStats();
   // Live, steps can arrive faster than they draw: then redraw only once caught up.
-  const behind = !Number($("slowmo").value) && player.queue.some((e) => e.type === "step");
+  const behind = !Number($("slowmo").value) && player.queue.some(([, e]) => e.type === "step");
   if (run === live && !behind) renderAll();
 }
 
@@ -202,7 +216,7 @@ function onDone(event) {
   $("phase").className = "phase done";
   $("phase").textContent = "done";
   $("phase-detail").textContent =
-    `${n} tokens generated · finish reason: ${event.finish_reason} · click any token to look back`;
+    `${plural(n, "token")} generated · finish reason: ${event.finish_reason} · click any token to look back`;
   $("pipeline").classList.remove("prefill", "decode");
   live.summary = event.summary;
   renderStats();
@@ -210,7 +224,7 @@ function onDone(event) {
   const s = event.summary;
   const meta = el("span", "meta");
   meta.textContent =
-    `${n} tokens · first token after ${fmtMs(s.time_to_first_token_ms)}` +
+    `${plural(n, "token")} · first token after ${fmtMs(s.time_to_first_token_ms)}` +
     (s.decode_tokens_per_s ? ` · ${s.decode_tokens_per_s.toFixed(1)} tok/s` : "");
   live.bubble.append(meta);
 }
@@ -253,10 +267,10 @@ function showPhase(step) {
   $("pipeline").classList.add(step.phase);
   const context = step.start + step.num_tokens;
   $("phase-detail").textContent = step.phase === "prefill"
-    ? `${step.num_tokens} prompt tokens go through all ${m.num_layers} layers at once, as one ` +
-      `[${step.num_tokens}, ${m.hidden_size}] matrix`
+    ? `${plural(step.num_tokens, "prompt token")} go through all ${plural(m.num_layers, "layer")} ` +
+      `at once, as one [${step.num_tokens}, ${m.hidden_size}] matrix`
     : `step ${step.index}: one token in (${quoted(live.tokens[step.start]?.text ?? "")}), ` +
-      `attending over ${context} cached keys, one token out`;
+      `attending over ${plural(context, "cached key")}, one token out`;
 }
 
 /** The small second line of each stage box: what that stage made in this step. */
@@ -266,7 +280,7 @@ function shapesOf(step) {
   const layer0 = step.layers?.[0];
   const pos = step.positions ?? [];
   return {
-    tokenize: step.phase === "prefill" ? `${step.num_tokens} tokens` : "—",
+    tokenize: step.phase === "prefill" ? plural(step.num_tokens, "token") : "—",
     embed: step.embedding ? `[${step.embedding.shape.join(", ")}]` : "",
     positions: pos.length > 1 ? `pos ${pos[0]}…${pos.at(-1)}` : pos.length ? `pos ${pos[0]}` : "",
     qkv: layer0 ? `Q [${layer0.q.join(",")}]` : "",
@@ -274,7 +288,7 @@ function shapesOf(step) {
     attention: layer0 ? `${layer0.q[0]}×${layer0.k[0]} · ${m.num_heads} heads` : "",
     mlp: `${m.hidden_size}→${m.intermediate_size}→${m.hidden_size}`,
     unembed: s ? (s.grammar ? `${fmtInt(s.grammar.allowed)} allowed` : `[${fmtInt(s.vocab)}] logits`) : "—",
-    softmax: s ? `T = ${s.params.temperature}` : "—",
+    softmax: s ? `T = ${num(s.params.temperature)}` : "—",
     topp: s ? `${fmtInt(s.survivors.min_p)} left` : "—",
     sample: s ? `${quoted(s.token_text)} ${pct(s.prob)}` : "—",
     detok: s ? (s.is_stop ? "stop token" : JSON.stringify(s.text)) : "—",
@@ -290,6 +304,7 @@ function setShape(stage, text) {
 /** Light the stages of one step; in slow motion one at a time. `onDetok` runs when the
  *  token is detokenized, so the text appears in the chat at that moment. */
 async function walkPipeline(step, onDetok) {
+  const owner = live;
   const delay = Number($("slowmo").value);
   const groups = document.querySelectorAll(".pipeline .stage");
   groups.forEach((g) => g.classList.remove("used", "active", "pulse"));
@@ -306,6 +321,7 @@ async function walkPipeline(step, onDetok) {
       g.classList.add("active");
       await sleep(delay);
       g.classList.remove("active");
+      if (owner !== live) return; // "New chat" came during the walk
     } else {
       void g.getBoundingClientRect(); // restart the CSS animation
       g.classList.add("pulse");
@@ -317,6 +333,9 @@ async function walkPipeline(step, onDetok) {
 // ------------------------------------------------------------------ cards
 
 function renderAll() {
+  for (const card of document.querySelectorAll(".inspector .card")) {
+    card.classList.toggle("has-data", run.steps.length > 0);
+  }
   renderSequence();
   renderChoice();
   renderAttention();
@@ -356,7 +375,7 @@ function renderSequence() {
   });
   const generated = run.tokens.filter((t) => t.generated).length;
   $("seq-count").textContent =
-    `${run.tokens.length - generated} prompt tokens (chat template included) + ${generated} generated`;
+    `${plural(run.tokens.length - generated, "prompt token")} (chat template included) + ${generated} generated`;
 }
 
 function markSelected() {
@@ -440,8 +459,8 @@ function renderFunnel(s) {
   const rows = [
     ["vocabulary", s.vocab],
     [`top-k ${p.top_k || "off"}`, s.survivors.top_k],
-    [`top-p ${p.top_p}`, s.survivors.top_p],
-    [`min-p ${p.min_p}`, s.survivors.min_p],
+    [`top-p ${num(p.top_p)}`, s.survivors.top_p],
+    [`min-p ${num(p.min_p)}`, s.survivors.min_p],
   ];
   if (p.greedy) rows.splice(1, 3, ["greedy (argmax)", 1]);
   if (s.grammar) rows.splice(1, 0, [`grammar (${s.grammar.kind})`, s.grammar.allowed]);
@@ -450,7 +469,7 @@ function renderFunnel(s) {
     const row = el("div", label.startsWith("grammar") ? "stage-row grammar" : "stage-row");
     const bar = el("div", "bar");
     bar.style.width = `${(Math.log(count + 1) / full) * 100}%`;
-    bar.append(el("span", "", `${fmtInt(count)} token${count === 1 ? "" : "s"}`));
+    bar.append(el("span", "", plural(count, "token")));
     row.append(el("span", "", label), bar);
     $("funnel").append(row);
   }
@@ -513,7 +532,10 @@ function renderAttention() {
   if (!run.header) return;
   renderHeadButtons();
   const layer = run.header.trace.layers[0]; // the page asks for one layer's maps
-  $("att-where").textContent = `layer ${layer} · head ${attentionHead} · ${run.header.model.num_kv_heads} K/V heads shared by ${run.header.model.num_heads} query heads`;
+  const m = run.header.model;
+  $("att-where").textContent =
+    `layer ${layer} · head ${attentionHead} · ${plural(m.num_kv_heads, "K/V head")} shared by ` +
+    `${plural(m.num_heads, "query head")}`;
   const rows = attentionRows(layer, attentionHead);
   const size = Math.max(1, run.tokens.length - (run.tokens.at(-1)?.generated ? 1 : 0));
   const canvas = $("heatmap");
@@ -609,8 +631,8 @@ function renderKV() {
   }
   const text = $("kv-text");
   text.replaceChildren(
-    el("b", "", String(kv.tokens)), ` tokens × ${fmtBytes(m.kv_bytes_per_token)} ` +
-      `(${m.num_layers} layers × K and V × ${m.num_kv_heads} heads × ${m.head_dim} dims) = `,
+    el("b", "", String(kv.tokens)), ` ${kv.tokens === 1 ? "token" : "tokens"} × ${fmtBytes(m.kv_bytes_per_token)} ` +
+      `(${plural(m.num_layers, "layer")} × K and V × ${plural(m.num_kv_heads, "head")} × ${m.head_dim} dims) = `,
     el("b", "", fmtBytes(kv.bytes)), ` in ${kv.blocks} block${kv.blocks === 1 ? "" : "s"} of ${m.block_size}; ` +
       `this step wrote ${kv.written} (yellow).` +
       (kv.released ? " The answer is finished, so its blocks went back to the pool." : ""),
@@ -648,7 +670,7 @@ function renderTiming() {
   const prefillMs = prefill.reduce((t, s) => t + s.step_ms, 0);
   const box = $("timing-text");
   box.replaceChildren(
-    "prefill ", el("b", "", `${prefillTokens} tokens in ${fmtMs(prefillMs)}`),
+    "prefill ", el("b", "", `${plural(prefillTokens, "token")} in ${fmtMs(prefillMs)}`),
     ` (${fmtInt(Math.round((prefillTokens / prefillMs) * 1000))} tok/s: one big matrix multiply per weight)`,
   );
   if (decode.length) {
@@ -828,11 +850,65 @@ function apiHeaders() {
   return headers;
 }
 
+/** The header's model line before any answer: the served name and context from GET /v1/models
+ *  (the first traced answer's "start" event then adds the model's shape). */
+async function showServedModel() {
+  const line = $("model-name");
+  try {
+    const response = await fetch("/v1/models", { headers: apiHeaders() });
+    if (response.status === 401) {
+      line.textContent = $("api_key").value.trim()
+        ? "model: this server refused the API key in the settings"
+        : "model: enter this server's API key (in the settings) to see it";
+      return;
+    }
+    if (!response.ok) throw new Error(await errorMessage(response));
+    const card = (await response.json()).data[0];
+    servedName = card.id;
+    if (!live.header && !run.header) {
+      line.textContent = `${card.id} · context ${plural(card.max_model_len, "token")}`;
+    }
+  } catch (err) {
+    line.textContent = `model: unknown (GET /v1/models failed: ${err.message})`;
+  }
+}
+
+// What the inspector shows before the first answer, taken from index.html as the page loads,
+// so that "New chat" puts back exactly that.
+const PRISTINE = [
+  "phase", "phase-detail", "stat-ttft", "stat-tps", "stat-kv", "sequence", "seq-count",
+  "choice-where", "choice-title", "funnel", "alternatives", "att-where", "heads", "att-hover",
+  "att-top", "kv-text", "kv-blocks", "kv-pool-text", "timing-text", "token-where", "token-detail",
+  "layers-where", "layers",
+].map((id) => [$(id), $(id).innerHTML, $(id).className]);
+const PRISTINE_SHAPES = [...document.querySelectorAll("[data-shape]")].map((n) => [n, n.textContent]);
+
+/** Back to the empty inspector: no answer's numbers, maps or tokens left anywhere. */
+function clearInspector() {
+  player.queue.length = 0;
+  live = run = newRun(null);
+  for (const [node, html, className] of PRISTINE) {
+    node.innerHTML = html;
+    node.className = className;
+  }
+  for (const [node, text] of PRISTINE_SHAPES) node.textContent = text;
+  document.getElementById("grammar-note")?.remove();
+  document.querySelectorAll(".pipeline .stage").forEach((g) => g.classList.remove("used", "active", "pulse"));
+  $("pipeline").classList.remove("prefill", "decode");
+  $("kv-pool").style.width = "";
+  for (const canvas of [$("heatmap"), $("timing")]) {
+    canvas.getContext("2d").clearRect(0, 0, canvas.width, canvas.height);
+  }
+  $("heatmap").onmousemove = null;
+  document.querySelectorAll(".inspector .card").forEach((c) => c.classList.remove("has-data"));
+}
+
 async function inspectAnswer(bubble) {
   live = run = newRun(bubble);
   runs.set(bubble, live);
   const response = await fetch("/v1/inspect", {
     method: "POST",
+    signal: conversation.signal,
     headers: apiHeaders(),
     body: JSON.stringify({ ...settings(), ...constraint(), messages: history, head: null, stream: true }),
   });
@@ -857,6 +933,7 @@ async function plainAnswer(bubble) {
   const started = performance.now();
   const response = await fetch("/v1/chat/completions", {
     method: "POST",
+    signal: conversation.signal,
     headers: apiHeaders(),
     body: JSON.stringify({ ...params, ...guided(), messages: history, stream: true }),
   });
@@ -882,13 +959,15 @@ async function plainAnswer(bubble) {
 
 async function send(text) {
   $("send").disabled = true;
+  const { signal } = conversation;
   history.push({ role: "user", content: text });
   addBubble("user", text);
   const bubble = addBubble("assistant", "");
   try {
     const answer = $("trace").checked ? await inspectAnswer(bubble) : await plainAnswer(bubble);
-    history.push({ role: "assistant", content: answer });
+    if (!signal.aborted) history.push({ role: "assistant", content: answer });
   } catch (err) {
+    if (signal.aborted) return; // "New chat" dropped this answer, and its bubble with it
     history.pop();
     bubble.classList.add("error");
     bubble.textContent = `error: ${err.message}`;
@@ -929,17 +1008,38 @@ $("prompt").addEventListener("keydown", (event) => {
   }
 });
 
+const PRISTINE_MESSAGES = $("messages").innerHTML;
+
 $("reset").addEventListener("click", () => {
+  conversation.abort();
+  conversation = new AbortController();
   history.length = 0;
-  $("messages").replaceChildren();
+  $("messages").innerHTML = PRISTINE_MESSAGES;
+  clearInspector();
 });
 
 $("messages").addEventListener("click", onTokenClick);
 $("sequence").addEventListener("click", onTokenClick);
 window.addEventListener("resize", () => run.header && renderAll());
 
+// The constraint box shows once a kind is chosen, with an example of that kind.
+const CONSTRAINT_EXAMPLES = {
+  json_schema: '{"type": "object", "properties": {"answer": {"type": "string"}}}',
+  regex: "(yes|no), because [a-z ]+\\.",
+  choice: "yes\nno\nmaybe",
+};
+function showConstraintBox() {
+  const kind = $("constraint").value;
+  $("constraint-box").hidden = !kind;
+  if (kind) $("constraint_value").placeholder = CONSTRAINT_EXAMPLES[kind];
+}
+$("constraint").addEventListener("change", showConstraintBox);
+showConstraintBox();
+
 bindOutput("temperature");
 bindOutput("top_p");
 bindOutput("slowmo", (v) => (Number(v) ? `${v} ms per stage` : "off (live)"));
 
 $("api_key").value = localStorage.getItem("tokenmill-api-key") || "";
+$("api_key").addEventListener("change", showServedModel);
+showServedModel();
