@@ -2,11 +2,16 @@
 
 Sends a prompt, checks that the answer streams in token by token, clicks a
 generated token to see its alternatives with probabilities, and saves a
-screenshot to test-artifacts/inspector.png for people to look at.
+screenshot to test-artifacts/inspector.png for people to look at. Then the page's
+finish: the model's name and an explanation in every panel before the first message,
+"New chat" putting all of that back, plurals, bars wide enough for their labels, WCAG AA
+contrast on the highlight styles (computed from the rendered elements' styles), a
+resizable constraint box and the dark theme on every input.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -179,7 +184,358 @@ def test_inspector_shows_the_grammar_mask(browser, server: str) -> None:
     assert masked.count() >= 1, "the model's top candidates should include masked ones"
     assert "masked" in masked.first.inner_text()
     assert page.locator(".funnel .stage-row.grammar").count() == 1
+    # struck through, and still easy to read: AA contrast on the text and its label
+    assert "line-through" in masked.first.locator(".text").evaluate(
+        "e => getComputedStyle(e).textDecorationLine"
+    )
+    assert assert_readable(page, ".cand.masked .text, .cand.masked .masked-label") >= 2
+    assert_readable(page, ".grammar-note, .funnel .bar span")
 
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "inspector-grammar.png"), full_page=True)
+    assert not errors, errors
+
+
+# ---------------------------------------------------------------------------- the page's finish
+
+# WCAG 2 contrast of one rendered element's text: its colour (`fill` for SVG text) against
+# what is painted under it, from computed styles. Walks the element's ancestors from the root
+# down, compositing each one's background-color (and each stop of a gradient: the worst one
+# counts), each one's opacity as a group, and, for SVG text, the fill of the shapes drawn
+# before it under its centre (a stage box's rect). Colours are premultiplied [r, g, b, a].
+CONTRAST = """(el) => {
+  const parse = (text) => {
+    const m = /^rgba?\\(([^)]*)\\)$/.exec(text.trim());
+    if (!m) throw new Error(`unparsed colour ${text}`);
+    const [r, g, b, a = 1] = m[1].split(/[\\s,\\/]+/).filter(Boolean).map(Number);
+    return [r * a, g * a, b * a, a];
+  };
+  const over = (top, bottom) => top.map((t, i) => t + bottom[i] * (1 - top[3]));
+  const scale = (c, k) => c.map((v) => v * k);
+  const CLEAR = [0, 0, 0, 0];
+  const svgPaint = (node) => {
+    const s = getComputedStyle(node);
+    if (s.fill === 'none') return CLEAR;
+    return scale(parse(s.fill), Number(s.fillOpacity) * Number(s.opacity));
+  };
+  const backgrounds = (node) => {
+    const s = getComputedStyle(node);
+    const color = parse(s.backgroundColor);
+    const stops = (s.backgroundImage.match(/rgba?\\([^)]*\\)/g) || []).map(parse);
+    return stops.length ? stops.map((stop) => over(stop, color)) : [color];
+  };
+  const chain = [];
+  for (let n = el; n; n = n.parentElement) chain.unshift(n);
+  const levels = chain.map((n) => ({
+    alternatives: n instanceof SVGElement && !(n instanceof SVGSVGElement) ? [CLEAR] : backgrounds(n),
+    opacity: Number(getComputedStyle(n).opacity),
+  }));
+  const style = getComputedStyle(el);
+  let fg = parse(style.color);
+  if (el instanceof SVGElement) {
+    fg = scale(parse(style.fill), Number(style.fillOpacity));
+    const box = el.getBoundingClientRect();
+    const [x, y] = [box.x + box.width / 2, box.y + box.height / 2];
+    const svg = el.ownerSVGElement;
+    const shapes = [...svg.querySelectorAll('rect, circle, ellipse, path')].filter((shape) => {
+      const r = shape.getBoundingClientRect();
+      const before = shape.compareDocumentPosition(el) & Node.DOCUMENT_POSITION_FOLLOWING;
+      return before && x >= r.left && x <= r.right && y >= r.top && y <= r.bottom &&
+        !shape.closest('marker, defs') && getComputedStyle(shape).fill !== 'none';
+    });
+    // the shapes paint over the <svg>'s own background, in document order
+    const level = levels[chain.indexOf(svg)];
+    level.alternatives = level.alternatives.map(
+      (bg) => shapes.reduce((under, shape) => over(svgPaint(shape), under), bg));
+  }
+  const pixel = (picks, glyph) => {
+    let inner = null;
+    for (let i = levels.length - 1; i >= 0; i -= 1) {
+      let c = picks[i];
+      if (glyph && i === levels.length - 1) c = over(fg, c);
+      if (inner) c = over(inner, c);
+      inner = scale(c, levels[i].opacity);
+    }
+    return over(inner, [255, 255, 255, 1]); // the canvas under the root
+  };
+  const luminance = (c) => {
+    const [r, g, b] = c.slice(0, 3).map((v) => {
+      const s = v / 255;
+      return s <= 0.04045 ? s / 12.92 : ((s + 0.055) / 1.055) ** 2.4;
+    });
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b;
+  };
+  const hex = (c) => '#' + c.slice(0, 3).map((v) => Math.round(v).toString(16).padStart(2, '0')).join('');
+  let worst = null;
+  const walk = (i, picks) => {
+    if (i === levels.length) {
+      const [text, bg] = [pixel(picks, true), pixel(picks, false)];
+      const [a, b] = [luminance(text), luminance(bg)].sort((x, y) => y - x);
+      const ratio = (a + 0.05) / (b + 0.05);
+      if (!worst || ratio < worst.ratio) worst = {ratio, text: hex(text), background: hex(bg)};
+      return;
+    }
+    for (const alt of levels[i].alternatives) walk(i + 1, [...picks, alt]);
+  };
+  walk(0, []);
+  worst.what = `${el.className?.baseVal ?? el.className} ${JSON.stringify(el.textContent.slice(0, 24))}`;
+  return worst;
+}"""
+
+# The explanation each panel shows before its first data, and whether its canvases are drawn.
+PANELS = """() => [...document.querySelectorAll('.inspector .card')].map((card) => {
+  const body = [...card.children].filter((n) => n.tagName !== 'H2');
+  const text = body.map((n) => n.offsetParent ? n.innerText : '').join(' ').trim();
+  const canvases = [...card.querySelectorAll('canvas')].filter((c) => c.getClientRects().length);
+  return {title: card.querySelector('h2').innerText, text, canvases: canvases.length};
+})"""
+
+# What "New chat" must put back as it was before the first message.
+INSPECTOR_TEXT = """() => ['.phase-bar', '.sequence', '.cards', '.stats', '#pipeline']
+  .map((s) => document.querySelector(s).innerText).join('\\n--\\n')"""
+
+ONE_TOKENS = re.compile(r"(?<![\d.,])1 (tokens|layers|heads|blocks|keys|entries|steps)\b")
+
+
+def contrast(locator) -> dict:
+    return locator.evaluate(CONTRAST)
+
+
+def assert_readable(page, selector: str) -> int:
+    """Every element matching `selector` has AA contrast (4.5:1); returns how many there are."""
+    found = page.locator(selector)
+    results = [contrast(found.nth(i)) for i in range(found.count())]
+    poor = [r for r in results if r["ratio"] < 4.5]
+    assert not poor, f"{selector}: text below 4.5:1 contrast: {poor}"
+    return len(results)
+
+
+def ratio(color: str, background: str) -> float:
+    """WCAG contrast of two opaque colours, 'rgb(r, g, b)' or '#rrggbb'."""
+
+    def luminance(text: str) -> float:
+        if text.startswith("#"):
+            rgb = [int(text[i : i + 2], 16) for i in (1, 3, 5)]
+        else:
+            rgb = [float(v) for v in re.findall(r"[\d.]+", text)[:3]]
+        lin = [
+            c / 255 / 12.92 if c / 255 <= 0.04045 else ((c / 255 + 0.055) / 1.055) ** 2.4
+            for c in rgb
+        ]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+    a, b = sorted([luminance(color), luminance(background)], reverse=True)
+    return (a + 0.05) / (b + 0.05)
+
+
+def served_model(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+        return json.load(r)["data"][0]["id"]
+
+
+def set_range(page, selector: str, value: float) -> None:
+    page.eval_on_selector(
+        selector,
+        "(e, v) => { e.value = v; e.dispatchEvent(new Event('input', {bubbles: true})); }",
+        value,
+    )
+
+
+def ask(page, prompt: str, max_tokens: int) -> None:
+    page.fill("#max_tokens", str(max_tokens))
+    page.fill("#prompt", prompt)
+    page.click("#send")
+    page.wait_for_selector("#phase.done", timeout=180_000)
+
+
+def assert_empty_inspector(page, model: str) -> None:
+    assert model in page.locator("#model-name").inner_text()
+    for panel in page.evaluate(PANELS):
+        assert len(panel["text"]) > 60, f"the {panel['title']} panel has no explanation: {panel}"
+        assert panel["canvases"] == 0, f"the {panel['title']} panel draws an empty canvas"
+    assert page.locator("#sequence .chip, .cand, #kv-blocks .slot, #layers .layer-row").count() == 0
+    assert page.locator("#phase").inner_text().lower() == "idle"
+    assert page.locator(".stats .value").all_inner_texts() == ["–", "–", "–"]
+    assert "generated" not in page.locator("#phase-detail").inner_text()
+
+
+def new_page(browser):
+    page = browser.new_page(viewport={"width": 1600, "height": 1300})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    return page, errors
+
+
+def test_page_explains_every_panel_before_the_first_message(browser, server: str) -> None:
+    page, errors = new_page(browser)
+    page.goto(server + "/")
+    model = served_model(server)
+    page.wait_for_function(
+        "m => document.getElementById('model-name').innerText.includes(m)", arg=model
+    )
+    assert_empty_inspector(page, model)
+    assert page.locator("#messages .hint").is_visible()
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "inspector-empty.png"), full_page=True)
+    assert not errors, errors
+
+
+def test_dark_theme_on_every_input_and_a_resizable_constraint_box(browser, server: str) -> None:
+    page, errors = new_page(browser)
+    page.goto(server + "/")
+    fields = page.locator("input:not([type=range]):not([type=checkbox]), select, textarea")
+    assert fields.count() >= 7  # prompt, top-k, max tokens, layer, API key, constraint ×2
+    for i in range(fields.count()):
+        field = fields.nth(i)
+        name = field.evaluate("e => e.id")
+        result = contrast(field)
+        background = field.evaluate("e => getComputedStyle(e).backgroundColor")
+        dark = field.evaluate(
+            """e => { const [r, g, b] = getComputedStyle(e).backgroundColor.match(/\\d+/g).map(Number);
+                      return r + g + b < 150; }"""
+        )
+        assert dark, f"#{name} is not on the dark theme: background {background}"
+        assert result["ratio"] >= 4.5, f"#{name}: {result}"
+        if field.evaluate("e => Boolean(e.placeholder)"):
+            placeholder = field.evaluate("e => getComputedStyle(e, '::placeholder').color")
+            shown = ratio(placeholder, result["background"])
+            assert shown >= 4.5, f"#{name}: placeholder {placeholder} at {shown:.2f}:1"
+    # native controls (sliders, the checkbox, select pop-ups) follow the page's dark scheme
+    for selector in ("input[type=range]", "input[type=checkbox]", "select"):
+        schemes = page.locator(selector).evaluate_all(
+            "es => es.map((e) => getComputedStyle(e).colorScheme)"
+        )
+        assert schemes and all("dark" in s for s in schemes), (selector, schemes)
+
+    box = page.locator("#constraint_value")
+    assert not box.is_visible()  # no constraint chosen: no box
+    page.select_option("#constraint", "json_schema")
+    assert box.is_visible()
+    assert box.evaluate("e => getComputedStyle(e).resize") in ("vertical", "both")
+    before = box.bounding_box()
+    assert before["height"] >= 70, "the constraint box shows only a couple of lines"
+    # drag the resize handle at the bottom-right corner down
+    page.mouse.move(before["x"] + before["width"] - 3, before["y"] + before["height"] - 3)
+    page.mouse.down()
+    page.mouse.move(
+        before["x"] + before["width"] - 3, before["y"] + before["height"] + 120, steps=8
+    )
+    page.mouse.up()
+    after = box.bounding_box()
+    assert after["height"] > before["height"] + 60, (before, after)
+    assert not errors, errors
+
+
+def test_new_chat_clears_the_inspector_plurals_and_bar_labels(browser, server: str) -> None:
+    page, errors = new_page(browser)
+    page.goto(server + "/")
+    model = served_model(server)
+    page.wait_for_function(
+        "m => document.getElementById('model-name').innerText.includes(m)", arg=model
+    )
+    pristine = page.evaluate(INSPECTOR_TEXT)
+    set_range(page, "#temperature", 0)  # greedy: the funnel has a one-token bar
+
+    ask(page, "What is the capital of France?", 1)
+    assert page.locator("#phase-detail").inner_text().startswith("1 token generated ·")
+    assert page.locator(".bubble.assistant .meta").inner_text().startswith("1 token ·")
+    first_prompt = page.locator("#seq-count").inner_text()
+    page.locator(".bubble.assistant .tok").first.click()
+    page.locator("#alternatives .cand").first.wait_for()
+    text = page.locator("body").inner_text()
+    assert not ONE_TOKENS.search(text), ONE_TOKENS.search(text)
+    assert "1 token" in page.locator(".funnel").inner_text()
+    bars = page.locator(".funnel .bar")
+    for i in range(bars.count()):
+        bar = bars.nth(i)
+        width = bar.evaluate("e => e.getBoundingClientRect().width")
+        label = bar.locator("span").evaluate("e => e.getBoundingClientRect().width")
+        assert width >= label, (
+            f"the bar {bar.inner_text()!r} ({width}px) is narrower than its label"
+        )
+    assert_readable(page, ".funnel .bar span")
+    assert_readable(page, ".bubble .tok.selected")
+    assert_readable(page, "#sequence .chip > span")
+    assert_readable(page, ".cand .text, .cand .pct")
+    assert_readable(page, ".phase")
+
+    # the pulse that lights each stage of a live step: readable all through its fade
+    pulsed = page.evaluate(
+        """() => {
+          const stages = [...document.querySelectorAll('.pipeline .stage.pulse')];
+          stages.forEach((g) => g.classList.remove('pulse'));
+          void document.body.getBoundingClientRect();
+          stages.forEach((g) => g.classList.add('pulse'));  // as the app restarts it, per step
+          return stages.length;
+        }"""
+    )
+    assert pulsed >= 10, "the last step lit no stages"
+    animations = page.evaluate(
+        """() => { const a = document.getAnimations();
+                   a.forEach((x) => x.pause()); return a.map((x) => x.animationName); }"""
+    )
+    assert animations and set(animations) == {"pulse"}, animations
+    for fraction in (0, 0.1, 0.25, 0.5, 0.75, 0.99):
+        page.evaluate(
+            """f => document.getAnimations().forEach(
+                 (a) => { a.currentTime = f * a.effect.getTiming().duration; })""",
+            fraction,
+        )
+        peak = page.locator(".pipeline .stage.pulse rect").first
+        if fraction == 0:  # the flash is on: the box is not its resting colour
+            assert peak.evaluate("e => getComputedStyle(e).fill") != "rgb(29, 34, 48)"
+        assert assert_readable(page, ".pipeline .stage.pulse text") == 2 * pulsed
+    page.evaluate("() => document.getAnimations().forEach((a) => a.finish())")
+    # slow motion's lit stage: gold box, dark text, no half-faded fill in between
+    page.evaluate(
+        "() => document.querySelector('.stage[data-stage=sample]').classList.add('active')"
+    )
+    assert_readable(page, ".pipeline .stage.active text")
+    page.evaluate("() => document.querySelector('.stage.active').classList.remove('active')")
+    assert_readable(page, ".pipeline text")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "inspector-one-token.png"), full_page=True)
+
+    page.click("#reset")
+    assert page.locator(".bubble").count() == 0
+    assert_empty_inspector(page, model)
+    # everything is as before the first message (the pipeline now knows the layer count)
+    after = page.evaluate(INSPECTOR_TEXT)
+    assert re.sub(r"× \d+ transformer layers", "× N transformer layers", after) == pristine
+
+    # the conversation is forgotten too: the same question reads the same prompt again
+    ask(page, "What is the capital of France?", 2)
+    assert page.locator("#phase-detail").inner_text().startswith("2 tokens generated ·")
+    assert page.locator(".bubble.assistant .meta").inner_text().startswith("2 tokens ·")
+    assert page.locator("#seq-count").inner_text().replace("+ 2", "+ 1") == first_prompt
+    assert not ONE_TOKENS.search(page.locator("body").inner_text())
+    assert not errors, errors
+
+
+def requests_running(url: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return float(re.search(r"^tokenmill_requests_running (\S+)$", text, re.M).group(1))
+
+
+def test_new_chat_during_an_answer_drops_it(browser, server: str) -> None:
+    page, errors = new_page(browser)
+    page.goto(server + "/")
+    model = served_model(server)
+    set_range(page, "#slowmo", 40)  # slow motion: the answer is still coming when we click
+    page.fill("#max_tokens", "64")
+    page.fill("#prompt", "Write a long story about a dragon.")
+    page.click("#send")
+    page.locator(".bubble.assistant .tok").first.wait_for(timeout=180_000)
+    page.click("#reset")
+    page.wait_for_selector("#send:not([disabled])")
+    # the server sees the disconnect (or has finished) and holds no request of ours
+    deadline = time.monotonic() + 60
+    while requests_running(server) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert requests_running(server) == 0
+    # the stage being lit when we clicked ends its 40 ms; the queued steps must not draw
+    page.wait_for_timeout(400)
+    assert page.locator(".bubble").count() == 0
+    assert_empty_inspector(page, model)
     assert not errors, errors
