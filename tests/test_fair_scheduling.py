@@ -173,3 +173,33 @@ def test_two_traced_requests_take_turns_and_both_record_every_layer(tiny):
             assert len(step["layers"]) == engine.config.num_layers, (name, step["index"])
             assert step["embedding"]["shape"][0] == step["num_tokens"]
             assert len(step["attention"]) == 1  # the one layer asked for
+
+
+def test_prompt_work_beside_decoding_is_bounded(tiny):
+    """While a sequence decodes, a step carries at most PREFILL_BESIDE_DECODE prompt
+    tokens (a 512-token chunk at 2k context held every decoding client ~1 s a token);
+    alone, a prompt takes the whole budget. Tokens are the same either way."""
+    from tokenmill.engine.scheduler import PREFILL_BESIDE_DECODE
+
+    engine = LLMEngine(tiny, kv_cache_memory="2048tok", threads=1, max_num_batched_tokens=512)
+    schedule, steps = engine.scheduler.schedule, []
+
+    def recording():
+        chunks = schedule()
+        steps.append([(c.seq.request_id, c.num_tokens) for c in chunks])
+        return chunks
+
+    engine.scheduler.schedule = recording
+    long_prompt = [5 + i % 90 for i in range(700)]
+    engine.add_request("long-alone", long_prompt, SHORT)
+    alone = _steps_until_done(engine, "long-alone", 10)[1]
+    assert steps[0] == [("long-alone", 512)]
+    steps.clear()
+    engine.add_request("decoding", SMALL_PROMPT, LONG)
+    engine.step()
+    engine.add_request("long", long_prompt, SHORT, cache_salt=1)  # no cache hits
+    assert _steps_until_done(engine, "long", 20)[1] == alone
+    beside = [dict(s) for s in steps[1:]]
+    assert all(s.get("decoding") == 1 for s in beside)  # it decodes every step
+    prompt_steps = [s["long"] for s in beside if s.get("long", 1) > 1]
+    assert prompt_steps == [PREFILL_BESIDE_DECODE] * 5 + [700 - 5 * PREFILL_BESIDE_DECODE]
