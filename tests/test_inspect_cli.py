@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.inspect_cli import SHADES, shade
+from tokenmill.inspect_cli import ID_MARK, SHADES, shade, visible
 
 PROMPT = "t5 t6 t7 t8 t9 t10"
 
@@ -59,6 +59,19 @@ def _section(text: str, start: str, end: str) -> list[str]:
     first = next(i for i, line in enumerate(lines) if line.startswith(start))
     last = next(i for i, line in enumerate(lines) if line.startswith(end) and i > first)
     return lines[first + 1 : last]
+
+
+def test_token_ids_are_set_apart_from_their_tokens(plain):
+    """Plain output has no chip colours, so `The504` would read as one token: each token is
+    followed by ·id, and a space comes before the next token."""
+    text, trace = plain
+    (chips,) = _section(text, "1. Tokenize", "pieces: ")
+    step = trace["steps"][0]
+    texts = trace["prompt"]["texts"][: step["num_tokens"]]
+    assert len(texts) == len(step["input_ids"]) > 1
+    expected = [f"{visible(t)}{ID_MARK}{i}" for t, i in zip(texts, step["input_ids"], strict=True)]
+    assert chips.split() == expected
+    assert all(re.fullmatch(rf"\S+{ID_MARK}\d+", chip) for chip in chips.split())
 
 
 def test_heatmap_is_drawn_in_shades_a_pipe_keeps(plain):

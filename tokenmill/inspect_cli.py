@@ -133,14 +133,20 @@ def bar(fraction: float, width: int = BAR_WIDTH, style: str = "green") -> Text:
     return Text(body.ljust(width), style=style)
 
 
+ID_MARK = "·"  # between a token and its id: `The·504 ␣capital·3575`, plain or in colour
+
+
 def token_chips(texts: list[str], ids: list[int] | None = None) -> Text:
-    """Tokens as alternating coloured chips, the way a tokenizer cuts the text."""
+    """Tokens as alternating coloured chips, the way a tokenizer cuts the text, each one
+    followed by ·id. The mark keeps a token's text and its id apart in a plain capture,
+    where the chips have no colour ("The504" read as one token); visible() shows a
+    token's spaces as ␣, so a line wraps between chips, never inside one."""
     out = Text()
     palette = ["black on rgb(170,210,255)", "black on rgb(255,214,160)"]
     for i, t in enumerate(texts):
         out.append(visible(t), style=palette[i % 2])
         if ids is not None:
-            out.append(f"{ids[i]}", style="dim")
+            out.append(f"{ID_MARK}{ids[i]}", style="dim")
         out.append(" ")
     return out
 
