@@ -35,7 +35,7 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
     add_model_args(p)
     add_sampling_args(p, max_tokens=512)
     p.add_argument("--system", default=None, help="system message")
-    p.set_defaults(func=cmd_chat)
+    p.set_defaults(func=cmd_chat, check_model=check_chat_template)
 
 
 @dataclass
@@ -74,18 +74,26 @@ def header(model_name: str) -> str:
     return f"tokenmill chat · {model_name} · /help for commands · /exit or Ctrl-D to leave"
 
 
+def check_chat_template(args: argparse.Namespace, facts) -> None:
+    """Refuse a model without a chat template before its weights load, not after the first
+    question (tokenmill.cli.check_before_loading; facts: ModelFacts). A --system message is
+    rendered once, so a template that refuses system messages says so now too."""
+    from tokenmill.tokenizer import ChatTemplateError
+
+    tokenizer = facts.tokenizer()
+    if tokenizer.chat_template is None:
+        raise ChatTemplateError(f"{facts.name} has no chat template; use tokenmill generate")
+    if args.system:
+        conversation = Conversation(system=args.system)
+        tokenizer.encode_chat([*conversation.messages(), {"role": "user", "content": "hi"}])
+
+
 def cmd_chat(args: argparse.Namespace) -> None:
     from tokenmill import hub
     from tokenmill.cli import _params, load_llm, speed_line, stderr_console, stream_answer
 
     params = _params(args)
     llm = load_llm(args)
-    if llm.tokenizer.chat_template is None:  # say so now, not after the first question
-        from tokenmill.tokenizer import ChatTemplateError
-
-        raise ChatTemplateError(
-            f"{hub.display_name(args.model)} has no chat template; use tokenmill generate"
-        )
     console = stderr_console()
     interactive = sys.stdin.isatty()
     if interactive:

@@ -11,6 +11,18 @@ import struct
 from typing import Any
 
 
+class ArgumentError(ValueError):
+    """A command-line argument that cannot work here, found before the model loads. The
+    CLI prints it the way argparse prints its own errors: one line naming the option,
+    exit status 2. (Here, not in tokenmill.cli: `python -m tokenmill.cli` runs that module
+    as __main__, and the commands' modules import it again as tokenmill.cli, which would
+    make a second class that main() does not catch.)"""
+
+    def __init__(self, option: str, problem: str) -> None:
+        super().__init__(f"argument {option}: {problem}")
+        self.option, self.problem = option, problem
+
+
 def short_repr(value: Any) -> str:
     """A value for an error message: its repr, cut short (a hostile file can hold a
     megabyte-long string where a number belongs)."""

@@ -6,8 +6,17 @@ by SamplingParams itself), its model resolved to a path and that file's header r
 (`prepare_model`). So `--help`, a bad value, a missing file or a file that is not a
 model answer in a fraction of a second instead of after the seconds torch takes.
 
-Errors are one line on stderr and a non-zero exit status: argparse's own errors say
-which option is wrong and point at --help instead of printing the whole usage block.
+What only the model or the machine can decide is checked next, still before the weights
+load (`check_before_loading`): --device against what this torch build can run on, the
+server's address (bound now, the listening socket handed to uvicorn later), and against
+the file's config and tokenizer: layer and head indices, the parallel plan, the KV pool's
+size, the prompt's length, and the structured-output constraint, compiled by the same
+grammar compiler the engine uses.
+
+Errors are one line on stderr and a non-zero exit status: argparse's own errors, and
+ours about one argument (`ArgumentError`), say which option is wrong and point at --help
+instead of printing the whole usage block (exit status 2); other errors (a model that
+cannot load, a file that cannot be written) are `tokenmill: error: ...` (exit status 1).
 """
 
 from __future__ import annotations
@@ -15,11 +24,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
 import tokenmill
 from tokenmill import hub
+from tokenmill.checks import ArgumentError
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -73,6 +84,18 @@ def int_at_least(lo: int, what: str = "an integer"):
 positive_int = int_at_least(1)
 
 
+def thread_count(text: str) -> int:
+    """An argparse type: a thread count in [1, the machine's CPUs]. More threads than CPUs
+    only wait on each other, and libgomp crashes creating tens of thousands of them."""
+    cpus = os.cpu_count() or 1
+    value = int_at_least(1)(text)
+    if value > cpus:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {cpus}, the CPUs of this machine, got {value}"
+        )
+    return value
+
+
 def memory_size(text: str) -> str:
     """Checks a --kv-cache-memory value now; the engine parses the same text later."""
     from tokenmill.units import parse_memory
@@ -98,10 +121,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         choices=["float32", "bfloat16", "float16"],
         help="dtype of activations, KV cache and unquantized weights",
     )
-    p.add_argument("--device", default="cpu", metavar="DEV", help="cpu or cuda")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        metavar="DEV",
+        help="cpu, or a GPU through torch: cuda[:N] (NVIDIA or AMD), mps (Apple), xpu (Intel)",
+    )
     p.add_argument(
         "--threads",
-        type=positive_int,
+        type=thread_count,
         default=None,
         metavar="N",
         help="CPU threads (default: all cores)",
@@ -246,6 +274,269 @@ def _params(args: argparse.Namespace):
     )
 
 
+# ---------------------------------------------------------------------- checks before loading
+
+
+# The GPUs the engine runs on (anything but the CPU runs torch's own ops); torch knows
+# more device types (meta, ipu, hpu...), none of which tokenmill can use.
+GPU_DEVICES = ("cuda", "mps", "xpu")
+TORCH_BUILDS = "https://pytorch.org/get-started/locally/"
+
+
+def check_device(text: str) -> None:
+    """Raise ArgumentError unless this torch build can run on device `text` ("cpu",
+    "cuda", "cuda:1", "mps", "xpu"). Imports torch only for a device other than the CPU."""
+    kind, colon, index = text.partition(":")
+    supported = "cpu, cuda[:N] (NVIDIA or AMD GPUs), mps (Apple GPUs) or xpu (Intel GPUs)"
+    if kind in ("tpu", "xla"):
+        raise ArgumentError(
+            "--device",
+            f"{text!r}: TPUs are torch_xla's 'xla' device, which tokenmill does not run on "
+            f"(it runs on {supported})",
+        )
+    if kind not in ("cpu", *GPU_DEVICES) or (colon and not index.isdigit()):
+        raise ArgumentError("--device", f"tokenmill cannot run on {text!r}; it runs on {supported}")
+    if kind == "cpu":
+        return
+    import torch
+
+    build = f"this torch ({torch.__version__})"
+    count = 1
+    if kind == "cuda":
+        if not torch.backends.cuda.is_built():
+            raise ArgumentError(
+                "--device",
+                f"{build} is built without CUDA; {text} needs a CUDA build of torch "
+                f"(NVIDIA GPUs) or a ROCm build (AMD GPUs): {TORCH_BUILDS}",
+            )
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise ArgumentError(
+                "--device",
+                f"{build} has CUDA but finds no GPU: check the driver (nvidia-smi or "
+                "rocm-smi) and CUDA_VISIBLE_DEVICES",
+            )
+    elif kind == "mps":
+        if not torch.backends.mps.is_built():
+            raise ArgumentError(
+                "--device",
+                f"{build} is built without MPS; mps (Apple GPUs) needs torch's macOS build "
+                "on Apple silicon",
+            )
+        if not torch.backends.mps.is_available():
+            raise ArgumentError(
+                "--device", "MPS is built into this torch but unavailable: it needs macOS 12.3+"
+            )
+    else:  # xpu
+        xpu = getattr(torch, "xpu", None)
+        if xpu is None or not xpu._is_compiled():
+            raise ArgumentError(
+                "--device",
+                f"{build} is built without XPU; xpu (Intel GPUs) needs an XPU build of torch: "
+                f"{TORCH_BUILDS}",
+            )
+        count = xpu.device_count()
+        if count == 0:
+            raise ArgumentError("--device", f"{build} has XPU but finds no Intel GPU")
+    if index and int(index) >= count:
+        raise ArgumentError(
+            "--device",
+            f"{text} does not exist: this machine has {count} {kind} device(s), "
+            f"{kind}:0 to {kind}:{count - 1}",
+        )
+
+
+def check_output_path(option: str, path: str | None) -> None:
+    """Raise ArgumentError now for an output file that could not be written when the run
+    ends: a missing or read-only folder, or a folder where the file should be."""
+    if path is None:
+        return
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise ArgumentError(option, f"{path} is a folder; give a file name")
+    if not folder.is_dir():
+        raise ArgumentError(option, f"cannot write {path}: folder {folder} does not exist")
+    if not os.access(target if target.exists() else folder, os.W_OK):
+        raise ArgumentError(option, f"cannot write {path}: permission denied")
+
+
+@dataclass
+class ModelFacts:
+    """What the checks before loading know about the model: its config from the file's
+    header, the context a request gets, and its tokenizer (read on first use: a fraction
+    of a second, against seconds for the weights)."""
+
+    path: Path
+    name: str
+    config: Any  # tokenmill.config.ModelConfig
+    max_model_len: int  # what LLMEngine.max_model_len will be
+    _tokenizer: Any = field(default=None, repr=False)
+
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from tokenmill.engine.llm_engine import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.path)
+        return self._tokenizer
+
+
+def model_facts(args: argparse.Namespace) -> ModelFacts:
+    """Open the checkpoint's header (no weights) and work out the context a request will
+    get, as LLMEngine does: min(the model's positions, the KV pool's tokens). Raises
+    LoadError for a file that cannot load, ArgumentError for a KV pool larger than the
+    machine's memory (the check KVCache makes once the weights are in)."""
+    import inspect
+
+    import torch
+
+    from tokenmill.engine.kv_cache import kv_blocks
+    from tokenmill.engine.llm_engine import DTYPES, LLMEngine
+    from tokenmill.loader import open_checkpoint
+    from tokenmill.loader.checks import physical_memory_bytes
+
+    config = open_checkpoint(args.model_path).config
+    # the CLI never sets block_size: the engine's default is the one it will use
+    block_size = inspect.signature(LLMEngine.__init__).parameters["block_size"].default
+    dtype = DTYPES[args.dtype]
+    device = torch.device(args.device)
+    tokens = kv_blocks(config, block_size, dtype, device, args.kv_cache_memory) * block_size
+    per_token = config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+    if device.type == "cpu" and tokens * per_token > (memory := physical_memory_bytes()):
+        raise ArgumentError(
+            "--kv-cache-memory",
+            f"{args.kv_cache_memory!r} means {tokens} tokens, {tokens * per_token / 2**30:.1f} "
+            f"GiB: more than this machine's {memory / 2**30:.1f} GiB of memory",
+        )
+    name = hub.display_name(args.model)
+    return ModelFacts(args.model_path, name, config, min(config.max_position, tokens))
+
+
+def check_parallel(args: argparse.Namespace, facts: ModelFacts) -> None:
+    """The parallel plan, worked out from the config as the ranks will (distributed/plan.py),
+    before any rank starts: a plan that cannot work fails in every rank otherwise."""
+    from tokenmill.distributed.plan import PlanError, pp_plan, tp_plan
+
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    if tp == 1 and pp == 1:
+        return
+    if tp > 1 and pp > 1:
+        raise ArgumentError(
+            "--pipeline-parallel-size", "use tensor or pipeline parallelism, not both in one run"
+        )
+    if args.device != "cpu":
+        raise ArgumentError("--device", "parallel runs use the CPU (gloo); use --device cpu")
+    option, plan, size = (
+        ("--tensor-parallel-size", tp_plan, tp) if tp > 1 else
+        ("--pipeline-parallel-size", pp_plan, pp)
+    )  # fmt: skip
+    try:
+        plan(facts.config, size)
+    except PlanError as e:
+        raise ArgumentError(option, f"{facts.name}: {e}") from None
+
+
+# Tokens the tokenizer may add around a prompt's text (BOS, EOS, SentencePiece's prefix
+# space): a text of n characters, each token covering at least one, is at most n + this.
+ADDED_TOKENS = 4
+
+
+def check_prompt(args: argparse.Namespace, facts: ModelFacts) -> None:
+    """PROMPT (as given, or through the chat template with --chat) must be non-empty and fit
+    the context with room for one generated token, as LLMEngine.add_request requires. The
+    tokenizer is read only when the text's length alone cannot settle it."""
+    from tokenmill.tokenizer.tokenizer import TextTooLong
+
+    limit = facts.max_model_len
+    if not args.chat and args.prompt and len(args.prompt) + ADDED_TOKENS < limit:
+        return
+    tokenizer = facts.tokenizer()
+    try:
+        if args.chat:
+            if tokenizer.chat_template is None:
+                raise ArgumentError(
+                    "--chat", f"{facts.name} has no chat template; without --chat the text is "
+                    "continued as it is"
+                )  # fmt: skip
+            messages = [{"role": "user", "content": args.prompt}]
+            ids = tokenizer.encode_chat(messages, max_tokens=limit)
+        else:
+            ids = tokenizer.encode(args.prompt, add_special_tokens=True, max_tokens=limit)
+    except TextTooLong as e:
+        raise ArgumentError(
+            "PROMPT",
+            f"has {e.num_bytes} bytes of text, at least {e.min_tokens} tokens: more than the "
+            f"context of {limit - 1} (leaving room for one generated token)",
+        ) from None
+    if not ids:
+        raise ArgumentError("PROMPT", "is empty (and this model adds no BOS token to it)")
+    if len(ids) >= limit:
+        raise ArgumentError(
+            "PROMPT",
+            f"has {len(ids)} tokens, more than the context of {limit - 1} (leaving room for "
+            "one generated token)",
+        )
+
+
+# SamplingParams' constraint fields and the options that set them
+CONSTRAINT_OPTIONS = {
+    "json_schema": "--json-schema",
+    "regex": "--regex",
+    "choice": "--choice",
+    "grammar": "--grammar",
+}
+
+
+def check_constraint(args: argparse.Namespace, facts: ModelFacts) -> None:
+    """Compile the structured-output constraint now, with the grammar compiler the engine
+    uses, against the model's tokenizer: a regex, schema or grammar it refuses fails
+    before the weights load. The compiler, its vocabulary view and the compiled grammar
+    are handed to the engine (load_llm), so the work is not done twice."""
+    params = _params(args)
+    constraint = params.constraint
+    if constraint is None:
+        return
+    from tokenmill.sampling.grammar import GrammarCompiler, GrammarError
+
+    tokenizer = facts.tokenizer()
+    eos = sorted(set(tokenizer.eos_token_ids) | set(facts.config.eos_token_ids))
+    compiler = GrammarCompiler(tokenizer, facts.config.vocab_size, eos)
+    try:
+        compiler.compile(*constraint)
+    except GrammarError as e:
+        raise ArgumentError(CONSTRAINT_OPTIONS.get(e.kind, f"--{e.kind}"), str(e)) from None
+    args.grammar_compiler = compiler
+
+
+def check_before_loading(args: argparse.Namespace) -> None:
+    """Every check that needs the machine or the model but not its weights (see the module's
+    docstring), in the order that answers cheapest first. Commands add their own: `check`
+    (no model needed: the server's address) and `check_model` (given ModelFacts)."""
+    if hasattr(args, "device"):
+        check_device(args.device)
+        if args.quantization not in ("auto", "none") and args.device != "cpu":
+            raise ArgumentError(
+                "--quantization",
+                f"{args.quantization} weights run on the CPU kernels only; with --device "
+                f"{args.device} use auto or none",
+            )
+    for option in ("json", "plot"):  # written when a long run ends: checked before it starts
+        check_output_path(f"--{option}", getattr(args, option, None))
+    if (check := getattr(args, "check", None)) is not None:
+        check(args)
+    if not hasattr(args, "model"):
+        return
+    args.model_path = prepare_model(args)
+    facts = model_facts(args)
+    check_parallel(args, facts)
+    if hasattr(args, "prompt"):
+        check_prompt(args, facts)
+    if hasattr(args, "max_tokens"):
+        check_constraint(args, facts)
+    if (check_model := getattr(args, "check_model", None)) is not None:
+        check_model(args, facts)
+
+
 # ---------------------------------------------------------------------- loading
 
 
@@ -294,7 +585,15 @@ def load_llm(args: argparse.Namespace, **engine_kwargs: Any):
             pipeline_parallel_size=args.pipeline_parallel_size,
             **engine_kwargs,
         )
-    console.print(f"[dim]{llm.engine.describe()}[/dim]", soft_wrap=True, highlight=False)
+    compiler = getattr(args, "grammar_compiler", None)
+    engine = llm.engine
+    if (
+        compiler is not None
+        and compiler.vocab_size == engine.config.vocab_size
+        and compiler.eos_token_ids == engine.grammars.eos_token_ids
+    ):  # the one check_constraint built for this model, its grammar already compiled
+        engine.grammars = compiler
+    console.print(f"[dim]{engine.describe()}[/dim]", soft_wrap=True, highlight=False)
     return llm
 
 
@@ -433,8 +732,13 @@ def _check_sampling_args(parser: argparse.ArgumentParser, args: argparse.Namespa
             message = f"argument {option}: {problem}"
         else:
             message = str(e)
-        prog = f"{parser.prog} {args.command}"
-        parser.exit(2, f"{prog}: error: {message} (see {prog} --help)\n")
+        _usage_error(parser, args, message)
+
+
+def _usage_error(parser: argparse.ArgumentParser, args: argparse.Namespace, message: str):
+    """Exit as argparse does for a bad argument: one line, status 2, pointing at --help."""
+    prog = f"{parser.prog} {args.command}"
+    parser.exit(2, f"{prog}: error: {message} (see {prog} --help)\n")
 
 
 def _option_strings(parser: argparse.ArgumentParser, command: str) -> set[str]:
@@ -463,14 +767,15 @@ def main(argv: list[str] | None = None) -> None:
     if hasattr(args, "max_tokens"):
         _check_sampling_args(parser, args)
     try:
-        if hasattr(args, "model"):
-            args.model_path = prepare_model(args)
+        check_before_loading(args)
         # None, or an exit status (`info`: non-zero when the native kernels are unavailable)
         status = args.func(args)
     except KeyboardInterrupt:
         sys.exit(130)
     except BrokenPipeError:
         sys.exit(0)
+    except ArgumentError as e:
+        _usage_error(parser, args, str(e))
     # One line, no traceback, for every error a user can cause. These classes are all
     # torch-free to import; RequestError and ChatTemplateError are ValueErrors.
     except (LoadError, FetchError, ValueError, OSError) as e:

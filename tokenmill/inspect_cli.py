@@ -18,6 +18,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from tokenmill.checks import ArgumentError
 from tokenmill.cli import int_at_least
 from tokenmill.trace_schema import ModelRecord, StepRecord
 from tokenmill.units import format_bytes, format_rate
@@ -43,7 +44,9 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         "--layer", type=int, default=None, help="layer whose attention to draw (default: middle)"
     )
     p.add_argument("--head", type=int, default=0, help="attention head to draw (default 0)")
-    p.add_argument("--top-n", type=int, default=8, help="candidate tokens shown per step")
+    p.add_argument(
+        "--top-n", type=int_at_least(1), default=8, help="candidate tokens shown per step"
+    )
     p.add_argument("--chat", action="store_true", help="wrap PROMPT in the model's chat template")
     p.add_argument(
         "--json", default=None, metavar="PATH", help="also write the whole trace as JSON"
@@ -56,7 +59,33 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         help="output width in columns (default: $COLUMNS, else the terminal's, else 80); "
         "tables keep their rows whole even when wider",
     )
-    p.set_defaults(func=cmd_inspect, top_p=0.9)  # a nucleus cut by default, so it shows
+    # a nucleus cut by default, so it shows; --layer and --head checked against the model's
+    # config before its weights load
+    p.set_defaults(func=cmd_inspect, top_p=0.9, check_model=check_view)
+
+
+def attention_view(args: argparse.Namespace, cfg) -> tuple[int, int]:
+    """(layer, head) of the attention map to draw, checked against the model's config.
+    cfg: a ModelConfig (from the file's header: no weights needed)."""
+    layer = cfg.num_layers // 2 if args.layer is None else args.layer
+    if not 0 <= layer < cfg.num_layers:
+        raise ArgumentError(
+            "--layer",
+            f"must be in [0, {cfg.num_layers - 1}] (the model has {cfg.num_layers} layers), "
+            f"got {layer}",
+        )
+    if not 0 <= args.head < cfg.num_heads:
+        raise ArgumentError(
+            "--head",
+            f"must be in [0, {cfg.num_heads - 1}] (the model has {cfg.num_heads} query heads), "
+            f"got {args.head}",
+        )
+    return layer, args.head
+
+
+def check_view(args: argparse.Namespace, facts) -> None:
+    """The check before loading (tokenmill.cli.check_before_loading); facts: ModelFacts."""
+    attention_view(args, facts.config)
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
@@ -65,17 +94,12 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
     llm = load_llm(args)
     engine = llm.engine
-    cfg = engine.config
-    layer = cfg.num_layers // 2 if args.layer is None else args.layer
-    if not 0 <= layer < cfg.num_layers:
-        raise ValueError(f"--layer must be in [0, {cfg.num_layers - 1}], got {layer}")
-    if not 0 <= args.head < cfg.num_heads:
-        raise ValueError(f"--head must be in [0, {cfg.num_heads - 1}], got {args.head}")
+    layer, head = attention_view(args, engine.config)
     prompt = (
         llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     )
     view = TerminalView(Console(highlight=False, width=args.width), seed=args.seed)
-    trace = Trace(layers=[layer], heads=[args.head], top_n=args.top_n, on_step=view.show_step)
+    trace = Trace(layers=[layer], heads=[head], top_n=args.top_n, on_step=view.show_step)
     engine.add_request("inspect", prompt, _params(args), trace=trace)
     try:
         while engine.has_unfinished():
