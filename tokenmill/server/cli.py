@@ -4,6 +4,11 @@ Binds to loopback by default: the server runs arbitrary prompts on this machine'
 CPU or GPU, so exposing it (--host 0.0.0.0) is a deliberate choice, best paired
 with --api-key.
 
+The listening sockets are bound before the model loads (`bind_sockets`), so a bad
+--host, a port out of range or one already in use is a one-line error at once, not
+after the seconds of loading; uvicorn starts listening on them once the model is in.
+Until then a connection is refused, as before the process started.
+
 On SIGTERM (or Ctrl-C) the server stops admitting (the listening socket closes, and
 a request that still arrives gets 503), lets running requests finish for up to
 --shutdown-timeout seconds, cancels what is left, and exits with status 0.
@@ -13,13 +18,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import os
 import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 from tokenmill import hub
+from tokenmill.checks import ArgumentError
 from tokenmill.cli import positive_int
 from tokenmill.server.limits import ServerLimits
 
@@ -33,6 +41,16 @@ def _seconds(text: str) -> float:
     value = float(text)
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535] (0: any free port), got {value}")
     return value
 
 
@@ -54,7 +72,7 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
     )
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free one)")
     p.add_argument(
         "--api-key",
         nargs="+",
@@ -147,7 +165,7 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         choices=["critical", "error", "warning", "info", "debug"],
         help="server log verbosity",
     )
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=cmd_serve, check=check_serve_args)
 
 
 def _host_list(text: str) -> tuple[str, ...]:
@@ -186,6 +204,69 @@ def api_key_from(args: argparse.Namespace) -> list[str] | None:
     if not keys or any(not key.strip() for key in keys):
         raise ValueError(f"{source} is empty; give a key, or leave it unset to serve without one")
     return keys
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """The server's checks before the model loads (tokenmill.cli.check_before_loading): the
+    API keys and names, then the address, bound now and kept in args.sockets."""
+    api_key_from(args)
+    if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
+        raise ArgumentError("--served-model-name", "a name is empty; give names clients can send")
+    args.sockets = bind_sockets(args.host, args.port)
+
+
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to host:port, one per address the host resolves to, made the way
+    asyncio's create_server makes them for uvicorn (SO_REUSEADDR, so a restart does not
+    wait out the last run's TIME_WAIT connections; IPv6 sockets IPv6-only, so "", or a
+    name with both kinds of address, takes both). Not yet listening: connections are
+    refused until uvicorn listens. Port 0 picks a free port, the same for every address.
+    Raises ArgumentError naming --host or --port."""
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as e:
+        raise ArgumentError("--host", f"cannot resolve {host!r}: {e.strerror}") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):  # unique, in order
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:  # the port the first address got
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            try:
+                sock.bind(address)
+            except OSError as e:
+                raise _bind_error(host, address, e) from None
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def _bind_error(host: str, address: tuple, e: OSError) -> ArgumentError:
+    shown = f"[{address[0]}]:{address[1]}" if ":" in address[0] else f"{address[0]}:{address[1]}"
+    if e.errno == errno.EADDRINUSE:
+        return ArgumentError(
+            "--port",
+            f"{shown} is already in use (another server listens there); stop it, or pick "
+            "another --port (0: any free one)",
+        )
+    if e.errno == errno.EACCES:
+        return ArgumentError(
+            "--port",
+            f"binding {shown} is not permitted (ports below 1024 need privileges); "
+            "pick a port above 1023",
+        )
+    if e.errno == errno.EADDRNOTAVAIL:
+        named = host if host == address[0] else f"{host} ({address[0]})"
+        return ArgumentError("--host", f"{named} is not an address of this machine")
+    return ArgumentError("--host", f"cannot bind {shown}: {e.strerror}")
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -227,18 +308,21 @@ def cmd_serve(args: argparse.Namespace) -> None:
         limits=limits,
         prefix_cache_scope=args.prefix_cache_scope,
     )
+    port = args.sockets[0].getsockname()[1]  # --port 0: the one the system picked
+    shown = f"[{args.host}]" if ":" in args.host else args.host or "0.0.0.0"
     log.info(
         "serving %s at http://%s:%d/v1 (request bodies up to %d bytes)",
         name,
-        args.host,
-        args.port,
+        shown,
+        port,
         app.state.max_body_bytes,
     )
-    serve(app, engine, args.host, args.port, limits, args.log_level)
+    serve(app, engine, args.sockets, limits, args.log_level)
 
 
-def serve(app, engine, host: str, port: int, limits, log_level: str) -> None:
-    """Run `app` with uvicorn until SIGTERM or SIGINT, then shut down gracefully."""
+def serve(app, engine, sockets: list[socket.socket], limits, log_level: str) -> None:
+    """Run `app` with uvicorn on the bound `sockets` until SIGTERM or SIGINT, then shut down
+    gracefully."""
     import uvicorn
 
     from tokenmill.server.limits import header_timeout_protocol
@@ -259,6 +343,7 @@ def serve(app, engine, host: str, port: int, limits, log_level: str) -> None:
                 # runs before uvicorn's own exit re-raises what it caught
                 self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
+    host, port = sockets[0].getsockname()[:2]
     config = uvicorn.Config(
         app,
         host=host,
@@ -268,4 +353,4 @@ def serve(app, engine, host: str, port: int, limits, log_level: str) -> None:
         timeout_keep_alive=limits.keep_alive_s,
         timeout_graceful_shutdown=limits.shutdown_timeout_s,
     )
-    Server(config).run()
+    Server(config).run(sockets=sockets)
