@@ -184,6 +184,17 @@ def test_a_device_this_torch_cannot_use_names_the_build_that_can(tiny):
         assert_one_line_error(r, ["argument --device", "built without MPS", "macOS"])
 
 
+def test_cpu_0_is_the_cpu(tiny):
+    """torch's "cpu:0" is its one CPU device: the CPU kernels and their options apply."""
+    from tokenmill import cli
+
+    args = cli.build_parser().parse_args(
+        ["generate", "t5", "--model", str(tiny), "--device", "cpu:0", "--quantization", "q8"]
+    )
+    cli.check_before_loading(args)
+    assert args.device == "cpu"
+
+
 def test_a_valid_constraint_compiled_before_loading_is_the_one_the_engine_uses(tiny):
     """The grammar compiled by the check is handed to the engine (its cache holds it), and
     the answer follows it."""

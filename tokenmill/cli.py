@@ -283,9 +283,10 @@ GPU_DEVICES = ("cuda", "mps", "xpu")
 TORCH_BUILDS = "https://pytorch.org/get-started/locally/"
 
 
-def check_device(text: str) -> None:
-    """Raise ArgumentError unless this torch build can run on device `text` ("cpu",
-    "cuda", "cuda:1", "mps", "xpu"). Imports torch only for a device other than the CPU."""
+def check_device(text: str) -> str:
+    """`text` ("cpu", "cuda", "cuda:1", "mps", "xpu") if this torch build can run on that
+    device, as the engine compares it ("cpu:0" is "cpu": torch has one CPU device); else
+    ArgumentError. Imports torch only for a device other than the CPU."""
     kind, colon, index = text.partition(":")
     supported = "cpu, cuda[:N] (NVIDIA or AMD GPUs), mps (Apple GPUs) or xpu (Intel GPUs)"
     if kind in ("tpu", "xla"):
@@ -297,7 +298,7 @@ def check_device(text: str) -> None:
     if kind not in ("cpu", *GPU_DEVICES) or (colon and not index.isdigit()):
         raise ArgumentError("--device", f"tokenmill cannot run on {text!r}; it runs on {supported}")
     if kind == "cpu":
-        return
+        return "cpu"
     import torch
 
     build = f"this torch ({torch.__version__})"
@@ -344,6 +345,7 @@ def check_device(text: str) -> None:
             f"{text} does not exist: this machine has {count} {kind} device(s), "
             f"{kind}:0 to {kind}:{count - 1}",
         )
+    return text
 
 
 def check_output_path(option: str, path: str | None) -> None:
@@ -513,7 +515,7 @@ def check_before_loading(args: argparse.Namespace) -> None:
     docstring), in the order that answers cheapest first. Commands add their own: `check`
     (no model needed: the server's address) and `check_model` (given ModelFacts)."""
     if hasattr(args, "device"):
-        check_device(args.device)
+        args.device = check_device(args.device)
         if args.quantization not in ("auto", "none") and args.device != "cpu":
             raise ArgumentError(
                 "--quantization",
