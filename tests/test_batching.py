@@ -176,3 +176,14 @@ def test_prefix_cache_hit_rate_counts_each_request_once(tiny):
     assert stats["prefix_cache_query_tokens"] == 80
     assert stats["prefix_cache_hit_tokens"] == 32  # b reuses a's two full blocks of 16
     _assert_no_leak(engine)
+
+
+def test_one_token_prompt_chunks_do_not_sample(tiny):
+    """With one token of budget left beside a decode, a prompt advances one token a step.
+    Such a chunk packs as a decode row, and every decode row used to be sampled: a token
+    appeared in the middle of the prompt's prefill and the output went wrong."""
+    llm = LLM(tiny, max_num_batched_tokens=2, kv_cache_memory="4096tok")
+    prompts = _prompts(3, seed=5, lo=6, hi=12)
+    together = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert together == _alone(LLM(tiny, kv_cache_memory="4096tok"), prompts)
+    _assert_no_leak(llm.engine)

@@ -84,8 +84,9 @@ class ModelRunner:
             meta.decode_slots = slots.to(self.device)
             meta.decode_context_lens = ctx_t.to(self.device)
             for row, i in enumerate(decode):
-                logit_rows.append(row)
-                sampled.append(i)
+                if chunks[i].samples:  # not a prompt's one-token chunk short of its end
+                    logit_rows.append(row)
+                    sampled.append(i)
                 if chunks[i].seq.trace is not None and meta.trace is None:
                     meta.trace, meta.trace_rows = chunks[i].seq.trace, slice(row, row + 1)
                     meta.trace_attn = AttentionSite("decode", row)
