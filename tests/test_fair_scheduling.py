@@ -203,3 +203,16 @@ def test_prompt_work_beside_decoding_is_bounded(tiny):
     assert all(s.get("decoding") == 1 for s in beside)  # it decodes every step
     prompt_steps = [s["long"] for s in beside if s.get("long", 1) > 1]
     assert prompt_steps == [PREFILL_BESIDE_DECODE] * 5 + [700 - 5 * PREFILL_BESIDE_DECODE]
+
+
+def test_a_small_prompt_starts_during_a_long_one(tiny):
+    """A small request that arrives while a long prompt is being prefilled is admitted
+    in the next step (running prompts leave half of the prompt tokens to waiting ones),
+    not after the long prompt's last chunk (the soak's probe chat waited ~5 s so)."""
+    engine = LLMEngine(tiny, kv_cache_memory="2048tok", threads=1, max_num_batched_tokens=256)
+    alone = _alone(tiny)
+    engine.add_request("long", [5 + i % 90 for i in range(1000)], SHORT)
+    engine.step()  # its first 256 tokens; 744 to go
+    engine.add_request("small", SMALL_PROMPT, SHORT)
+    steps, tokens = _steps_until_done(engine, "small", 10)
+    assert (steps, tokens) == (SHORT.max_tokens, alone)

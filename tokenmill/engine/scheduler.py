@@ -8,7 +8,9 @@ sequence decodes, the step's prompt chunks together take at most
 PREFILL_BESIDE_DECODE tokens: a decoding client's next token then waits for ~128
 prompt tokens of someone else's, not 512 (a 512-token chunk at 2k context took ~1 s
 on 2 Zen 5 cores, a 128-token one ~0.2 s; per prompt token both cost the same). Waiting
-sequences are admitted while budget, sequence slots and free blocks last.
+sequences are admitted while budget, sequence slots and free blocks last; while any
+wait, running prompts take at most half of the prompt tokens, so a small request that
+arrives during someone's long prompt starts at once.
 
 Fairness between requests: a sequence belongs to a group (its API request: the n
 choices of one request share one). Admission takes the waiting sequence whose group
@@ -81,15 +83,19 @@ class Scheduler:
         traced = False  # a traced sequence is in this step already
         decoding = any(s.num_computed > 0 and s.num_uncomputed == 1 for s in self.running)
         prefill_left = min(budget, PREFILL_BESIDE_DECODE) if decoding else budget
+        # prompts already running leave half of that to waiting ones: a small request
+        # that arrives during a long prompt starts now, not after its last chunk
+        admitting = self.waiting and len(self.running) < self.max_num_seqs
+        continuing_left = prefill_left // 2 if admitting else prefill_left
         # ---- running sequences: decode steps and prefill continuations ----
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             prefill = not is_decode(seq, seq.num_uncomputed)
-            if (seq.trace is not None and seq is not turn) or (prefill and not prefill_left):
+            if (seq.trace is not None and seq is not turn) or (prefill and not continuing_left):
                 i += 1  # one traced sequence a step, and bounded prompt work: it waits
                 continue
-            n = min(seq.num_uncomputed, budget, prefill_left if prefill else 1)
+            n = min(seq.num_uncomputed, budget, continuing_left if prefill else 1)
             while not self.blocks.can_grow(seq.block_table, seq.num_computed + n):
                 victim = self._victim(i)  # only among those not scheduled yet
                 self._preempt(victim)
@@ -102,7 +108,8 @@ class Scheduler:
             seq.last_step = self.num_steps
             traced |= seq.trace is not None
             budget -= n
-            prefill_left -= n if prefill else 0
+            if prefill:
+                prefill_left, continuing_left = prefill_left - n, continuing_left - n
             i += 1
         # ---- admit waiting sequences, fewest running in their group first ----
         running = Counter(seq.group for seq in self.running)
