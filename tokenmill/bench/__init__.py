@@ -24,10 +24,17 @@ machine hits every engine alike instead of whichever was running.
     peers       python -m tokenmill.bench.peers ENGINE SPEC (peers.py: transformers, llama.cpp)
 
 SPEC is the workload as JSON (`Workload`). A worker loads the model and replies with its
-facts (load_s, decode_bytes_per_token, kv_pool_bytes, notes), then answers each command
-on stdin (`latency P`, `throughput`, `exit`) with one line `@@bench <json>` on stdout;
-every other line it prints is log text. Workers report raw times: every figure is
-derived here, in one place.
+facts (load_s, decode_bytes_per_token, kv_pool_bytes, batching, notes), then answers each
+command on stdin (`latency P`, `calibrate`, `throughput`, `exit`) with one line
+`@@bench <json>` on stdout; every other line it prints is log text. Workers report raw
+times: every figure is derived here, in one place.
+
+Before the timed runs, each engine's first runs (a warm-up and a timed run at the first
+P, and a calibration batch of short requests) price the rest of the run (estimate.py):
+"this will take about N minutes more; --quick takes about M in all". A progress bar
+counts the rest in those estimated seconds. --quick is a preset of smaller sizes
+(protocol.PRESETS: one P, 2 runs, 8 requests...) with only the peers already installed:
+a few minutes on 2 cores.
 
 
 The package, a module per part:
@@ -38,8 +45,10 @@ The package, a module per part:
     worker.py    the tokenmill worker
     peers.py     the transformers and llama.cpp workers
     engines.py   starting the workers and driving them round by round
+    estimate.py  how long the rest of a run takes, from each engine's first runs
+    progress.py  the progress bar
     report.py    figures, the table, the notes, the plot
-    command.py   `tokenmill bench`'s arguments and the whole run
+    command.py   `tokenmill bench`'s arguments, --quick and the whole run
 """
 
 from tokenmill.bench.command import build_workload, cmd_bench, register

@@ -6,12 +6,22 @@ import argparse
 import json
 import os
 import tempfile
+import time
 from dataclasses import asdict
 from pathlib import Path
 
-from tokenmill.bench.engines import Engines, log, resolve_peers
+from tokenmill.bench import estimate
+from tokenmill.bench.engines import Engines, installed_peers, log, resolve_peers
 from tokenmill.bench.machine import gguf_decode_bytes, measure_machine
-from tokenmill.bench.protocol import PEERS, PHASES, Workload, latency_prompt, random_requests
+from tokenmill.bench.progress import RunProgress
+from tokenmill.bench.protocol import (
+    PEERS,
+    PHASES,
+    PRESETS,
+    Workload,
+    latency_prompt,
+    random_requests,
+)
 from tokenmill.bench.report import build_report, render, require_matplotlib, write_plot
 
 
@@ -84,43 +94,71 @@ def _peer_list(text: str) -> list[str]:
     return names
 
 
+def _preset_help(text: str, option: str) -> str:
+    full, quick = PRESETS[option]
+    shown = [
+        ",".join(map(str, v)) if isinstance(v, list | tuple) else str(v) for v in (full, quick)
+    ]
+    return f"{text} (default {shown[0]}; with --quick {shown[1]})"
+
+
 def register(subparsers, add_model_args, add_sampling_args) -> None:
     p = subparsers.add_parser(
         "bench",
         help="measure latency and throughput next to transformers, llama.cpp and the machine's limits",
+        description="Measure tokenmill next to its peers and the machine's limits. The full "
+        "run takes tens of minutes on a small machine; the time it will take is printed "
+        "after each engine's first runs. --quick takes a few minutes.",
     )
     add_model_args(p)
     p.add_argument(
-        "--runs", type=int, default=5, help="timed latency runs per prompt length (median)"
+        "--quick",
+        action="store_true",
+        help="a few minutes: fewer and shorter runs, one prompt length, 8 throughput "
+        "requests, smaller machine tests, and only the peers already installed",
+    )
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=None,
+        help=_preset_help("timed latency runs per prompt length (median)", "runs"),
     )
     p.add_argument(
         "--prompt-len",
         type=_int_list,
-        default=[128, 512],
-        help="latency prompt lengths, e.g. 128,512",
+        default=None,
+        help=_preset_help("latency prompt lengths, e.g. 128,512", "prompt_len"),
     )
-    p.add_argument("--gen-len", type=int, default=128, help="tokens generated per latency run")
     p.add_argument(
-        "--num-requests", type=int, default=64, help="throughput requests, all submitted at once"
+        "--gen-len",
+        type=int,
+        default=None,
+        help=_preset_help("tokens generated per latency run", "gen_len"),
+    )
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help=_preset_help("throughput requests, all submitted at once", "num_requests"),
     )
     p.add_argument(
         "--request-prompt-len",
         type=_int_range,
-        default=(32, 512),
-        help="throughput prompt lengths MIN,MAX",
+        default=None,
+        help=_preset_help("throughput prompt lengths MIN,MAX", "request_prompt_len"),
     )
     p.add_argument(
         "--request-gen-len",
         type=_int_range,
-        default=(32, 256),
-        help="throughput output lengths MIN,MAX",
+        default=None,
+        help=_preset_help("throughput output lengths MIN,MAX", "request_gen_len"),
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the throughput requests")
     p.add_argument(
         "--peers",
         type=_peer_list,
-        default=list(PEERS),
-        help="transformers,llamacpp (default) or none",
+        default=None,
+        help="transformers,llamacpp (default; with --quick those installed) or none",
     )
     p.add_argument("--install-peers", action="store_true", help="pip install missing peers first")
     p.add_argument(
@@ -133,9 +171,17 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         "--skip", action="append", choices=PHASES, default=[], help="skip a phase (repeatable)"
     )
     p.add_argument(
-        "--bandwidth-mib", type=int, default=2048, help="buffer size of the bandwidth test"
+        "--bandwidth-mib",
+        type=int,
+        default=None,
+        help=_preset_help("buffer size of the bandwidth test", "bandwidth_mib"),
     )
-    p.add_argument("--gemm-size", type=int, default=4096, help="N of the N x N x N GEMM test")
+    p.add_argument(
+        "--gemm-size",
+        type=int,
+        default=None,
+        help=_preset_help("N of the N x N x N GEMM test", "gemm_size"),
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write the full report as JSON")
     p.add_argument(
         "--plot", default=None, metavar="PATH", help="write a PNG bar chart (needs matplotlib)"
@@ -143,11 +189,31 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
     p.set_defaults(func=cmd_bench)
 
 
-def cmd_bench(args: argparse.Namespace) -> None:
-    from rich.console import Console
+def apply_preset(args: argparse.Namespace) -> dict[str, dict]:
+    """Fill each size the command line left out from the full run's or --quick's preset,
+    and --peers: every peer, or with --quick (and no --install-peers) those installed.
+    Returns {peer: skipped entry} for the peers --quick leaves out."""
+    args.quick = quick = getattr(args, "quick", False)
+    for option, (full, fast) in PRESETS.items():
+        if getattr(args, option, None) is None:
+            setattr(args, option, fast if quick else full)
+    left_out = {}
+    if getattr(args, "peers", None) is None:
+        args.peers = list(PEERS)
+        if quick and not args.install_peers:
+            args.peers = installed_peers()
+            for name in PEERS:
+                if name not in args.peers:
+                    reason = "not installed (--quick runs the installed peers only; add "
+                    reason += f"--install-peers to install {PEERS[name][1][0]})"
+                    left_out[name] = {"status": "skipped", "reason": reason}
+    return left_out
 
+
+def cmd_bench(args: argparse.Namespace) -> None:
     from tokenmill.engine.llm_engine import resolve_model
 
+    left_out = apply_preset(args)
     if args.device != "cpu":
         raise ValueError("tokenmill bench measures CPU inference; --device must be cpu")
     if min(args.runs, args.num_requests, args.peer_batch_size) < 1 or args.gen_len < 2:
@@ -160,7 +226,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
     threads = args.threads or os.cpu_count() or 1
     work = build_workload(args, path, threads)
     gguf_bytes = gguf_decode_bytes(path) if path.suffix == ".gguf" else None
+    if not args.quick:
+        log(
+            "the full run takes tens of minutes on a small machine (and compiling llama.cpp "
+            "for --install-peers about 15 more); how long is printed after each engine's "
+            "first runs (--quick takes a few minutes)"
+        )
     peers, skipped = resolve_peers(args.peers, args.install_peers, path)
+    skipped.update(left_out)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="tokenmill-bench-") as tmp:
         spec = Path(tmp) / "workload.json"
@@ -178,13 +251,23 @@ def cmd_bench(args: argparse.Namespace) -> None:
                 if r["status"] == "ok"
             }
             machine = measure_machine(threads, args.bandwidth_mib, args.gemm_size, working_sets)
-            if "latency" not in work.skip:
-                engines.latency(list(work.latency_prompts), work.runs)
-            if "throughput" not in work.skip:
-                engines.throughput()
+            plan = measure_the_rest(engines, work, args, machine)
+            log(plan.announcement())
+            with RunProgress(plan.remaining_s, plan.price) as progress:
+                if "latency" not in work.skip:
+                    engines.latency(
+                        list(work.latency_prompts), work.runs, progress, {plan.first: 2}
+                    )
+                if "throughput" not in work.skip:
+                    engines.throughput(progress)
+            elapsed = time.perf_counter() - plan.started
             raw = {**engines.finish(), **skipped}
     machine["load_average_before"], machine["load_average_after"] = load_before, os.getloadavg()
     report = build_report(work, args, machine, raw, gguf_bytes)
+    report["estimate"] = {**plan.summary(), "took_s": elapsed}
+    log(f"the timed runs took {elapsed / 60:.1f} minutes (estimated {plan.remaining_s / 60:.1f})")
+    from rich.console import Console
+
     Console(width=max(Console().width, 160)).print(render(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
@@ -192,3 +275,112 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.plot:
         write_plot(report, args.plot)
         log(f"chart written to {args.plot}")
+
+
+# ---------------------------------------------------------------------- the time estimate
+
+
+class Plan:
+    """What the rest of the run costs, engine by engine, from their first runs."""
+
+    def __init__(self, speeds: dict[str, estimate.Speed], work: Workload, quick_s: float | None):
+        self.speeds, self.work, self.quick_s = speeds, work, quick_s
+        self.first = next(iter(work.latency_prompts))  # its warm-up and first round ran
+        lengths = [(len(p), n) for p, n in work.requests]
+        self.per_engine = estimate.phases_s(
+            speeds,
+            [int(p) for p in work.latency_prompts],
+            work.runs,
+            work.gen_len,
+            lengths,
+            work.skip,
+            done={int(self.first): 2},
+        )
+        self.remaining_s = sum(self.per_engine.values())
+        self.started = time.perf_counter()
+
+    def price(self, engine: str, phase: str, prompt_len: str | None) -> float:
+        s = self.speeds.get(engine)
+        if s is None:  # an engine that failed before its first runs
+            return 0.0
+        if phase == "latency":
+            return estimate.latency_run_s(s, int(prompt_len), self.work.gen_len)
+        return estimate.throughput_s(s, [(len(p), n) for p, n in self.work.requests])
+
+    def announcement(self) -> str:
+        line = f"this will take {estimate.minutes(self.remaining_s)} more"
+        if self.quick_s is not None:
+            line += f"; --quick takes {estimate.minutes(self.quick_s)} in all"
+        return line + " (estimated from each engine's first runs)"
+
+    def summary(self) -> dict:
+        return {
+            "remaining_s": self.remaining_s,
+            "per_engine_s": self.per_engine,
+            "quick_total_s": self.quick_s,
+        }
+
+
+def measure_the_rest(
+    engines: Engines, work: Workload, args: argparse.Namespace, machine: dict
+) -> Plan:
+    """Each engine's first runs (the first prompt length's warm-up round and first timed
+    round, then a calibration batch), and from them the Plan of the rest; with the full
+    run, also what --quick would take from the start. The warm-up is no measure: an
+    engine's first run took 10-20 times a warm one on a busy 2-core machine. With
+    --skip latency these runs are made for the estimate alone and left out of the report."""
+    first = next(iter(work.latency_prompts))
+    log("first runs of each engine, for the time estimate")
+    start = time.perf_counter()
+    engines.latency([first], work.runs, rounds=1)  # the warm-up round
+    cold_s = time.perf_counter() - start
+    engines.latency([first], work.runs, done={first: 1}, rounds=1)
+    start = time.perf_counter()
+    engines.calibrate()
+    calibration_s = time.perf_counter() - start
+    speeds = {
+        name: estimate.speed(r["latency"][first][0], r["calibration"], int(first), r["batching"])
+        for name, r in engines.raw.items()
+        if r["status"] == "ok" and "calibration" in r and first in r.get("latency", {})
+    }
+    if "latency" in work.skip:  # the first runs were for the estimate only
+        for r in engines.raw.values():
+            r.pop("latency", None)
+    quick_s = None
+    if not args.quick:
+        measured_s = cold_s + calibration_s
+        quick_s = _quick_total_s(engines, work, speeds, machine, measured_s, args.seed)
+    return Plan(speeds, work, quick_s)
+
+
+def _quick_total_s(
+    engines: Engines,
+    work: Workload,
+    speeds: dict[str, estimate.Speed],
+    machine: dict,
+    measured_s: float,
+    seed: int,
+) -> float:
+    """What `tokenmill bench --quick` takes from start to end with these engines: their
+    loads, the cold warm-up round and the calibration as measured (`measured_s`), the
+    rest priced at --quick's sizes."""
+    from tokenmill.loader import open_checkpoint
+
+    quick = {option: fast for option, (_, fast) in PRESETS.items()}
+    vocab = open_checkpoint(Path(work.model)).config.vocab_size  # the draws depend on it
+    requests = random_requests(
+        quick["num_requests"], quick["request_prompt_len"], quick["request_gen_len"], vocab, seed
+    )
+    lengths = [(len(p), n) for p, n in requests]
+    loads = sum(r.get("load_s", 0.0) for r in engines.raw.values())
+    phases = estimate.phases_s(
+        speeds,
+        quick["prompt_len"],
+        quick["runs"],
+        quick["gen_len"],
+        lengths,
+        work.skip,
+        done={quick["prompt_len"][0]: 1},  # its warm-up: measured here at this run's sizes
+    )
+    machine_s = estimate.machine_s(machine, quick["bandwidth_mib"], quick["gemm_size"])
+    return loads + machine_s + measured_s + sum(phases.values())

@@ -20,6 +20,11 @@ def log(message: str) -> None:
     print(f"tokenmill bench: {message}", file=sys.stderr, flush=True)
 
 
+def installed_peers() -> list[str]:
+    """The peers whose package this environment has (what --quick runs by default)."""
+    return [name for name, (module, _) in PEERS.items() if importlib.util.find_spec(module)]
+
+
 def resolve_peers(
     names: list[str], install: bool, model: Path
 ) -> tuple[list[str], dict[str, dict]]:
@@ -142,15 +147,31 @@ class Engines:
             log(f"{name} failed: {e}")
             return None
 
-    def latency(self, prompt_lens: list[str], runs: int) -> None:
+    def latency(
+        self,
+        prompt_lens: list[str],
+        runs: int,
+        progress=None,
+        done: dict[str, int] | None = None,
+        rounds: int | None = None,
+    ) -> None:
         """Per P, a warm-up round and then `runs` rounds. Each round runs every engine once,
-        in an order rotated from round to round."""
+        in an order rotated from round to round. `done`: {P: rounds already run} (the
+        warm-up is round 0); `rounds`: run at most this many rounds per P here.
+        `progress`: a RunProgress told of each run."""
         for p in prompt_lens:
-            for r in range(runs + 1):
+            first = (done or {}).get(p, 0)
+            last = runs if rounds is None else min(runs, first + rounds - 1)
+            for r in range(first, last + 1):
                 names = list(self.workers)
                 k = r % max(1, len(names))
                 for name in names[k:] + names[:k]:
+                    if progress is not None:
+                        what = "warm-up" if r == 0 else f"run {r}/{runs}"
+                        progress.begin(f"{name} latency @{p} {what}")
                     sample = self._ask(name, f"latency {p}")
+                    if progress is not None:
+                        progress.done(name, "latency", p)
                     if sample is None or r == 0:
                         continue
                     self.raw[name].setdefault("latency", {}).setdefault(p, []).append(sample)
@@ -160,10 +181,24 @@ class Engines:
                         f"decode {decode:.1f} tok/s"
                     )
 
-    def throughput(self) -> None:
+    def calibrate(self) -> None:
+        """Each engine's calibration batch (estimate.py), run twice: the first run is cold
+        (an engine's first batched step can take many times a warm one), the second is
+        kept as raw[engine]["calibration"]."""
+        for name in list(self.workers):
+            if self._ask(name, "calibrate") is not None:
+                result = self._ask(name, "calibrate")
+                if result is not None:
+                    self.raw[name]["calibration"] = result
+
+    def throughput(self, progress=None) -> None:
         for name in list(self.workers):
             log(f"{name}: throughput")
+            if progress is not None:
+                progress.begin(f"{name} throughput")
             result = self._ask(name, "throughput")
+            if progress is not None:
+                progress.done(name, "throughput")
             if result is not None:
                 self.raw[name]["throughput"] = result
                 log(f"{name}: throughput took {result['wall_s']:.1f} s")

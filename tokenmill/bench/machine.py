@@ -80,23 +80,34 @@ def measure_machine(
     threads: int, buffer_mib: int, gemm_size: int, working_sets: dict[str, int]
 ) -> dict[str, Any]:
     """Memory bandwidth (GB/s) and GEMM throughput (GFLOP/s) with `threads` torch threads.
-    working_sets: {engine: bytes a decode step reads}, read bandwidth measured at that size."""
+    working_sets: {engine: bytes a decode step reads}, read bandwidth measured at that size.
+    "seconds": how long the bandwidth and the GEMM parts took (the time estimate scales
+    them to other sizes)."""
     import torch
 
     torch.set_num_threads(threads)
+    start = time.perf_counter()
+    read = read_bandwidth(buffer_mib * 2**20)
+    copy = copy_bandwidth(buffer_mib * 2**20 // 2)
+    bandwidth_s = time.perf_counter() - start
+    working = {n: read_bandwidth(b) for n, b in working_sets.items()}
+    start = time.perf_counter()
+    gemm = {
+        "float32": gemm_gflops(gemm_size, torch.float32),
+        "bfloat16": gemm_gflops(gemm_size, torch.bfloat16) if has_native_bf16() else None,
+    }
+    gemm_s = time.perf_counter() - start
     return {
         "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "threads": threads,
-        "read_gb_s": read_bandwidth(buffer_mib * 2**20),
-        "copy_gb_s": copy_bandwidth(buffer_mib * 2**20 // 2),
-        "working_set_read_gb_s": {n: read_bandwidth(b) for n, b in working_sets.items()},
-        "gemm_gflop_s": {
-            "float32": gemm_gflops(gemm_size, torch.float32),
-            "bfloat16": gemm_gflops(gemm_size, torch.bfloat16) if has_native_bf16() else None,
-        },
+        "read_gb_s": read,
+        "copy_gb_s": copy,
+        "working_set_read_gb_s": working,
+        "gemm_gflop_s": gemm,
         "bandwidth_buffer_mib": buffer_mib,
         "gemm_size": gemm_size,
+        "seconds": {"bandwidth": bandwidth_s, "gemm": gemm_s},
     }
 
 

@@ -8,9 +8,11 @@ is its own), and drives it like its tokenmill worker (see the package docstring)
     SPEC      the workload as JSON: model, dtype, threads, gen_len, latency_prompts
               {P: token ids}, requests [[token ids, output tokens], ...], peer_batch_size
     reply     after loading: {load_s, decode_bytes_per_token (null: the GGUF tensors as
-              stored), kv_pool_bytes (null: none preallocated), notes}
+              stored), kv_pool_bytes (null: none preallocated), batching (how its
+              throughput run batches: estimate.py), notes}
     commands  one per stdin line, each answered by one stdout line `@@bench <json>`:
               latency P   -> {ttft_s, decode_s, output_tokens}
+              calibrate   -> {wall_s, requests, prompt_tokens, output_tokens}
               throughput  -> {wall_s, computed_output_tokens, mode}
               exit        -> {peak_rss_bytes}
 
@@ -25,7 +27,14 @@ import sys
 import time
 from pathlib import Path
 
-from tokenmill.bench.protocol import WARMUP_REQUESTS, WARMUP_TOKENS, peak_rss_bytes, reply
+from tokenmill.bench.protocol import (
+    WARMUP_REQUESTS,
+    WARMUP_TOKENS,
+    calibration_reply,
+    calibration_requests,
+    peak_rss_bytes,
+    reply,
+)
 
 Requests = list[tuple[list[int], int]]
 
@@ -77,6 +86,7 @@ class TransformersRunner:
             "decode_bytes_per_token": torch_decode_bytes(model, tied),
             "weight_bytes_by_dtype": weight_bytes_by_dtype(model),
             "kv_pool_bytes": None,
+            "batching": {"mode": "static", "size": self.batch_size},
             "notes": [
                 "TTFT from one forward over the prompt",
                 "KV cache grows per batch",
@@ -122,6 +132,12 @@ class TransformersRunner:
             "computed_output_tokens": computed,
             "mode": f"static batches of up to {self.batch_size}, left-padded, each to its longest output",
         }
+
+    def calibrate(self, requests: Requests) -> dict:
+        """The requests as one batch, timed (for the time estimate)."""
+        start = time.perf_counter()
+        self._generate(requests)
+        return calibration_reply(requests, time.perf_counter() - start)
 
     def _generate(self, batch: Requests, cap: int | None = None) -> int:
         """One left-padded batched generate to the batch's longest output (at most `cap`);
@@ -172,6 +188,7 @@ class LlamaCppRunner:
             "decode_bytes_per_token": None,
             "kv_pool_bytes": self._kv_bytes(),
             "kernels": self._kernels(),
+            "batching": {"mode": "sequential"},
             "notes": ["GGUF weights as stored (--dtype does not apply), f16 KV cache, n_batch 512"],
         }
 
@@ -217,6 +234,13 @@ class LlamaCppRunner:
             "output_tokens": len(times),
         }
 
+    def calibrate(self, requests: Requests) -> dict:
+        """The requests one after another, timed (for the time estimate)."""
+        start = time.perf_counter()
+        for prompt, n in requests:
+            self.latency(prompt, n)
+        return calibration_reply(requests, time.perf_counter() - start)
+
     def throughput(self, requests: Requests) -> dict:
         """One request after another: llama-cpp-python has no continuous batching."""
         for prompt, n in requests[:WARMUP_REQUESTS]:
@@ -246,6 +270,8 @@ def main(argv: list[str]) -> None:
         command, _, arg = line.strip().partition(" ")
         if command == "latency":
             reply(runner.latency(spec["latency_prompts"][arg], spec["gen_len"]))
+        elif command == "calibrate":
+            reply(runner.calibrate(calibration_requests(spec["latency_prompts"])))
         elif command == "throughput":
             reply(runner.throughput(spec["requests"]))
         elif command == "exit":

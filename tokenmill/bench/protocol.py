@@ -22,8 +22,25 @@ PEERS: dict[str, tuple[str, list[str]]] = {
 _NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 LLAMA_CPP_CMAKE_ARGS = f"-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='{_NO_AMX}' -DCMAKE_CXX_FLAGS='{_NO_AMX}'"
 WARMUP_REQUESTS, WARMUP_TOKENS = 8, 8  # throughput warm-up: a few short requests
+# The calibration the time estimate comes from (estimate.py): this many requests at once,
+# each the first CALIBRATION_PROMPT_TOKENS ids of the first latency prompt, each
+# generating CALIBRATION_TOKENS tokens.
+CALIBRATION_REQUESTS, CALIBRATION_PROMPT_TOKENS, CALIBRATION_TOKENS = 8, 16, 8
 REPLY = "@@bench "  # a worker's reply line starts with this
 PHASES = ("latency", "throughput")
+
+# The workload's sizes: option -> (full run, --quick). --quick took 1.7-5 minutes on a
+# busy 2-core machine with transformers beside tokenmill; the full run, tens of minutes.
+PRESETS: dict[str, tuple] = {
+    "runs": (5, 2),
+    "prompt_len": ([128, 512], [128]),
+    "gen_len": (128, 32),
+    "num_requests": (64, 8),
+    "request_prompt_len": ((32, 512), (32, 128)),
+    "request_gen_len": ((32, 256), (16, 32)),
+    "bandwidth_mib": (2048, 512),
+    "gemm_size": (4096, 2048),
+}
 
 # The latency prompt: this text, tokenized and repeated to exactly P tokens.
 PROMPT_TEXT = (
@@ -56,6 +73,22 @@ class Workload:
     peer_batch_size: int
     tensor_parallel_size: int = 1  # tokenmill only: its ranks (peers run on one process)
     pipeline_parallel_size: int = 1
+
+
+def calibration_requests(latency_prompts: dict[str, list[int]]) -> list[tuple[list[int], int]]:
+    """The calibration's requests: short prompts cut from the first latency prompt."""
+    prompt = next(iter(latency_prompts.values()))[:CALIBRATION_PROMPT_TOKENS]
+    return [(prompt, CALIBRATION_TOKENS)] * CALIBRATION_REQUESTS
+
+
+def calibration_reply(requests: list[tuple[list[int], int]], wall_s: float) -> dict:
+    """What a worker answers to `calibrate`: the wall time and the requests' sizes."""
+    return {
+        "wall_s": wall_s,
+        "requests": len(requests),
+        "prompt_tokens": len(requests[0][0]),
+        "output_tokens": requests[0][1],
+    }
 
 
 def latency_prompt(tokenizer, length: int) -> list[int]:

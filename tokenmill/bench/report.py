@@ -96,6 +96,7 @@ def build_report(
             else None,
         },
         "settings": {
+            "quick": getattr(args, "quick", False),
             "dtype": work.dtype,
             "threads": work.threads,
             "runs": work.runs,
@@ -141,6 +142,8 @@ def _results_table(report: dict):
     lens = [str(p) for p in report["settings"]["prompt_lens"]]
     n = report["settings"]["num_requests"]
     title = f"tokenmill bench: {Path(report['model']['path']).name}, {report['settings']['dtype']}"
+    if report["settings"].get("quick"):
+        title += " (--quick: few, short runs)"
     table = Table(title=title)
     columns = ["engine", "kernels"]
     columns += [*(f"TTFT ms @{p}" for p in lens), *(f"prefill tok/s @{p}" for p in lens)]

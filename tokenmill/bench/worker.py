@@ -9,7 +9,15 @@ import time
 from pathlib import Path
 
 from tokenmill.bench.machine import torch_decode_bytes, weight_bytes_by_dtype
-from tokenmill.bench.protocol import WARMUP_REQUESTS, WARMUP_TOKENS, Workload, peak_rss_bytes, reply
+from tokenmill.bench.protocol import (
+    WARMUP_REQUESTS,
+    WARMUP_TOKENS,
+    Workload,
+    calibration_reply,
+    calibration_requests,
+    peak_rss_bytes,
+    reply,
+)
 
 # ---------------------------------------------------------------------- the tokenmill worker
 
@@ -39,6 +47,7 @@ class TokenmillRunner:
             "decode_bytes_per_token": torch_decode_bytes(engine.model, tied),
             "weight_bytes_by_dtype": weight_bytes_by_dtype(engine.model),
             "kv_pool_bytes": engine.cache.nbytes,
+            "batching": {"mode": "continuous", "max_seqs": engine.scheduler.max_num_seqs},
             "kernels": kernels.isa(),
             "notes": [
                 "prefix caching off",
@@ -87,6 +96,12 @@ class TokenmillRunner:
             "preemptions": engine.kv_stats()["preemptions"] - preemptions,
         }
 
+    def calibrate(self, requests: list[tuple[list[int], int]]) -> dict:
+        """The requests run together once, timed (for the time estimate)."""
+        start = time.perf_counter()
+        self._run_all(requests)
+        return calibration_reply(requests, time.perf_counter() - start)
+
     def _run_all(self, requests: list[tuple[list[int], int]]) -> None:
         from tokenmill.sampling import SamplingParams
 
@@ -107,6 +122,8 @@ def serve(spec_path: str) -> None:
         command, _, arg = line.strip().partition(" ")
         if command == "latency":
             reply(runner.latency(work.latency_prompts[arg], work.gen_len))
+        elif command == "calibrate":
+            reply(runner.calibrate(calibration_requests(work.latency_prompts)))
         elif command == "throughput":
             reply(runner.throughput(work.requests))
         elif command == "exit":
