@@ -43,7 +43,7 @@ SERVER_URL = "http://127.0.0.1:8000"
 
 # Commands a reader would run but a test cannot: their arguments are parsed instead.
 NOT_RUN = {
-    "bench": "runs for many minutes and pip-installs its peers",
+    "bench": "takes long and pip-installs its peers; tests/test_bench_quick.py runs --quick",
     "serve": "runs until stopped; the server snippets run against one instead",
 }
 # What the README promises a command prints (stdout), checked when it runs.
