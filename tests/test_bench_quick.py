@@ -28,7 +28,8 @@ def run_on_a_terminal(args: list[str], cwd, columns: int = 220) -> tuple[int, st
     user's shell runs it; its exit status and everything it wrote, ANSI codes removed."""
     master, slave = pty.openpty()
     env = {**os.environ, "COLUMNS": str(columns), "LINES": "50", "TERM": "xterm-256color"}
-    env.pop("NO_COLOR", None)
+    for name in ("NO_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):  # rich reads these
+        env.pop(name, None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "tokenmill.cli", *args],
         stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, cwd=cwd, env=env,
