@@ -375,6 +375,9 @@ def test_page_explains_every_panel_before_the_first_message(browser, server: str
     )
     assert_empty_inspector(page, model)
     assert page.locator("#messages .hint").is_visible()
+    # greedy by default: the small default model's answers hold at T = 0 (at 0.7 it
+    # answered "Unam Sancto Francia..." to a plain question: issue 22)
+    assert page.input_value("#temperature") == "0"
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "inspector-empty.png"), full_page=True)
     assert not errors, errors
