@@ -83,6 +83,7 @@ class Report:
     spans: list[tuple[str, float, float]] = field(default_factory=list)  # attack, from, to (s)
     quiet_s: float = 0.0  # when the attackers started
     server_died: int | None = None  # its exit status, had it exited
+    rss_settled: int | None = None  # bytes, idle for settle_s after the load stopped
 
     def probe_ratio(self) -> tuple[float, float, float] | None:
         """(quiet median, worst under attack, ratio) of the probe's latency, in seconds."""
@@ -107,6 +108,13 @@ class Report:
         if not before or not self.rss or not self.quiet_s:
             return None
         return self.rss[-1][1] / before[-1]
+
+    def settled_ratio(self) -> float | None:
+        """RSS idle after the run over RSS when the attacks began (1.0: all given back)."""
+        before = [b for t, b in self.rss if t <= self.quiet_s]
+        if not before or self.rss_settled is None or not self.quiet_s:
+            return None
+        return self.rss_settled / before[-1]
 
     def add(self, kind: str, status: int | str, seconds: float) -> None:
         self.by_status[str(status)] += 1
@@ -135,6 +143,7 @@ class Report:
             "probe_quiet_median_worst_ratio": self.probe_ratio(),
             "slowest_probes": self.slowest_probes(),
             "rss_end_over_start_of_attacks": self.rss_ratio(),
+            "rss_settled_over_start_of_attacks": self.settled_ratio(),
             "server_died": self.server_died,
         }
 
@@ -175,6 +184,7 @@ class Soak:
         attackers: int = 0,
         quiet_s: float = 0.0,
         proc=None,
+        settle_s: float = 0.0,
     ):
         self.url = base_url
         self.pid = pid
@@ -182,6 +192,7 @@ class Soak:
         self.seed = seed
         self.attackers = attackers
         self.quiet_s = quiet_s if attackers else 0.0
+        self.settle_s = settle_s  # idle seconds after the load, before the last RSS sample
         self.proc = proc  # the server's Popen, when this run started it (to see it die)
         self.report = Report()
         self._lock = threading.Lock()
@@ -221,6 +232,8 @@ class Soak:
         self.report.idle_after = self.wait_idle()
         if self.pid is not None:
             self.report.rss.append((time.monotonic() - start, rss_bytes(self.pid)))
+            time.sleep(self.settle_s)  # idle: what the bursts left behind
+            self.report.rss_settled = rss_bytes(self.pid)
         self.report.server_by_code = _codes(httpx.get(f"{self.url}/metrics").text)
         return self.report
 
@@ -553,6 +566,8 @@ def print_report(report: Report) -> None:
             print(f"  slow probe at {at:.0f} s: {lat:.2f} s, beside {', '.join(names) or '-'}")
     if report.rss_ratio():
         print(f"RSS at the end / when the attacks began: {report.rss_ratio():.3f}")
+    if report.settled_ratio():
+        print(f"RSS idle after the run / when the attacks began: {report.settled_ratio():.3f}")
     if d["server_died"] is not None:
         print(f"the server DIED with status {d['server_died']}")
     if d["errors"]:
@@ -575,6 +590,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--quiet-s", type=float, default=60.0, help="seconds of legitimate load before attacks"
     )
+    p.add_argument(
+        "--settle-s", type=float, default=15.0, help="idle seconds before the last RSS sample"
+    )
     args = p.parse_args(argv)
     proc = None
     if args.url is None:
@@ -584,7 +602,8 @@ def main(argv: list[str] | None = None) -> int:
         url, pid = args.url.rstrip("/"), args.pid
     try:
         soak = Soak(url, pid=pid, workers=args.workers, seed=args.seed,
-                    attackers=args.attackers, quiet_s=args.quiet_s, proc=proc)  # fmt: skip
+                    attackers=args.attackers, quiet_s=args.quiet_s, proc=proc,
+                    settle_s=args.settle_s)  # fmt: skip
         report = soak.run(args.minutes * 60, args.sample_s)
     finally:
         if proc is not None:
