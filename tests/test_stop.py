@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.sampling import SamplingParams, StopStringMatcher, check_stop_token
+from tokenmill.sampling import SamplingParams, StopStringMatcher
+from tokenmill.sampling import finish_reason as check_stop_token
 
 
 def stream(matcher: StopStringMatcher, deltas: list[str]) -> tuple[list[str], bool]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenmill.engine.llm_engine import LLMEngine, RequestOutput, TokenLogprob
-from tokenmill.sampling import SamplingParams
+from tokenmill.sampling import FinishReason, SamplingParams
 
 Prompt = str | list[int]
 
@@ -42,7 +42,7 @@ class Timings:
 class Completion:
     text: str
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     logprobs: list[TokenLogprob] | None
     timings: Timings | None = None
 
@@ -65,7 +65,7 @@ class Output:
         return self.outputs[0].token_ids
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return self.outputs[0].finish_reason
 
     @property

@@ -36,11 +36,13 @@ from tokenmill.hub import resolve_model
 from tokenmill.loader import LoadError, open_checkpoint
 from tokenmill.models.transformer import Transformer
 from tokenmill.sampling import (
+    FinishReason,
     Sampler,
     SamplingParams,
     SamplingState,
     StopStringMatcher,
-    check_stop_token,
+    finish_reason,
+    is_stop_token,
 )
 from tokenmill.sampling.grammar import CompiledGrammar, GrammarCompiler
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -71,14 +73,14 @@ class RequestOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob]
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
     arrival: float
     first_token_time: float | None
     finish_time: float | None
-    # Set (with finish_reason "error") when this request alone failed in a step, e.g. its
+    # Set (with finish_reason ERROR) when this request alone failed in a step, e.g. its
     # sampling or its grammar raised: one line for the client; the rest of the step ran.
     error: str | None = None
 
@@ -254,7 +256,7 @@ class LLMEngine:
         if self._view is None:
             from tokenmill.trace import position_sample  # the trace's own helper
 
-            eos = set(self.eos_token_ids)
+            eos = frozenset(self.eos_token_ids)
             self._view = EngineView(
                 model_name=self.path.name,
                 config=self.config,
@@ -269,7 +271,7 @@ class LLMEngine:
                 kv_capacity_bytes=self.cache.nbytes,
                 pool_blocks_total=self.blocks.num_blocks,
                 pool_blocks_used=lambda: self.blocks.num_used,
-                is_stop_token=lambda t, p: check_stop_token(t, p, eos, 0) == "stop",
+                is_stop_token=functools.partial(is_stop_token, eos_token_ids=eos),
             )
         return self._view
 
@@ -395,7 +397,7 @@ class LLMEngine:
         if req is None:
             return False
         self.scheduler.finish(req.seq)
-        req.seq.finish_reason = "abort"
+        req.seq.finish_reason = FinishReason.ABORT
         return True
 
     def has_unfinished(self) -> bool:
@@ -436,7 +438,7 @@ class LLMEngine:
             except Exception as e:
                 outputs.append(self._fail(seq, e, now))
         for chunk in traced:
-            if chunk.seq.finish_reason != "error":
+            if chunk.seq.finish_reason is not FinishReason.ERROR:
                 chunk.seq.trace.on_step_end(chunk.seq, self.view())
         return outputs
 
@@ -479,7 +481,7 @@ class LLMEngine:
             exc_info=error,
         )
         self.requests.pop(seq.request_id, None)
-        seq.finish_reason, seq.finish_time = "error", now
+        seq.finish_reason, seq.finish_time = FinishReason.ERROR, now
         self.scheduler.finish(seq)
         out = self._output(seq, "", [], [])
         first_line = (str(error).strip().splitlines() or [""])[0][:200]
@@ -496,22 +498,23 @@ class LLMEngine:
         seq.output_ids.append(token)
         seq.sampling.append(token)
         self.stats["generation_tokens"] += 1
-        reason = check_stop_token(token, seq.params, self.eos_token_ids, len(seq.output_ids))
-        if reason == "stop":
-            text = self._drain(req)  # the stop token's own text is never shown
+        if is_stop_token(token, seq.params, self.eos_token_ids):
+            text, hit = "", False  # a stop token's own text is never shown
         else:
             text, hit = req.stops.feed(req.detok.add(token))
-            if hit:
-                reason = "stop"
-            elif seq.sampling.grammar is not None and seq.sampling.grammar.finished:
-                # The output is complete: the grammar would allow only EOS next, so end
-                # now rather than spend a forward pass on it.
-                reason = "stop"
-                text += self._drain(req)
-            elif reason == "length" or len(seq) >= self.max_model_len:
-                reason = "length"
-                text += self._drain(req)
+        grammar = seq.sampling.grammar
+        reason = finish_reason(
+            token,
+            seq.params,
+            self.eos_token_ids,
+            len(seq.output_ids),
+            num_tokens=len(seq),
+            max_model_len=self.max_model_len,
+            stop_string=hit,
+            grammar_complete=grammar is not None and grammar.finished,
+        )
         if reason is not None:
+            text += self._drain(req)  # what was held back ("" after a stop string)
             seq.finish_reason, seq.finish_time = reason, now
             self.scheduler.finish(seq)
             del self.requests[seq.request_id]
@@ -530,7 +533,8 @@ class LLMEngine:
             return []
         seq = self.scheduler.waiting[0]
         req = self.requests.pop(seq.request_id)
-        seq.finish_reason, seq.finish_time = "length", time.perf_counter()
+        # cut short before its first token, as a context too small for it would be
+        seq.finish_reason, seq.finish_time = FinishReason.LENGTH, time.perf_counter()
         self.scheduler.finish(seq)
         return [self._output(seq, self._drain(req), [], [])]
 

@@ -12,7 +12,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from tokenmill.sampling import SamplingParams, SamplingState
+from tokenmill.sampling import FinishReason, SamplingParams, SamplingState
 
 
 class Status(enum.Enum):
@@ -34,7 +34,7 @@ class Sequence:
     num_cached_prompt: int = 0  # prompt tokens served by the prefix cache at admission
     num_prefill_computed: int = 0  # prompt tokens this request actually ran through the model
     block_table: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0

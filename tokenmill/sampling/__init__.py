@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.sampling.params import SamplingParams
 
 __all__ = [
+    "FinishReason",
     "LogitsTrace",
     "SampleOutput",
     "Sampler",
@@ -22,7 +23,8 @@ __all__ = [
     "apply_logit_bias",
     "apply_penalties",
     "apply_temperature",
-    "check_stop_token",
+    "finish_reason",
+    "is_stop_token",
     "mask_logits",
     "min_p_mask",
     "process_logits",
@@ -30,7 +32,7 @@ __all__ = [
     "top_k_mask",
     "top_p_mask",
 ]
-_STOP = ("StopStringMatcher", "check_stop_token")
+_STOP = ("FinishReason", "StopStringMatcher", "finish_reason", "is_stop_token")
 
 if TYPE_CHECKING:  # for type checkers and editors; never executed
     from tokenmill.sampling.sampler import (
@@ -48,7 +50,12 @@ if TYPE_CHECKING:  # for type checkers and editors; never executed
         top_k_mask,
         top_p_mask,
     )
-    from tokenmill.sampling.stop import StopStringMatcher, check_stop_token
+    from tokenmill.sampling.stop import (
+        FinishReason,
+        StopStringMatcher,
+        finish_reason,
+        is_stop_token,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -6,13 +6,33 @@ start of another. A streaming client must never see any part of a stop string,
 so the matcher holds back every trailing piece of text that could still grow
 into one, and releases it only once it cannot (or when generation ends for
 another reason, via `flush`).
+
+Why a request ends is decided here too, in one place: `finish_reason`, and the
+`FinishReason` every layer reports (the engine, `LLM`, the server's JSON).
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Collection, Sequence
 
 from tokenmill.sampling.params import SamplingParams
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended, spelled as OpenAI's finish_reason: a str, so JSON, f-strings
+    and comparisons with the wire text all see "stop", "length", ..."""
+
+    STOP = "stop"  # an EOS or stop token, a stop string, or a completed grammar
+    LENGTH = "length"  # max_tokens, the model's context, or a prompt the pool cannot hold
+    TOOL_CALLS = "tool_calls"  # stopped after writing tool calls (the server parses them)
+    ABORT = "abort"  # the caller stopped it (e.g. its client went away): never sent
+    ERROR = "error"  # it alone failed in a step: its client gets an error, not a reason
+
+    def with_tool_calls(self) -> FinishReason:
+        """The reason once the output parsed into tool calls: a model that stopped after
+        its calls finished for them; one cut short stays cut short."""
+        return FinishReason.TOOL_CALLS if self is FinishReason.STOP else self
 
 
 class StopStringMatcher:
@@ -63,20 +83,38 @@ class StopStringMatcher:
         return 0
 
 
-def check_stop_token(
+def is_stop_token(token_id: int, params: SamplingParams, eos_token_ids: Collection[int]) -> bool:
+    """Whether token_id ends generation as a stop token, whose own text is never shown: an
+    EOS token (unless params.ignore_eos) or one of params.stop_token_ids."""
+    eos = token_id in eos_token_ids and not params.ignore_eos
+    return eos or token_id in params.stop_token_ids
+
+
+def finish_reason(
     token_id: int,
     params: SamplingParams,
     eos_token_ids: Collection[int],
     num_generated: int,
-) -> str | None:
-    """Finish reason after sampling token_id as the num_generated-th output token.
+    *,
+    num_tokens: int = 0,
+    max_model_len: int | None = None,
+    stop_string: bool = False,
+    grammar_complete: bool = False,
+) -> FinishReason | None:
+    """Why generation ends after sampling token_id as the num_generated-th output token,
+    or None if it goes on. The first that holds wins:
 
-    "stop" on an EOS token (unless params.ignore_eos) or one of
-    params.stop_token_ids; the caller must then leave that token's text out of
-    the output. "length" once max_tokens tokens have been generated. Else None.
+        STOP    token_id is a stop token (is_stop_token): the caller leaves its text out
+        STOP    its text completed a stop string (stop_string, StopStringMatcher's)
+        STOP    the grammar accepts the output and would allow only EOS next
+                (grammar_complete): ending now saves a forward pass for that EOS
+        LENGTH  params.max_tokens tokens generated, or the sequence (num_tokens: prompt
+                and output) fills the model's context (max_model_len)
     """
-    if (token_id in eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
-        return "stop"
+    if is_stop_token(token_id, params, eos_token_ids) or stop_string or grammar_complete:
+        return FinishReason.STOP
     if num_generated >= params.max_tokens:
-        return "length"
+        return FinishReason.LENGTH
+    if max_model_len is not None and num_tokens >= max_model_len:
+        return FinishReason.LENGTH
     return None

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.kv_cache import can_populate
 from tokenmill.engine.llm_engine import LLMEngine, RequestError, RequestOutput, TokenLogprob
-from tokenmill.sampling import SamplingParams
+from tokenmill.sampling import FinishReason, SamplingParams
 from tokenmill.sampling.grammar import CompiledGrammar
 from tokenmill.server.metrics import EngineStats, ServerMetrics
 
@@ -74,7 +74,7 @@ class Generation:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.text

@@ -690,7 +690,7 @@ class ChatFormat(_Format):
             message["content"], calls = parse_tool_calls(self.tools.fmt, generation.text)
             if calls:
                 message["tool_calls"] = [call.as_openai() for call in calls]
-                reason = "tool_calls" if reason == "stop" else reason
+                reason = reason.with_tool_calls()
         return {
             "index": index,
             "message": message,
@@ -722,8 +722,8 @@ class ChatFormat(_Format):
             return None
         delta = _delta(parsed)
         reason = out.finish_reason if out.finished else None
-        if reason == "stop" and parser.calls:
-            reason = "tool_calls"
+        if reason is not None and parser.calls:
+            reason = reason.with_tool_calls()
         logprobs = self.logprobs(out.logprobs) if self.want_logprobs else None
         return self._chunk(index, delta, logprobs, reason)
 
