@@ -147,7 +147,8 @@ def test_checkpoint_shapes_match_the_model(tmp_path, arch):
     """The shapes a file is checked against before loading (computed from the config) are
     the shapes of the model's parameters (built on the meta device), fused ones included."""
     from tokenmill.loader.hf_config import from_hf_config
-    from tokenmill.models.transformer import checkpoint_parts, checkpoint_shapes
+    from tokenmill.loader.shapes import checkpoint_shapes
+    from tokenmill.models.transformer import checkpoint_parts
 
     for tie in (True, False):
         build_hf_model(arch, tmp_path, tie_word_embeddings=tie)

@@ -7,48 +7,13 @@ so the model never knows where its weights came from.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from tokenmill.config import ModelConfig
+# The types live in a module of their own, so the format readers import them without
+# importing this package's dispatch (which imports the readers).
+from tokenmill.loader.checkpoint import Checkpoint, LoadError
 
-if TYPE_CHECKING:  # annotations only: the CLI checks a path with sniff_format before torch loads
-    import torch
-
-
-class LoadError(RuntimeError):
-    """A checkpoint could not be loaded. The message is one line naming file and problem."""
-
-    def __init__(self, path: str | Path, problem: str):
-        super().__init__(f"{path}: {problem}")
-        self.path = str(path)
-        self.problem = problem
-
-
-@dataclass
-class Checkpoint:
-    path: Path
-    format: str  # "hf" | "gguf"
-    config: ModelConfig
-    # name -> a function producing the tensor (lazily: nothing is read until called)
-    tensors: dict[str, Callable[[], torch.Tensor]]
-    generation_config: dict = field(default_factory=dict)
-    # GGUF only: name -> a function giving the tensor still in its file encoding, as
-    # (GGMLQuantizationType, array [rows, bytes per row]) with rows already in tokenmill's
-    # order (Q/K unpermuted, fused QKV split). Quantized layers are built from these
-    # without ever making a float32 copy.
-    raw: dict[str, Callable[[], tuple]] = field(default_factory=dict)
-    # name -> the tensor's shape as `tensors[name]()` will return it, read from the file's
-    # header without touching the data: checks.py compares them with the config
-    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    # release(name): the caller is done with that tensor's file bytes (GGUF: drops the
-    # mapped pages from the resident set, so packing a model never holds the file twice)
-    release: Callable[[str], None] = lambda name: None
-
-    def items(self) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
-        return iter(self.tensors.items())
+__all__ = ["Checkpoint", "LoadError", "open_checkpoint", "sniff_format"]
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:

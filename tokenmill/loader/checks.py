@@ -7,7 +7,7 @@ vocabulary x hidden size the embedding, the context length the RoPE tables. So b
 - layers: tensors for exactly layers 0..N-1 of the N the config claims (a block_count of
   10^8 would otherwise build 10^8 blocks, minutes and gigabytes, before anything looked);
 - tensors: every tensor the model will load is in the file, with the shape the config
-  implies (`models.transformer.checkpoint_shapes`, next to the model it describes);
+  implies (`loader/shapes.py`, below the model it describes);
 - tables sized from the config alone (RoPE cos/sin: positions x rotary dims x 2) fit in
   this machine's memory.
 
@@ -22,7 +22,8 @@ import os
 import re
 from pathlib import Path
 
-from tokenmill.loader import Checkpoint, LoadError
+from tokenmill.loader.checkpoint import Checkpoint, LoadError
+from tokenmill.loader.shapes import checkpoint_shapes
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -67,8 +68,6 @@ def _check_layers(ckpt: Checkpoint, layer_key: str) -> None:
 
 
 def _check_tensors(ckpt: Checkpoint) -> None:
-    from tokenmill.models.transformer import checkpoint_shapes
-
     expected = checkpoint_shapes(ckpt.config)
     shapes = dict(ckpt.shapes)
     available = set(ckpt.tensors)

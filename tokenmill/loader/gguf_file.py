@@ -26,7 +26,7 @@ from tokenmill.config import (
     check_float,
     check_int,
 )
-from tokenmill.loader import Checkpoint, LoadError
+from tokenmill.loader.checkpoint import Checkpoint, LoadError
 from tokenmill.loader.checks import check_checkpoint, part_shape
 from tokenmill.loader.gguf_reader import GGUFFile, GGUFFormatError
 

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from tokenmill.config import ConfigError
-from tokenmill.loader import Checkpoint, LoadError
+from tokenmill.loader.checkpoint import Checkpoint, LoadError
 from tokenmill.loader.checks import check_checkpoint, part_shape
 from tokenmill.loader.hf_config import ConfigFields, from_hf_config
 
