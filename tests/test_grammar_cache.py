@@ -49,7 +49,7 @@ from tokenmill.sampling import grammar as g
 compiler = g.GrammarCompiler(load_tokenizer(Path(sys.argv[1])), 49152, [2], cache_bytes=2**30)
 compiler.compile("choice", ["a", "b"])  # llguidance's own one-time state
 gc.collect()
-g._give_back_memory()
+g.give_back_memory()
 idle = g._rss_bytes()
 for j in range(4):  # a burst of large distinct constraints
     compiler.compile("choice", [f"option {j} {i} word{i * 7}" for i in range(20_000)])

@@ -23,7 +23,6 @@ matcher simply stays where it was.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -39,6 +38,8 @@ import llguidance
 import numpy as np
 import torch
 from torch import Tensor
+
+from tokenmill.heap import give_back_memory
 
 log = logging.getLogger("tokenmill.grammar")
 
@@ -371,16 +372,6 @@ def _rss_bytes() -> int:
         return 0
 
 
-def _give_back_memory() -> None:
-    """Return freed heap pages to the OS (glibc's malloc_trim): llguidance frees a
-    dropped grammar into the C heap, which otherwise keeps the pages, and RSS would
-    stay at its peak after a burst of large constraints."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
     """llguidance's int32 bitmask [R, ceil(V/32)] (bit j of word w = token 32w + j) as
     bool [R, V].
@@ -568,4 +559,4 @@ class GrammarCompiler:
                 self._cached_bytes -= grammar.nbytes
                 dropped += grammar.nbytes
         if dropped >= 8 * 2**20:  # worth a trim (a few ms)
-            _give_back_memory()
+            give_back_memory()

@@ -48,11 +48,15 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.kv_cache import can_populate
 from tokenmill.engine.llm_engine import LLMEngine, RequestError, RequestOutput, TokenLogprob
+from tokenmill.heap import give_back_memory
 from tokenmill.sampling import FinishReason, SamplingParams
 from tokenmill.sampling.grammar import CompiledGrammar
 from tokenmill.server.metrics import EngineStats, ServerMetrics
 
 log = logging.getLogger("tokenmill.server")
+# The engine idle this long gives freed heap back to the OS (tokenmill.heap): RSS after
+# a burst then returns to where it was, rather than staying at the burst's peak.
+TRIM_AFTER_IDLE_S = 1.0
 
 
 class QueueFull(Exception):
@@ -365,7 +369,11 @@ class AsyncEngine:
         self._beat = time.monotonic()  # the heartbeat: one round (a step) done
         if block:  # idle: nothing pending until a command comes
             self._idle = True
-            commands = [self._commands.get()]
+            try:
+                commands = [self._commands.get(timeout=TRIM_AFTER_IDLE_S)]
+            except queue.Empty:  # idle a while: hand the last burst's freed heap back
+                give_back_memory()
+                commands = [self._commands.get()]
             self._beat, self._idle = time.monotonic(), False
         else:
             commands = []
