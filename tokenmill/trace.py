@@ -43,9 +43,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tokenmill.engine.hooks import AttentionSite, EngineView
+from tokenmill.engine.hooks import EngineView
 from tokenmill.engine.scheduler import is_decode
 from tokenmill.engine.sequence import Status
+from tokenmill.layers.attention import AttentionSite
 from tokenmill.sampling import SamplingState, process_logits
 from tokenmill.tokenizer import IncrementalDetokenizer
 from tokenmill.trace_schema import ModelRecord, PromptRecord, StepRecord, TraceRecord

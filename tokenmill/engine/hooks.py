@@ -7,6 +7,10 @@ request the same way. Hook order within one engine step:
     on_step_begin -> on_embedding -> per layer: on_attention, on_residual("attention"),
     on_residual("mlp") -> on_sample (if the step yields a token) -> on_step_end
 
+The forward pass's three (on_embedding, on_attention, on_residual) and AttentionSite are
+declared with the batch they see (layers/attention.py: ForwardHooks), below the engine,
+so that the layers and the model never import it.
+
 A traced row takes the whole step off the native decode paths (models/paths.py: the
 hooks need each layer's tensors), so the other requests in that step run the torch path
 too: tracing is cheap, but not free for a batch that shares a step with it.
@@ -22,25 +26,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tokenmill.layers.attention import ForwardHooks
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from tokenmill.config import ModelConfig
     from tokenmill.engine.sequence import Sequence
-    from tokenmill.layers.attention import AttentionMetadata
     from tokenmill.sampling import SamplingParams, SamplingState
-
-
-@dataclass(frozen=True)
-class AttentionSite:
-    """Which attention call of a step: the decode rows' (one call for all of them), or
-    prefill chunk `index` (one call each). As the traced request's site (AttentionMetadata
-    .trace_attn), a decode site's index is the request's row among the decode rows."""
-
-    kind: Literal["decode", "prefill"]
-    index: int | None = None
 
 
 @dataclass(frozen=True)
@@ -64,31 +59,12 @@ class EngineView:
     is_stop_token: Callable[[int, SamplingParams], bool]  # sampling/stop.py's rule
 
 
-class StepHooks(Protocol):
-    """A traced request's observer (AttentionMetadata.trace, Sequence.trace)."""
+class StepHooks(ForwardHooks, Protocol):
+    """A traced request's observer (Sequence.trace; AttentionMetadata.trace in the forward
+    pass): the forward pass's hooks (on_embedding, on_attention, on_residual: declared with
+    the batch they see, layers/attention.py::ForwardHooks) and the engine's around them."""
 
     def on_step_begin(self, seq: Sequence, num_tokens: int) -> None: ...
-
-    def on_embedding(self, meta: AttentionMetadata, input_ids: Tensor, x: Tensor) -> None: ...
-
-    def on_attention(
-        self,
-        meta: AttentionMetadata,
-        site: AttentionSite,
-        layer_idx: int,
-        q: Tensor,
-        keys: Tensor,
-        mask: Tensor | None,
-        scale: float,
-    ) -> None: ...
-
-    def on_residual(
-        self,
-        meta: AttentionMetadata,
-        layer_idx: int,
-        sublayer: Literal["attention", "mlp"],
-        x: Tensor,
-    ) -> None: ...
 
     def on_sample(self, logits_row: Tensor, state: SamplingState, token_id: int) -> None: ...
 

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.engine.hooks import AttentionSite
 from tokenmill.engine.kv_cache import KVCache
 from tokenmill.engine.scheduler import ScheduledChunk
-from tokenmill.layers.attention import AttentionMetadata, PrefillSpan
+from tokenmill.layers.attention import AttentionMetadata, AttentionSite, PrefillSpan
 from tokenmill.models.transformer import Transformer
 
 

@@ -13,13 +13,13 @@ GQA and MQA alike), hd head dim, C context length.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import ModelConfig
-from tokenmill.engine.hooks import AttentionSite, StepHooks
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import Rotary
@@ -35,17 +35,63 @@ class PrefillSpan:
     slots: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class AttentionSite:
+    """Which attention call of a step: the decode rows' (one call for all of them), or
+    prefill chunk `index` (one call each). As the traced request's site (AttentionMetadata
+    .trace_attn), a decode site's index is the request's row among the decode rows."""
+
+    kind: Literal["decode", "prefill"]
+    index: int | None = None
+
+
+class ForwardHooks(Protocol):
+    """What the forward pass calls on a traced batch (AttentionMetadata.trace): the model
+    (models/transformer.py) after the embedding and each residual add, this module at
+    each attention call. The engine's StepHooks (engine/hooks.py) adds the step's own
+    hooks around them; the layers and the model know only these."""
+
+    def on_embedding(
+        self, meta: AttentionMetadata, input_ids: torch.Tensor, x: torch.Tensor
+    ) -> None: ...
+
+    def on_attention(
+        self,
+        meta: AttentionMetadata,
+        site: AttentionSite,
+        layer_idx: int,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+    ) -> None: ...
+
+    def on_residual(
+        self,
+        meta: AttentionMetadata,
+        layer_idx: int,
+        sublayer: Literal["attention", "mlp"],
+        x: torch.Tensor,
+    ) -> None: ...
+
+
 @dataclass
 class AttentionMetadata:
+    """One forward pass's packed batch: the layout the runner packs (positions, slots,
+    decode rows, prefill spans), then what the trace and the native decode path attach
+    for the step. Every type it names is declared here or below, so the layers never
+    import the engine."""
+
     positions: torch.Tensor  # [T] position of each token in its sequence
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
     num_decode: int = 0
     decode_slots: torch.Tensor | None = None  # [Bd, Cmax] slots to read, padded
     decode_context_lens: torch.Tensor | None = None  # [Bd]
     prefills: list[PrefillSpan] = field(default_factory=list)
-    # Tracing (engine/hooks.py): the traced request's hooks, its rows in the packed batch,
-    # and where its attention runs: AttentionSite("decode", row) or ("prefill", span).
-    trace: StepHooks | None = None
+    # Tracing (ForwardHooks above; the engine's StepHooks): the traced request's hooks, its
+    # rows in the packed batch, and where its attention runs: AttentionSite("decode", row)
+    # or ("prefill", span).
+    trace: ForwardHooks | None = None
     trace_rows: slice | None = None
     trace_attn: AttentionSite | None = None
     # The native decode paths (models/paths.py): the model's NativeModel and the decode
