@@ -11,7 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from tokenmill.version import __version__ as __version__  # re-exported
+
 __all__ = ["LLM", "Completion", "Output", "SamplingParams"]
 
 _EXPORTS = {

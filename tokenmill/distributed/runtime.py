@@ -70,6 +70,7 @@ from tokenmill.distributed.plan import (
     tp_plan,
 )
 from tokenmill.distributed.shard import pp_checkpoint, tp_checkpoint
+from tokenmill.dtypes import DTYPES
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.loader import Checkpoint
 
@@ -150,7 +151,6 @@ def local_part(ckpt: Checkpoint, spec: ParallelSpec, rank: int):
 
 def build_part(ckpt: Checkpoint, spec: ParallelSpec, rank: int, progress=None):
     """The rank's model, loaded (only its tensors, cut), with its group attached."""
-    from tokenmill.engine.llm_engine import DTYPES
     from tokenmill.models.transformer import Transformer
 
     cfg, view, group = local_part(ckpt, spec, rank)
@@ -595,7 +595,6 @@ def worker_main(
     port: the rendezvous of a run rank 0 started on this machine (spec given, control_fd
     its pipe to rank 0); None under torchrun (the spec comes from rank 0)."""
     from tokenmill.engine.kv_cache import KVCache
-    from tokenmill.engine.llm_engine import DTYPES
     from tokenmill.loader import open_checkpoint
 
     control = _Control(control_fd)

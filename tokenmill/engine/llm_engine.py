@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from tokenmill import kernels
+from tokenmill.dtypes import DTYPES
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.hooks import EngineView
 from tokenmill.engine.kv_cache import KVCache, kv_blocks
@@ -47,10 +48,9 @@ from tokenmill.sampling import (
 from tokenmill.sampling.grammar import CompiledGrammar, GrammarCompiler
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
 from tokenmill.tokenizer.tokenizer import TextTooLong
+from tokenmill.version import __version__
 
 log = logging.getLogger("tokenmill.engine")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class RequestError(ValueError):
@@ -233,8 +233,6 @@ class LLMEngine:
     # ------------------------------------------------------------------
     def info(self) -> dict[str, str]:
         """What runs: for /metrics' build info and the inspector."""
-        from tokenmill import __version__
-
         return {
             "version": __version__,
             "model": self.path.name,
