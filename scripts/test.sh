@@ -31,6 +31,9 @@ python scripts/fetch_fixtures.py
 # Lint and format first: a style slip fails in seconds, not after the suite.
 ruff check tokenmill tests benchmarks scripts
 ruff format --check tokenmill tests benchmarks scripts
+# The layers (pyproject.toml [tool.importlinter]): an import loop, or an import from a lower
+# layer to a higher one (lazy and TYPE_CHECKING ones too), fails here in a second.
+lint-imports --no-cache
 
 export TOKENMILL_REQUIRE_NATIVE=1  # a host build that fails is a red suite, not a torch fallback
 python -m pytest "$@"
