@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 
 import tokenmill
 from tokenmill import hub
-from tokenmill.checks import ArgumentError
+from tokenmill.checks import ArgumentError, ParamError
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -252,7 +252,7 @@ def _read_option_file(field: str, path: str | None) -> str | None:
         return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
-        raise ValueError(f"{field} cannot read {path}: {reason}") from None
+        raise ParamError.named(field, f" cannot read {path}: {reason}") from None
 
 
 def _params(args: argparse.Namespace):
@@ -724,14 +724,13 @@ def _registrar(module: str):
 
 def _check_sampling_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Check the sampling values with SamplingParams (the one place that knows the allowed
-    ranges) before any model work; its message names the field, this names the option."""
+    ranges) before any model work; its ParamError names the field, this names the option."""
     try:
         _params(args)
-    except ValueError as e:
-        field, _, problem = str(e).partition(" ")
-        option = "--" + field.replace("_", "-")
-        if problem and option in _option_strings(parser, args.command):
-            message = f"argument {option}: {problem}"
+    except ParamError as e:  # e.param names the field; its option is --field-name
+        option = None if e.param is None else "--" + e.param.replace("_", "-")
+        if e.problem and option in _option_strings(parser, args.command):
+            message = f"argument {option}: {e.problem}"
         else:
             message = str(e)
         _usage_error(parser, args, message)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from tokenmill import kernels
+from tokenmill.checks import ParamError
 from tokenmill.dtypes import DTYPES
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.hooks import EngineView
@@ -53,8 +54,10 @@ from tokenmill.version import __version__
 log = logging.getLogger("tokenmill.engine")
 
 
-class RequestError(ValueError):
-    """A request the engine cannot take (bad prompt, too long, duplicate id...)."""
+class RequestError(ParamError):
+    """A request the engine cannot take (bad prompt, too long, duplicate id...); `param`
+    names the input it is about ("prompt"), or the sampling parameter the request's
+    grammar or sampler refused."""
 
 
 @dataclass
@@ -295,7 +298,7 @@ class LLMEngine:
                     prompt, add_special_tokens=True, max_tokens=self.max_model_len
                 )
             except TextTooLong as e:
-                raise RequestError(self._too_long(e)) from None
+                raise RequestError(self._too_long(e), "prompt") from None
         elif isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
@@ -303,12 +306,13 @@ class LLMEngine:
             bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
             if bad:
                 raise RequestError(
-                    f"prompt token id {bad[0]} is out of range [0, {self.config.vocab_size})"
+                    f"prompt token id {bad[0]} is out of range [0, {self.config.vocab_size})",
+                    "prompt",
                 )
         else:
-            raise RequestError("prompt must be a string or a list of token ids")
+            raise RequestError("prompt must be a string or a list of token ids", "prompt")
         if not ids:
-            raise RequestError("prompt is empty")
+            raise RequestError("prompt is empty", "prompt")
         return ids
 
     def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
@@ -328,7 +332,7 @@ class LLMEngine:
         try:
             return self.tokenizer.encode_chat(messages, max_tokens=self.max_model_len, tools=tools)
         except TextTooLong as e:
-            raise RequestError(self._too_long(e)) from None
+            raise RequestError(self._too_long(e), "messages") from None
 
     def _too_long(self, e: TextTooLong) -> str:
         return (
@@ -360,12 +364,13 @@ class LLMEngine:
         (on the caller's thread) when not given."""
         params = params or SamplingParams()
         if request_id in self.requests:
-            raise RequestError(f"request id {request_id!r} is already running")
+            raise RequestError(f"request id {request_id!r} is already running", "request_id")
         ids = self.encode_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise RequestError(
                 f"prompt has {len(ids)} tokens, more than the model's context of "
-                f"{self.max_model_len - 1} (leaving room for at least one generated token)"
+                f"{self.max_model_len - 1} (leaving room for at least one generated token)",
+                "prompt",
             )
         try:
             if grammar is None:
@@ -379,7 +384,7 @@ class LLMEngine:
                 grammar=grammar,
             )
         except ValueError as e:  # GrammarError included
-            raise RequestError(str(e)) from None
+            raise RequestError(str(e), getattr(e, "param", None)) from None
         seq = Sequence(
             request_id, ids, params, state, trace=trace, cache_salt=cache_salt, group=group
         )

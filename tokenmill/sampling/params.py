@@ -2,9 +2,11 @@
 
 Everything downstream (the batched sampler, stop logic, the server) trusts these
 values, so every check happens here, in one place, with a one-line message that
-names the parameter and its allowed range. A few fields are normalised so that
-consumers have one spelling to handle: `stop` and `stop_token_ids` become lists,
-`top_k == -1` becomes 0 ("off"), and logit_bias keys become ints.
+names the parameter and its allowed range: a ParamError (a ValueError) whose `param`
+is that parameter, and whose names the server respells as its request fields. A few
+fields are normalised so that consumers have one spelling to handle: `stop` and
+`stop_token_ids` become lists, `top_k == -1` becomes 0 ("off"), and logit_bias keys
+become ints.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.checks import ParamError
 from tokenmill.checks import check_float as _check_float
 from tokenmill.checks import check_int as _check_int
 
@@ -69,7 +72,9 @@ class SamplingParams:
         self.temperature = _check_float("temperature", self.temperature, 0.0, **f32)
         self.top_p = _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True, **f32)
         if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
-            raise ValueError(f"top_k must be 0 or -1 (off) or an integer >= 1, got {self.top_k!r}")
+            raise ParamError.named(
+                "top_k", f" must be 0 or -1 (off) or an integer >= 1, got {self.top_k!r}"
+            )
         # 0 = off; any k past the vocabulary keeps everything, so a k too big for an
         # int64 tensor (2**63) is clamped, not overflowed
         self.top_k = min(max(self.top_k, 0), TOP_K_MAX)
@@ -90,15 +95,16 @@ class SamplingParams:
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         elif not isinstance(self.stop_token_ids, (list, tuple)):
-            raise ValueError(
-                f"stop_token_ids must be a list of integers >= 0, got {self.stop_token_ids!r}"
+            raise ParamError.named(
+                "stop_token_ids",
+                f" must be a list of integers >= 0, got {self.stop_token_ids!r}",
             )
         elif len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids")
+            raise ParamError.named("stop_token_ids", f" takes at most {MAX_STOP_TOKEN_IDS} ids")
         else:
             self.stop_token_ids = [_check_int("stop_token_ids", t, 0) for t in self.stop_token_ids]
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise ParamError.named("ignore_eos", f" must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         self.n = _check_int("n", self.n, 1)
@@ -127,22 +133,27 @@ class SamplingParams:
         engine (LLMEngine.compile_grammar), which needs the tokenizer."""
         given = [kind for kind in CONSTRAINTS if getattr(self, kind) is not None]
         if len(given) > 1:
-            raise ValueError(
-                f"give at most one of {', '.join(CONSTRAINTS)}; got {given[0]} and {given[1]}"
+            raise ParamError.named(  # about two parameters: param None
+                "",
+                f"give at most one of {', '.join(CONSTRAINTS)}; got ",
+                given[0],
+                " and ",
+                given[1],
             )
         if isinstance(self.json_schema, str):
             try:
                 self.json_schema = json.loads(self.json_schema)
             except json.JSONDecodeError as e:
-                raise ValueError(f"json_schema is not valid JSON: {e}") from None
+                raise ParamError.named("json_schema", f" is not valid JSON: {e}") from None
         if self.json_schema is not None and not isinstance(self.json_schema, (dict, bool)):
-            raise ValueError(
-                f"json_schema must be a JSON Schema object, got {type(self.json_schema).__name__}"
+            raise ParamError.named(
+                "json_schema",
+                f" must be a JSON Schema object, got {type(self.json_schema).__name__}",
             )
         for kind in ("regex", "grammar"):
             value = getattr(self, kind)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"{kind} must be a non-empty string, got {value!r}")
+                raise ParamError.named(kind, f" must be a non-empty string, got {value!r}")
         if self.choice is not None:
             choice = self.choice
             if (
@@ -150,20 +161,22 @@ class SamplingParams:
                 or not choice
                 or not all(isinstance(c, str) and c for c in choice)
             ):
-                raise ValueError(
-                    f"choice must be a non-empty list of non-empty strings, got {choice!r}"
+                raise ParamError.named(
+                    "choice", f" must be a non-empty list of non-empty strings, got {choice!r}"
                 )
             self.choice = list(choice)
         if given and self.ignore_eos:
             # The grammar decides where the output ends; ignoring that end has no meaning.
-            raise ValueError(f"ignore_eos cannot be combined with {given[0]}")
+            raise ParamError.named("ignore_eos", " cannot be combined with ", given[0])
 
     @staticmethod
     def _checked_logit_bias(bias: Any) -> dict[int, float] | None:
         if bias is None:
             return None
         if not isinstance(bias, dict):
-            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+            raise ParamError.named(
+                "logit_bias", f" must be a dict of token id -> bias, got {bias!r}"
+            )
         checked: dict[int, float] = {}
         for key, value in bias.items():
             # ASCII digits only: str.isdecimal() and int() also take other scripts' digits,
@@ -171,8 +184,8 @@ class SamplingParams:
             is_digits = isinstance(key, str) and key.isascii() and key.isdecimal()
             token = int(key) if is_digits else key
             if not _is_int(token) or token < 0:
-                raise ValueError(f"logit_bias keys must be token ids >= 0, got {key!r}")
-            checked[token] = _check_float(f"logit_bias[{token}]", value, -100.0, 100.0)
+                raise ParamError.named("logit_bias", f" keys must be token ids >= 0, got {key!r}")
+            checked[token] = _check_float("logit_bias", value, -100.0, 100.0, at=f"[{token}]")
         return checked
 
     @staticmethod
@@ -181,13 +194,13 @@ class SamplingParams:
             return []
         items = [stop] if isinstance(stop, str) else stop
         if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
-            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+            raise ParamError.named("stop", f" must be a string or a list of strings, got {stop!r}")
         if any(s == "" for s in items):
-            raise ValueError("stop must not contain empty strings")
+            raise ParamError.named("stop", " must not contain empty strings")
         # every stop string is searched in every new piece of text of every sequence:
         # 12,000 of them slowed every client's step by 40% (issue 21)
         if len(items) > MAX_STOP:
-            raise ValueError(f"stop takes at most {MAX_STOP} strings, got {len(items)}")
+            raise ParamError.named("stop", f" takes at most {MAX_STOP} strings, got {len(items)}")
         if any(len(s) > MAX_STOP_CHARS for s in items):
-            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
+            raise ParamError.named("stop", f" strings must be at most {MAX_STOP_CHARS} characters")
         return list(items)

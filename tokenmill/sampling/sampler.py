@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tokenmill.checks import ParamError
 from tokenmill.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -250,8 +251,9 @@ class SamplingState:
             raise ValueError(f"grammar compiled for vocab {grammar.vocab_size}, not {vocab_size}")
         if params.logit_bias and max(params.logit_bias) >= vocab_size:
             bad = max(params.logit_bias)
-            raise ValueError(
-                f"logit_bias token id {bad} is out of range for vocab size {vocab_size}"
+            raise ParamError(
+                f"logit_bias token id {bad} is out of range for vocab size {vocab_size}",
+                "logit_bias",
             )
         generator = None
         if params.seed is not None:

@@ -280,7 +280,8 @@ class AsyncEngine:
         if self.max_waiting is not None and count > self.max_waiting:
             raise RequestError(
                 f"n is {params.n} for {len(prompts)} prompt(s): {count} sequences, more than "
-                f"this server ever queues at once ({self.max_waiting}, --max-waiting)"
+                f"this server ever queues at once ({self.max_waiting}, --max-waiting)",
+                "n",
             )
         with self._lock:
             waiting = self._pending + len(self.engine.scheduler.waiting)

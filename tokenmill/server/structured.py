@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenmill.checks import ParamError
 from tokenmill.server.text import Text
 
 JSON_OBJECT = {"type": "object"}  # json_object: any JSON object
@@ -60,19 +61,25 @@ _GUIDED = {
 def constraint(body: Any) -> tuple[str, dict[str, Any]] | None:
     """(request field, SamplingParams keywords) for the request's constraint, or None.
 
-    body has the fields above. Raises ValueError naming the field on a bad combination."""
+    body has the fields above. Raises ParamError naming the field on a bad combination."""
     found: list[tuple[str, dict[str, Any]]] = []
     fmt: ResponseFormat | None = body.response_format
     if fmt is not None and fmt.type != "text":
         if fmt.type == "json_object":
             found.append(("response_format", {"json_schema": JSON_OBJECT}))
         elif fmt.json_schema is None:
-            raise ValueError("response_format.json_schema is required when type is 'json_schema'")
+            raise ParamError(
+                "response_format.json_schema is required when type is 'json_schema'",
+                "response_format",
+            )
         else:
             schema = fmt.json_schema.schema_
             found.append(("response_format", {"json_schema": True if schema is None else schema}))
     elif fmt is not None and fmt.json_schema is not None:
-        raise ValueError(f"response_format.json_schema needs type 'json_schema', not '{fmt.type}'")
+        raise ParamError(
+            f"response_format.json_schema needs type 'json_schema', not '{fmt.type}'",
+            "response_format",
+        )
     for name, kind in _GUIDED.items():
         value = getattr(body, name)
         if value is not None:
@@ -89,14 +96,17 @@ def constraint(body: Any) -> tuple[str, dict[str, Any]] | None:
             given["json_object"] = JSON_OBJECT
         given = {k: v for k, v in given.items() if v is not None}
         if len(given) != 1:
-            raise ValueError(
+            raise ParamError(
                 "structured_outputs must set exactly one of json, regex, choice, grammar, "
-                f"json_object; got {', '.join(given) or 'none'}"
+                f"json_object; got {', '.join(given) or 'none'}",
+                "structured_outputs",
             )
         kind, value = next(iter(given.items()))
         found.append(
             ("structured_outputs", {"json_schema" if kind == "json_object" else kind: value})
         )
     if len(found) > 1:
-        raise ValueError(f"{found[0][0]} and {found[1][0]} cannot be combined: send one")
+        raise ParamError(
+            f"{found[0][0]} and {found[1][0]} cannot be combined: send one", found[0][0]
+        )
     return found[0] if found else None
