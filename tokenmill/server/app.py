@@ -72,20 +72,18 @@ from tokenmill.server.async_engine import (
     RequestStream,
     ShuttingDown,
 )
+from tokenmill.server.errors import APIError, InternalError, to_api_error
 from tokenmill.server.limits import BodyLimit, HostCheck, ServerLimits, default_max_body_bytes
 from tokenmill.server.metrics import CLIENT_CLOSED_REQUEST, CONTENT_TYPE, CountRequests
 from tokenmill.server.protocol import (
-    APIError,
     ChatCompletionRequest,
     ChatFormat,
     CompletionFormat,
     CompletionRequest,
     check_fits,
-    error_body,
     invalid,
-    pydantic_errors_to_api_error,
 )
-from tokenmill.server.sse import engine_error, sse
+from tokenmill.server.sse import sse
 from tokenmill.server.tools import ToolRequest, encode_tool_chat
 from tokenmill.tokenizer.tokenizer import TextTooLong
 
@@ -234,40 +232,25 @@ def _error_response(error: APIError) -> JSONResponse:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc)
+    """Every error answer goes through to_api_error (tokenmill/server/errors.py)."""
 
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(pydantic_errors_to_api_error(list(exc.errors())))
-
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        body = error_body(str(exc.detail), "invalid_request_error", None, None)
-        return ErrorResponse(body, status_code=exc.status_code, headers=exc.headers)
-
-    async def engine_failure(request: Request, exc: EngineFailure) -> JSONResponse:
-        return _error_response(_server_error(exc))
+    async def known(request: Request, exc: Exception) -> JSONResponse:
+        return _error_response(to_api_error(exc))
 
     async def too_deep(request: Request, exc: RecursionError) -> JSONResponse:
         # Whatever recursed past Python's stack (JSON nested ~1,000 deep walked somewhere)
         # was the client's structure: a 400, not a 500 with a traceback (issue 21 item 8).
         log.info("%s %s: RecursionError: %s", request.method, request.url.path, exc)
-        error = invalid("the request nests too deeply to process; flatten it")
-        return _error_response(error)
+        return _error_response(to_api_error(exc))
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Starlette logs the traceback and re-raises after sending this.
-        return _error_response(_server_error(RuntimeError("internal server error")))
+        return _error_response(to_api_error(InternalError()))
 
-    app.add_exception_handler(APIError, api_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(EngineFailure, engine_failure)
+    for known_type in (APIError, RequestValidationError, StarletteHTTPException, EngineFailure):
+        app.add_exception_handler(known_type, known)
     app.add_exception_handler(RecursionError, too_deep)
     app.add_exception_handler(Exception, unexpected)
-
-
-def _server_error(exc: Exception) -> APIError:
-    return APIError(500, str(exc), type="server_error", code="internal_error")
 
 
 def _api_key_check(keys: list[str]) -> Callable[[Request], Awaitable[None]]:
@@ -368,8 +351,8 @@ async def health(request: Request) -> JSONResponse:
     # or a parallel rank died or is stuck (AsyncEngine.health reads, never waits)
     ok, reason = _engine(request).health()
     if not ok:
-        body = error_body(reason, "server_error", None, "unhealthy")
-        return JSONResponse(body, status_code=503)
+        error = APIError(503, reason, type="server_error", code="unhealthy")
+        return JSONResponse(error.body(), status_code=error.status)
     return JSONResponse({"status": "ok"})
 
 
@@ -483,8 +466,8 @@ def _completion_prompts(
     for i, one in enumerate(prompts):
         try:
             ids = engine.encode_prompt(one)
-        except RequestError as e:
-            raise invalid(f"prompt[{i}]: {e}" if batch else str(e), "prompt") from None
+        except RequestError as e:  # about "prompt"; in a batch, say which one
+            raise to_api_error(RequestError(f"prompt[{i}]: {e}", e.param) if batch else e) from None
         text = None
         if echo:
             text = one if isinstance(one, str) else engine.tokenizer.decode(ids)
@@ -503,7 +486,7 @@ def _chat_prompt(
     try:
         return encode_tool_chat(engine.encode_chat, messages, tools, template)
     except ValueError as e:  # ChatTemplateError, RequestError (too long), a refused message
-        raise invalid(str(e), "messages") from None
+        raise to_api_error(e, param="messages") from None
 
 
 def _check_messages_fit(engine: LLMEngine, messages: list[dict[str, Any]]) -> None:
@@ -548,15 +531,15 @@ async def _run(
         # compiled before anything is queued, off the event loop: a schema the engine
         # refuses is a 400 naming it
         grammar = await off_loop(request, _engine(request).engine.compile_grammar, params)
-    except GrammarError as e:
-        raise invalid(str(e), body.constraint_param) from None
+    except GrammarError as e:  # about the field that carried the constraint
+        raise to_api_error(e, param=body.constraint_param) from None
     try:
         salt = cache_salt_for(request, body.cache_salt)
         stream = await _engine(request).generate(
             request_id, prompts, params, grammar=grammar, cache_salt=salt
         )
     except (QueueFull, ShuttingDown, RequestError) as e:  # RequestError: e.g. a logit_bias id
-        raise engine_error(e, type(body).model_fields) from None
+        raise to_api_error(e, fields=type(body).model_fields) from None
     if body.stream:
         events = _events(request, fmt, stream, num_prompt, body.include_usage)
         return _EventStream(events, stream, fmt.id)
@@ -587,12 +570,12 @@ async def _events(
             if await request.is_disconnected():
                 return  # _EventStream aborts the rest
     except EngineFailure as e:
-        yield sse(_server_error(e).body())
+        yield sse(to_api_error(e).body())
         yield sse("[DONE]")
         return
     except Exception:  # a chunk that could not be made: the stream still ends cleanly
         log.exception("%s: the stream failed", fmt.id)
-        yield sse(_server_error(RuntimeError("internal server error")).body())
+        yield sse(to_api_error(InternalError()).body())
         yield sse("[DONE]")
         return
     if include_usage:

@@ -54,15 +54,9 @@ from tokenmill.sampling import SamplingParams
 from tokenmill.sampling.grammar import CompiledGrammar, GrammarError
 from tokenmill.server.app import off_loop  # app imports this module only in create_app
 from tokenmill.server.async_engine import AsyncEngine, Generation
-from tokenmill.server.protocol import (
-    APIError,
-    ChatMessage,
-    Text,
-    check_fits,
-    invalid,
-    make_sampling_params,
-)
-from tokenmill.server.sse import engine_error, sse
+from tokenmill.server.errors import APIError, invalid, to_api_error
+from tokenmill.server.protocol import ChatMessage, Text, check_fits, make_sampling_params
+from tokenmill.server.sse import sse
 from tokenmill.trace import Trace, dumps, size_bound
 from tokenmill.units import format_bytes
 
@@ -140,8 +134,8 @@ async def inspect(body: InspectRequest, request: Request) -> Response:
     _check_size(engine, body, len(prompt_ids), params.max_tokens, trace_args)
     try:
         grammar = await off_loop(request, engine.compile_grammar, params)  # 400 if bad
-    except GrammarError as e:
-        raise invalid(str(e), e.kind) from None
+    except GrammarError as e:  # the request names constraints as SamplingParams does
+        raise to_api_error(e) from None
     traced = TracedRun(server, prompt_ids, params, trace_args, grammar, events=body.stream)
     if body.stream:
         return StreamingResponse(
@@ -156,7 +150,7 @@ async def inspect(body: InspectRequest, request: Request) -> Response:
     except TraceTooLarge as e:
         raise _too_large(str(e)) from None
     except Exception as e:
-        raise engine_error(e) from None
+        raise to_api_error(e, fields=InspectRequest.model_fields) from None
     parts = _whole_body(pieces, traced)
     return StreamingResponse(
         _write(parts),
@@ -173,13 +167,13 @@ def _prompt_ids(engine: LLMEngine, body: InspectRequest) -> list[int]:
     if body.prompt is not None:
         try:
             return engine.encode_prompt(body.prompt)
-        except RequestError as e:
-            raise invalid(str(e), "prompt") from None
+        except RequestError as e:  # about "prompt"
+            raise to_api_error(e) from None
     messages = [m.as_template_input() for m in body.messages]
     try:
         ids = engine.encode_chat(messages)
     except ValueError as e:  # ChatTemplateError, RequestError (too long)
-        raise invalid(str(e), "messages") from None
+        raise to_api_error(e, param="messages") from None
     if not ids:
         raise invalid("the chat renders to no tokens", "messages")
     return ids
@@ -397,7 +391,7 @@ async def _events(traced: TracedRun) -> AsyncIterator[bytes | str]:
         yield sse({"type": "error", **_too_large(str(e)).body()})
         return
     except Exception as e:
-        yield sse({"type": "error", **engine_error(e).body()})
+        yield sse({"type": "error", **to_api_error(e, fields=InspectRequest.model_fields).body()})
         return
     generation = traced.generation
     yield sse(

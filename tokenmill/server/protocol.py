@@ -4,7 +4,9 @@ Request bodies are pydantic models in strict mode, so JSON types are checked as
 OpenAI documents them (no "0.5" for a float, no `true` for an int). Value ranges
 are deliberately not repeated here: `sampling_params` hands the values to
 SamplingParams, whose one-line messages become the 400 error text, so the server
-and the Python API reject the same things with the same words.
+and the Python API reject the same things with the same words. Its ParamError names
+the parameter; `make_sampling_params` respells it as the request's field
+(ParamError.renamed), and tokenmill/server/errors.py makes the 400.
 
 Every string field is checked for lone UTF-16 surrogates ("\ud800" is valid JSON but
 not Unicode text): they are refused with a 400 naming the field, before any of them
@@ -23,17 +25,20 @@ is read by tokenmill/server/structured.py, tools by tokenmill/server/tools.py.
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
+from tokenmill.checks import ParamError
 from tokenmill.engine.llm_engine import RequestOutput, TokenLogprob
 from tokenmill.sampling import SamplingParams
 from tokenmill.server import structured
 from tokenmill.server.async_engine import Generation
+from tokenmill.server.errors import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS  # re-exported
+from tokenmill.server.errors import clean_message as clean_message  # re-exported
+from tokenmill.server.errors import invalid, to_api_error
 from tokenmill.server.structured import ResponseFormat, StructuredOutputs
 from tokenmill.server.text import Text
 from tokenmill.server.tools import (
@@ -52,72 +57,6 @@ from tokenmill.server.tools import (
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 MAX_N = 128  # OpenAI's cap on completions per request
 MAX_CACHE_SALT = 256  # characters; a salt names a scope, it is not a payload
-
-
-class APIError(Exception):
-    """An error response in OpenAI's shape: {"error": {message, type, param, code}}."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        type: str = "invalid_request_error",
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:
-    """OpenAI's error shape. Render it ASCII-escaped (json.dumps' default): a message may
-    quote what the client sent. The message goes through `clean_message` first."""
-    message = clean_message(message, internal=type == "server_error")
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-# What no error message may carry to a client, whatever raised it (issue 21 item 7: a
-# schema made llguidance panic, and its 3.4 KB 400 held the assertion, a backtrace and
-# build paths): a native panic or backtrace, a Python traceback, source and build paths;
-# in a server error also loopback addresses with their port (a distributed rank's).
-MAX_MESSAGE_CHARS = 2000
-_TRACE = re.compile(r"<backtrace>|stack backtrace:|Traceback \(most recent call last\)")
-_PANIC = re.compile(r"\bpanic(?:ked at\b|:)\s.*", re.S)
-_SOURCE_PATH = re.compile(
-    r"(?:[A-Za-z]:)?(?:[\\/][\w.@+~-]+)+\.(?:rs|py|pyx|c|cc|cpp|h|hpp|so)\b(?::\d+)*"
-)
-_ADDRESS = re.compile(r"\b(?:127(?:\.\d{1,3}){3}|0\.0\.0\.0|localhost|\[::1?\]):\d+\b")
-
-
-def clean_message(message: str, internal: bool = False) -> str:
-    """`message` as one line without the leaks above, at most MAX_MESSAGE_CHARS long.
-    internal: a server error's message (addresses are redacted there; a client's own
-    text, which 4xx messages quote, is left alone)."""
-    trace = _TRACE.search(message)
-    if trace is not None:
-        message = message[: trace.start()]
-    message = _PANIC.sub("an internal error in a native library", message)
-    message = _SOURCE_PATH.sub("<source>", message)
-    if internal:
-        message = _ADDRESS.sub("<address>", message)
-    message = re.sub(r"\s*[\r\n]+\s*", " ", message).strip()
-    if len(message) > MAX_MESSAGE_CHARS:
-        message = message[: MAX_MESSAGE_CHARS - 3] + "..."
-    return message or "internal server error"
-
-
-def invalid(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param)
 
 
 # --------------------------------------------------------------------------- requests
@@ -223,8 +162,8 @@ class _GenerationRequest(BaseModel):
     def _constraint(self) -> tuple[str, dict[str, Any]] | None:
         try:
             return structured.constraint(self)
-        except ValueError as e:
-            raise invalid(str(e), re.match(r"[a-z_]+", str(e))[0]) from None
+        except ParamError as e:
+            raise to_api_error(e) from None
 
     def _constraint_kwargs(self) -> tuple[dict[str, Any], dict[str, str]]:
         """SamplingParams keywords of the constraint, and the renames that make its errors
@@ -377,8 +316,8 @@ class ChatCompletionRequest(_GenerationRequest):
                 tokenizer.chat_template,
                 special_id,
             )
-        except ValueError as e:
-            raise invalid(str(e), re.match(r"[a-z_]+", str(e))[0]) from None
+        except ParamError as e:
+            raise to_api_error(e) from None
         if tools is not None and tools.grammar() is not None and self._constraint() is not None:
             raise invalid(
                 f"{self.constraint_param} cannot be combined with tool_choice "
@@ -423,21 +362,14 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 def make_sampling_params(renames: dict[str, str] | None = None, **kwargs: Any) -> SamplingParams:
-    """SamplingParams(**kwargs), its ValueError turned into a 400 naming the parameter.
+    """SamplingParams(**kwargs), its ParamError turned into a 400 naming the parameter.
 
     renames maps SamplingParams' names to the request's own (chat's top_logprobs is
     SamplingParams.logprobs, guided_regex is regex), in both `param` and the message."""
     try:
         return SamplingParams(**kwargs)
-    except ValueError as e:
-        message = str(e)
-        match = re.match(r"[a-z_]+", message)
-        param = match.group(0) if match else None
-        for name, renamed in (renames or {}).items():
-            message = re.sub(rf"\b{name}\b", renamed, message)
-        if renames and param in renames:
-            param = renames[param]
-        raise invalid(message, param) from None
+    except ParamError as e:
+        raise to_api_error(e.renamed(renames or {})) from None
 
 
 def check_fits(
@@ -457,56 +389,6 @@ def check_fits(
             f"{max_tokens} in the completion). Please reduce the prompt or {max_param}.",
             max_param,
         )
-
-
-def pydantic_errors_to_api_error(errors: list[dict[str, Any]]) -> APIError:
-    """FastAPI's 422 validation errors as one OpenAI-shaped 400 about the first bad field.
-
-    A value that fails a union type fails once per member, with the member's name
-    in its location; the errors for that field are merged and located at their
-    common prefix (e.g. messages[0].content)."""
-    first = errors[0]
-    loc = _without_body(first["loc"])
-    if first["type"] == "json_invalid":
-        return invalid(f"The request body is not valid JSON: {first.get('msg')}")
-    if not loc:
-        return invalid(f"The request body must be a JSON object: {first['msg']}")
-    param = str(loc[0])
-    if first["type"] == "missing":
-        return invalid(f"Missing required parameter: '{_path(loc)}'", param)
-    if first["type"] == "extra_forbidden":
-        return invalid(f"Unrecognized request argument supplied: {_path(loc)}", param)
-    if first["type"] == "too_long" and "max_length" in first.get("ctx", {}):
-        ctx = first["ctx"]
-        return invalid(
-            f"'{_path(loc)}' has {ctx.get('actual_length', 'too many')} items; at most "
-            f"{ctx['max_length']} are allowed",
-            param,
-        )
-    same_field = [e for e in errors if _without_body(e["loc"])[:1] == loc[:1]]
-    common = loc
-    for error in same_field:
-        other = _without_body(error["loc"])
-        while common != other[: len(common)]:
-            common = common[:-1]
-    # A validator's own refusal (a lone surrogate) says more than "not a list" from the
-    # other members of a union.
-    refusals = [e for e in same_field if e["type"] == "value_error"]
-    shown = [e["msg"].removeprefix("Value error, ") for e in refusals or same_field]
-    messages = "; or ".join(dict.fromkeys(shown))
-    return invalid(f"Invalid value for '{_path(common)}': {messages}", param)
-
-
-def _without_body(loc: tuple) -> tuple:
-    return loc[1:] if loc[:1] == ("body",) else loc
-
-
-def _path(loc: tuple) -> str:
-    """The JSON path of a location: ("messages", 0, "content") -> messages[0].content."""
-    path = ""
-    for part in loc:
-        path += f"[{part}]" if isinstance(part, int) else f".{part}"
-    return path.lstrip(".")
 
 
 # --------------------------------------------------------------------------- responses
