@@ -122,6 +122,11 @@ TINY_CASES = [
     (["inspect", "t5", "--json", "DIR"], ["argument --json", "is a folder"]),
     (["bench", "--json", "DIR/no/report.json", "--peers", "none"], ["argument --json"]),
     (["bench", "--plot", "DIR/no/chart.png", "--peers", "none"], ["argument --plot"]),
+    # bench's sizes at parse time (they failed after torch loaded, or ran: --gemm-size 0)
+    (["bench", "--runs", "0"], ["argument --runs", ">= 1, got 0"]),
+    (["bench", "--gen-len", "1"], ["argument --gen-len", ">= 2, got 1"]),
+    (["bench", "--gemm-size", "0"], ["argument --gemm-size", ">= 1, got 0"]),
+    (["bench", "--bandwidth-mib", "x"], ["argument --bandwidth-mib", "'x'"]),
     # the server's names and address (a taken port has its own test below)
     (["serve", "--port", "99999"], ["argument --port", "[0, 65535]", "got 99999"]),
     (["serve", "--port", "-1"], ["argument --port", "[0, 65535]"]),

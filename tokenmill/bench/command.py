@@ -75,6 +75,21 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _int_at_least(lo: int):
+    """An argparse type: one int >= lo, refused at parse time (before torch loads)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {value}")
+        return value
+
+    return parse
+
+
 def _int_range(text: str) -> tuple[int, int]:
     values = _int_list(text)
     if len(values) != 2 or values[0] > values[1]:
@@ -119,7 +134,7 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
     )
     p.add_argument(
         "--runs",
-        type=int,
+        type=_int_at_least(1),
         default=None,
         help=_preset_help("timed latency runs per prompt length (median)", "runs"),
     )
@@ -131,13 +146,13 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
     )
     p.add_argument(
         "--gen-len",
-        type=int,
+        type=_int_at_least(2),
         default=None,
         help=_preset_help("tokens generated per latency run", "gen_len"),
     )
     p.add_argument(
         "--num-requests",
-        type=int,
+        type=_int_at_least(1),
         default=None,
         help=_preset_help("throughput requests, all submitted at once", "num_requests"),
     )
@@ -163,7 +178,7 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
     p.add_argument("--install-peers", action="store_true", help="pip install missing peers first")
     p.add_argument(
         "--peer-batch-size",
-        type=int,
+        type=_int_at_least(1),
         default=64,
         help="transformers: requests per generate() batch",
     )
@@ -172,13 +187,13 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
     )
     p.add_argument(
         "--bandwidth-mib",
-        type=int,
+        type=_int_at_least(1),
         default=None,
         help=_preset_help("buffer size of the bandwidth test", "bandwidth_mib"),
     )
     p.add_argument(
         "--gemm-size",
-        type=int,
+        type=_int_at_least(1),
         default=None,
         help=_preset_help("N of the N x N x N GEMM test", "gemm_size"),
     )
