@@ -102,19 +102,20 @@ class Report:
             for at, lat in loud[:k]
         ]
 
+    def rss_at_attacks(self) -> int | None:
+        """RSS (bytes) in the last sample before the attacks began; None without attacks."""
+        before = [b for t, b in self.rss if t <= self.quiet_s]
+        return before[-1] if before and self.quiet_s else None
+
     def rss_ratio(self) -> float | None:
         """RSS at the end over RSS when the attacks began (1.0: flat)."""
-        before = [b for t, b in self.rss if t <= self.quiet_s]
-        if not before or not self.rss or not self.quiet_s:
-            return None
-        return self.rss[-1][1] / before[-1]
+        start = self.rss_at_attacks()
+        return None if start is None else self.rss[-1][1] / start
 
     def settled_ratio(self) -> float | None:
         """RSS idle after the run over RSS when the attacks began (1.0: all given back)."""
-        before = [b for t, b in self.rss if t <= self.quiet_s]
-        if not before or self.rss_settled is None or not self.quiet_s:
-            return None
-        return self.rss_settled / before[-1]
+        start = self.rss_at_attacks()
+        return None if start is None or self.rss_settled is None else self.rss_settled / start
 
     def add(self, kind: str, status: int | str, seconds: float) -> None:
         self.by_status[str(status)] += 1

@@ -66,7 +66,6 @@ def test_short_soak(smollm_path):
     peak = max(b for t, b in report.rss if WARM_UP_S < t <= QUIET_S)
     assert peak <= warm + RSS_GROWTH_BOUND, [(round(t), b >> 20) for t, b in report.rss]
     trail = " ".join(f"{t:.0f}s:{b >> 20}" for t, b in report.rss)
-    start = [b for t, b in report.rss if t <= QUIET_S][-1]
-    bound = start * 1.10 + 2 * CACHE_BYTES
+    bound = report.rss_at_attacks() * 1.10 + 2 * CACHE_BYTES
     assert report.rss_settled <= bound, f"{report.rss_settled >> 20} MiB; {trail}"
     assert "Traceback" not in log

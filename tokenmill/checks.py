@@ -7,6 +7,7 @@ Torch-free: the CLI and the sampling parameters use these before the engine load
 
 from __future__ import annotations
 
+import argparse
 import math
 import struct
 from collections.abc import Mapping
@@ -66,6 +67,22 @@ class ArgumentError(ValueError):
     def __init__(self, option: str, problem: str) -> None:
         super().__init__(f"argument {option}: {problem}")
         self.option, self.problem = option, problem
+
+
+def int_at_least(lo: int, what: str = "an integer"):
+    """An argparse type: an int >= lo, or a one-line error naming what was expected
+    (refused when the command line is parsed, before torch loads)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be {what} >= {lo}, got {value}")
+        return value
+
+    return parse
 
 
 def short_repr(value: Any) -> str:

@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 
 import tokenmill
 from tokenmill import hub
-from tokenmill.checks import ArgumentError, ParamError
+from tokenmill.checks import ArgumentError, ParamError, int_at_least
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -64,21 +64,6 @@ class Parser(argparse.ArgumentParser):
 
 
 # ---------------------------------------------------------------------- argument types
-
-
-def int_at_least(lo: int, what: str = "an integer"):
-    """An argparse type: an int >= lo, or a one-line error naming what was expected."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be {what} >= {lo}, got {value}")
-        return value
-
-    return parse
 
 
 positive_int = int_at_least(1)
@@ -388,28 +373,21 @@ def model_facts(args: argparse.Namespace) -> ModelFacts:
     get, as LLMEngine does: min(the model's positions, the KV pool's tokens). Raises
     LoadError for a file that cannot load, ArgumentError for a KV pool larger than the
     machine's memory (the check KVCache makes once the weights are in)."""
-    import inspect
-
     import torch
 
-    from tokenmill.engine.kv_cache import kv_blocks
-    from tokenmill.engine.llm_engine import DTYPES, LLMEngine
+    from tokenmill.dtypes import DTYPES
+    from tokenmill.engine.kv_cache import BLOCK_SIZE, check_pool_fits, kv_blocks
     from tokenmill.loader import open_checkpoint
-    from tokenmill.loader.checks import physical_memory_bytes
 
     config = open_checkpoint(args.model_path).config
+    dtype, device = DTYPES[args.dtype], torch.device(args.device)
     # the CLI never sets block_size: the engine's default is the one it will use
-    block_size = inspect.signature(LLMEngine.__init__).parameters["block_size"].default
-    dtype = DTYPES[args.dtype]
-    device = torch.device(args.device)
-    tokens = kv_blocks(config, block_size, dtype, device, args.kv_cache_memory) * block_size
+    tokens = kv_blocks(config, BLOCK_SIZE, dtype, device, args.kv_cache_memory) * BLOCK_SIZE
     per_token = config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
-    if device.type == "cpu" and tokens * per_token > (memory := physical_memory_bytes()):
-        raise ArgumentError(
-            "--kv-cache-memory",
-            f"{args.kv_cache_memory!r} means {tokens} tokens, {tokens * per_token / 2**30:.1f} "
-            f"GiB: more than this machine's {memory / 2**30:.1f} GiB of memory",
-        )
+    try:
+        check_pool_fits(tokens, per_token, device, args.kv_cache_memory)
+    except ParamError as e:
+        raise ArgumentError("--kv-cache-memory", e.problem) from None
     name = hub.display_name(args.model)
     return ModelFacts(args.model_path, name, config, min(config.max_position, tokens))
 
@@ -498,10 +476,11 @@ def check_constraint(args: argparse.Namespace, facts: ModelFacts) -> None:
     constraint = params.constraint
     if constraint is None:
         return
+    from tokenmill.engine.llm_engine import model_eos_ids
     from tokenmill.sampling.grammar import GrammarCompiler, GrammarError
 
     tokenizer = facts.tokenizer()
-    eos = sorted(set(tokenizer.eos_token_ids) | set(facts.config.eos_token_ids))
+    eos = model_eos_ids(tokenizer, facts.config)
     compiler = GrammarCompiler(tokenizer, facts.config.vocab_size, eos)
     try:
         compiler.compile(*constraint)
@@ -587,13 +566,10 @@ def load_llm(args: argparse.Namespace, **engine_kwargs: Any):
             pipeline_parallel_size=args.pipeline_parallel_size,
             **engine_kwargs,
         )
-    compiler = getattr(args, "grammar_compiler", None)
     engine = llm.engine
-    if (
-        compiler is not None
-        and compiler.vocab_size == engine.config.vocab_size
-        and compiler.eos_token_ids == engine.grammars.eos_token_ids
-    ):  # the one check_constraint built for this model, its grammar already compiled
+    if (compiler := getattr(args, "grammar_compiler", None)) is not None:
+        # check_constraint's, for this model's vocabulary and EOS ids: the grammar is in
+        # its cache already
         engine.grammars = compiler
     console.print(f"[dim]{engine.describe()}[/dim]", soft_wrap=True, highlight=False)
     return llm

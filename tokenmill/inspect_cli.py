@@ -18,8 +18,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from tokenmill.checks import ArgumentError
-from tokenmill.cli import int_at_least
+from tokenmill.checks import ArgumentError, int_at_least
 from tokenmill.trace_schema import ModelRecord, StepRecord
 from tokenmill.units import format_bytes, format_rate
 

@@ -23,6 +23,7 @@ from tokenmill.bench.protocol import (
     random_requests,
 )
 from tokenmill.bench.report import build_report, render, require_matplotlib, write_plot
+from tokenmill.checks import int_at_least
 
 
 def build_workload(args: argparse.Namespace, path: Path, threads: int) -> Workload:
@@ -75,21 +76,6 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _int_at_least(lo: int):
-    """An argparse type: one int >= lo, refused at parse time (before torch loads)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {value}")
-        return value
-
-    return parse
-
-
 def _int_range(text: str) -> tuple[int, int]:
     values = _int_list(text)
     if len(values) != 2 or values[0] > values[1]:
@@ -134,7 +120,7 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
     )
     p.add_argument(
         "--runs",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=None,
         help=_preset_help("timed latency runs per prompt length (median)", "runs"),
     )
@@ -146,13 +132,13 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
     )
     p.add_argument(
         "--gen-len",
-        type=_int_at_least(2),
+        type=int_at_least(2),
         default=None,
         help=_preset_help("tokens generated per latency run", "gen_len"),
     )
     p.add_argument(
         "--num-requests",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=None,
         help=_preset_help("throughput requests, all submitted at once", "num_requests"),
     )
@@ -178,7 +164,7 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
     p.add_argument("--install-peers", action="store_true", help="pip install missing peers first")
     p.add_argument(
         "--peer-batch-size",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=64,
         help="transformers: requests per generate() batch",
     )
@@ -187,13 +173,13 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
     )
     p.add_argument(
         "--bandwidth-mib",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=None,
         help=_preset_help("buffer size of the bandwidth test", "bandwidth_mib"),
     )
     p.add_argument(
         "--gemm-size",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=None,
         help=_preset_help("N of the N x N x N GEMM test", "gemm_size"),
     )

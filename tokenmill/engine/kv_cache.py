@@ -14,6 +14,7 @@ import functools
 import numpy as np
 import torch
 
+from tokenmill.checks import ParamError
 from tokenmill.config import ModelConfig
 from tokenmill.loader.checks import physical_memory_bytes
 from tokenmill.units import parse_memory
@@ -44,19 +45,25 @@ PAGE = 4096
 _MADV_POPULATE_WRITE = 23  # linux/mman.h
 
 
+@functools.cache
+def _madvise():
+    """libc's madvise, or None where there is no such call."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise
+
+
 def _populate(pool: torch.Tensor) -> bool:
     """madvise(MADV_POPULATE_WRITE) over the whole pages of `pool`; False where the kernel
     (or the platform) has no such advice."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
+    if (madvise := _madvise()) is None:
         return False
     start = -(-pool.data_ptr() // PAGE) * PAGE  # first whole page
     end = (pool.data_ptr() + pool.numel() * pool.element_size()) // PAGE * PAGE
-    if end <= start:
-        return True
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return libc.madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
+    return end <= start or madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
 
 
 @functools.cache
@@ -64,6 +71,20 @@ def can_populate() -> bool:
     """Does this kernel take MADV_POPULATE_WRITE (so KVCache.make_resident may run beside
     the engine)?"""
     return _populate(torch.zeros(4 * PAGE, dtype=torch.uint8))
+
+
+BLOCK_SIZE = 16  # token slots per block, the engine's default
+
+
+def check_pool_fits(tokens: int, bytes_per_token: int, device: torch.device, memory) -> None:
+    """ParamError (kv_cache_memory) for a CPU pool of `tokens` larger than the machine's
+    memory; `memory` is the value asked for, as the message quotes it."""
+    if device.type == "cpu" and tokens * bytes_per_token > (total := physical_memory_bytes()):
+        raise ParamError.named(
+            "kv_cache_memory",
+            f" {memory!r} means {tokens} tokens, {tokens * bytes_per_token / 2**30:.1f} GiB: "
+            f"more than this machine's {total / 2**30:.1f} GiB of memory",
+        )
 
 
 def kv_blocks(
@@ -96,14 +117,7 @@ class KVCache:
         if num_blocks is None:
             num_blocks = kv_blocks(cfg, block_size, dtype, device, memory)
         self.num_blocks = num_blocks
-        if device.type == "cpu" and self.num_blocks * block_size * self.bytes_per_token > (
-            memory_total := physical_memory_bytes()
-        ):
-            raise ValueError(
-                f"kv_cache_memory {memory!r} means {self.num_blocks * block_size} tokens, "
-                f"{self.num_blocks * block_size * self.bytes_per_token / 2**30:.1f} GiB: more "
-                f"than this machine's {memory_total / 2**30:.1f} GiB of memory"
-            )
+        check_pool_fits(self.num_blocks * block_size, self.bytes_per_token, device, memory)
         slots = self.num_blocks * block_size
         shape = (slots, cfg.num_kv_heads, cfg.head_dim)
         self.k = [_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]

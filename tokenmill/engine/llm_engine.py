@@ -30,7 +30,7 @@ from tokenmill.checks import ParamError
 from tokenmill.dtypes import DTYPES
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.hooks import EngineView
-from tokenmill.engine.kv_cache import KVCache, kv_blocks
+from tokenmill.engine.kv_cache import BLOCK_SIZE, KVCache, kv_blocks
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence, Status
@@ -52,6 +52,11 @@ from tokenmill.tokenizer.tokenizer import TextTooLong
 from tokenmill.version import __version__
 
 log = logging.getLogger("tokenmill.engine")
+
+
+def model_eos_ids(tokenizer: Tokenizer, config) -> list[int]:
+    """The tokens that end a sequence: the tokenizer's and the config's, together."""
+    return sorted(set(tokenizer.eos_token_ids) | set(config.eos_token_ids))
 
 
 class RequestError(ParamError):
@@ -114,7 +119,7 @@ class LLMEngine:
         dtype: str | torch.dtype = "float32",
         device: str = "cpu",
         kv_cache_memory: int | str | None = None,
-        block_size: int = 16,
+        block_size: int = BLOCK_SIZE,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         enable_prefix_caching: bool = True,
@@ -143,9 +148,7 @@ class LLMEngine:
         ckpt = open_checkpoint(self.path)
         self.config = ckpt.config
         self.tokenizer = load_tokenizer(self.path)
-        self.eos_token_ids = sorted(
-            set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
-        )
+        self.eos_token_ids = model_eos_ids(self.tokenizer, self.config)
 
         # ---- weights ----
         self.quantization = self._pick_quantization(quantization, ckpt.format)

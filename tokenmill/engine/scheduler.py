@@ -82,7 +82,7 @@ class Scheduler:
         self.num_steps += 1
         turn = self._trace_turn()
         traced = False  # a traced sequence is in this step already
-        decoding = any(s.num_computed > 0 and s.num_uncomputed == 1 for s in self.running)
+        decoding = any(is_decode(s, s.num_uncomputed) for s in self.running)
         prefill_left = min(budget, PREFILL_BESIDE_DECODE) if decoding else budget
         # prompts already running leave half of that to waiting ones: a small request
         # that arrives during a long prompt starts now, not after its last chunk
@@ -117,10 +117,10 @@ class Scheduler:
         while (
             self.waiting and min(budget, prefill_left) > 0 and len(self.running) < self.max_num_seqs
         ):
-            admissible = [s for s in self.waiting if not (traced and s.trace is not None)]
-            if not admissible:
+            admissible = (s for s in self.waiting if not (traced and s.trace is not None))
+            seq = min(admissible, key=lambda s: running[s.group], default=None)
+            if seq is None:  # only traced ones wait, and this step has its trace
                 break
-            seq = min(admissible, key=lambda s: running[s.group])  # first of the least
             if not seq.block_table:
                 seq.block_table, seq.last_hash = self.blocks.match_prefix(
                     seq.token_ids, seq.cache_salt
