@@ -175,6 +175,44 @@ def test_two_traced_requests_take_turns_and_both_record_every_layer(tiny):
             assert len(step["attention"]) == 1  # the one layer asked for
 
 
+def test_traced_work_is_low_priority_beside_untraced(tiny):
+    """A traced step costs every row in it (on the default model, 162 ms for a traced
+    64-token chunk beside one decode, against ~10 ms for the decode alone: the soak's probe
+    chat waited 4.3 s beside a /v1/inspect). While untraced work runs, a trace joins one
+    step in TRACE_EVERY, in chunks of at most TRACE_CHUNK; alone it runs every step. The
+    traced tokens are the same as untraced."""
+    from tokenmill.engine.scheduler import TRACE_CHUNK, TRACE_EVERY
+    from tokenmill.trace import Trace
+
+    engine = LLMEngine(tiny, kv_cache_memory="2048tok", threads=1, max_num_batched_tokens=512)
+    schedule, steps = engine.scheduler.schedule, []
+
+    def recording():
+        chunks = schedule()
+        steps.append({c.seq.request_id: c.num_tokens for c in chunks})
+        return chunks
+
+    engine.scheduler.schedule = recording
+    prompt = [5 + i % 90 for i in range(300)]
+    engine.add_request("alone", prompt, SHORT)
+    alone = _steps_until_done(engine, "alone", 10)[1]
+    engine.add_request("decoding", SMALL_PROMPT, LONG)
+    engine.step()
+    steps.clear()
+    trace = Trace(layers=[0])
+    engine.add_request("traced", prompt, SHORT, trace=trace, cache_salt=1)
+    _steps_until_done(engine, "traced", 60)
+    assert all(s.get("decoding") == 1 for s in steps)  # the untraced one runs every step
+    at = [i for i, s in enumerate(steps) if "traced" in s]
+    assert all(b - a == TRACE_EVERY for a, b in zip(at, at[1:]))
+    assert [steps[i]["traced"] for i in at] == [TRACE_CHUNK] * 4 + [300 - 4 * TRACE_CHUNK] + [1] * 3
+    assert trace.to_dict()["summary"]["output_ids"] == alone
+    engine.abort("decoding")
+    steps.clear()
+    engine.add_request("traced-alone", prompt, SHORT, trace=Trace(layers=[0]), cache_salt=2)
+    assert _steps_until_done(engine, "traced-alone", 20) == (8, alone)  # alone: every step
+
+
 def test_prompt_work_beside_decoding_is_bounded(tiny):
     """While a sequence decodes, a step carries at most PREFILL_BESIDE_DECODE prompt
     tokens (a 512-token chunk at 2k context held every decoding client ~1 s a token);
