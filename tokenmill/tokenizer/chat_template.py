@@ -16,6 +16,7 @@ a Python error, runaway recursion) becomes one ChatTemplateError for that reques
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -58,24 +59,31 @@ def render_chat_template(
     bos_token: str | None = None,
     eos_token: str | None = None,
     tools: list[dict[str, Any]] | None = None,
+    template_vars: Mapping[str, Any] | None = None,
     limits: RenderLimits = RenderLimits(),  # noqa: B008 (frozen)
 ) -> str:
     """Render `template` for `messages` (validated first) within `limits`; every failure
     is a one-line ChatTemplateError. tools: function definitions for templates that render
-    them (None: no tools)."""
+    them (None: no tools). template_vars: further variables for the template's context,
+    such as Qwen3's {"enable_thinking": False}; a ValueError for one that would replace a
+    variable set here."""
     validate_messages(messages)
+    context = {
+        "messages": messages,
+        "add_generation_prompt": add_generation_prompt,
+        "bos_token": bos_token or "",
+        "eos_token": eos_token or "",
+        "tools": tools or None,
+        "documents": None,
+    }
+    for name in template_vars or {}:
+        if not isinstance(name, str) or name in context or name in _ENV.globals:
+            raise ValueError(
+                f"template_vars cannot set {name!r}: not a name, or one the renderer sets"
+            )
     compiled = _compile(template)
     try:
-        return _ENV.render(
-            compiled,
-            limits,
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token or "",
-            eos_token=eos_token or "",
-            tools=tools or None,
-            documents=None,
-        )
+        return _ENV.render(compiled, limits, **context, **(template_vars or {}))
     except ChatTemplateError:
         raise  # the template's own raise_exception
     except TemplateLimitError as e:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -236,17 +237,25 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         max_tokens: int | None = None,
         tools: list[dict[str, Any]] | None = None,
+        template_vars: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template. Special tokens
         come only from the template: the same text inside a message (or a tool definition,
-        or a call's arguments) is ordinary text.
+        or a call's arguments, or a template variable) is ordinary text.
         max_tokens: raise TextTooLong for a rendered prompt that cannot fit (before tokenizing).
-        tools: function definitions for a template that renders them."""
+        tools: function definitions for a template that renders them. template_vars: further
+        variables for the template's context ({"enable_thinking": False})."""
         forged: dict[str, str] = {}  # placeholder -> the special-token text it stands for
         kept = [self._text_kept_as_text(m, forged) for m in messages]
         kept_tools = self._strings_kept_as_text(tools, forged) if tools else None
+        kept_vars = (
+            self._strings_kept_as_text(dict(template_vars), forged) if template_vars else None
+        )
         text = self.apply_chat_template(
-            kept, add_generation_prompt=add_generation_prompt, tools=kept_tools
+            kept,
+            add_generation_prompt=add_generation_prompt,
+            tools=kept_tools,
+            template_vars=kept_vars,
         )
         if max_tokens is not None:
             self.check_length(text, max_tokens)
@@ -340,9 +349,11 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_vars: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text for a conversation, rendered with the model's own chat template
-        (with `tools`, function definitions, for a template that renders them)."""
+        (with `tools`, function definitions, for a template that renders them, and
+        `template_vars`, further variables for its context)."""
         if self.chat_template is None:
             raise ChatTemplateError(f"model {self.name} has no chat template; use plain completion")
         return render_chat_template(
@@ -352,6 +363,7 @@ class Tokenizer:
             bos_token=self._piece_or_none(self.bos_token_id),
             eos_token=self._piece_or_none(self.eos_token_id),
             tools=tools,
+            template_vars=template_vars,
         )
 
     def __repr__(self) -> str:
