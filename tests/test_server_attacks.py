@@ -24,15 +24,9 @@ from server_fixture import running_server, sse_events
 from tokenmill.server.cli import allowed_hosts_from
 from tokenmill.server.limits import host_name
 from tokenmill.server.protocol import MAX_MESSAGE_CHARS, clean_message
-from tokenmill.server.tools import (
-    HERMES,
-    LLAMA3,
-    MAX_JSON_DEPTH,
-    MISTRAL,
-    ToolCallParser,
-    json_depth,
-    parse_tool_calls,
-)
+from tokenmill.server.tool_parser import ToolCallParser, parse_tool_calls
+from tokenmill.server.tools import MAX_JSON_DEPTH, json_depth
+from tokenmill.tokenizer.chat import HERMES, LLAMA3, MISTRAL
 
 openai = pytest.importorskip("openai")
 

@@ -20,7 +20,7 @@ import pytest
 from server_fixture import running_server
 
 from tokenmill.server.protocol import ChatCompletionRequest
-from tokenmill.server.tools import encode_tool_chat
+from tokenmill.tokenizer.chat import encode_tool_chat
 
 openai = pytest.importorskip("openai")
 

@@ -14,23 +14,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmill.sampling.grammar import GrammarCompiler
-from tokenmill.server.tools import (
+from tokenmill.server.protocol import NamedToolChoice, Tool
+from tokenmill.server.tool_parser import Delta, ToolCallParser, parse_tool_calls
+from tokenmill.server.tools import ToolRequest
+from tokenmill.tokenizer import Tokenizer
+from tokenmill.tokenizer.chat import (
     HERMES,
     LLAMA3,
     MISTRAL,
-    Delta,
-    NamedToolChoice,
-    Tool,
-    ToolCallParser,
-    ToolRequest,
     as_plain_chat,
     encode_tool_chat,
-    parse_tool_calls,
     prepare_chat,
     renders_tools,
     tool_format,
 )
-from tokenmill.tokenizer import Tokenizer
 from tokenmill.tokenizer.chat_template import render_chat_template
 
 # Shaped like Qwen2.5's template: tools in the system turn, calls as <tool_call> JSON,

@@ -198,10 +198,18 @@ class LLM:
             if not finished:
                 self.engine.abort(rid)
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """Render messages with the model's chat template and tokenize them; special-token
-        text inside a message stays text (only the template opens and closes turns)."""
-        return self.engine.encode_chat(messages)
+    def chat_prompt(self, messages: list[dict], template_vars: dict | None = None) -> list[int]:
+        """Render messages with the model's chat template and tokenize them, as the server's
+        chat route does (tokenizer/chat.py: a history's tool calls and results are written
+        out as text for a template that knows nothing of tools); special-token text inside
+        a message stays text (only the template opens and closes turns).
+        template_vars: further template variables, such as {"enable_thinking": False}."""
+        return self.engine.encode_chat(messages, template_vars=template_vars)
 
-    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Output:
-        return self.generate([self.chat_prompt(messages)], params)[0]
+    def chat(
+        self,
+        messages: list[dict],
+        params: SamplingParams | None = None,
+        template_vars: dict | None = None,
+    ) -> Output:
+        return self.generate([self.chat_prompt(messages, template_vars)], params)[0]

@@ -48,6 +48,7 @@ from tokenmill.sampling import (
 )
 from tokenmill.sampling.grammar import CompiledGrammar, GrammarCompiler
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
+from tokenmill.tokenizer.chat import ToolOffer, encode_chat
 from tokenmill.tokenizer.tokenizer import TextTooLong
 from tokenmill.version import __version__
 
@@ -327,13 +328,26 @@ class LLMEngine:
         constraint = params.constraint
         return None if constraint is None else self.grammars.compile(*constraint)
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template, messages'
-        text kept as text; tools: function definitions for a template that renders them.
+    def encode_chat(
+        self,
+        messages: list[dict],
+        tools: ToolOffer | None = None,
+        template_vars: dict | None = None,
+    ) -> list[int]:
+        """Token ids of a conversation prepared and rendered by tokenizer/chat.py's
+        encode_chat (the model's chat template, tools, the tool-result fallback; messages'
+        text kept as text). tools: what the request offers (the server's ToolRequest);
+        template_vars: further template variables ({"enable_thinking": False}).
         ChatTemplateError (a ValueError) for a template that fails or goes over its limits;
         RequestError for a prompt that cannot fit in the context."""
         try:
-            return self.tokenizer.encode_chat(messages, max_tokens=self.max_model_len, tools=tools)
+            return encode_chat(
+                self.tokenizer,
+                messages,
+                tools,
+                max_tokens=self.max_model_len,
+                template_vars=template_vars,
+            )
         except TextTooLong as e:
             raise RequestError(self._too_long(e), "messages") from None
 

@@ -84,7 +84,7 @@ from tokenmill.server.protocol import (
     invalid,
 )
 from tokenmill.server.sse import sse
-from tokenmill.server.tools import ToolRequest, encode_tool_chat
+from tokenmill.server.tools import ToolRequest
 from tokenmill.tokenizer.tokenizer import TextTooLong
 
 log = logging.getLogger("tokenmill.server")
@@ -479,12 +479,12 @@ def _chat_prompt(
     engine: LLMEngine, body: ChatCompletionRequest, tools: ToolRequest | None = None
 ) -> list[int]:
     """Render the messages (and tools) with the model's chat template (within its limits;
-    messages' text kept as text) and tokenize them. Runs on a worker thread."""
+    messages' text kept as text) and tokenize them: tokenizer/chat.py's encode_chat, as
+    LLM.chat and /v1/inspect do. Runs on a worker thread."""
     messages = [message.as_template_input(i) for i, message in enumerate(body.messages)]
     _check_messages_fit(engine, messages)
-    template = engine.tokenizer.chat_template
     try:
-        return encode_tool_chat(engine.encode_chat, messages, tools, template)
+        return engine.encode_chat(messages, tools)
     except ValueError as e:  # ChatTemplateError, RequestError (too long), a refused message
         raise to_api_error(e, param="messages") from None
 

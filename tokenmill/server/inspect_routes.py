@@ -170,7 +170,7 @@ def _prompt_ids(engine: LLMEngine, body: InspectRequest) -> list[int]:
         except RequestError as e:  # about "prompt"
             raise to_api_error(e) from None
     messages = [m.as_template_input() for m in body.messages]
-    try:
+    try:  # tokenizer/chat.py's preparation, as the chat route's (history calls, results)
         ids = engine.encode_chat(messages)
     except ValueError as e:  # ChatTemplateError, RequestError (too long)
         raise to_api_error(e, param="messages") from None

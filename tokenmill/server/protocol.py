@@ -19,7 +19,8 @@ does ("Unrecognized request argument supplied"), known-but-unsupported ones
 the value that means "feature off".
 
 Structured output (`response_format`, vLLM's `guided_*` and `structured_outputs`)
-is read by tokenmill/server/structured.py, tools by tokenmill/server/tools.py.
+is read by tokenmill/server/structured.py, tools by tokenmill/server/tools.py (a model's
+calls by tool_parser.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints
 
 from tokenmill.checks import ParamError
 from tokenmill.engine.llm_engine import RequestOutput, TokenLogprob
@@ -40,19 +41,9 @@ from tokenmill.server.errors import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS  # re
 from tokenmill.server.errors import clean_message as clean_message  # re-exported
 from tokenmill.server.errors import invalid, to_api_error
 from tokenmill.server.structured import ResponseFormat, StructuredOutputs
-from tokenmill.server.text import Text
-from tokenmill.server.tools import (
-    MAX_JSON_DEPTH,
-    MAX_TOOLS,
-    Delta,
-    Tool,
-    ToolCallIn,
-    ToolCallParser,
-    ToolChoice,
-    ToolRequest,
-    json_depth,
-    parse_tool_calls,
-)
+from tokenmill.server.text import StrictModel, Text
+from tokenmill.server.tool_parser import Delta, ToolCallParser, parse_tool_calls
+from tokenmill.server.tools import MAX_JSON_DEPTH, MAX_TOOLS, ToolRequest, json_depth
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 MAX_N = 128  # OpenAI's cap on completions per request
@@ -85,11 +76,7 @@ _SAMPLING_FIELDS = (
 )  # fmt: skip
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
@@ -201,12 +188,56 @@ class CompletionRequest(_GenerationRequest):
         )
 
 
-class TextPart(_Strict):
+# OpenAI's rule ([a-zA-Z0-9_-], 1 to 64), plus dots: an empty or spaced name cannot be
+# called back by a client, and it is the marker the call's grammar spells out
+ToolName = Annotated[
+    Text, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+]
+
+
+class FunctionDefinition(StrictModel):
+    name: ToolName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # calls are always valid when forced; taken as given
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(StrictModel):
+    name: ToolName
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class CalledFunction(StrictModel):
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(StrictModel):
+    """A call in an assistant message of the history."""
+
+    id: Text
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class TextPart(StrictModel):
     type: Literal["text"]
     text: Text
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: Text
     content: Text | list[TextPart] | None = None  # None: an assistant turn of tool calls only
     name: Text | None = None

@@ -16,19 +16,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from tokenmill.checks import ParamError
-from tokenmill.server.text import Text
+from tokenmill.server.text import StrictModel, Text
 
 JSON_OBJECT = {"type": "object"}  # json_object: any JSON object
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
-
-
-class JSONSchemaFormat(_Strict):
+class JSONSchemaFormat(StrictModel):
     name: Text
     description: Text | None = None
     # `schema` and `json` would shadow BaseModel methods: stored under other names
@@ -36,12 +32,12 @@ class JSONSchemaFormat(_Strict):
     strict: bool | None = None  # the output always follows the schema here
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(StrictModel):
     json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
     regex: Text | None = None
     choice: list[Text] | None = None
