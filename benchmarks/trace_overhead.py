@@ -31,7 +31,7 @@ from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.layers.attention import Attention
 from tokenmill.models.transformer import Block, Transformer
 from tokenmill.sampling import SamplingParams
-from tokenmill.trace import Trace
+from tokenmill.inspect.trace import Trace
 
 HOOKED_METHODS = [
     (Attention, "forward"),

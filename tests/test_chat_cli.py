@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tokenmill.chat_cli import COMMANDS, Conversation, header
+from tokenmill.cli.chat import COMMANDS, Conversation, header
 
 # ---------------------------------------------------------------------- the conversation
 

@@ -149,7 +149,7 @@ def test_two_traced_requests_take_turns_and_both_record_every_layer(tiny):
     """A step records one trace (the model runner hands the layers one trace's rows): two
     traced requests in one step left the second without embedding or layers (issue 21).
     They take turns now, and an untraced request beside them runs every step."""
-    from tokenmill.trace import Trace
+    from tokenmill.inspect.trace import Trace
 
     engine = LLMEngine(tiny, kv_cache_memory="2048tok", threads=1)
     traces = {name: Trace(layers=[0]) for name in ("a", "b")}
@@ -182,7 +182,7 @@ def test_traced_work_is_low_priority_beside_untraced(tiny):
     step in TRACE_EVERY, in chunks of at most TRACE_CHUNK; alone it runs every step. The
     traced tokens are the same as untraced."""
     from tokenmill.engine.scheduler import TRACE_CHUNK, TRACE_EVERY
-    from tokenmill.trace import Trace
+    from tokenmill.inspect.trace import Trace
 
     engine = LLMEngine(tiny, kv_cache_memory="2048tok", threads=1, max_num_batched_tokens=512)
     schedule, steps = engine.scheduler.schedule, []

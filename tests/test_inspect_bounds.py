@@ -24,7 +24,7 @@ import pytest
 
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.server import inspect_routes
-from tokenmill.trace import prompt_map_rows
+from tokenmill.inspect.trace import prompt_map_rows
 
 CHUNK = 64  # the engine's per-step token budget: a few-hundred-token prompt takes steps
 

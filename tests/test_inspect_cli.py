@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.inspect_cli import ID_MARK, SHADES, shade, visible
+from tokenmill.inspect.view import ID_MARK, SHADES, shade, visible
 
 PROMPT = "t5 t6 t7 t8 t9 t10"
 

@@ -259,7 +259,7 @@ class LLMEngine:
     def view(self) -> EngineView:
         """The read-only view a trace gets at the end of each step (engine/hooks.py)."""
         if self._view is None:
-            from tokenmill.trace import position_sample  # the trace's own helper
+            from tokenmill.models.positions import position_sample  # for traces only
 
             eos = frozenset(self.eos_token_ids)
             self._view = EngineView(

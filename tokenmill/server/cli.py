@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tokenmill import hub
 from tokenmill.checks import ArgumentError
-from tokenmill.cli import positive_int
+from tokenmill.cli.common import positive_int
 from tokenmill.server.limits import ServerLimits
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
@@ -270,7 +270,7 @@ def _bind_error(host: str, address: tuple, e: OSError) -> ArgumentError:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from tokenmill.cli import load_llm
+    from tokenmill.cli.common import load_llm
     from tokenmill.server.app import create_app
     from tokenmill.server.async_engine import AsyncEngine
 

@@ -57,7 +57,7 @@ from tokenmill.server.async_engine import AsyncEngine, Generation
 from tokenmill.server.errors import APIError, invalid, to_api_error
 from tokenmill.server.protocol import ChatMessage, Text, check_fits, make_sampling_params
 from tokenmill.server.sse import sse
-from tokenmill.trace import Trace, dumps, size_bound
+from tokenmill.inspect.trace import Trace, dumps, size_bound
 from tokenmill.units import format_bytes
 
 router = APIRouter()

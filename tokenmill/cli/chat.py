@@ -76,7 +76,7 @@ def header(model_name: str) -> str:
 
 def check_chat_template(args: argparse.Namespace, facts) -> None:
     """Refuse a model without a chat template before its weights load, not after the first
-    question (tokenmill.cli.check_before_loading; facts: ModelFacts). A --system message is
+    question (cli/common.py's check_before_loading; facts: ModelFacts). A --system message is
     rendered once, so a template that refuses system messages says so now too."""
     from tokenmill.tokenizer import ChatTemplateError
 
@@ -90,7 +90,8 @@ def check_chat_template(args: argparse.Namespace, facts) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> None:
     from tokenmill import hub
-    from tokenmill.cli import _params, load_llm, speed_line, stderr_console, stream_answer
+    from tokenmill.cli.common import _params, load_llm, stderr_console
+    from tokenmill.cli.generate import speed_line, stream_answer
 
     params = _params(args)
     llm = load_llm(args)

@@ -27,7 +27,7 @@ run between its chunks.
 The contract (engine/hooks.py): `Trace` implements StepHooks, in the order given there,
 and reads the engine only through the read-only EngineView it gets at each step's end.
 The records it makes are the JSON that `tokenmill inspect` and the web page read
-(trace_schema.py declares them).
+(inspect/schema.py declares them).
 """
 
 from __future__ import annotations
@@ -46,10 +46,11 @@ from torch import Tensor
 from tokenmill.engine.hooks import EngineView
 from tokenmill.engine.scheduler import is_decode
 from tokenmill.engine.sequence import Status
+from tokenmill.inspect.schema import ModelRecord, PromptRecord, StepRecord, TraceRecord
 from tokenmill.layers.attention import AttentionSite
+from tokenmill.models.positions import rounded as _round
 from tokenmill.sampling import SamplingState, process_logits
 from tokenmill.tokenizer import IncrementalDetokenizer
-from tokenmill.trace_schema import ModelRecord, PromptRecord, StepRecord, TraceRecord
 
 StepListener = Callable[["Trace", dict[str, Any]], None]
 
@@ -57,15 +58,6 @@ MAX_SAMPLE_ROWS = 512  # embedding / position samples are kept for at most this 
 SUMMARY_ROWS = 16  # a prefill chunk's per-layer summaries come from its last this many rows
 PROMPT_MAP_CELLS = 250_000  # attention map weights kept of the prompt (maps x heads x rows x
 # keys): a long prompt keeps its last rows only, so its maps stay O(this), not O(T^2)
-
-
-def _round(values: Tensor | list[float], digits: int = 4) -> list:
-    """A tensor (any rank) as nested lists of rounded floats: compact JSON."""
-    if isinstance(values, Tensor):
-        values = values.detach().float().cpu().tolist()
-    if isinstance(values, list):
-        return [_round(v, digits) for v in values]
-    return round(values, digits) if math.isfinite(values) else None
 
 
 def _round_weights(weights: Tensor) -> list:
@@ -187,37 +179,6 @@ def _timed(hook: Callable) -> Callable:
 def _entropy(probs: Tensor) -> Tensor:
     """Shannon entropy in bits along the last dim (0 · log 0 counts as 0)."""
     return torch.special.entr(probs).sum(-1) / math.log(2)
-
-
-def position_sample(model, positions: list[int], sample_dims: int) -> dict[str, Any]:
-    """How position enters, for the first positions: RoPE rotation angles, or the learned
-    vector added (the engine hands traces this through EngineView.position_encoding)."""
-    shown = positions[:MAX_SAMPLE_ROWS]
-    if model.pos_embed is not None:
-        rows = model.pos_embed.weight[shown, :sample_dims]
-        return {"kind": "learned", "sample": _round(rows)}
-    rotary = model.rotary
-    half = rotary.dim // 2
-    pairs = min(sample_dims, half)
-    # Rotate unit vectors through the model's own RoPE: e_i at position p comes out as
-    # cos(p·θ_i) in dim i and sin(p·θ_i) in dim i + dim/2 (rotate-half layout).
-    pos = torch.tensor([1, *shown], device=rotary.cos.device)
-    units = torch.zeros(len(pos), pairs, model.cfg.head_dim, device=pos.device)
-    units[:, range(pairs), range(pairs)] = 1.0
-    out, _ = rotary(units, units[:, :1], pos)
-    cos, sin = (
-        out[:, range(pairs), range(pairs)],
-        out[:, range(pairs), range(half, half + pairs)],
-    )
-    inv_freq = torch.atan2(sin[0], cos[0])  # θ_i < π, so position 1 gives it exactly
-    return {
-        "kind": "rope",
-        "rotary_dims": rotary.dim,
-        "inv_freq": _round(inv_freq, 6),
-        "angles": _round(torch.outer(pos[1:].float(), inv_freq), 4),
-        "cos": _round(cos[1:]),
-        "sin": _round(sin[1:]),
-    }
 
 
 class Trace:
@@ -438,6 +399,7 @@ class Trace:
         tok = engine.tokenizer
         step["input_pieces"] = [tok.id_to_piece(i) for i in step["input_ids"]]
         if "positions" in step:
+            # models/positions.py's position_sample, bound to the engine's model
             step["position_encoding"] = engine.position_encoding(
                 step["positions"][:MAX_SAMPLE_ROWS], self.sample_dims
             )
@@ -575,7 +537,7 @@ class Trace:
         }
 
     def to_dict(self) -> TraceRecord:
-        """Everything recorded, as JSON-able data (trace_schema.py); `steps` is empty for
+        """Everything recorded, as JSON-able data (inspect/schema.py); `steps` is empty for
         a trace made with keep_steps=False."""
         return {**self.header(), "steps": self.steps, "summary": self.summary}
 

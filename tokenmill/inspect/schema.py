@@ -1,5 +1,5 @@
 """The trace's JSON, declared: what `Trace.to_dict()` holds (and `POST /v1/inspect`
-streams), the one schema that `tokenmill inspect` (inspect_cli.py) and the web page
+streams), the one schema that `tokenmill inspect` (inspect/view.py) and the web page
 (server/static/app.js) read. Keys not marked optional are always present once the step
 that fills them has ended. Over HTTP the JSON is compact (trace.dumps); a streamed step
 event carries the summary's scalars only (Trace.live_summary)."""
@@ -138,7 +138,7 @@ class StepRecord(TypedDict, total=False):
     input_ids: list[int]
     input_pieces: list[str]
     positions: list[int]
-    position_encoding: dict[str, Any]  # trace.position_sample
+    position_encoding: dict[str, Any]  # models/positions.py's position_sample
     embedding: dict[str, Any]  # shape, sample, norms
     layers: list[LayerRecord]
     attention: list[AttentionMap]  # optional: one per map layer with rows in this step
