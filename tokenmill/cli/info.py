@@ -22,15 +22,22 @@ from pathlib import Path
 
 # CPU features that change which kernel code path runs, as /proc/cpuinfo spells them.
 CPU_FEATURES = ("avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+# The environment variables that change what runs, printed with their values when set: every
+# TOKENMILL_* the package reads (tests/test_info.py fails on one missing here), then others'.
 ENV_VARS = (
-    "TOKENMILL_CACHE",
-    "TOKENMILL_KERNELS",
-    "TOKENMILL_MARCH",
-    "TOKENMILL_REQUIRE_NATIVE",
+    "TOKENMILL_CACHE",  # cache.py: where models and built kernels live
+    "TOKENMILL_KERNELS",  # kernels/: 0 turns the native kernels off
+    "TOKENMILL_MARCH",  # kernels/build.py: the -march the kernels are compiled for
+    "TOKENMILL_REQUIRE_NATIVE",  # kernels/build.py: a failed kernel build raises
+    "TOKENMILL_ADAPTIVE_THREADS",  # kernels/: 0 keeps every parallel region at full threads
+    "TOKENMILL_FUSED_DECODE",  # models/paths.py: 0 turns the native decode paths off
+    "TOKENMILL_DIST_TIMEOUT",  # distributed/runtime.py: seconds a collective may wait
     "CC",
     "OMP_NUM_THREADS",
     "CUDA_VISIBLE_DEVICES",
 )
+# Read too, but a secret: a report says whether it is set, never its value.
+SECRET_ENV_VARS = ("TOKENMILL_API_KEY",)  # server/cli.py: the keys `serve` accepts
 KERNELS_UNAVAILABLE = 3  # exit status; the CLI uses 1 for errors, 2 for bad arguments
 
 
@@ -132,6 +139,9 @@ def facts() -> list[tuple[str, str]]:
     for var in ENV_VARS:
         if var in os.environ:
             rows.append(("env", f"{var}={os.environ[var]}"))
+    for var in SECRET_ENV_VARS:
+        if var in os.environ:
+            rows.append(("env", f"{var} is set (not shown)"))
     return rows
 
 
