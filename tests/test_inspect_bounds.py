@@ -23,8 +23,8 @@ import httpx
 import pytest
 
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.server import inspect_routes
 from tokenmill.inspect.trace import prompt_map_rows
+from tokenmill.server import inspect_routes
 
 CHUNK = 64  # the engine's per-step token budget: a few-hundred-token prompt takes steps
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from tokenmill import kernels
-from tokenmill.inspect import trace as trace_module
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.inspect import trace as trace_module
+from tokenmill.inspect.trace import Trace
 from tokenmill.models import paths
 from tokenmill.sampling import SamplingParams
-from tokenmill.inspect.trace import Trace
 
 PROMPT = "The capital of France is"
 SAMPLED = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
