@@ -27,6 +27,7 @@ import ctypes
 import os
 import sys
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -49,6 +50,9 @@ __all__ = [
     "gemm",
     "gemm_prefill",
     "gemm_min_rows",
+    "LinearPath",
+    "linear_path",
+    "PREFILL_MIN_T",
     "dequant_lanes",
     "lanes_f32",
     "dequant_rows",
@@ -64,9 +68,13 @@ __all__ = [
 ]
 
 
-ABI = 9  # tm_info() // 1000 of the sources this module binds
+ABI = 10  # tm_info() // 1000 of the sources this module binds
 F16, BF16, F32 = 16, 17, 32  # tm_weight.bits of float weights (4 and 8: packed blocks)
 DEFAULT_GROUP_BLOCKS = 16  # the packing used when no library is loaded (any would do)
+# The most rows of x the GEMV takes before float32 tiles beat it (float weights, and
+# packed ones where the integer GEMM is no faster): GEMV_MAX_ROWS of linear.c, which
+# decides (tm_linear_path); named here for tests and benchmarks, checked at load.
+PREFILL_MIN_T = 80
 
 
 class TmWeight(ctypes.Structure):
@@ -162,7 +170,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tm_gemm.argtypes = [vp, vp, i32, vp, vp, i32, i32]
     lib.tm_gemm.restype = i32
     lib.tm_gemm_min_rows.restype = i32
-    lib.gemm_min_rows = lib.tm_gemm_min_rows()  # a build constant, asked per forward
+    lib.gemm_min_rows = lib.tm_gemm_min_rows()  # a build constant
+    lib.tm_linear_path.argtypes = [i32, i32, i32, ctypes.c_char_p, i32]
+    lib.tm_linear_path.restype = i32
+    lib.linear_paths = {}  # (packed, rows) -> LinearPath: asked per forward, so kept
     lib.tm_dequant_lanes.argtypes = [vp, i32, i32, vp, i32]
     lib.tm_dequant_lanes.restype = None
     lib.tm_lanes_f32.argtypes = [vp, i32, i32, vp, i32]
@@ -190,6 +201,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tm_team_note.restype = None
     if lib.tm_info() // 1000 != ABI:
         raise OSError(f"kernel library reports ABI {lib.tm_info() // 1000}, expected {ABI}")
+    if [_ask_path(lib, F32, t)[0] for t in (PREFILL_MIN_T, PREFILL_MIN_T + 1)] != [0, 2]:
+        raise OSError(
+            f"the library's GEMV takes other row counts than PREFILL_MIN_T {PREFILL_MIN_T}"
+        )
     for which, struct in enumerate(STRUCTS):
         if lib.tm_struct_size(which) != ctypes.sizeof(struct):
             raise OSError(f"{struct.__name__} is {ctypes.sizeof(struct)} bytes in Python, "
@@ -336,6 +351,40 @@ def gemm_prefill() -> bool:
     """Whether prompts' products with packed weights run in the integer GEMM (inside
     `linear`) rather than as float32 tiles for torch's GEMM."""
     return gemm_min_rows() > 0
+
+
+GEMV, GEMM, TILES, TORCH = "GEMV", "integer GEMM", "float32 tiles", "torch"
+_PATH_NAMES = (GEMV, GEMM, TILES)  # tm_linear_path's TM_PATH_GEMV, _GEMM, _TILES
+
+
+@dataclass(frozen=True)
+class LinearPath:
+    """How one product x [T, K] @ W^T runs, as the C side decides it (tm_linear_path)."""
+
+    name: str  # GEMV, GEMM (the integer GEMM, inside `linear`), TILES (float32 tiles for
+    # torch's GEMM: layers/native_linear.py) or TORCH (no native library)
+    reason: str  # why, in one line: the row count against the build's thresholds
+
+
+def _ask_path(lib: ctypes.CDLL, bits: int, rows: int) -> tuple[int, str]:
+    reason = ctypes.create_string_buffer(200)
+    path = lib.tm_linear_path(bits, min(rows, 2**31 - 1), 1, reason, len(reason))
+    return path, reason.value.decode()
+
+
+def linear_path(packed: bool, rows: int) -> LinearPath:
+    """How a product of `rows` rows of x runs against packed weights (`packed`) or 16/32-bit
+    float ones, on the loaded library: its tm_linear_path decides (the same function
+    tm_linear asks between GEMV and GEMM); the tiles path is the caller's to run."""
+    lib = library()
+    if lib is None:
+        return LinearPath(TORCH, "no native kernel library: weights converted by torch ops")
+    key = (packed, rows)
+    path = lib.linear_paths.get(key)
+    if path is None:
+        code, reason = _ask_path(lib, 8 if packed else F32, rows)
+        path = lib.linear_paths[key] = LinearPath(_PATH_NAMES[code], reason)
+    return path
 
 
 def linear(

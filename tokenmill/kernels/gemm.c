@@ -39,36 +39,7 @@
 _Static_assert(NT <= NT_MAX, "NT is at most NT_MAX");
 #define TOKEN_PASS 1024  /* tokens per pass over the weights: their int16 rows stay in L3 */
 
-/* From how many rows of x tm_linear multiplies packed weights here rather than in the GEMV
- * (linear.c), 0 on builds where it never does. Where it runs: AVX2 (vpmaddwd: 16 MACs per
- * instruction) and AVX-512 (32: vpdpwssd with VNNI, vpmaddwd without); not NEON (smull +
- * pairwise add: 8 MACs in 2 instructions, no faster than an FMA), not the scalar build.
- * The crossover, GEMV time / GEMM time on Zen 3, 2 threads, 7 interleaved rounds:
- * Llama-3.2-1B's 8192 x 2048, 2048 x 8192 and 3072 x 2048 weights, and SmolLM2-135M's
- * five shapes (576 to 3072 rows, 576 or 1536 columns):
- *     rows            6     8     10    12    16    24    32
- *     1B Q4_0       0.69  0.92  0.98  1.04  1.27  1.45  1.58
- *     1B Q4_K       0.66  0.84  0.93  1.02  1.21  1.47  1.58
- *     1B Q6_K       0.70  0.83  0.97  1.05  1.21  1.41  1.55
- *     1B Q8_0       0.82  1.04  1.11  1.25  1.43  1.66  1.83
- *     135M Q4_1     0.82  0.83  0.96  0.94  1.17  1.38  1.52
- *     135M Q8_0     0.88  0.92  1.03  1.18  1.27  1.50  1.64
- * The GEMV is compute-bound from a few rows (its cost per row stays flat), the GEMM's
- * tile building is paid once per call. On AVX2 prompts and batched decode steps of 16 rows
- * or more take the GEMM. AVX-512 VNNI's GEMV is stronger (vpdpbusd: 64 MACs per
- * instruction); GEMV time / GEMM time on a Sapphire Rapids-class Xeon, 2 threads, 7
- * interleaved rounds:
- *     rows            8     12    16    24    32
- *     1B Q4_K 8192  0.85  0.96  0.96  1.13  1.30
- *     1B Q4_K 2048  0.96  0.98  1.17  1.35  1.47
- *     1B Q8_0       1.06  1.00  0.87  1.02  1.13
- *     1B Q6_K       0.98  1.00  1.08  1.35  1.50
- *     1B Q4_0 3072  0.99  1.01  0.81  0.97  1.05
- * so there the GEMM takes 24 rows and more. */
-#ifndef GEMM_MIN_ROWS
-#define GEMM_MIN_ROWS (TM_W == 16 ? 24 : 16)
-#endif
-int tm_gemm_min_rows(void) { return TM_W >= 8 ? GEMM_MIN_ROWS : 0; }
+/* Which rows come here (GEMM_MIN_ROWS and its measurements): tm_linear_path, linear.c. */
 
 /* ------------------------------------------------------------------------------ */
 /* Weight tiles                                                                    */

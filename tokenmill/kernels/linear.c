@@ -463,6 +463,74 @@ static void float_any(const tm_weight *w, const float *x, int r0, int r1, int t0
 }
 
 /* ------------------------------------------------------------------------------ */
+/* How a product runs                                                              */
+/* ------------------------------------------------------------------------------ */
+
+/* From how many rows of x tm_linear multiplies packed weights by the integer GEMM (gemm.c)
+ * rather than in the GEMV, 0 on builds where it never does. Where it runs: AVX2 (vpmaddwd: 16 MACs per
+ * instruction) and AVX-512 (32: vpdpwssd with VNNI, vpmaddwd without); not NEON (smull +
+ * pairwise add: 8 MACs in 2 instructions, no faster than an FMA), not the scalar build.
+ * The crossover, GEMV time / GEMM time on Zen 3, 2 threads, 7 interleaved rounds:
+ * Llama-3.2-1B's 8192 x 2048, 2048 x 8192 and 3072 x 2048 weights, and SmolLM2-135M's
+ * five shapes (576 to 3072 rows, 576 or 1536 columns):
+ *     rows            6     8     10    12    16    24    32
+ *     1B Q4_0       0.69  0.92  0.98  1.04  1.27  1.45  1.58
+ *     1B Q4_K       0.66  0.84  0.93  1.02  1.21  1.47  1.58
+ *     1B Q6_K       0.70  0.83  0.97  1.05  1.21  1.41  1.55
+ *     1B Q8_0       0.82  1.04  1.11  1.25  1.43  1.66  1.83
+ *     135M Q4_1     0.82  0.83  0.96  0.94  1.17  1.38  1.52
+ *     135M Q8_0     0.88  0.92  1.03  1.18  1.27  1.50  1.64
+ * The GEMV is compute-bound from a few rows (its cost per row stays flat), the GEMM's
+ * tile building is paid once per call. On AVX2 prompts and batched decode steps of 16 rows
+ * or more take the GEMM. AVX-512 VNNI's GEMV is stronger (vpdpbusd: 64 MACs per
+ * instruction); GEMV time / GEMM time on a Sapphire Rapids-class Xeon, 2 threads, 7
+ * interleaved rounds:
+ *     rows            8     12    16    24    32
+ *     1B Q4_K 8192  0.85  0.96  0.96  1.13  1.30
+ *     1B Q4_K 2048  0.96  0.98  1.17  1.35  1.47
+ *     1B Q8_0       1.06  1.00  0.87  1.02  1.13
+ *     1B Q6_K       0.98  1.00  1.08  1.35  1.50
+ *     1B Q4_0 3072  0.99  1.01  0.81  0.97  1.05
+ * so there the GEMM takes 24 rows and more. */
+#ifndef GEMM_MIN_ROWS
+#define GEMM_MIN_ROWS (TM_W == 16 ? 24 : 16)
+#endif
+int tm_gemm_min_rows(void) { return TM_W >= 8 ? GEMM_MIN_ROWS : 0; }
+
+/* Above this many rows of x, W converted to float32 tiles for a float32 GEMM (torch's, on
+ * the Python side) beats the GEMV: float weights, and packed ones on builds without the
+ * integer GEMM. On SmolLM2's shapes (2 threads) the crossover lies between 64 and 96 rows
+ * (re-measure with benchmarks/gemv.py --t). */
+#define GEMV_MAX_ROWS 80
+
+/* How a product y [T, N] = x [T, K] @ W^T of a weight of `bits` (tm_weight.bits) runs: the
+ * one rule, asked by tm_linear (so the fused decode stack too) and by Python's linear
+ * layers (tiles = 1: the caller has a float32 GEMM for TM_PATH_TILES; tm_linear has none
+ * and runs the GEMV there). Writes why into reason [cap] (NULL: not asked). */
+int tm_linear_path(int bits, int T, int tiles, char *reason, int cap) {
+    const int packed = bits == 4 || bits == 6 || bits == 8, gemm = tm_gemm_min_rows();
+    if (packed && gemm) {
+        if (T >= gemm) {
+            if (reason) snprintf(reason, cap, "T=%d rows >= %d: the integer GEMM beats the GEMV on %s", T, gemm, TM_SIMD_NAME);
+            return TM_PATH_GEMM;
+        }
+        if (reason) snprintf(reason, cap, "T=%d rows < %d: the GEMV beats the integer GEMM's tile building on %s", T, gemm, TM_SIMD_NAME);
+        return TM_PATH_GEMV;
+    }
+    const char *what = packed ? "packed weights on a build whose integer GEMM is no faster" : "float weights";
+    if (T <= GEMV_MAX_ROWS) {
+        if (reason) snprintf(reason, cap, "T=%d rows <= %d, %s: the GEMV", T, GEMV_MAX_ROWS, what);
+        return TM_PATH_GEMV;
+    }
+    if (!tiles) {
+        if (reason) snprintf(reason, cap, "T=%d rows, %s, and no float32 GEMM to take them: the GEMV", T, what);
+        return TM_PATH_GEMV;
+    }
+    if (reason) snprintf(reason, cap, "T=%d rows > %d, %s: float32 tiles for a float32 GEMM beat the GEMV", T, GEMV_MAX_ROWS, what);
+    return TM_PATH_TILES;
+}
+
+/* ------------------------------------------------------------------------------ */
 /* The entry points                                                                */
 /* ------------------------------------------------------------------------------ */
 
@@ -499,8 +567,8 @@ static int linear_one(const tm_weight *w, const float *x, int T, float *y, const
                       int nthreads, int act16) {
     if (w->bits == 6 && (w->k / QK) % TM_GB) return -1; /* 6-bit rows are whole groups */
     if (w->dsup && w->k / 256 > KSUP_MAX) return -1;     /* ksup_row's buffers */
-    const int fw = is_float(w), gemm_rows = tm_gemm_min_rows();
-    if (!fw && gemm_rows && T >= gemm_rows) /* enough rows: the integer GEMM (gemm.c) */
+    const int fw = is_float(w);
+    if (tm_linear_path(w->bits, T, 0, NULL, 0) == TM_PATH_GEMM) /* the integer GEMM (gemm.c) */
         return tm_gemm(w, x, T, y, bias, nthreads, act16);
     xq_t xq;
     if (!fw && !quantize_x(x, T, w->k, zero_point(w), w->bits, act16, &xq)) return 0;

@@ -48,10 +48,9 @@ static void add_residual(float *x, float *h, int Bd, int d, const float *post_no
     for (size_t i = 0; i < (size_t)Bd * d; i++) x[i] += h[i];
 }
 
-/* Grow-only buffers of tm_decode_stack, separate from scratch(): the kernels it calls
- * use scratch() on this same thread. */
-static __thread float *stack_buf = NULL;
-static __thread size_t stack_cap = 0;
+/* tm_decode_stack's activations (h, qkv, att, proj, up, mid), one grow-only tm_buf per
+ * thread, separate from tm_scratch: the kernels it calls use tm_scratch on this thread. */
+static __thread tm_buf stack_buf;
 
 /* x [Bd, d]: the embedded decode rows in, the final norm of the residual stream out.
  * Per layer, for the Bd rows together:
@@ -62,16 +61,9 @@ int tm_decode_stack(const tm_stack *st, const tm_rows *rows, float *x, int nthre
     const tm_shape *s = st->shape;
     const int Bd = rows->Bd, d = s->d, f = s->f, qdim = s->H * s->hd, qkvdim = (s->H + 2 * s->Hkv) * s->hd;
     const size_t need = (size_t)Bd * (d + qkvdim + qdim + d + 2 * f + f);
-    if (need > stack_cap) {
-        free(stack_buf);
-        stack_cap = need + need / 2;
-        stack_buf = aligned_alloc(64, ((stack_cap * sizeof(float)) + 63) & ~(size_t)63);
-        if (!stack_buf) {
-            stack_cap = 0;
-            return 0;
-        }
-    }
-    float *h = stack_buf, *qkv = h + (size_t)Bd * d, *att = qkv + (size_t)Bd * qkvdim;
+    float *h = tm_buf_get(&stack_buf, need * sizeof(float));
+    if (!h) return 0;
+    float *qkv = h + (size_t)Bd * d, *att = qkv + (size_t)Bd * qkvdim;
     float *proj = att + (size_t)Bd * qdim, *up = proj + (size_t)Bd * d, *mid = up + (size_t)Bd * 2 * f;
     int rc;
 #define TRY(call) \

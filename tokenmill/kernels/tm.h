@@ -18,6 +18,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -28,7 +29,7 @@
 
 #define TM_GB TM_W /* blocks per lane-order group: one vector of 32-bit lanes */
 
-#define TM_ABI 9 /* tm_info() / 1000: bumped when a struct or signature changes */
+#define TM_ABI 10 /* tm_info() / 1000: bumped when a struct or signature changes */
 
 #define QK 32            /* values per block */
 #define GW (TM_GB * QK)  /* values per full lane-order group */
@@ -129,6 +130,11 @@ int tm_decode_attention(const tm_shape *s, const tm_layer *L, const tm_rows *row
 int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads,
             int act16);
 int tm_gemm_min_rows(void);
+/* How a product of T rows runs (tm_linear_path in linear.c, the one rule): */
+#define TM_PATH_GEMV 0  /* the GEMV (linear.c), a few rows at a time */
+#define TM_PATH_GEMM 1  /* the integer GEMM (gemm.c): packed weights, many rows */
+#define TM_PATH_TILES 2 /* W as float32 tiles for the caller's float32 GEMM (Python's torch) */
+int tm_linear_path(int bits, int T, int tiles, char *reason, int cap);
 int tm_team_adapt(int on);
 void tm_team_stats(int64_t *out);
 int tm_team_at(int requested, int useful, int64_t now);

@@ -7,22 +7,23 @@ float32 copy. Two kinds share the machinery here:
   QuantLinear (quant_linear.py)  4/8-bit blocks with per-block scales (GGUF Q4/Q5/Q8...)
   FloatLinear (below)            float16, bfloat16 or float32 rows, as the file has them
 
-How a forward pass of x [T, in] runs:
-  T small (decode, small batches)
-      the native GEMV/small-T GEMM (kernels.linear): packed weights multiply quantized
-      activations in exact integer arithmetic, float weights multiply float32 x.
-  packed weights, on builds whose integer GEMM is the prefill path (kernels.gemm_prefill():
-  AVX2, AVX-512), any T
-      kernels.linear too: from kernels.gemm_min_rows() rows (16 AVX2, 24 AVX-512) the C
-      side multiplies by the integer GEMM (gemm.c): the same integers as the GEMV, int16
-      multiplies at twice the multiply-adds per instruction of float32 FMAs. The fused
-      decode stack calls the same C function, so batched decode steps that size take the
-      GEMM too.
-  T > PREFILL_MIN_T otherwise
-      weight rows converted chunk by chunk to float32 tiles (kernels.dequant_lanes),
-      multiplied by torch's float32 GEMM: within 1e-4 of the exact product on SmolLM2's
-      logits. (A bfloat16 GEMM ran a 512-token prefill 2x faster on AMX but moved logits
-      by up to 0.5, so that a prompt prefilled alone and in a batch continued differently.)
+How a forward pass of x [T, in] runs is decided in C, by tm_linear_path (linear.c), which
+tm_linear asks too; `NativeLinear.path(T)` returns its answer (kernels.LinearPath: the
+path and why), and `tokenmill info`/the inspector show the prefill one:
+  GEMV            few rows (decode, small batches): the native GEMV (kernels.linear):
+                  packed weights multiply quantized activations in exact integer
+                  arithmetic, float weights multiply float32 x.
+  integer GEMM    packed weights from kernels.gemm_min_rows() rows (16 AVX2, 24 AVX-512;
+                  builds where it is faster): kernels.linear too, the C side multiplies
+                  by gemm.c's GEMM: the GEMV's integers, int16 multiplies at twice the
+                  multiply-adds per instruction of float32 FMAs. The fused decode stack
+                  calls the same C function, so batched decode steps that size take it.
+  float32 tiles   more rows otherwise (kernels.PREFILL_MIN_T): weight rows converted chunk
+                  by chunk to float32 tiles (kernels.dequant_lanes), multiplied by torch's
+                  float32 GEMM: within 1e-4 of the exact product on SmolLM2's logits. (A
+                  bfloat16 GEMM ran a 512-token prefill 2x faster on AMX but moved logits
+                  by up to 0.5, so that a prompt prefilled alone and in a batch continued
+                  differently.)
   no native library
       the whole weight converted with torch ops, then F.linear (slow, exact).
 """
@@ -30,7 +31,6 @@ How a forward pass of x [T, in] runs:
 from __future__ import annotations
 
 import ctypes
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -38,10 +38,6 @@ from torch import nn
 
 from tokenmill import kernels
 
-# Above this many rows of x, dequantize-to-float32 + GEMM beats the native GEMV (builds
-# without the integer GEMM): on SmolLM2's shapes (2 threads) the crossover lies between
-# 64 and 96 rows (re-measure with benchmarks/gemv.py --t).
-PREFILL_MIN_T = 80
 # Most bytes of float32 W per GEMM call in the prefill path: bounds the temporary (a
 # 49152-row un-embedding would be 56 MB); cache-sized 1-4 MB chunks measured no faster
 # than whole layers, since every call re-packs its operands.
@@ -106,15 +102,14 @@ class NativeLinear(nn.Module):
         if cw is None:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x, self.dequantize(), bias)
-        if x.shape[0] <= self.native_rows():
-            return kernels.linear(cw, x, self.bias, getattr(self, "act_bits", 16))
-        return self._prefill(cw, x)
+        if self.path(x.shape[0]).name == kernels.TILES:
+            return self._prefill(cw, x)
+        return kernels.linear(cw, x, self.bias, getattr(self, "act_bits", 16))
 
-    def native_rows(self) -> int:
-        """The most rows of x kernels.linear takes (the GEMV, or the integer GEMM from
-        kernels.gemm_min_rows() rows: for packed weights where it runs, every row count);
-        more go to float32 tiles."""
-        return sys.maxsize if self.packed and kernels.gemm_prefill() else PREFILL_MIN_T
+    def path(self, rows: int) -> kernels.LinearPath:
+        """How a product of `rows` rows of x runs (tm_linear_path decides): kernels.linear
+        takes the GEMV and integer GEMM ones, float32 tiles run here (_prefill)."""
+        return kernels.linear_path(self.packed, rows)
 
     def _prefill(self, cw: kernels.TmWeight, x: torch.Tensor) -> torch.Tensor:
         """Many rows: float32 GEMM against W converted tile by tile; for packed weights
@@ -165,7 +160,7 @@ class SegmentedLinear(NativeLinear):
         super().__init__(parts[0].in_features, sum(p.out_features for p in parts), bias)
         self.parts = nn.ModuleList(parts)
         self.act_bits = getattr(parts[0], "act_bits", 16)
-        self.packed = all(p.packed for p in parts)  # all packed: the same GEMV threshold
+        self.packed = all(p.packed for p in parts)  # all packed: the packed rule of path()
 
     def _make_native(self) -> kernels.TmWeight:
         # copies: each part's own TmWeight stays a single segment for standalone calls
@@ -182,7 +177,7 @@ class SegmentedLinear(NativeLinear):
 
     def _forward2d(self, x: torch.Tensor) -> torch.Tensor:
         cw = self._cw or self.native()
-        if cw is not None and x.shape[0] <= self.native_rows():
+        if cw is not None and self.path(x.shape[0]).name != kernels.TILES:
             return kernels.linear(cw, x, self.bias, self.act_bits, self.out_features)
         y = torch.cat([p._forward2d(x) for p in self.parts], dim=1)
         return y if self.bias is None else y + self.bias.float()

@@ -44,8 +44,9 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 
 from tokenmill import kernels
-from tokenmill.kernels.layout import half_scale_perm, pack6, pack_codes, unpack6, unpack_index
-from tokenmill.layers.native_linear import PREFILL_MIN_T, NativeLinear
+from tokenmill.kernels import PREFILL_MIN_T  # re-exported: the tests' and benchmarks' name
+from tokenmill.kernels.layout import QK, half_scale_perm, pack6, pack_codes, unpack6, unpack_index
+from tokenmill.layers.native_linear import NativeLinear
 from tokenmill.loader.gguf_blocks import (
     EXACT_GGUF_TYPES,
     REQUANT_GGUF_TYPES,
@@ -55,7 +56,6 @@ from tokenmill.loader.gguf_blocks import (
 
 __all__ = ["QuantLinear", "PREFILL_MIN_T", "EXACT_GGUF_TYPES", "REQUANT_GGUF_TYPES"]
 
-QK = 32  # values per block
 
 # Activation precision of the decode kernel: 16 (two byte-plane dot passes, ~1.3x the arithmetic,
 # ~3-6% slower when streaming weights from memory) or 8 (llama.cpp's q8 scheme). On
