@@ -19,6 +19,7 @@ from typing import TypeVar
 
 import pytest
 
+import tokenmill.distributed.build  # noqa: F401  (LLMEngine's parallel builder)
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling import SamplingParams
 from tokenmill.server.async_engine import AsyncEngine

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# registers the builder of LLM(..., tensor_parallel_size=2) runs with engine/build.py
+import tokenmill.distributed.build  # noqa: F401
 from tokenmill.engine.llm_engine import LLMEngine, RequestOutput, TokenLogprob
 from tokenmill.sampling import FinishReason, SamplingParams
 

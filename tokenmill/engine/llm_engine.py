@@ -10,7 +10,11 @@
     abort(request_id) frees a request's blocks at once.
 
 The server drives this object from one thread; `LLM` (tokenmill/llm.py) wraps it
-for offline use.
+for offline use. Around the loop, each in its own module:
+    engine/build.py    the constructor's arguments -> the model, KV pool and runner
+                       (a parallel run's through tokenmill/distributed/build.py)
+    engine/inputs.py   a prompt -> checked token ids (encode_prompt, RequestError)
+    engine/report.py   what runs, in words (info, describe, the prefill path)
 """
 
 from __future__ import annotations
@@ -18,25 +22,21 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from tokenmill import kernels
-from tokenmill.checks import ParamError
-from tokenmill.dtypes import DTYPES
+from tokenmill.engine import build, inputs, report
 from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.build import load_tokenizer, model_eos_ids  # re-exported (the CLI)
 from tokenmill.engine.hooks import EngineView
-from tokenmill.engine.kv_cache import BLOCK_SIZE, KVCache, kv_blocks
-from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.inputs import RequestError  # re-exported (the server, the tests)
+from tokenmill.engine.kv_cache import BLOCK_SIZE
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence, Status
-from tokenmill.hub import resolve_model
-from tokenmill.loader import LoadError, open_checkpoint
-from tokenmill.models.transformer import Transformer
+from tokenmill.hub import resolve_model  # re-exported (tokenmill bench)
 from tokenmill.sampling import (
     FinishReason,
     Sampler,
@@ -47,23 +47,21 @@ from tokenmill.sampling import (
     is_stop_token,
 )
 from tokenmill.sampling.grammar import CompiledGrammar, GrammarCompiler
-from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
+from tokenmill.tokenizer import IncrementalDetokenizer
 from tokenmill.tokenizer.chat import ToolOffer, encode_chat
 from tokenmill.tokenizer.tokenizer import TextTooLong
-from tokenmill.version import __version__
 
 log = logging.getLogger("tokenmill.engine")
 
-
-def model_eos_ids(tokenizer: Tokenizer, config) -> list[int]:
-    """The tokens that end a sequence: the tokenizer's and the config's, together."""
-    return sorted(set(tokenizer.eos_token_ids) | set(config.eos_token_ids))
-
-
-class RequestError(ParamError):
-    """A request the engine cannot take (bad prompt, too long, duplicate id...); `param`
-    names the input it is about ("prompt"), or the sampling parameter the request's
-    grammar or sampler refused."""
+__all__ = [
+    "LLMEngine",
+    "RequestOutput",
+    "TokenLogprob",
+    "RequestError",
+    "load_tokenizer",
+    "model_eos_ids",
+    "resolve_model",
+]
 
 
 @dataclass
@@ -92,17 +90,6 @@ class RequestOutput:
     # Set (with finish_reason ERROR) when this request alone failed in a step, e.g. its
     # sampling or its grammar raised: one line for the client; the rest of the step ran.
     error: str | None = None
-
-
-def load_tokenizer(path: Path) -> Tokenizer:
-    """The model's tokenizer; LoadError (one line) for a vocabulary that cannot be built."""
-    try:
-        return Tokenizer.from_pretrained(path) if path.is_dir() else Tokenizer.from_gguf(path)
-    except LoadError:
-        raise
-    except Exception as e:  # the vocabulary checks' ValueError, or the tokenizers library's
-        message = str(e).removeprefix(f"{path}: ").splitlines()[0] if str(e) else ""
-        raise LoadError(path, f"tokenizer: {message or type(e).__name__}") from None
 
 
 class _Request:
@@ -137,36 +124,22 @@ class LLMEngine:
         progress(done, total) is called while weights load.
         tensor_parallel_size / pipeline_parallel_size: run the model over that many
         processes (tokenmill/distributed: spawned on this machine, or torchrun's)."""
-        if device == "cpu":
-            torch.set_num_threads(threads or os.cpu_count() or 1)
-        self.device = torch.device(device)
-        if isinstance(dtype, str):
-            if dtype not in DTYPES:
-                raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-            dtype = DTYPES[dtype]
-        self.dtype = dtype
-        self.path = resolve_model(model)
-        ckpt = open_checkpoint(self.path)
-        self.config = ckpt.config
-        self.tokenizer = load_tokenizer(self.path)
-        self.eos_token_ids = model_eos_ids(self.tokenizer, self.config)
-
-        # ---- weights ----
-        self.quantization = self._pick_quantization(quantization, ckpt.format)
-        self.parallel = None  # the distributed Runtime of a run over several processes
+        parts = build.build(
+            model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory,
+            block_size=block_size, threads=threads, quantization=quantization,
+            progress=progress, tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+        )  # fmt: skip
+        self.path, self.device, self.dtype = parts.path, parts.device, parts.dtype
+        self.config, self.tokenizer = parts.config, parts.tokenizer
+        self.eos_token_ids, self.quantization = parts.eos_token_ids, parts.quantization
+        run = parts.model
+        self.model, self.cache, self.runner = run.model, run.cache, run.runner
+        self.parallel = run.parallel  # the distributed Runtime of a run over ranks, or None
+        self.parallel_plan = run.parallel_plan
+        if self.parallel is not None:
+            atexit.register(self.close)
         self._view: EngineView | None = None
-        if tensor_parallel_size * pipeline_parallel_size > 1:
-            self._start_parallel(
-                ckpt, tensor_parallel_size, pipeline_parallel_size, block_size,
-                kv_cache_memory, threads, progress,
-            )  # fmt: skip
-        else:
-            self.model = Transformer(self.config)
-            self.model.load_weights(ckpt, dtype, progress, self.quantization)
-            self.model.to(self.device).eval()
-            # ---- KV cache pool, runner ----
-            self.cache = KVCache(self.config, block_size, dtype, self.device, kv_cache_memory)
-            self.runner = ModelRunner(self.model, self.cache, self.device)
 
         # ---- block manager, scheduler ----
         self.blocks = BlockManager(self.cache.num_blocks, block_size, enable_prefix_caching)
@@ -177,39 +150,6 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens_computed": 0}
 
-    def _start_parallel(self, ckpt, tp, pp, block_size, kv_cache_memory, threads, progress):
-        """Rank 0 of a parallel run: start the other ranks, build our part of the model,
-        a pool of our heads (or layers) with as many blocks as the whole model's budget
-        gives, and a runner that sends each step to the others."""
-        from tokenmill.distributed import runtime as rt
-
-        if self.device.type != "cpu":
-            raise ValueError("parallel runs use the CPU (gloo); use device='cpu'")
-        num_blocks = kv_blocks(self.config, block_size, self.dtype, self.device, kv_cache_memory)
-        spec = rt.ParallelSpec(
-            tp, pp, str(self.path), str(self.dtype).removeprefix("torch."), self.quantization,
-            block_size, num_blocks, threads,
-        )  # fmt: skip
-        self.parallel = rt.Runtime(spec)
-        try:
-            self.parallel_plan = rt.describe(ckpt, spec)
-            self.model, local_cfg, group = rt.build_part(ckpt, spec, 0, progress)
-            # every rank loaded before the first step: a rank that dies loading is
-            # reported here, with its last output, not as the first step's failure
-            self.parallel.wait_ready()
-        except BaseException:
-            self.parallel.stop()
-            raise
-        self.cache = KVCache(local_cfg, block_size, self.dtype, self.device, num_blocks=num_blocks)
-        if tp > 1:
-            self.runner = rt.TPRunner(self.model, self.cache, self.device, self.parallel, group)
-        else:
-            self.runner = rt.PPRunner(
-                self.model, self.cache, self.device, self.parallel, group, 2 * pp,
-                self.config.vocab_size,
-            )  # fmt: skip
-        atexit.register(self.close)
-
     def close(self) -> None:
         """Stop the other ranks of a parallel run, wait for their processes to end and
         release the process group, so that another parallel engine can start in this
@@ -218,43 +158,10 @@ class LLMEngine:
             self.parallel.stop()
             atexit.unregister(self.close)
 
-    def _pick_quantization(self, requested: str, fmt: str) -> str | None:
-        """The weight scheme of models/quantize.py for a request (None: torch Linears)."""
-        if requested not in ("auto", "none", "gguf", "float", "q8", "q4"):
-            raise ValueError(
-                f"quantization must be one of auto, none, gguf, float, q8, q4; got {requested!r}"
-            )
-        if requested != "none" and self.device.type != "cpu":
-            if requested != "auto":
-                raise ValueError("quantized weights run on the CPU kernels only; use device='cpu'")
-            return None
-        if requested == "auto":
-            if fmt == "gguf":
-                return "gguf"
-            # float checkpoints: the native float GEMV reads them as stored (bf16 at 2
-            # bytes per weight) when activations are float32 and the kernels exist
-            native = self.dtype is torch.float32 and kernels.library() is not None
-            return "float" if native else None
-        return None if requested == "none" else requested
-
     # ------------------------------------------------------------------
     def info(self) -> dict[str, str]:
-        """What runs: for /metrics' build info and the inspector."""
-        return {
-            "version": __version__,
-            "model": self.path.name,
-            "device": self.device.type,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "weights": self.quantization or "torch",
-            "kernels": kernels.isa() if self.device.type == "cpu" else "torch",
-            "prefill": self._prefill_path(),
-        }
-
-    def _prefill_path(self) -> str:
-        """How prompt-sized products of packed weights run (layers/native_linear.py)."""
-        if self.device.type != "cpu" or kernels.library() is None:
-            return "torch"
-        return "integer GEMM" if kernels.gemm_prefill() else "float32 tiles"
+        """What runs (engine/report.py): for /metrics' build info and the inspector."""
+        return report.info(self.path, self.device, self.dtype, self.quantization)
 
     def view(self) -> EngineView:
         """The read-only view a trace gets at the end of each step (engine/hooks.py)."""
@@ -281,43 +188,18 @@ class LLMEngine:
         return self._view
 
     def describe(self) -> str:
-        c = self.config
-        ranks = ""
-        if self.parallel is not None:
-            ranks = f"{self.parallel.world} ranks ({'; '.join(self.parallel_plan)}); "
-        return (
-            f"{self.path.name}: {c.arch}, {c.num_layers} layers, d={c.hidden_size}, "
-            f"heads {c.num_heads}/{c.num_kv_heads}, vocab {c.vocab_size}, {self.dtype}, "
-            f"weights {self.quantization or 'torch'}, kernels {kernels.isa()}; {ranks}"
-            f"KV cache {self.cache.capacity_tokens} tokens in {self.cache.num_blocks} blocks "
-            f"({self.cache.nbytes / 2**20:.0f} MiB)"
-        )
+        """One line on what runs (engine/report.py)."""
+        world = self.parallel.world if self.parallel is not None else None
+        return report.describe(
+            self.path, self.config, self.dtype, self.quantization, self.cache, world,
+            self.parallel_plan,
+        )  # fmt: skip
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt (text, or ids checked against the vocabulary). A text that
-        cannot fit in the context is refused before it is tokenized."""
-        if isinstance(prompt, str):
-            try:
-                ids = self.tokenizer.encode(
-                    prompt, add_special_tokens=True, max_tokens=self.max_model_len
-                )
-            except TextTooLong as e:
-                raise RequestError(self._too_long(e), "prompt") from None
-        elif isinstance(prompt, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise RequestError(
-                    f"prompt token id {bad[0]} is out of range [0, {self.config.vocab_size})",
-                    "prompt",
-                )
-        else:
-            raise RequestError("prompt must be a string or a list of token ids", "prompt")
-        if not ids:
-            raise RequestError("prompt is empty", "prompt")
-        return ids
+        """Token ids of a prompt (engine/inputs.py), checked against this model."""
+        return inputs.encode_prompt(
+            self.tokenizer, prompt, self.max_model_len, self.config.vocab_size
+        )
 
     def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
         """Compile params' structured-output constraint (None without one).
@@ -352,11 +234,7 @@ class LLMEngine:
             raise RequestError(self._too_long(e), "messages") from None
 
     def _too_long(self, e: TextTooLong) -> str:
-        return (
-            f"prompt has {e.num_bytes} bytes of text, at least {e.min_tokens} tokens: more "
-            f"than the model's context of {self.max_model_len - 1} "
-            "(leaving room for at least one generated token)"
-        )
+        return inputs.too_long(e, self.max_model_len)
 
     def add_request(
         self,

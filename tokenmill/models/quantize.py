@@ -19,6 +19,7 @@ import torch
 from gguf import GGMLQuantizationType as GT
 from torch import nn
 
+from tokenmill import kernels
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.native_linear import FloatLinear, NativeLinear, SegmentedLinear
 from tokenmill.layers.quant_linear import EXACT_GGUF_TYPES, REQUANT_GGUF_TYPES, QuantLinear
@@ -27,6 +28,27 @@ from tokenmill.loader import Checkpoint, LoadError
 PACKABLE = EXACT_GGUF_TYPES | REQUANT_GGUF_TYPES
 FLOAT_GGUF = {GT.F16: torch.float16, GT.BF16: torch.bfloat16, GT.F32: torch.float32}
 SCHEMES = ("gguf", "float", "q8", "q4")
+CHOICES = ("auto", "none", *SCHEMES)  # what LLMEngine(quantization=) and --quantization take
+
+
+def pick_scheme(requested: str, fmt: str, dtype: torch.dtype, device: torch.device) -> str | None:
+    """The scheme to load a checkpoint of format `fmt` ("gguf", ...) with, for a request
+    among CHOICES; None: torch Linears in `dtype`. "auto" keeps a GGUF file's blocks and a
+    float checkpoint's dtype for the native kernels where they run."""
+    if requested not in CHOICES:
+        raise ValueError(f"quantization must be one of {', '.join(CHOICES)}; got {requested!r}")
+    if requested != "none" and device.type != "cpu":
+        if requested != "auto":
+            raise ValueError("quantized weights run on the CPU kernels only; use device='cpu'")
+        return None
+    if requested == "auto":
+        if fmt == "gguf":
+            return "gguf"
+        # float checkpoints: the native float GEMV reads them as stored (bf16 at 2 bytes
+        # per weight) when activations are float32 and the kernels exist
+        native = dtype is torch.float32 and kernels.library() is not None
+        return "float" if native else None
+    return None if requested == "none" else requested
 
 
 def quantize_model(model: nn.Module, ckpt: Checkpoint, scheme: str, parts_of) -> None:

@@ -1,0 +1,71 @@
+"""What an engine runs, in words: for /metrics' build info, the inspector, the CLI's line.
+
+    info(...)          {"version", "model", "device", "dtype", "weights", "kernels",
+                        "prefill"}: LLMEngine.info(), the labels of tokenmill_build_info
+    describe(...)      one line: the model's shape, weights, kernels, ranks, KV pool
+    prefill_path(dev)  how prompt-sized products of packed weights run: the kernels'
+                       answer (tm_linear_path in kernels/linear.c decides, for every
+                       linear layer too), with its reason
+
+The loop (engine/llm_engine.py) calls these with its parts; nothing here decides how
+anything runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tokenmill import kernels
+from tokenmill.config import ModelConfig
+from tokenmill.engine.kv_cache import KVCache
+from tokenmill.version import __version__
+
+# Rows of x standing for a prompt: a prefill chunk of the scheduler's default size (512
+# tokens a step), past every row threshold of tm_linear_path.
+PROMPT_ROWS = 512
+
+
+def prefill_path(device: torch.device) -> kernels.LinearPath:
+    """How prompt-sized products of packed weights run on `device` (layers/native_linear.py)."""
+    if device.type != "cpu":
+        return kernels.LinearPath(kernels.TORCH, f"the model runs on {device.type}")
+    return kernels.linear_path(True, PROMPT_ROWS)
+
+
+def info(
+    path: Path, device: torch.device, dtype: torch.dtype, quantization: str | None
+) -> dict[str, str]:
+    """What runs, one word each."""
+    return {
+        "version": __version__,
+        "model": path.name,
+        "device": device.type,
+        "dtype": str(dtype).removeprefix("torch."),
+        "weights": quantization or "torch",
+        "kernels": kernels.isa() if device.type == "cpu" else "torch",
+        "prefill": prefill_path(device).name,
+    }
+
+
+def describe(
+    path: Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    quantization: str | None,
+    cache: KVCache,
+    world: int | None = None,
+    plan: list[str] | None = None,
+) -> str:
+    """One line: the model, its weights and kernels, the ranks (world of them, what each
+    holds: plan) of a parallel run, the KV pool."""
+    c = config
+    ranks = f"{world} ranks ({'; '.join(plan or [])}); " if world is not None else ""
+    return (
+        f"{path.name}: {c.arch}, {c.num_layers} layers, d={c.hidden_size}, "
+        f"heads {c.num_heads}/{c.num_kv_heads}, vocab {c.vocab_size}, {dtype}, "
+        f"weights {quantization or 'torch'}, kernels {kernels.isa()}; {ranks}"
+        f"KV cache {cache.capacity_tokens} tokens in {cache.num_blocks} blocks "
+        f"({cache.nbytes / 2**20:.0f} MiB)"
+    )
