@@ -37,8 +37,9 @@ PREFILL_BESIDE_DECODE = 64  # prompt tokens a step may carry beside decode rows
 # A traced step costs every row in it: the trace takes the layers off the fused decode path
 # and summarises each one. On 2 Zen 5 cores (smollm2-135m), a step carrying a traced 64-token
 # chunk 1.5k tokens into its prompt took 162 ms beside one decode, against ~10 ms for the
-# decode alone. So traced work is low priority: while untraced sequences run, a traced one
-# joins one step in TRACE_EVERY, and its prompt goes in chunks of at most TRACE_CHUNK.
+# decode alone. So traced work is low priority: while untraced sequences run or wait, a
+# traced one joins one step in TRACE_EVERY, and its prompt goes in chunks of at most
+# TRACE_CHUNK. Alone, it runs every step and its prompt as one matrix (up to the budget).
 TRACE_EVERY = 4
 TRACE_CHUNK = PREFILL_BESIDE_DECODE
 
@@ -88,7 +89,11 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         self._make_room_for_starved()
         self.num_steps += 1
-        trace_allowed = self._trace_allowed()
+        untraced = any(s.trace is None for s in self.running) or any(
+            s.trace is None for s in self.waiting
+        )
+        trace_allowed = not untraced or self.num_steps - self.last_traced_step >= TRACE_EVERY
+        trace_chunk = TRACE_CHUNK if untraced else budget
         turn = self._trace_turn() if trace_allowed else None
         traced = not trace_allowed  # no (more) traced sequence in this step
         decoding = any(is_decode(s, s.num_uncomputed) for s in self.running)
@@ -107,7 +112,7 @@ class Scheduler:
                 continue
             n = min(seq.num_uncomputed, budget, continuing_left if prefill else 1)
             if seq.trace is not None:
-                n = min(n, TRACE_CHUNK)
+                n = min(n, trace_chunk)
             while not self.blocks.can_grow(seq.block_table, seq.num_computed + n):
                 victim = self._victim(i)  # only among those not scheduled yet
                 self._preempt(victim)
@@ -142,7 +147,7 @@ class Scheduler:
                     seq.num_cached_prompt = seq.num_computed
             n = min(seq.num_uncomputed, budget, prefill_left)
             if seq.trace is not None:
-                n = min(n, TRACE_CHUNK)
+                n = min(n, trace_chunk)
             if not self.blocks.can_grow(seq.block_table, seq.num_computed + n):
                 self._reset(seq)  # don't sit on cached blocks while waiting
                 break
@@ -177,14 +182,6 @@ class Scheduler:
             if any(s.trace is not None for s in self.waiting):
                 return None
         return turn
-
-    def _trace_allowed(self) -> bool:
-        """May this step carry a trace? Always when only traced work exists; beside
-        untraced work, once in TRACE_EVERY steps."""
-        untraced = any(s.trace is None for s in self.running) or any(
-            s.trace is None for s in self.waiting
-        )
-        return not untraced or self.num_steps - self.last_traced_step >= TRACE_EVERY
 
     def _victim(self, start: int) -> Sequence:
         """The sequence to preempt among running[start:]: the newest of the group that
