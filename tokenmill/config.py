@@ -41,7 +41,7 @@ _CHOICES = {
     "activation": ("silu", "gelu_tanh", "gelu"),
     "position": ("rope", "learned"),
 }
-_ROPE_SCALINGS = ("default", "linear", "llama3")
+_ROPE_SCALINGS = ("default", "linear", "llama3", "longrope")
 
 
 def check_int(name: str, value: Any, lo: int = 1, hi: int | None = None) -> int:
@@ -67,6 +67,12 @@ class RopeConfig:
     original_max_position: int = 8192
     # Rotary dimensions per head (partial rotary uses fewer than head_dim).
     dim: int | None = None
+    # "longrope" (Phi-3, Phi-4; HF's "su"): per-frequency divisors [dim/2], the short ones
+    # for positions below original_max_position and the long ones from there on, and
+    # cos/sin times attention_factor at every position.
+    short_factor: list[float] = field(default_factory=list)
+    long_factor: list[float] = field(default_factory=list)
+    attention_factor: float = 1.0
 
 
 @dataclass
@@ -98,6 +104,18 @@ class ModelConfig:
     embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden_size)
     attn_scale: float | None = None  # softmax scale; None means 1/sqrt(head_dim)
     final_logit_softcap: float | None = None
+    # ---- the dense families' switches (Gemma 2, OLMo 2, SmolLM3, Granite) ----
+    # Gemma 2: attention scores s become cap * tanh(s / cap) before the softmax.
+    attn_logit_softcap: float | None = None
+    # False (OLMo 2): no norm before each sublayer, only the sandwich norms after it.
+    pre_norm: bool = True
+    # Per layer: False where the layer has no RoPE (SmolLM3's NoPE layers). Empty: all True.
+    rope_layers: list[bool] = field(default_factory=list)
+    # Granite: each sublayer's output times residual_scale before its residual add. The
+    # loaders fold it into attn.o and mlp.down (weights and biases), so the model and the
+    # fused stack run unchanged; nothing after loading reads it.
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0  # Granite: logits times this (1 / logits_scaling)
     tie_embeddings: bool = True
 
     sliding_window: int | None = None
@@ -151,6 +169,7 @@ class ModelConfig:
             )
         if "sliding" in self.layer_types and self.sliding_window is None:
             raise ConfigError("sliding-window layers need a sliding_window size")
+        _check_dense_switches(self)
         if self.bos_token_id is not None:
             self.bos_token_id = check_int("bos_token_id", self.bos_token_id, 0)
         if not isinstance(self.eos_token_ids, list):
@@ -190,3 +209,41 @@ def _check_rope(name: str, rope: RopeConfig, head_dim: int, used: bool) -> None:
         rope.dim = check_int(f"{name}.dim", rope.dim, 2, head_dim)
     if used and (head_dim % 2 or (rope.dim or head_dim) % 2):
         raise ConfigError(f"head_dim and rotary dimensions must be even, got {head_dim}")
+    rope.attention_factor = check_float(
+        f"{name}.attention_factor", rope.attention_factor, 0.0, lo_open=True
+    )
+    if rope.scaling == "longrope":
+        half = (rope.dim or head_dim) // 2
+        for kind in ("short_factor", "long_factor"):
+            factors = getattr(rope, kind)
+            if not isinstance(factors, list) or len(factors) != half:
+                count = len(factors) if isinstance(factors, list) else "no"
+                raise ConfigError(f"{name}.{kind} has {count} entries for {half} frequencies")
+            setattr(
+                rope, kind, [check_float(f"{name}.{kind}", v, 0.0, lo_open=True) for v in factors]
+            )
+
+
+def _check_dense_switches(cfg: ModelConfig) -> None:
+    """Gemma 2's attention soft-cap, OLMo 2's norm placement, SmolLM3's NoPE layers and
+    Granite's multipliers."""
+    if cfg.attn_logit_softcap is not None:
+        cfg.attn_logit_softcap = check_float(
+            "attn_logit_softcap", cfg.attn_logit_softcap, 0.0, lo_open=True
+        )
+    if not isinstance(cfg.pre_norm, bool):
+        raise ConfigError(f"pre_norm must be true or false, got {short_repr(cfg.pre_norm)}")
+    if not cfg.pre_norm and not cfg.sandwich_norm:
+        raise ConfigError("pre_norm false needs sandwich_norm (a block with no norm at all)")
+    if not cfg.rope_layers:
+        cfg.rope_layers = [True] * cfg.num_layers
+    if (
+        not isinstance(cfg.rope_layers, list)
+        or len(cfg.rope_layers) != cfg.num_layers
+        or not all(isinstance(b, bool) for b in cfg.rope_layers)
+    ):
+        raise ConfigError(
+            f"rope_layers must be {cfg.num_layers} true/false entries, got {short_repr(cfg.rope_layers)}"
+        )
+    cfg.residual_scale = check_float("residual_scale", cfg.residual_scale, 0.0, lo_open=True)
+    cfg.logit_scale = check_float("logit_scale", cfg.logit_scale, 0.0, lo_open=True)

@@ -38,22 +38,46 @@ def inv_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:
     return inv_freq
 
 
+def _longrope_inv(rope: RopeConfig, dim: int, factors: list[float]) -> torch.Tensor:
+    """[dim/2] LongRoPE frequencies: the plain ones divided by one set of `factors`."""
+    base = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base)
+
+
 class Rotary(nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int, max_position: int):
         super().__init__()
         self.rope = rope
         self.dim = rope.dim or head_dim
         self.max_position = max_position
-        self._build(inv_frequencies(rope, self.dim))
+        if rope.scaling == "longrope":
+            # Phi-3: the short factors below the original context, the long ones from it on.
+            # transformers rotates a whole sequence with one set: short while it fits in
+            # original_max_position, long once it is longer, and Phi-3's generate() drops
+            # its cache at the crossing to recompute every key with the long set. A paged
+            # cache keeps the keys it wrote, so here the set is chosen per position: equal
+            # to transformers for every sequence within the original context, and the
+            # same whatever the chunking, batching or shared prefix (vLLM mixes the two
+            # sets too, chosen per batch).
+            short = _longrope_inv(rope, self.dim, rope.short_factor)
+            long = _longrope_inv(rope, self.dim, rope.long_factor)
+            self._build(short, long, rope.original_max_position)
+        else:
+            self._build(inv_frequencies(rope, self.dim))
 
-    def _build(self, inv_freq: torch.Tensor) -> None:
+    def _build(
+        self, inv_freq: torch.Tensor, long: torch.Tensor | None = None, switch: int = 0
+    ) -> None:
         pos = torch.arange(self.max_position, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)  # [P, dim/2]
+        if long is not None:  # LongRoPE: positions >= switch use the long frequencies
+            freqs[switch:] = torch.outer(pos[switch:], long)
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
+        scale = self.rope.attention_factor  # LongRoPE's magnitude correction, else 1
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
         # rotate_half(x) * sin == roll(x, dim/2) * [-sin, sin]: the sign is baked in here so
         # applying RoPE is roll, mul, fused multiply-add.
-        sin = emb.sin()
+        sin = emb.sin() * scale
         sin[:, : self.dim // 2] *= -1
         self.register_buffer("sin", sin, persistent=False)
 

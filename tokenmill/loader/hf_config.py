@@ -17,7 +17,12 @@ from tokenmill.config import (
     check_int,
 )
 
-HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3", "gpt2")
+# the newer dense families, each read by _dense_family below
+DENSE_FAMILIES = ("phi3", "gemma2", "smollm3", "granite")
+HF_FAMILIES = (
+    *("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3", "gpt2"),
+    *DENSE_FAMILIES,
+)
 
 _REQUIRED = object()
 
@@ -107,9 +112,29 @@ def _rope_from_params(p: dict[str, Any], default_theta: float, max_pos: int) -> 
             "original_max_position_embeddings", max_pos, hi=MAX_SIZES["max_position"]
         )
         return rope
+    if kind in ("longrope", "su"):  # Phi-3 / Phi-4 ("su" is its first name)
+        return _longrope(f, rope, max_pos)
     raise ConfigError(
-        f"unsupported rope scaling type {short_repr(kind)} (supported: default, linear, llama3)"
+        f"unsupported rope scaling type {short_repr(kind)} (supported: default, linear, llama3, longrope)"
     )
+
+
+def _longrope(f: ConfigFields, rope: RopeConfig, max_pos: int) -> RopeConfig:
+    """LongRoPE's factors and its attention factor, as transformers computes them: the
+    factor defaults to max_position / original_max_position, and the attention factor to
+    sqrt(1 + ln(factor) / ln(original_max_position)) (1 when the factor is at most 1)."""
+    rope.scaling = "longrope"
+    orig = f.int("original_max_position_embeddings", hi=MAX_SIZES["max_position"])
+    rope.original_max_position = orig
+    for kind in ("short_factor", "long_factor"):
+        factors = f.raw(kind)
+        if not isinstance(factors, list):
+            raise ConfigError(f"{kind} must be a list of numbers, got {short_repr(factors)}")
+        setattr(rope, kind, [check_float(kind, v, 0.0, lo_open=True) for v in factors])
+    factor = f.float("factor", max_pos / orig, lo_open=True)
+    default = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    rope.attention_factor = f.float("attention_factor", default, lo_open=True)
+    return rope
 
 
 def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
@@ -141,6 +166,11 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
     if params is None:
         params = dict(f.dict("rope_scaling") or {})
         params.setdefault("rope_theta", f.raw("rope_theta", 10000.0))
+    if model_type == "phi3":  # 4.x keeps these beside rope_scaling, not inside it
+        params = dict(params)
+        for key in ("original_max_position_embeddings", "partial_rotary_factor"):
+            if f.raw(key, None) is not None:
+                params.setdefault(key, f.raw(key))
     rope = _rope_from_params(params, 10000.0, max_pos)
     common = dict(
         vocab_size=f.int("vocab_size", hi=MAX_SIZES["vocab_size"]),
@@ -157,6 +187,8 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
         bos_token_id=f.int("bos_token_id", None, lo=0),
         eos_token_ids=f.ids("eos_token_id"),
     )
+    if model_type in DENSE_FAMILIES:
+        return _dense_family(f, model_type, params, common)
     if model_type in ("llama", "mistral"):
         window = f.int("sliding_window", None) if model_type == "mistral" else None
         return ModelConfig(
@@ -206,6 +238,87 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
         layer_types=["sliding" if t == "sliding_attention" else "full" for t in types],
         rope_local=_rope_from_params(local_params, 10000.0, max_pos),
         **{**common, "tie_embeddings": f.bool("tie_word_embeddings", True)},
+    )
+
+
+def _layer_types(f: ConfigFields, layers: int, default: list[str]) -> list[str]:
+    """layer_types as ModelConfig spells them ("sliding" / "full")."""
+    names = f.names("layer_types", layers) or default
+    return ["sliding" if t == "sliding_attention" else "full" for t in names]
+
+
+def _dense_family(f: ConfigFields, model_type: str, params: dict, common: dict) -> ModelConfig:
+    """Phi-3/Phi-4, Gemma 2, SmolLM3 and Granite 3: the Llama block with the
+    switches each family adds (see ModelConfig)."""
+    layers, hidden, head_dim = common["num_layers"], common["hidden_size"], common["head_dim"]
+    bias = f.bool("attention_bias", False)
+    if model_type == "phi3":
+        # fused qkv_proj / gate_up_proj are split at load (loader/hf_folder.py)
+        partial = ConfigFields(params, "rope parameters").float(
+            "partial_rotary_factor", 1.0, lo_open=True
+        )
+        if partial < 1.0:
+            common["rope"].dim = int(head_dim * partial)
+        window = f.int("sliding_window", None)
+        return ModelConfig(
+            arch="phi3",
+            sliding_window=window,
+            layer_types=["sliding" if window else "full"] * layers,
+            **common,
+        )
+    if model_type == "gemma2":
+        act = f.str("hidden_activation", None) or f.str("hidden_act", "gelu_pytorch_tanh")
+        alternating = ["sliding_attention", "full_attention"] * layers
+        types = _layer_types(f, layers, alternating[:layers])
+        return ModelConfig(
+            arch="gemma2",
+            activation="gelu_tanh" if "tanh" in act else "gelu",
+            sandwich_norm=True,
+            embed_scale=math.sqrt(hidden),
+            attn_scale=f.float("query_pre_attn_scalar", head_dim, lo_open=True) ** -0.5,
+            attn_logit_softcap=f.float("attn_logit_softcapping", None, lo_open=True),
+            final_logit_softcap=f.float("final_logit_softcapping", None, lo_open=True),
+            sliding_window=f.int("sliding_window", None) if "sliding" in types else None,
+            layer_types=types,
+            qkv_bias=bias,
+            o_bias=bias,
+            **{**common, "tie_embeddings": f.bool("tie_word_embeddings", True)},
+        )
+    if model_type == "smollm3":
+        # no_rope_layers[i]: 1 where layer i uses RoPE, 0 for a NoPE layer
+        interval = f.int("no_rope_layer_interval", 4)
+        flags = f.raw("no_rope_layers", [int((i + 1) % interval != 0) for i in range(layers)])
+        if (
+            not isinstance(flags, list)
+            or len(flags) != layers
+            or any(v not in (0, 1) for v in flags)
+        ):
+            raise ConfigError(
+                f"no_rope_layers must be {layers} entries of 0 or 1, got {short_repr(flags)}"
+            )
+        types = _layer_types(f, layers, ["full_attention"] * layers)
+        return ModelConfig(
+            arch="smollm3",
+            rope_layers=[bool(v) for v in flags],
+            sliding_window=f.int("sliding_window", None) if "sliding" in types else None,
+            layer_types=types,
+            qkv_bias=bias,
+            o_bias=bias,
+            mlp_bias=f.bool("mlp_bias", False),
+            **common,
+        )
+    # Granite 3
+    return ModelConfig(
+        arch="granite",
+        embed_scale=f.float("embedding_multiplier", 1.0, lo_open=True),
+        # transformers' GraniteConfig defaults the multiplier to 1.0, not 1/sqrt(head_dim)
+        attn_scale=f.float("attention_multiplier", 1.0, lo_open=True),
+        residual_scale=f.float("residual_multiplier", 1.0, lo_open=True),
+        logit_scale=1.0 / f.float("logits_scaling", 1.0, lo_open=True),
+        qkv_bias=bias,
+        o_bias=bias,
+        mlp_bias=f.bool("mlp_bias", False),
+        **common,
     )
 
 

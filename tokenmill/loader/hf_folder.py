@@ -32,6 +32,14 @@ _LAYER_NAMES = {
     "pre_feedforward_layernorm": "mlp_norm",
     "post_feedforward_layernorm": "post_mlp_norm",
 }
+# Phi-3's fused projections -> the parts the model already has (split at load by
+# _phi3_rows, so every path sees the same q/k/v and gate/up weights as Llama's).
+_PHI3_FUSED = {
+    "self_attn.qkv_proj": ("attn.q", "attn.k", "attn.v"),
+    "mlp.gate_up_proj": ("mlp.gate", "mlp.up"),
+}
+# Granite's residual multiplier is folded into the projections before each residual add.
+_RESIDUAL_PROJECTIONS = ("self_attn.o_proj.", "mlp.down_proj.")
 _GPT2_LAYER_NAMES = {
     "ln_1": "attn_norm",
     "attn.c_proj": "attn.o",
@@ -105,6 +113,8 @@ def _map_name(name: str, arch: str, sandwich: bool) -> list[tuple[str, slice | N
         if stem == "attn.c_attn":  # fused QKV, split by the caller's slices
             return [(f"layers.{idx}.attn.{p}.{kind}", p) for p in ("q", "k", "v")]
         mapped = _GPT2_LAYER_NAMES.get(stem)
+    elif arch == "phi3" and stem in _PHI3_FUSED:
+        return [(f"layers.{idx}.{p}.{kind}", p) for p in _PHI3_FUSED[stem]]
     elif stem == "post_attention_layernorm":
         # Gemma's sandwich: a norm after attention; elsewhere: the norm before the MLP.
         mapped = "post_attn_norm" if sandwich else "mlp_norm"
@@ -142,7 +152,12 @@ def open_folder(folder: Path) -> Checkpoint:
         for key in keys:
             for target, part in _map_name(key, config.arch, config.sandwich_norm):
                 tensors[target] = _loader(handle, file, key, config, part)
-                shapes[target] = part_shape(file, key, _our_shape(key, header[key], config), part)
+                shape = _our_shape(key, header[key], config)
+                if config.arch == "phi3" and part is not None:
+                    start, stop = _phi3_rows(file, key, shape, config, part)
+                    shapes[target] = (stop - start, *shape[1:])
+                else:
+                    shapes[target] = part_shape(file, key, shape, part)
     ckpt = Checkpoint(folder, "hf", config, tensors, generation, shapes=shapes)
     check_checkpoint(ckpt, layer_key="n_layer" if config.arch == "gpt2" else "num_hidden_layers")
     return ckpt
@@ -155,6 +170,24 @@ def _our_shape(key: str, shape: tuple[int, ...], config) -> tuple[int, ...]:
     return shape
 
 
+def _phi3_rows(file: Path, key: str, shape: tuple[int, ...], config, part: str) -> tuple[int, int]:
+    """Rows [start, stop) of Phi-3's fused tensor `key` that hold `part`: qkv_proj is [q;
+    k; v] ([q_size + 2 kv_size, d]), gate_up_proj [gate; up] ([2f, d])."""
+    rows = shape[0] if shape else 0
+    q, kv, f = config.q_size, config.kv_size, config.intermediate_size
+    bounds = {
+        "attn.q": (0, q, q + 2 * kv),
+        "attn.k": (q, q + kv, q + 2 * kv),
+        "attn.v": (q + kv, q + 2 * kv, q + 2 * kv),
+        "mlp.gate": (0, f, 2 * f),
+        "mlp.up": (f, 2 * f, 2 * f),
+    }
+    start, stop, total = bounds[part]
+    if rows != total:
+        raise LoadError(file, f"tensor {key}: fused with {rows} rows, expected {total}")
+    return start, stop
+
+
 def _loader(handle, file: Path, key: str, config, part):
     """A thunk reading one tensor, converted to tokenmill's layout."""
 
@@ -165,11 +198,18 @@ def _loader(handle, file: Path, key: str, config, part):
             raise LoadError(file, f"cannot read tensor {key!r} ({e})") from None
         if config.arch == "gpt2" and t.dim() == 2 and "wte" not in key and "wpe" not in key:
             t = t.t()  # GPT-2's Conv1D stores [in, out]; tokenmill uses [out, in]
-        if part is not None:  # GPT-2 fused c_attn: rows [q; k; v]
+        if part is not None and config.arch == "phi3":  # fused qkv_proj / gate_up_proj
+            start, stop = _phi3_rows(file, key, tuple(t.shape), config, part)
+            t = t[start:stop]
+        elif part is not None:  # GPT-2 fused c_attn: rows [q; k; v]
             i = "qkv".index(part)
             t = t.chunk(3, dim=0)[i]
-        if config.arch == "gemma3" and key.endswith("norm.weight"):
+        if config.arch in ("gemma2", "gemma3") and key.endswith("norm.weight"):
             t = t.float() + 1.0  # Gemma scales by (1 + w); fold the 1 in once at load
+        if config.residual_scale != 1.0 and any(p in key for p in _RESIDUAL_PROJECTIONS):
+            # Granite: x + s * o(attn), x + s * down(mlp): s folded into o and down (and
+            # their biases), computed in float32 and stored back in the file's dtype
+            t = (t.float() * config.residual_scale).to(t.dtype)
         return t
 
     return load

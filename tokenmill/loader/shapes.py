@@ -25,7 +25,7 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["pos_embed.weight"] = (cfg.max_position, d)
     for i in range(cfg.num_layers):
         layer = f"layers.{i}."
-        norms = ["attn_norm", "mlp_norm"]
+        norms = ["attn_norm", "mlp_norm"] if cfg.pre_norm else []  # OLMo 2: post-norms only
         if cfg.sandwich_norm:
             norms += ["post_attn_norm", "post_mlp_norm"]
         shapes.update({f"{layer}{n}.{kind}": (d,) for n in norms for kind in norm})

@@ -15,9 +15,11 @@ GEMVs' memory traffic itself. So:
 
 Both read the same `TmLayer` per block, built here once (after the KV cache is attached)
 from the modules' own tensors: the attention path reads its attention fields, the stack
-all of them. The stack needs RMSNorm, a gated SiLU or tanh-GELU MLP (Llama, Mistral,
-Qwen2/3, Gemma 3) and every linear layer native (QuantLinear or FloatLinear); when it
-cannot run, `stack_blocker` says why.
+all of them. The stack needs RMSNorm before each sublayer, a gated SiLU or tanh-GELU MLP
+(Llama, Mistral, Qwen2/3, Gemma 3, Phi-3, SmolLM3, Granite) and every linear layer native
+(QuantLinear or FloatLinear); when it cannot run, `stack_blocker` says why. Phi-3's
+LongRoPE is in the rotary tables, SmolLM3's NoPE layers have none, and Granite's
+multipliers sit outside the stack (embedding, logits) or in its weights (residual).
 """
 
 from __future__ import annotations
@@ -92,9 +94,11 @@ class NativeModel:
             setattr(desc, f"{name}_bias", self._ptr(lin.bias))
         for name in ("attn_norm", "mlp_norm"):
             norm = getattr(block, name)
-            if not isinstance(norm, RMSNorm):
+            if norm is None:  # OLMo 2: norms after the sublayers only
+                self._block(f"layer {i} has no {name}: the stack norms before each sublayer")
+            elif not isinstance(norm, RMSNorm):
                 self._block(f"layer {i} {name} is not an RMSNorm")
-            setattr(desc, name, self._ptr(norm.weight))
+            setattr(desc, name, None if norm is None else self._ptr(norm.weight))
         for name in ("post_attn_norm", "post_mlp_norm"):
             norm = getattr(block, name)
             setattr(desc, name, None if norm is None else self._ptr(norm.weight))

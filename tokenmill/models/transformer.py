@@ -3,7 +3,8 @@
     token ids [T]
       -> embedding lookup [T, d]  (x sqrt(d) for Gemma; + learned positions for GPT-2)
       -> N x Block:  x + Attention(norm(x)),  x + MLP(norm(x))
-                     (Gemma adds a norm after each sublayer too: "sandwich" norms)
+                     (Gemma adds a norm after each sublayer too: "sandwich" norms;
+                     OLMo 2 has only those: x + norm(Attention(x)), x + norm(MLP(x)))
       -> final norm -> un-embedding [B, vocab] (only at the rows that need logits)
 
 Parameter names (what the loaders produce; loader/shapes.py gives each one's shape):
@@ -56,16 +57,18 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, idx: int, rotary: Rotary | None):
         super().__init__()
         d = cfg.hidden_size
-        self.attn_norm = make_norm(cfg.norm, d, cfg.norm_eps)
+        # OLMo 2 (pre_norm False): no norm before the sublayers, only the ones after them
+        pre = cfg.pre_norm
+        self.attn_norm = make_norm(cfg.norm, d, cfg.norm_eps) if pre else None
         self.attn = Attention(cfg, idx, rotary)
-        self.mlp_norm = make_norm(cfg.norm, d, cfg.norm_eps)
+        self.mlp_norm = make_norm(cfg.norm, d, cfg.norm_eps) if pre else None
         self.mlp = MLP(cfg)
         self.post_attn_norm = make_norm(cfg.norm, d, cfg.norm_eps) if cfg.sandwich_norm else None
         self.post_mlp_norm = make_norm(cfg.norm, d, cfg.norm_eps) if cfg.sandwich_norm else None
         self.tp = None  # tensor parallelism: the rank's TPGroup (distributed/group.py)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = self.attn(self.attn_norm(x), meta)
+        h = self.attn(x if self.attn_norm is None else self.attn_norm(x), meta)
         if self.tp is not None:  # the output projection was row-parallel: sum the ranks'
             self.tp.all_reduce(h)
         if self.post_attn_norm is not None:
@@ -73,7 +76,7 @@ class Block(nn.Module):
         x = x + h
         if meta.trace is not None:
             meta.trace.on_residual(meta, self.attn.layer_idx, "attention", x)
-        h = self.mlp(self.mlp_norm(x))
+        h = self.mlp(x if self.mlp_norm is None else self.mlp_norm(x))
         if self.tp is not None:  # the down projection too
             self.tp.all_reduce(h)
         if self.post_mlp_norm is not None:
@@ -104,10 +107,7 @@ class Transformer(nn.Module):
                 rotary_local = Rotary(cfg.rope_local, cfg.head_dim, cfg.max_position)
         self.rotary, self.rotary_local = rotary, rotary_local
         self.layers = nn.ModuleList(
-            Block(
-                cfg, i, rotary_local if cfg.layer_types[i] == "sliding" and rotary_local else rotary
-            )
-            for i in range(cfg.num_layers)
+            Block(cfg, i, self._layer_rotary(i)) for i in range(cfg.num_layers)
         )
         self.final_norm = make_norm(cfg.norm, d, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else Linear(d, cfg.vocab_size)
@@ -120,6 +120,15 @@ class Transformer(nn.Module):
         # this model is (the embedding only on the first, the head only on the last).
         self.tp = None
         self.stage = None
+
+    def _layer_rotary(self, i: int) -> Rotary | None:
+        """Layer i's RoPE: none for SmolLM3's NoPE layers, Gemma 3's local tables for its
+        sliding layers, else the model's."""
+        if not self.cfg.rope_layers[i]:
+            return None
+        if self.cfg.layer_types[i] == "sliding" and self.rotary_local is not None:
+            return self.rotary_local
+        return self.rotary
 
     def set_tensor_parallel(self, tp) -> None:
         """Make this (sharded) model one rank of a tensor-parallel group."""
@@ -224,6 +233,8 @@ class Transformer(nn.Module):
             logits = (x @ head.weight.t()).float()
         else:  # Linear, QuantLinear or FloatLinear
             logits = head(x).float()
+        if self.cfg.logit_scale != 1.0:  # Granite: logits / logits_scaling
+            logits = logits * self.cfg.logit_scale
         cap = self.cfg.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap

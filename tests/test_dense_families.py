@@ -1,0 +1,304 @@
+"""The newer dense families against transformers on tiny random-weight checkpoints
+(float32): Phi-3/Phi-4 (fused projections, LongRoPE, partial rotary), Gemma 2 (attention
+and final-logit soft-caps, sandwich norms, alternating sliding windows), SmolLM3 (NoPE
+layers) and Granite 3 (embedding, attention, residual and logit multipliers).
+
+Odd sizes: 6 query heads over 2 K/V heads of 12 dims, MLP width 100, vocabulary 301.
+Prefill logits at every prompt position and the logits of a 32-token greedy continuation
+must be close to transformers' (its own cached `generate`), and the tokens identical; with
+native weights the decode steps run the fused stack where the family's switches allow it,
+and models/paths.py names the reason where they do not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from helpers import save_word_tokenizer
+
+from tokenmill import kernels
+from tokenmill.config import ConfigError, ModelConfig
+from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.kv_cache import KVCache
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.scheduler import ScheduledChunk
+from tokenmill.engine.sequence import Sequence
+from tokenmill.loader import open_checkpoint
+from tokenmill.loader.hf_config import from_hf_config
+from tokenmill.models import paths
+from tokenmill.models.transformer import Transformer
+
+VOCAB = 301
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=72,
+    intermediate_size=100,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=VOCAB - 1,
+    pad_token_id=0,
+)
+HALF = 6  # rotary frequencies of a 12-dim head
+
+# name -> (transformers model class, its config class, config overrides, the decode path
+# with native weights: "stack", or the reason paths.py gives for the torch path)
+CASES = {
+    "phi3-longrope": (
+        "Phi3ForCausalLM",
+        "Phi3Config",
+        dict(
+            original_max_position_embeddings=64,
+            rope_scaling={
+                "type": "longrope",
+                "short_factor": [1.0 + 0.3 * i for i in range(HALF)],
+                "long_factor": [1.5 + 2.0 * i for i in range(HALF)],
+            },
+        ),
+        "stack",
+    ),
+    "phi4-partial-rotary": (
+        "Phi3ForCausalLM",
+        "Phi3Config",
+        dict(partial_rotary_factor=0.5),
+        "stack",
+    ),
+    "gemma2-softcaps": (
+        "Gemma2ForCausalLM",
+        "Gemma2Config",
+        dict(
+            head_dim=16,
+            attn_logit_softcapping=4.0,
+            final_logit_softcapping=3.0,
+            query_pre_attn_scalar=20,
+            sliding_window=8,
+        ),
+        "attention logit soft-capping",
+    ),
+    "gemma2-no-attn-softcap": (
+        "Gemma2ForCausalLM",
+        "Gemma2Config",
+        dict(head_dim=16, attn_logit_softcapping=None, sliding_window=8),
+        "stack",
+    ),
+    "smollm3-nope": (
+        "SmolLM3ForCausalLM",
+        "SmolLM3Config",
+        dict(no_rope_layers=[1, 0, 1]),
+        "stack",
+    ),
+    "granite-multipliers": (
+        "GraniteForCausalLM",
+        "GraniteConfig",
+        dict(
+            embedding_multiplier=3.0,
+            attention_multiplier=0.2,
+            residual_multiplier=0.4,
+            logits_scaling=2.5,
+            tie_word_embeddings=False,
+        ),
+        "stack",
+    ),
+}
+
+
+def build(name: str, folder, seed: int = 0):
+    """Build, save and return the tiny random transformers model of case `name`."""
+    model_cls, config_cls, overrides, _ = CASES[name]
+    if not hasattr(tf, model_cls):  # pragma: no cover - an older transformers
+        pytest.skip(f"transformers {tf.__version__} has no {model_cls}")
+    torch.manual_seed(seed)
+    model = getattr(tf, model_cls)(getattr(tf, config_cls)(**{**COMMON, **overrides}))
+    model.eval()
+    gemma = name.startswith("gemma")
+    with torch.no_grad():  # random norm weights, so a wrong norm convention shows up
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.normal_(0.0 if gemma else 1.0, 0.3)
+    model.save_pretrained(folder)
+    save_word_tokenizer(folder, VOCAB)
+    return model
+
+
+class Single:
+    """One sequence through the model runner: prefill, then one token at a time."""
+
+    def __init__(self, folder, quantize: str | None = None):
+        ckpt = open_checkpoint(folder)
+        self.model = Transformer(ckpt.config)
+        self.model.load_weights(ckpt, torch.float32, quantize=quantize)
+        cache = KVCache(ckpt.config, 16, torch.float32, torch.device("cpu"), "1024tok")
+        self.blocks = BlockManager(cache.num_blocks, 16)
+        self.runner = ModelRunner(self.model, cache, torch.device("cpu"))
+        self.seq = Sequence("s", [], None, None)
+
+    def feed(self, tokens: list[int]) -> torch.Tensor:
+        seq = self.seq
+        seq.prompt_ids = seq.prompt_ids + tokens
+        self.blocks.grow(seq.block_table, len(seq))
+        logits, _ = self.runner.run([ScheduledChunk(seq, len(tokens))], all_logits=True)
+        seq.num_computed = len(seq)
+        return logits
+
+    def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+        """n greedy tokens after `prompt`, and the logits [vocab] that chose each."""
+        logits = self.feed(prompt)[-1]
+        tokens, steps = [], []
+        for _ in range(n):
+            steps.append(logits)
+            tokens.append(int(logits.argmax()))
+            logits = self.feed([tokens[-1]])[0]
+        return tokens, steps
+
+
+def _prompt(name: str) -> list[int]:
+    # longer than the sliding windows (8); prompt and continuation stay inside LongRoPE's
+    # original 64 positions, where transformers and tokenmill both use the short factors
+    # (test_longrope_tables checks the long ones)
+    length = 24 if "longrope" in name else 40
+    return torch.randint(
+        2, VOCAB - 1, (length,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
+
+
+def _reference(hf, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), [step[0] for step in out.logits]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_and_greedy_match_transformers(tmp_path, name):
+    hf = build(name, tmp_path)
+    prompt = _prompt(name)
+    ours = Single(tmp_path)
+    got = ours.feed(prompt)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    assert (got - ref).abs().max().item() < 1e-4
+
+    want, want_logits = _reference(hf, prompt, 32)
+    tokens, logits = Single(tmp_path).greedy(prompt, 32)
+    assert tokens == want
+    for mine, theirs in zip(logits, want_logits, strict=True):
+        assert (mine - theirs).abs().max().item() < 1e-4
+
+
+@pytest.mark.skipif(kernels.library() is None, reason="native kernels unavailable")
+@pytest.mark.parametrize("name", list(CASES))
+def test_native_weights_take_the_stack_or_say_why(tmp_path, name):
+    """With native float32 weights, decode runs the fused stack when the family's switches
+    are ones it supports; otherwise the torch path, with the switch named."""
+    hf = build(name, tmp_path)
+    prompt = _prompt(name)
+    ours = Single(tmp_path, quantize="float")
+    tokens, _ = ours.greedy(prompt, 24)
+    path = ours.model.decode_path()
+    expected = CASES[name][3]
+    if expected == "stack":
+        assert path.name == paths.STACK, path.reason
+    else:
+        assert path.name == paths.TORCH and expected in path.reason, path
+    assert tokens == _reference(hf, prompt, 24)[0]
+
+
+def test_longrope_tables_match_transformers(tmp_path):
+    """Phi-3's rotary tables: short factors below original_max_position, long ones from
+    it on, both times the attention factor, as transformers' rotary embedding gives them
+    for a sequence that short (or that long)."""
+    hf = build("phi3-longrope", tmp_path)
+    rotary = Single(tmp_path).model.rotary
+    emb = hf.model.rotary_emb
+    for positions in (torch.arange(64), torch.arange(64, 200)):
+        cos, sin = emb(torch.zeros(1), positions[None])  # [1, P, hd]
+        assert (cos[0] - rotary.cos[positions]).abs().max().item() < 1e-6
+        half = rotary.dim // 2  # our sin carries rotate_half's sign in its first half
+        assert (sin[0, :, half:] - rotary.sin[positions, half:]).abs().max().item() < 1e-6
+    assert rotary.rope.attention_factor == pytest.approx((1 + 3 / 6) ** 0.5)  # ln 8 / ln 64
+
+
+def _config(model_type: str, **extra) -> dict:
+    return dict(
+        model_type=model_type,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **extra,
+    )
+
+
+def test_family_switches_read_from_config_json():
+    phi = from_hf_config(
+        _config(
+            "phi3",
+            max_position_embeddings=4096,
+            original_max_position_embeddings=1024,
+            rope_scaling={"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4},
+        )
+    )
+    assert phi.rope.scaling == "longrope" and phi.rope.original_max_position == 1024
+    # transformers' default attention factor: sqrt(1 + ln(4096 / 1024) / ln(1024))
+    assert abs(phi.rope.attention_factor - (1 + 2 / 10) ** 0.5) < 1e-9
+    smol = from_hf_config(_config("smollm3", no_rope_layers=[1, 0]))
+    assert smol.rope_layers == [True, False]
+    granite = from_hf_config(_config("granite", logits_scaling=8.0, residual_multiplier=0.25))
+    assert granite.logit_scale == 0.125 and granite.residual_scale == 0.25
+    gemma = from_hf_config(_config("gemma2", attn_logit_softcapping=50.0, sliding_window=16))
+    assert gemma.attn_logit_softcap == 50.0 and gemma.layer_types == ["sliding", "full"]
+
+
+@pytest.mark.parametrize(
+    "model_type, extra, field",
+    [
+        ("phi3", dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 4}), "long_factor"),
+        (
+            "phi3",
+            dict(
+                rope_scaling={
+                    "type": "longrope",
+                    "short_factor": [1.0] * 3,
+                    "long_factor": [1.0] * 4,
+                }
+            ),
+            "short_factor",
+        ),
+        ("smollm3", dict(no_rope_layers=[1, 2]), "no_rope_layers"),
+        ("smollm3", dict(no_rope_layers=[1]), "no_rope_layers"),
+        ("granite", dict(logits_scaling=0), "logits_scaling"),
+        ("granite", dict(residual_multiplier="x"), "residual_multiplier"),
+        ("gemma2", dict(attn_logit_softcapping=-1.0), "attn_logit_softcapping"),
+    ],
+)
+def test_bad_family_fields_name_the_field(model_type, extra, field):
+    with pytest.raises(ConfigError, match=field):
+        from_hf_config(_config(model_type, original_max_position_embeddings=64, **extra))
+
+
+@pytest.mark.parametrize(
+    "fields, name",
+    [
+        (dict(pre_norm=False), "pre_norm"),
+        (dict(pre_norm=1, sandwich_norm=True), "pre_norm"),
+        (dict(rope_layers=[True]), "rope_layers"),
+        (dict(attn_logit_softcap=0.0), "attn_logit_softcap"),
+        (dict(logit_scale=-2.0), "logit_scale"),
+    ],
+)
+def test_model_config_checks_the_switches(fields, name):
+    with pytest.raises(ConfigError, match=name):
+        ModelConfig("llama", 64, 32, 48, 2, 4, 2, 8, **fields)
