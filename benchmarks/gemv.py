@@ -15,7 +15,7 @@ Methods:
   int8pack    torch._weight_int8pack_mm (int8 weights, per-row scales)
   q4 / q8     QuantLinear from GGUF Q4_1 / Q8_0 blocks, as the layer routes them: the
               native GEMV, from kernels.gemm_min_rows() rows the integer GEMM (builds
-              where kernels.gemm_prefill(): AVX2), elsewhere beyond layer.native_rows()
+              where kernels.gemm_prefill(): AVX2), elsewhere beyond what tm_linear_path sends to the GEMV
               rows dequantize-to-float32 + GEMM
   q4-gemm     the integer GEMM (kernels.gemm) at any T, any build
   q4-tiles    the float32-tile path (dequantize + torch GEMM) at any T

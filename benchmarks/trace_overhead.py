@@ -2,7 +2,7 @@
 
     stripped    the engine with every trace hook call site removed (the baseline)
     hooks off   the code as it is: hook call sites present, no request traced
-    traced      the request traced with a tokenmill.trace.Trace (what the inspector pays)
+    traced      the request traced with a tokenmill.inspect.trace.Trace (what the inspector pays)
 
 "hooks off" vs "stripped" answers whether the hooks cost anything when nobody
 traces. The stripped engine is built at run time from the current source: the
@@ -28,10 +28,10 @@ from collections.abc import Callable, Iterator
 
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.inspect.trace import Trace
 from tokenmill.layers.attention import Attention
 from tokenmill.models.transformer import Block, Transformer
 from tokenmill.sampling import SamplingParams
-from tokenmill.inspect.trace import Trace
 
 HOOKED_METHODS = [
     (Attention, "forward"),

@@ -1,4 +1,4 @@
-"""The tracer (tokenmill/trace.py), `tokenmill inspect` and POST /v1/inspect.
+"""The tracer (tokenmill/inspect/trace.py), `tokenmill inspect` and POST /v1/inspect.
 
 A trace must observe without changing anything: the traced run's tokens and
 logits equal the untraced run's. What it records must agree with the engine:

@@ -60,9 +60,9 @@ class ParamError(ValueError):
 class ArgumentError(ValueError):
     """A command-line argument that cannot work here, found before the model loads. The
     CLI prints it the way argparse prints its own errors: one line naming the option,
-    exit status 2. (Here, not in tokenmill.cli: `python -m tokenmill.cli` runs that module
-    as __main__, and the commands' modules import it again as tokenmill.cli, which would
-    make a second class that main() does not catch.)"""
+    exit status 2. (Here, below the top layer: `tokenmill serve`'s and `tokenmill bench`'s
+    checks raise it too, and cli, server and bench are independent siblings in the layers
+    contract, so none of them may import it from another.)"""
 
     def __init__(self, option: str, problem: str) -> None:
         super().__init__(f"argument {option}: {problem}")

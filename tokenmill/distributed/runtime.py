@@ -12,7 +12,7 @@ process `python -m tokenmill.distributed.worker` (never the user's script re-imp
 so no `if __name__ == "__main__":` guard is needed), gloo over loopback, cores split
 between ranks and each rank pinned to its own. Across machines `torchrun` starts every
 process with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set: rank 0 runs the CLI command,
-the others `worker_main` (tokenmill/cli.py routes them).
+the others `worker_main` (tokenmill/cli/ routes them).
 
 Two process groups. The default one carries the collectives inside the model and
 times out after TOKENMILL_DIST_TIMEOUT seconds (default 60), so a rank that stops

@@ -1,7 +1,7 @@
 """The trace contract: the hooks the engine and the model call on a traced request, and
 the read-only view of the engine a trace may read at the end of a step.
 
-tokenmill/trace.py's `Trace` implements `StepHooks`; anything else that does can watch a
+tokenmill/inspect/trace.py's `Trace` implements `StepHooks`; anything else that does can watch a
 request the same way. Hook order within one engine step:
 
     on_step_begin -> on_embedding -> per layer: on_attention, on_residual("attention"),

@@ -250,7 +250,7 @@ class LLMEngine:
     ) -> int:
         """Queue a request; returns its prompt length in tokens.
 
-        trace: a tokenmill.trace.Trace to record this request's pipeline step by step.
+        trace: a tokenmill.inspect.trace.Trace to record this request's pipeline step by step.
         cache_salt: the prefix-cache scope (block_manager.salt_root): the request reuses
         and names cached blocks only under it; None is the shared cache.
         group: whom the request counts against for fair admission (the scheduler): the

@@ -13,6 +13,10 @@ sequences are admitted while budget, sequence slots and free blocks last; while 
 wait, running prompts take at most half of the prompt tokens, so a small request that
 arrives during someone's long prompt starts at once.
 
+Traced requests (the inspector) are low priority: a step that carries a trace runs off
+the fused decode path and summarises every layer, which costs every row in it, so beside
+untraced work a trace joins one step in TRACE_EVERY, its prompt in TRACE_CHUNK pieces.
+
 Fairness between requests: a sequence belongs to a group (its API request: the n
 choices of one request share one). Admission takes the waiting sequence whose group
 has the fewest running, oldest first among equals, so one request's 128 choices

@@ -44,7 +44,7 @@ class Sequence:
     # never matched under another (vLLM's cache_salt).
     cache_salt: int | None = None
     last_hash: int | None = None  # hash of the last named block (cache_salt before any)
-    trace: object | None = None  # a tokenmill.trace.Trace recording this request's steps
+    trace: object | None = None  # a tokenmill.inspect.trace.Trace recording this request's steps
     last_step: int = -1  # the scheduler step that last ran it (traced ones take turns)
     # Who this sequence counts against for fair scheduling: its API request (the n
     # choices of one request share it). None: a group of its own (request_id).

@@ -325,7 +325,7 @@ class AsyncEngine:
         grammar: CompiledGrammar | None = None,
         cache_salt: int | None = None,
     ) -> Generation:
-        """Run one request with a tokenmill.trace.Trace recording every step; for the
+        """Run one request with a tokenmill.inspect.trace.Trace recording every step; for the
         inspector (POST /v1/inspect). The request is aborted if the caller is cancelled."""
         if params.n != 1:
             raise ValueError(f"a traced request makes one completion, not n={params.n}")

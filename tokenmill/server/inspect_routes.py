@@ -3,7 +3,7 @@
 The web inspector (static/app.js) posts a prompt or chat messages with sampling
 parameters and the layer/head whose attention it wants drawn. The request runs
 through the server's shared engine loop like any other (`AsyncEngine.run_traced`),
-with a `tokenmill.trace.Trace` attached. With "stream": true (the default) the
+with a `tokenmill.inspect.trace.Trace` attached. With "stream": true (the default) the
 answer is Server-Sent Events, one JSON object per `data:` line:
 
     {"type": "start", "model": {...}, "prompt": {...}, "trace": {...}}  with the first step
