@@ -99,7 +99,28 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2, GPT-2
     o_bias: bool = False  # GPT-2
     mlp_bias: bool = False  # GPT-2
-    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k
+    # Q/K RMSNorm before RoPE: None (off), "head" (Qwen3, Gemma 3: over each head's q and k,
+    # weights [hd]) or "full" (OLMoE, OLMo 2: over the whole q and k projections, weights
+    # [H hd] and [Hkv hd]). True is read as "head", False as None.
+    qk_norm: str | None = None
+    # ---- Mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE) ----
+    # num_experts 0: every layer is the dense MLP above. A sparse layer's router picks
+    # num_experts_per_tok of num_experts gated MLPs (width moe_intermediate_size) per token
+    # and sums their outputs weighted by the router's probabilities.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None  # None: intermediate_size
+    # "softmax_topk": softmax over all experts, then the top k (Qwen, Mixtral, OLMoE);
+    # "topk_softmax": the top k logits, then softmax over those k.
+    router: str = "softmax_topk"
+    norm_topk_prob: bool = False  # softmax_topk: rescale the k probabilities to sum to 1
+    router_bias: bool = False
+    # Qwen2-MoE: one shared expert every token passes through, scaled by a sigmoid gate
+    # (a [1, d] linear); 0 means none.
+    shared_expert_intermediate_size: int = 0
+    # Per layer: True where the layer is sparse. Empty means every layer when num_experts
+    # > 0 (dense layers mixed in: Qwen's mlp_only_layers / decoder_sparse_step).
+    moe_layers: list[bool] = field(default_factory=list)
     sandwich_norm: bool = False  # Gemma 3: norms after attention and after the MLP too
     embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden_size)
     attn_scale: float | None = None  # softmax scale; None means 1/sqrt(head_dim)
@@ -146,6 +167,7 @@ class ModelConfig:
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
         self.norm_eps = check_float("norm_eps", self.norm_eps, 0.0, 1.0)
+        _check_qk_norm(self)
         for name, rope in (("rope", self.rope), ("rope_local", self.rope_local)):
             if rope is not None:
                 _check_rope(name, rope, self.head_dim, self.position == "rope")
@@ -170,6 +192,7 @@ class ModelConfig:
         if "sliding" in self.layer_types and self.sliding_window is None:
             raise ConfigError("sliding-window layers need a sliding_window size")
         _check_dense_switches(self)
+        _check_moe(self)
         if self.bos_token_id is not None:
             self.bos_token_id = check_int("bos_token_id", self.bos_token_id, 0)
         if not isinstance(self.eos_token_ids, list):
@@ -247,3 +270,59 @@ def _check_dense_switches(cfg: ModelConfig) -> None:
         )
     cfg.residual_scale = check_float("residual_scale", cfg.residual_scale, 0.0, lo_open=True)
     cfg.logit_scale = check_float("logit_scale", cfg.logit_scale, 0.0, lo_open=True)
+
+
+_ROUTERS = ("softmax_topk", "topk_softmax")
+MAX_EXPERTS = 1 << 12  # the largest released MoE models have 256-512 experts
+
+
+def _check_qk_norm(cfg: ModelConfig) -> None:
+    # loaders written before "full" existed pass a bool
+    if cfg.qk_norm is True:
+        cfg.qk_norm = "head"
+    elif cfg.qk_norm is False:
+        cfg.qk_norm = None
+    if cfg.qk_norm not in (None, "head", "full"):
+        raise ConfigError(f"qk_norm must be None, 'head' or 'full', got {short_repr(cfg.qk_norm)}")
+
+
+def _check_moe(cfg: ModelConfig) -> None:
+    """The MoE fields: all zero/empty for a dense model, consistent for a sparse one."""
+    cfg.num_experts = check_int("num_experts", cfg.num_experts, 0, MAX_EXPERTS)
+    cfg.shared_expert_intermediate_size = check_int(
+        "shared_expert_intermediate_size",
+        cfg.shared_expert_intermediate_size,
+        0,
+        MAX_SIZES["intermediate_size"],
+    )
+    if cfg.router not in _ROUTERS:
+        raise ConfigError(
+            f"router must be one of {', '.join(_ROUTERS)}, got {short_repr(cfg.router)}"
+        )
+    for name in ("norm_topk_prob", "router_bias"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ConfigError(f"{name} must be true or false, got {short_repr(getattr(cfg, name))}")
+    if not isinstance(cfg.moe_layers, list):
+        raise ConfigError(f"moe_layers must be a list, got {short_repr(cfg.moe_layers)}")
+    if cfg.num_experts == 0:
+        if cfg.moe_layers and any(cfg.moe_layers):
+            raise ConfigError("moe_layers marks sparse layers, but num_experts is 0")
+        cfg.moe_layers = [False] * cfg.num_layers
+        return
+    cfg.num_experts_per_tok = check_int(
+        "num_experts_per_tok", cfg.num_experts_per_tok, 1, cfg.num_experts
+    )
+    size = cfg.intermediate_size if cfg.moe_intermediate_size is None else cfg.moe_intermediate_size
+    cfg.moe_intermediate_size = check_int(
+        "moe_intermediate_size", size, 1, MAX_SIZES["intermediate_size"]
+    )
+    if cfg.mlp != "gated":
+        raise ConfigError("experts must be gated MLPs (mlp='gated')")
+    if not cfg.moe_layers:
+        cfg.moe_layers = [True] * cfg.num_layers
+    if len(cfg.moe_layers) != cfg.num_layers or not all(
+        isinstance(b, bool) for b in cfg.moe_layers
+    ):
+        raise ConfigError(
+            f"moe_layers must be {cfg.num_layers} true/false entries, got {short_repr(cfg.moe_layers)}"
+        )

@@ -152,8 +152,13 @@ class Attention(nn.Module):
         # layer instead of three. The loader concatenates the checkpoint's q/k/v rows.
         self.qkv = Linear(d, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o = Linear(cfg.q_size, d, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        # qk_norm "head": weights [hd], each head apart; "full": [H hd] and [Hkv hd], over
+        # the whole projection (OLMoE, OLMo 2)
+        full = cfg.qk_norm == "full"
+        q_dim, k_dim = (cfg.q_size, cfg.kv_size) if full else (cfg.head_dim, cfg.head_dim)
+        self.q_norm = RMSNorm(q_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.qk_norm_full = full
         self.rotary = rotary
         # This layer's view of the cache pool, [num_slots, Hkv, hd] each; set by the runner.
         self.k_cache: torch.Tensor | None = None
@@ -183,7 +188,10 @@ class Attention(nn.Module):
             T, self.num_kv_heads, self.head_dim
         )
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.qk_norm_full:  # over [T, H hd] and [T, Hkv hd], then back to heads
+            q = self.q_norm(q.reshape(T, self.q_size)).view(T, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(T, self.kv_size)).view(T, self.num_kv_heads, self.head_dim)
+        elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # ---- positions: rotate q and k by each token's position ----
         if self.rotary is not None:

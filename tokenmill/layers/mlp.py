@@ -22,9 +22,10 @@ ACTIVATIONS = {
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        d, f = cfg.hidden_size, cfg.intermediate_size
+        # intermediate_size: an MoE expert's own width (layers/moe.py); None: the config's
+        d, f = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         self.gated = cfg.mlp == "gated"
         self.f = f
         # gated: gate and up projections fused into one [2f, d] matrix (one GEMV, not two)

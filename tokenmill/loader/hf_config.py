@@ -9,6 +9,7 @@ from typing import Any
 
 from tokenmill.checks import short_repr
 from tokenmill.config import (
+    MAX_EXPERTS,
     MAX_SIZES,
     ConfigError,
     ModelConfig,
@@ -17,10 +18,13 @@ from tokenmill.config import (
     check_int,
 )
 
+# Mixture-of-experts families (layers/moe.py), read by _moe_config.
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 # the newer dense families, each read by _dense_family below
 DENSE_FAMILIES = ("phi3", "gemma2", "smollm3", "granite")
 HF_FAMILIES = (
     *("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3", "gpt2"),
+    *MOE_FAMILIES,
     *DENSE_FAMILIES,
 )
 
@@ -187,6 +191,8 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
         bos_token_id=f.int("bos_token_id", None, lo=0),
         eos_token_ids=f.ids("eos_token_id"),
     )
+    if model_type in MOE_FAMILIES:
+        return _moe_config(f, model_type, common)
     if model_type in DENSE_FAMILIES:
         return _dense_family(f, model_type, params, common)
     if model_type in ("llama", "mistral"):
@@ -348,4 +354,64 @@ def _gpt2_config(f: ConfigFields) -> ModelConfig:
         tie_embeddings=f.bool("tie_word_embeddings", True),
         bos_token_id=f.int("bos_token_id", None, lo=0),
         eos_token_ids=eos[:1],
+    )
+
+
+def _moe_config(f: ConfigFields, model_type: str, common: dict[str, Any]) -> ModelConfig:
+    """Qwen2-MoE, Qwen3-MoE, Mixtral and OLMoE: a Llama-style block whose MLP is the MoE
+    of layers/moe.py (softmax over all experts, then the top k) in the sparse layers."""
+    layers = common["num_layers"]
+    # transformers writes either spelling (its attribute_map aliases them), per version
+    key = "num_experts" if f.raw("num_experts", None) is not None else "num_local_experts"
+    experts = f.int(key, hi=MAX_EXPERTS)
+    if model_type in ("mixtral", "olmoe"):
+        # every layer sparse; the experts' width is intermediate_size
+        moe_layers = [True] * layers
+        moe_size = common["intermediate_size"]
+    else:
+        step = f.int("decoder_sparse_step", 1)
+        only = f.raw("mlp_only_layers", [])
+        if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+            raise ConfigError(
+                f"mlp_only_layers must be a list of layer numbers, got {short_repr(only)}"
+            )
+        moe_layers = [i not in only and (i + 1) % step == 0 for i in range(layers)]
+        moe_size = f.int("moe_intermediate_size", hi=MAX_SIZES["intermediate_size"])
+    moe = dict(
+        num_experts=experts,
+        num_experts_per_tok=f.int("num_experts_per_tok"),
+        moe_intermediate_size=moe_size,
+        # Mixtral always renormalizes the top k; the others say so in the config
+        norm_topk_prob=model_type == "mixtral" or f.bool("norm_topk_prob", False),
+        moe_layers=moe_layers,
+    )
+    if model_type == "qwen2_moe":
+        moe["shared_expert_intermediate_size"] = f.int(
+            "shared_expert_intermediate_size", 0, lo=0, hi=MAX_SIZES["intermediate_size"]
+        )
+    if model_type == "olmoe" and f.raw("clip_qkv", None) is not None:
+        raise ConfigError("clip_qkv is not supported (OLMoE checkpoints released without it)")
+    if model_type == "qwen2_moe":
+        types = f.names("layer_types", layers) or ["full_attention"] * layers
+        layer_types = ["sliding" if t == "sliding_attention" else "full" for t in types]
+    elif model_type == "qwen3_moe":
+        sliding = f.bool("use_sliding_window", False) and f.raw("sliding_window", None) is not None
+        layer_types = ["sliding" if sliding else "full"] * layers
+    elif model_type == "mixtral":
+        layer_types = ["sliding" if f.raw("sliding_window", None) else "full"] * layers
+    else:
+        layer_types = ["full"] * layers
+    window = f.int("sliding_window", None) if "sliding" in layer_types else None
+    # attention_bias: q, k, v and o (Qwen3-MoE, OLMoE); Qwen2-MoE: qkv_bias, no o bias
+    bias = model_type != "mixtral" and f.bool("attention_bias", False)
+    return ModelConfig(
+        arch=model_type,
+        qkv_bias=f.bool("qkv_bias", True) if model_type == "qwen2_moe" else bias,
+        o_bias=bias and model_type != "qwen2_moe",
+        # Qwen3-MoE: RMSNorm over each head; OLMoE: over the whole q and k projections
+        qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(model_type),
+        sliding_window=window,
+        layer_types=layer_types,
+        **moe,
+        **common,
     )

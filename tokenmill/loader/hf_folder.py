@@ -32,6 +32,18 @@ _LAYER_NAMES = {
     "pre_feedforward_layernorm": "mlp_norm",
     "post_feedforward_layernorm": "post_mlp_norm",
 }
+# MoE layers (layers/moe.py): HF suffix after `mlp.` (Qwen, OLMoE) or `block_sparse_moe.`
+# (Mixtral before transformers 5) -> tokenmill suffix after `mlp.`
+_MOE_NAMES = {
+    "gate": "router",
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+    "shared_expert_gate": "shared_gate",
+}
 # Phi-3's fused projections -> the parts the model already has (split at load by
 # _phi3_rows, so every path sees the same q/k/v and gate/up weights as Llama's).
 _PHI3_FUSED = {
@@ -84,8 +96,12 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _map_name(name: str, arch: str, sandwich: bool) -> list[tuple[str, slice | None]]:
-    """tokenmill name(s) for one HF tensor name; [] for tensors tokenmill does not use."""
+def _map_name(
+    name: str, arch: str, sandwich: bool, num_experts: int = 0
+) -> list[tuple[str, str | tuple | None]]:
+    """tokenmill name(s) for one HF tensor name; [] for tensors tokenmill does not use.
+    With each, the part of the tensor it is: None (all of it), "q"/"k"/"v" (GPT-2's fused
+    QKV) or (expert, half) of a 3-D expert tensor (_expert_shape)."""
     for prefix in ("model.language_model.", "language_model.model.", "transformer.", "model."):
         if name.startswith(prefix):
             name = name[len(prefix) :]
@@ -113,6 +129,8 @@ def _map_name(name: str, arch: str, sandwich: bool) -> list[tuple[str, slice | N
         if stem == "attn.c_attn":  # fused QKV, split by the caller's slices
             return [(f"layers.{idx}.attn.{p}.{kind}", p) for p in ("q", "k", "v")]
         mapped = _GPT2_LAYER_NAMES.get(stem)
+    elif num_experts and (moe := _moe_name(rest, num_experts)) is not None:
+        return [(f"layers.{idx}.mlp.{target}", part) for target, part in moe]
     elif arch == "phi3" and stem in _PHI3_FUSED:
         return [(f"layers.{idx}.{p}.{kind}", p) for p in _PHI3_FUSED[stem]]
     elif stem == "post_attention_layernorm":
@@ -121,6 +139,45 @@ def _map_name(name: str, arch: str, sandwich: bool) -> list[tuple[str, slice | N
     else:
         mapped = _LAYER_NAMES.get(stem)
     return [(f"layers.{idx}.{mapped}.{kind}", None)] if mapped else []
+
+
+def _moe_name(rest: str, num_experts: int) -> list[tuple[str, tuple | None]] | None:
+    """A sparse layer's tensor (`rest`: the name after `layers.i.`) -> [(suffix after
+    `mlp.`, part)], or None when `rest` is not one (a dense layer's MLP, attention)."""
+    for prefix in ("mlp.", "block_sparse_moe."):
+        if rest.startswith(prefix):
+            rest = rest[len(prefix) :]
+            break
+    else:
+        return None
+    if rest in ("experts.gate_up_proj", "experts.down_proj"):
+        # transformers 5 in memory (save_original_format=False): [E, 2fe, d] rows [gate; up]
+        # per expert, and [E, d, fe]
+        if rest == "experts.down_proj":
+            return [(f"experts.{j}.down.weight", (j, None)) for j in range(num_experts)]
+        return [
+            (f"experts.{j}.{p}.weight", (j, h))
+            for j in range(num_experts)
+            for h, p in enumerate(("gate", "up"))
+        ]
+    stem, _, kind = rest.rpartition(".")
+    if stem.startswith("experts.") or stem.startswith("shared_expert."):
+        group, _, proj = stem.rpartition(".")
+        group = "shared" if group == "shared_expert" else group  # experts.j stays
+        mapped = _MOE_NAMES.get(proj)
+        return [(f"{group}.{mapped}.{kind}", None)] if mapped in ("gate", "up", "down") else []
+    if stem in ("gate", "shared_expert_gate"):
+        return [(f"{_MOE_NAMES[stem]}.{kind}", None)]
+    return None
+
+
+def _expert_shape(path: Path, key: str, shape: tuple[int, ...], part: tuple):
+    """The shape of expert j's slice (of half h: 0 gate, 1 up) of a 3-D expert tensor."""
+    j, half = part
+    if len(shape) != 3 or j >= shape[0] or (half is not None and shape[1] % 2):
+        raise LoadError(path, f"tensor {key}: shape {shape} is not [experts, rows, cols]")
+    rows = shape[1] if half is None else shape[1] // 2
+    return (rows, shape[2])
 
 
 def open_folder(folder: Path) -> Checkpoint:
@@ -150,8 +207,12 @@ def open_folder(folder: Path) -> Checkpoint:
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise LoadError(file, f"unreadable safetensors file ({e})") from None
         for key in keys:
-            for target, part in _map_name(key, config.arch, config.sandwich_norm):
+            names = _map_name(key, config.arch, config.sandwich_norm, config.num_experts)
+            for target, part in names:
                 tensors[target] = _loader(handle, file, key, config, part)
+                if isinstance(part, tuple):
+                    shapes[target] = _expert_shape(file, key, header[key], part)
+                    continue
                 shape = _our_shape(key, header[key], config)
                 if config.arch == "phi3" and part is not None:
                     start, stop = _phi3_rows(file, key, shape, config, part)
@@ -193,6 +254,10 @@ def _loader(handle, file: Path, key: str, config, part):
 
     def load() -> torch.Tensor:
         try:
+            if isinstance(part, tuple):  # one expert of a 3-D tensor: read only its rows
+                j, half = part
+                t = handle.get_slice(key)[j : j + 1][0]
+                return t if half is None else t.chunk(2, dim=0)[half].contiguous()
             t = handle.get_tensor(key)
         except Exception as e:
             raise LoadError(file, f"cannot read tensor {key!r} ({e})") from None

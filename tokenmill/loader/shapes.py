@@ -34,9 +34,13 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(linear(f"{layer}attn.v", cfg.kv_size, d, cfg.qkv_bias))
         shapes.update(linear(f"{layer}attn.o", d, cfg.q_size, cfg.o_bias))
         if cfg.qk_norm:
+            q_dim, k_dim = (cfg.q_size, cfg.kv_size) if cfg.qk_norm == "full" else (hd, hd)
             shapes.update(
-                {f"{layer}attn.q_norm.weight": (hd,), f"{layer}attn.k_norm.weight": (hd,)}
+                {f"{layer}attn.q_norm.weight": (q_dim,), f"{layer}attn.k_norm.weight": (k_dim,)}
             )
+        if cfg.moe_layers[i]:
+            shapes.update(moe_shapes(cfg, f"{layer}mlp."))
+            continue
         if cfg.mlp == "gated":
             shapes.update(linear(f"{layer}mlp.gate", f, d, cfg.mlp_bias))
         shapes.update(linear(f"{layer}mlp.up", f, d, cfg.mlp_bias))
@@ -44,4 +48,22 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes.update({f"final_norm.{kind}": (d,) for kind in norm})
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    return shapes
+
+
+def moe_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """One sparse layer's tensors (layers/moe.py): the router [E, d], each expert's gated
+    MLP (gate, up [fe, d], down [d, fe]), and Qwen2-MoE's shared expert with its gate [1, d]."""
+    d, fe, fs = cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    shapes = {f"{prefix}router.weight": (cfg.num_experts, d)}
+    if cfg.router_bias:
+        shapes[f"{prefix}router.bias"] = (cfg.num_experts,)
+    mlps = [(f"experts.{j}", fe) for j in range(cfg.num_experts)]
+    if fs:
+        mlps.append(("shared", fs))
+        shapes[f"{prefix}shared_gate.weight"] = (1, d)
+    for name, f in mlps:
+        shapes[f"{prefix}{name}.gate.weight"] = (f, d)
+        shapes[f"{prefix}{name}.up.weight"] = (f, d)
+        shapes[f"{prefix}{name}.down.weight"] = (d, f)
     return shapes

@@ -13,6 +13,8 @@ Parameter names (what the loaders produce; loader/shapes.py gives each one's sha
     layers.i.{attn_norm, post_attn_norm, mlp_norm, post_mlp_norm}.{weight,bias}
     layers.i.attn.{q,k,v,o}.{weight,bias}   layers.i.attn.{q_norm,k_norm}.weight
     layers.i.mlp.{gate,up,down}.{weight,bias}
+    sparse layers instead: layers.i.mlp.{router, experts.j.{gate,up,down}, shared.*,
+    shared_gate} (layers/moe.py)
 The model fuses q/k/v into `attn.qkv` and gate/up into `mlp.up`; `load_weights`
 concatenates the checkpoint's tensors into them (see FUSED).
 """
@@ -27,6 +29,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.layers.attention import Attention, AttentionMetadata
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.mlp import MLP
+from tokenmill.layers.moe import MoE
 from tokenmill.layers.native_linear import NativeLinear
 from tokenmill.layers.norm import make_norm
 from tokenmill.layers.rotary import Rotary
@@ -44,6 +47,9 @@ FUSED = {
 
 def checkpoint_parts(name: str, gated_mlp: bool) -> list[str]:
     """The checkpoint tensor names that make model parameter `name` (in row order)."""
+    stem, sep, kind = name.rpartition(".up.")
+    if sep and (".mlp.experts." in stem or stem.endswith(".mlp.shared")):
+        return [f"{stem}.gate.{kind}", f"{stem}.up.{kind}"]  # an MoE expert's [gate; up]
     for fused, parts in FUSED.items():
         layer, sep, suffix = name.partition(f".{fused}.")
         if sep:
@@ -62,7 +68,8 @@ class Block(nn.Module):
         self.attn_norm = make_norm(cfg.norm, d, cfg.norm_eps) if pre else None
         self.attn = Attention(cfg, idx, rotary)
         self.mlp_norm = make_norm(cfg.norm, d, cfg.norm_eps) if pre else None
-        self.mlp = MLP(cfg)
+        # a sparse layer's MoE (layers/moe.py) or the dense MLP
+        self.mlp = MoE(cfg) if cfg.moe_layers[idx] else MLP(cfg)
         self.post_attn_norm = make_norm(cfg.norm, d, cfg.norm_eps) if cfg.sandwich_norm else None
         self.post_mlp_norm = make_norm(cfg.norm, d, cfg.norm_eps) if cfg.sandwich_norm else None
         self.tp = None  # tensor parallelism: the rank's TPGroup (distributed/group.py)

@@ -1,0 +1,300 @@
+"""Mixture-of-experts families (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE) against transformers,
+on tiny random-weight checkpoints of odd sizes (hidden 72, 5 experts, experts 40 wide).
+
+Prefill logits at every position and greedy tokens must match transformers; several
+prompts in one engine step must give the tokens each gives alone (the per-step grouping
+of tokens by expert must not leak between sequences).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import save_word_tokenizer
+from test_models_hf import Single
+
+from tokenmill.config import ConfigError, ModelConfig
+from tokenmill.layers.moe import MoE
+from tokenmill.llm import LLM
+from tokenmill.loader import LoadError, open_checkpoint
+from tokenmill.loader.hf_config import from_hf_config
+from tokenmill.models import paths
+from tokenmill.sampling import SamplingParams
+
+VOCAB = 320
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+CASES = {
+    # dense layer 1 mixed in (mlp_only_layers), top-2 without renormalization
+    "qwen3_moe": dict(num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=False),
+    # every second layer sparse (decoder_sparse_step), top-3 renormalized
+    "qwen3_moe-step-norm": dict(num_experts_per_tok=3, decoder_sparse_step=2, norm_topk_prob=True),
+    # shared expert with its sigmoid gate
+    "qwen2_moe": dict(num_experts_per_tok=2, shared_expert_intermediate_size=48),
+    "qwen2_moe-norm-dense": dict(
+        num_experts_per_tok=3,
+        norm_topk_prob=True,
+        shared_expert_intermediate_size=24,
+        mlp_only_layers=[0],
+    ),  # fmt: skip
+    "mixtral": dict(num_experts_per_tok=2),
+    "olmoe": dict(num_experts_per_tok=3),  # Q/K norm over the whole projection
+    "olmoe-norm": dict(num_experts_per_tok=2, norm_topk_prob=True),
+}
+
+
+def build_moe_model(arch: str, folder, seed: int = 0, **overrides):
+    """Build, save (as transformers writes it) and return a tiny random MoE model."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=72,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=VOCAB - 1,
+        pad_token_id=0,
+    )
+    save = dict(overrides.pop("save", {}))
+    if arch == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(
+            **{**common, "head_dim": 16, "intermediate_size": 56, "moe_intermediate_size": 40,
+               "num_experts": 5, **overrides}
+        )  # fmt: skip
+        model = tf.Qwen3MoeForCausalLM(cfg)
+    elif arch == "qwen2_moe":
+        cfg = tf.Qwen2MoeConfig(
+            **{**common, "intermediate_size": 56, "moe_intermediate_size": 40, "num_experts": 5,
+               **overrides}
+        )  # fmt: skip
+        model = tf.Qwen2MoeForCausalLM(cfg)
+    elif arch == "mixtral":
+        cfg = tf.MixtralConfig(
+            **{**common, "intermediate_size": 40, "num_local_experts": 5, **overrides}
+        )
+        model = tf.MixtralForCausalLM(cfg)
+    elif arch == "olmoe":
+        cfg = tf.OlmoeConfig(**{**common, "intermediate_size": 40, "num_experts": 5, **overrides})
+        model = tf.OlmoeForCausalLM(cfg)
+    else:
+        raise ValueError(arch)
+    model.eval()
+    with torch.no_grad():  # random norm weights, so a norm over the wrong span shows up
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
+    model.save_pretrained(folder, **save)
+    save_word_tokenizer(folder, VOCAB)
+    return model
+
+
+def _case(name: str):
+    return name.split("-")[0], CASES[name]
+
+
+def _greedy_hf(hf, prompt: list[int], n: int) -> list[int]:
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_and_greedy_match_transformers(tmp_path, name):
+    arch, overrides = _case(name)
+    hf = build_moe_model(arch, tmp_path, **overrides)
+    torch.manual_seed(1)
+    prompt = torch.randint(2, 300, (24,)).tolist()
+
+    # ---- prefill logits at every position, then decode steps fed the oracle's tokens ----
+    ours = Single(tmp_path)
+    got = ours.feed(prompt)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    assert (got - ref).abs().max().item() < 1e-4
+    tokens = list(prompt)
+    for _ in range(6):
+        nxt = int(ref[-1].argmax())
+        tokens.append(nxt)
+        step = ours.feed([nxt])[0]
+        with torch.no_grad():
+            ref = hf(torch.tensor([tokens])).logits[0]
+        assert (step - ref[-1]).abs().max().item() < 1e-4
+
+    # ---- greedy through the engine, as loaded by default (native float experts) ----
+    llm = LLM(tmp_path, kv_cache_memory="1024tok")
+    assert llm.engine.model.decode_path().name == paths.TORCH
+    assert llm.generate([prompt], GREEDY)[0].token_ids == _greedy_hf(hf, prompt, 12)
+
+
+def test_config_reads_each_family(tmp_path):
+    build_moe_model("qwen2_moe", tmp_path / "q2", **CASES["qwen2_moe-norm-dense"])
+    cfg = open_checkpoint(tmp_path / "q2").config
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (5, 3, 40)
+    assert cfg.shared_expert_intermediate_size == 24 and cfg.norm_topk_prob
+    assert cfg.moe_layers == [False, True, True] and cfg.qkv_bias and cfg.qk_norm is None
+    build_moe_model("qwen3_moe", tmp_path / "q3", **CASES["qwen3_moe-step-norm"])
+    cfg = open_checkpoint(tmp_path / "q3").config
+    assert cfg.moe_layers == [False, True, False] and cfg.qk_norm == "head"
+    assert cfg.intermediate_size == 56 and cfg.shared_expert_intermediate_size == 0
+    build_moe_model("mixtral", tmp_path / "mx", num_experts_per_tok=2)
+    cfg = open_checkpoint(tmp_path / "mx").config
+    assert cfg.norm_topk_prob and cfg.moe_intermediate_size == 40 and all(cfg.moe_layers)
+    build_moe_model("olmoe", tmp_path / "ol", num_experts_per_tok=2)
+    cfg = open_checkpoint(tmp_path / "ol").config
+    assert cfg.qk_norm == "full" and not cfg.norm_topk_prob
+
+
+def test_fused_expert_tensors_load_like_per_expert_ones(tmp_path):
+    """transformers 5 keeps experts as 3-D tensors in memory ([E, 2fe, d] gate_up, [E, d,
+    fe] down); save_original_format=False writes those instead of one tensor per expert."""
+    build_moe_model("qwen2_moe", tmp_path / "per", **CASES["qwen2_moe"])
+    hf = build_moe_model(
+        "qwen2_moe", tmp_path / "fused", save={"save_original_format": False}, **CASES["qwen2_moe"]
+    )
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "fused" / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in keys), keys
+    prompt = list(range(2, 30))
+    a, b = Single(tmp_path / "per").feed(prompt), Single(tmp_path / "fused").feed(prompt)
+    assert torch.equal(a, b)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    assert (b - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe-norm-dense", "olmoe"])
+def test_batched_equals_alone(tmp_path, name):
+    arch, overrides = _case(name)
+    build_moe_model(arch, tmp_path, initializer_range=0.05, **overrides)
+    llm = LLM(tmp_path, max_num_batched_tokens=48, kv_cache_memory="2048tok")
+    g = torch.Generator().manual_seed(3)
+    prompts = [
+        torch.randint(2, 300, (int(n),), generator=g).tolist()
+        for n in torch.randint(3, 40, (8,), generator=g)
+    ]
+    together = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert together == [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+
+
+def test_q8_packs_every_expert(tmp_path):
+    """quantization="q8" packs each expert's projections; the router stays float."""
+    # q8 packs blocks of 32 along the input: sizes multiple of 32 here
+    build_moe_model(
+        "qwen2_moe", tmp_path, initializer_range=0.05, num_experts_per_tok=2, hidden_size=64,
+        intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+    )  # fmt: skip
+    q8 = LLM(tmp_path, quantization="q8", kv_cache_memory="1024tok")
+    model = q8.engine.model
+    from tokenmill.layers.native_linear import NativeLinear
+
+    moe = model.layers[0].mlp
+    assert isinstance(moe, MoE)
+    assert all(
+        isinstance(e.up, NativeLinear) and isinstance(e.down, NativeLinear) for e in moe.experts
+    )
+    assert isinstance(moe.shared.up, NativeLinear)
+    assert type(moe.router.weight) is torch.nn.Parameter  # a float Gate, not packed
+    exact = LLM(tmp_path, quantization="none", kv_cache_memory="1024tok")
+    prompt = list(range(30, 50))
+    a = q8.generate([prompt], GREEDY)[0].token_ids
+    b = exact.generate([prompt], GREEDY)[0].token_ids
+    assert sum(x == y for x, y in zip(a, b, strict=True)) >= len(b) // 2
+
+
+def _config(**moe) -> ModelConfig:
+    return ModelConfig(
+        arch="qwen3_moe", vocab_size=64, hidden_size=24, intermediate_size=32, num_layers=2,
+        num_heads=2, num_kv_heads=1, head_dim=12, **moe,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("router", ["softmax_topk", "topk_softmax"])
+@pytest.mark.parametrize("norm", [False, True])
+def test_grouped_experts_equal_each_token_alone(router, norm):
+    """The grouped forward (one matmul per expert over its rows) against a per-token loop
+    written from the definition: softmax, top-k, weighted sum of the chosen experts."""
+    cfg = _config(
+        num_experts=7, num_experts_per_tok=3, moe_intermediate_size=10, router=router,
+        norm_topk_prob=norm, shared_expert_intermediate_size=6, router_bias=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    moe = MoE(cfg)
+    for p in moe.parameters():
+        p.data = 0.3 * torch.randn(p.shape, dtype=torch.float64)
+    x = torch.randn(11, 24, dtype=torch.float64)
+    got = moe(x)
+    for t in range(x.shape[0]):
+        logits = moe.router.weight @ x[t] + moe.router.bias
+        if router == "softmax_topk":
+            w, ids = torch.softmax(logits, -1).topk(3)
+            w = w / w.sum() if norm else w
+        else:
+            top, ids = logits.topk(3)
+            w = torch.softmax(top, -1)
+        want = sum(w[j] * moe.experts[int(ids[j])](x[t : t + 1])[0] for j in range(3))
+        want = want + torch.sigmoid(moe.shared_gate.weight @ x[t]) * moe.shared(x[t : t + 1])[0]
+        # the router's softmax runs in float32 (as the references do): weights ~1e-7 off
+        assert (got[t] - want).abs().max().item() < 1e-5
+
+
+def test_moe_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        _config(num_experts=4, num_experts_per_tok=5)
+    with pytest.raises(ConfigError, match="num_experts"):
+        _config(num_experts=-1)
+    with pytest.raises(ConfigError, match="router"):
+        _config(num_experts=4, num_experts_per_tok=2, router="sigmoid")
+    with pytest.raises(ConfigError, match="moe_layers"):
+        _config(num_experts=4, num_experts_per_tok=2, moe_layers=[True])
+    with pytest.raises(ConfigError, match="moe_layers"):
+        _config(moe_layers=[True, False])  # sparse layers without experts
+    with pytest.raises(ConfigError, match="qk_norm"):
+        _config(qk_norm="rows")
+    dense = _config()
+    assert dense.moe_layers == [False, False] and dense.num_experts == 0
+
+
+def test_hf_config_errors(tmp_path):
+    base = dict(
+        model_type="qwen3_moe", vocab_size=64, hidden_size=24, intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=8,
+    )  # fmt: skip
+    assert from_hf_config(base).num_experts == 4
+    with pytest.raises(ConfigError, match="mlp_only_layers"):
+        from_hf_config({**base, "mlp_only_layers": "all"})
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        from_hf_config({**base, "num_experts_per_tok": 0})
+    with pytest.raises(ConfigError, match="missing field 'moe_intermediate_size'"):
+        from_hf_config({k: v for k, v in base.items() if k != "moe_intermediate_size"})
+    with pytest.raises(ConfigError, match="clip_qkv"):
+        from_hf_config({**base, "model_type": "olmoe", "clip_qkv": 8.0})
+    with pytest.raises(ConfigError, match="supported: .*qwen3_moe.*mixtral.*olmoe"):
+        from_hf_config({**base, "model_type": "deepseek_v3"})
+
+
+def test_missing_expert_tensor_is_one_clear_error(tmp_path):
+    build_moe_model("mixtral", tmp_path, num_experts_per_tok=2)
+    from safetensors.torch import load_file, save_file
+
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(file)
+    dropped = [k for k in tensors if "experts.4.w3" in k][0]
+    del tensors[dropped]
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(
+        LoadError, match=r"missing tensor 'layers\.\d\.mlp\.experts\.4\.up\.weight'"
+    ):
+        open_checkpoint(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == "mixtral"
