@@ -109,13 +109,13 @@ def test_prep_threads_yield_to_the_engine():
     compiled on prep threads at the engine's priority; they now run niced."""
     import os
 
-    from tokenmill.server.app import PREP_NICE, _lower_priority
+    from tokenmill.server.running import PREP_NICE, lower_priority
 
     def nice() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     mine = nice()
-    with ThreadPoolExecutor(1, initializer=_lower_priority) as pool:
+    with ThreadPoolExecutor(1, initializer=lower_priority) as pool:
         assert pool.submit(nice).result() == min(19, mine + PREP_NICE)
     assert nice() == mine  # the calling (engine's) thread keeps its priority
 

@@ -11,7 +11,9 @@ tokenmill/server/static/index.html exists (mounted last, so API routes win).
 `app.state.engine` is the AsyncEngine (tokenmill/server/async_engine.py): routes
 submit requests to it (`generate`, `run_traced`) and read its `.engine`, the
 synchronous LLMEngine, for the tokenizer, config and max_model_len. The engine
-thread starts and stops with the app's lifespan.
+thread starts and stops with the app's lifespan. What every API's routes share (the prep
+threads, the model check, the prefix-cache scope, queueing a request, streaming with
+abort) is server/running.py; this module holds OpenAI's routes and the app's assembly.
 
 Every error is OpenAI's JSON shape, {"error": {message, type, param, code}}:
 FastAPI's own 422 validation errors become 400s. With an API key, every /v1 path
@@ -36,15 +38,10 @@ connection's receive channel.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import functools
 import hmac
 import importlib
 import json
 import logging
-import os
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -55,22 +52,17 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
-from starlette.types import Receive, Scope, Send
 
-from tokenmill.engine.block_manager import salt_root
 from tokenmill.engine.llm_engine import LLMEngine, RequestError
 from tokenmill.sampling import SamplingParams
-from tokenmill.sampling.grammar import GrammarError
 from tokenmill.server.async_engine import (
     AsyncEngine,
     EngineFailure,
-    QueueFull,
     RequestStream,
-    ShuttingDown,
 )
 from tokenmill.server.errors import APIError, InternalError, to_api_error
 from tokenmill.server.limits import BodyLimit, HostCheck, ServerLimits, default_max_body_bytes
@@ -81,32 +73,29 @@ from tokenmill.server.protocol import (
     CompletionFormat,
     CompletionRequest,
     check_fits,
-    invalid,
+)
+from tokenmill.server.running import (
+    BIG_PREP_THREADS,
+    PREP_THREADS,
+    EventStream,
+    check_messages_fit,
+    check_model,
+    decoder,
+    engine_of,
+    lower_priority,
+    off_loop,
+    shorter,
+    start_request,
+    unless_disconnected,
 )
 from tokenmill.server.sse import sse
 from tokenmill.server.tools import ToolRequest
-from tokenmill.tokenizer.tokenizer import TextTooLong
 
 log = logging.getLogger("tokenmill.server")
 
 STATIC_DIR = Path(__file__).parent / "static"
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 PREFIX_CACHE_SCOPES = ("global", "per-key")
-# Worker threads for tokenizing, template rendering, tool checks and grammar compiles.
-# A few: each job is bounded (the body limit, the template budget), and more would only
-# compete with the engine thread. Two lanes: a request whose body has BIG_BODY_BYTES or
-# more runs its jobs on the big lane's own thread, so giant prompts queue behind each
-# other, not ahead of everyone (8 prompts of 1 MB held a normal chat for 13.7 s when all
-# shared one pool: issue 21 item 14).
-PREP_THREADS = 4
-BIG_PREP_THREADS = 1
-BIG_BODY_BYTES = 64 << 10  # ~16k tokens of English; a normal chat is a few KB
-# Prep threads run at this nice level (Linux nice is per thread): a request that is not
-# yet admitted must not take CPU from the engine thread that decodes for everyone. Two
-# attackers compiling 15,000-pattern schemas on the 2 cores held a small chat for 19.9 s
-# at equal priority (its quiet median: 1.15 s). A small job still runs at once: it only
-# yields to the engine, and shares with the other prep threads.
-PREP_NICE = 10
 # Methods the fallback routes answer (with 405, or 204 for OPTIONS) so that no API path
 # falls through to the static files' "405, Allow: GET, HEAD". Not CONNECT: h11 treats it
 # as a tunnel.
@@ -156,10 +145,10 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.prep = ThreadPoolExecutor(
-            PREP_THREADS, thread_name_prefix="tokenmill-prep", initializer=_lower_priority
+            PREP_THREADS, thread_name_prefix="tokenmill-prep", initializer=lower_priority
         )
         app.state.prep_big = ThreadPoolExecutor(
-            BIG_PREP_THREADS, thread_name_prefix="tokenmill-prep-big", initializer=_lower_priority
+            BIG_PREP_THREADS, thread_name_prefix="tokenmill-prep-big", initializer=lower_priority
         )
         engine.start()
         try:
@@ -271,23 +260,13 @@ def _api_key_check(keys: list[str]) -> Callable[[Request], Awaitable[None]]:
     return check
 
 
-def cache_salt_for(request: Request, cache_salt: str | None) -> int | None:
-    """The prefix-cache root of a request: its API key's (under the per-key scope) and
-    its own cache_salt's; None, the shared cache, when neither applies."""
-    key = None
-    if request.app.state.prefix_cache_scope == "per-key":
-        key = getattr(request.state, "api_key_index", None)
-        key = None if key is None else f"key-{key}"
-    return salt_root(key, None if cache_salt is None else f"salt-{cache_salt}")
-
-
 # --------------------------------------------------------------------------- routes
 
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    engine = _engine(request)
-    model = _check_model(request, body.model)
+    engine = engine_of(request)
+    model = check_model(request, body.model)
     body.check_extra_fields()
     params = body.sampling_params(DEFAULT_COMPLETION_MAX_TOKENS)
     prompts = await off_loop(request, _completion_prompts, engine.engine, body.prompt, body.echo)
@@ -304,7 +283,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     fmt = CompletionFormat(
         request_id,
         model,
-        _decoder(engine.engine),
+        decoder(engine.engine),
         body.logprobs is not None,
         len(prompts) * params.n,
         echo,
@@ -314,8 +293,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    engine = _engine(request)
-    model = _check_model(request, body.model)
+    engine = engine_of(request)
+    model = check_model(request, body.model)
     body.check_extra_fields()
     # off the loop: a tool list's checks walk every schema (20,000 tools held it 4.7 s)
     tools = await off_loop(request, body.tool_request, engine.engine.tokenizer)
@@ -330,7 +309,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         max_param=body.max_tokens_param,
     )
     request_id = uuid.uuid4().hex
-    fmt = ChatFormat(request_id, model, _decoder(engine.engine), body.logprobs, tools)
+    fmt = ChatFormat(request_id, model, decoder(engine.engine), body.logprobs, tools)
     return await _run(request, body, fmt, request_id, [prompt_ids], params)
 
 
@@ -341,7 +320,7 @@ async def list_models(request: Request) -> dict:
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request) -> dict:
-    _check_model(request, model)
+    check_model(request, model)
     return _model_card(request)
 
 
@@ -349,7 +328,7 @@ async def retrieve_model(model: str, request: Request) -> dict:
 async def health(request: Request) -> JSONResponse:
     # 503 with one line naming the problem: the loop is down or stalled on pending work,
     # or a parallel rank died or is stuck (AsyncEngine.health reads, never waits)
-    ok, reason = _engine(request).health()
+    ok, reason = engine_of(request).health()
     if not ok:
         error = APIError(503, reason, type="server_error", code="unhealthy")
         return JSONResponse(error.body(), status_code=error.status)
@@ -358,7 +337,7 @@ async def health(request: Request) -> JSONResponse:
 
 @ops_router.get("/metrics")
 async def metrics(request: Request) -> PlainTextResponse:
-    engine = _engine(request)
+    engine = engine_of(request)
     return PlainTextResponse(engine.metrics.render(engine.stats()), media_type=CONTENT_TYPE)
 
 
@@ -370,7 +349,7 @@ async def unknown_route(path: str, request: Request) -> Response:
 async def other_method(request: Request) -> Response:
     """A known path with a method its routes lack: 405 naming the right ones in `Allow`
     (OPTIONS: 204 with that header); an unknown /v1 path: 404."""
-    path = _shorter(request.url.path)
+    path = shorter(request.url.path)
     allowed = _allowed_methods(request)
     if not allowed:
         raise APIError(404, f"Unknown API route: {request.method} {path}", code="not_found")
@@ -398,61 +377,14 @@ def _allowed_methods(request: Request) -> list[str]:
 # --------------------------------------------------------------------------- helpers
 
 
-def _engine(request: Request) -> AsyncEngine:
-    return request.app.state.engine
-
-
-def _shorter(text: str, limit: int = 100) -> str:
-    """Client text quoted in a message, cut to a readable length."""
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _check_model(request: Request, model: str | None) -> str:
-    served = request.app.state.model_name
-    if model is not None and model not in request.app.state.model_names:
-        raise APIError(
-            404,
-            f"The model '{_shorter(model)}' does not exist; this server serves '{served}'",
-            param="model",
-            code="model_not_found",
-        )
-    return served
-
-
 def _model_card(request: Request) -> dict:
     return {
         "id": request.app.state.model_name,
         "object": "model",
         "created": request.app.state.created,
         "owned_by": "tokenmill",
-        "max_model_len": _engine(request).engine.max_model_len,
+        "max_model_len": engine_of(request).engine.max_model_len,
     }
-
-
-def _decoder(engine: LLMEngine) -> Callable[[int], str]:
-    return lambda token_id: engine.tokenizer.decode([token_id])
-
-
-def _lower_priority() -> None:
-    """Run the calling (prep) thread PREP_NICE steps below the server's own priority; a
-    no-op where threads have no nice."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(
-            os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + PREP_NICE)
-        )
-    except (AttributeError, OSError):  # not Linux, or not allowed: equal priority then
-        pass
-
-
-async def off_loop(request: Request, fn: Callable[..., T], *args: Any) -> T:
-    """fn(*args) on a worker thread: tokenizing or rendering a big prompt must not hold the
-    event loop (the tokenizers library releases the GIL while it works). A request with a
-    big body uses the big lane (see BIG_BODY_BYTES)."""
-    big = getattr(request.state, "body_bytes", 0) >= BIG_BODY_BYTES  # set by BodyLimit
-    pool = request.app.state.prep_big if big else request.app.state.prep
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(pool, functools.partial(fn, *args))
 
 
 def _completion_prompts(
@@ -482,29 +414,11 @@ def _chat_prompt(
     messages' text kept as text) and tokenize them: tokenizer/chat.py's encode_chat, as
     LLM.chat and /v1/inspect do. Runs on a worker thread."""
     messages = [message.as_template_input(i) for i, message in enumerate(body.messages)]
-    _check_messages_fit(engine, messages)
+    check_messages_fit(engine, messages)
     try:
         return engine.encode_chat(messages, tools)
     except ValueError as e:  # ChatTemplateError, RequestError (too long), a refused message
         raise to_api_error(e, param="messages") from None
-
-
-def _check_messages_fit(engine: LLMEngine, messages: list[dict[str, Any]]) -> None:
-    """Refuse messages whose text alone certainly needs more tokens than the context,
-    before the template renders it or anything tokenizes it (a 1 MB message was swept for
-    special-token text and rendered before the rendered prompt was measured). The
-    template writes every message's content into the prompt, so the prompt has at least
-    these bytes."""
-    text = "".join(m["content"] for m in messages if isinstance(m.get("content"), str))
-    try:
-        engine.tokenizer.check_length(text, engine.max_model_len)
-    except TextTooLong as e:
-        raise invalid(
-            f"messages hold {e.num_bytes} bytes of text, at least {e.min_tokens} tokens: "
-            f"more than the model's context of {engine.max_model_len - 1} (leaving room "
-            "for at least one generated token)",
-            "messages",
-        ) from None
 
 
 async def _run(
@@ -525,25 +439,21 @@ async def _run(
         params.n,
         params.max_tokens,
         body.stream,
-        _shorter(body.user, 64) if body.user else None,
+        shorter(body.user, 64) if body.user else None,
     )
-    try:
-        # compiled before anything is queued, off the event loop: a schema the engine
-        # refuses is a 400 naming it
-        grammar = await off_loop(request, _engine(request).engine.compile_grammar, params)
-    except GrammarError as e:  # about the field that carried the constraint
-        raise to_api_error(e, param=body.constraint_param) from None
-    try:
-        salt = cache_salt_for(request, body.cache_salt)
-        stream = await _engine(request).generate(
-            request_id, prompts, params, grammar=grammar, cache_salt=salt
-        )
-    except (QueueFull, ShuttingDown, RequestError) as e:  # RequestError: e.g. a logit_bias id
-        raise to_api_error(e, fields=type(body).model_fields) from None
+    stream = await start_request(
+        request,
+        request_id,
+        prompts,
+        params,
+        cache_salt=body.cache_salt,
+        constraint_param=body.constraint_param,
+        fields=type(body).model_fields,
+    )
     if body.stream:
         events = _events(request, fmt, stream, num_prompt, body.include_usage)
-        return _EventStream(events, stream, fmt.id)
-    generations = await _unless_disconnected(request, stream.collect())
+        return EventStream(events, stream, fmt.id)
+    generations = await unless_disconnected(request, stream.collect())
     if generations is None:
         log.info("%s: client disconnected; aborted", fmt.id)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -568,7 +478,7 @@ async def _events(
             if chunk is not None:
                 yield sse(chunk)
             if await request.is_disconnected():
-                return  # _EventStream aborts the rest
+                return  # EventStream aborts the rest
     except EngineFailure as e:
         yield sse(to_api_error(e).body())
         yield sse("[DONE]")
@@ -581,44 +491,3 @@ async def _events(
     if include_usage:
         yield sse(fmt.usage_chunk(num_prompt, num_completion))
     yield sse("[DONE]")
-
-
-class _EventStream(StreamingResponse):
-    """An SSE response that aborts its request however the response ends: finished,
-    client gone (Starlette cancels the body iterator), or never started."""
-
-    def __init__(self, events: AsyncIterator[str], stream: RequestStream, request_id: str):
-        super().__init__(
-            events,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-        self._stream, self._request_id = stream, request_id
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            if self._stream.abort():
-                log.info("%s: client disconnected mid-stream; aborted", self._request_id)
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """Await `work`; if the client disconnects first, cancel it and return None."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    return task.result() if not task.cancelled() else None
-
-
-async def _disconnected(request: Request) -> None:
-    """Return once the client has closed the connection (the body is already read)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

@@ -53,10 +53,10 @@ from tokenmill.engine.llm_engine import LLMEngine, RequestError
 from tokenmill.inspect.trace import Trace, dumps, size_bound
 from tokenmill.sampling import SamplingParams
 from tokenmill.sampling.grammar import CompiledGrammar, GrammarError
-from tokenmill.server.app import off_loop  # app imports this module only in create_app
 from tokenmill.server.async_engine import AsyncEngine, Generation
 from tokenmill.server.errors import APIError, invalid, to_api_error
 from tokenmill.server.protocol import ChatMessage, Text, check_fits, make_sampling_params
+from tokenmill.server.running import off_loop
 from tokenmill.server.sse import sse
 from tokenmill.units import format_bytes
 
