@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-from helpers import save_word_tokenizer
+from gguf import GGMLQuantizationType as Q
+from helpers import save_word_tokenizer, write_llama_gguf
 
 from tokenmill import kernels
 from tokenmill.config import ConfigError, ModelConfig
@@ -89,6 +90,13 @@ CASES = {
         "SmolLM3ForCausalLM",
         "SmolLM3Config",
         dict(no_rope_layers=[1, 0, 1]),
+        "stack",
+    ),
+    # transformers' default NoPE layers (every 4th), the ones llama.cpp hard-codes for GGUF
+    "smollm3-default-nope": (
+        "SmolLM3ForCausalLM",
+        "SmolLM3Config",
+        dict(num_hidden_layers=4),
         "stack",
     ),
     "granite-multipliers": (
@@ -227,6 +235,24 @@ def test_longrope_tables_match_transformers(tmp_path):
         half = rotary.dim // 2  # our sin carries rotate_half's sign in its first half
         assert (sin[0, :, half:] - rotary.sin[positions, half:]).abs().max().item() < 1e-6
     assert rotary.rope.attention_factor == pytest.approx((1 + 3 / 6) ** 0.5)  # ln 8 / ln 64
+
+
+# F16: the odd sizes (72 columns) fit no 32-wide block format
+@pytest.mark.parametrize("qtype", [None, Q.F16])
+def test_smollm3_gguf_reads_back_as_the_folder(tmp_path, qtype):
+    """A SmolLM3 GGUF as llama.cpp's converter writes it (Q/K rows permuted, no key for the
+    NoPE layers: every 4th) gives transformers' logits and greedy tokens."""
+    hf = build("smollm3-default-nope", tmp_path / "hf")
+    assert hf.config.no_rope_layers == [1, 1, 1, 0]
+    path = tmp_path / "smollm3.gguf"
+    hf = write_llama_gguf(hf, path, qtype, arch="smollm3")  # now the file's exact weights
+    ckpt = open_checkpoint(path)
+    assert ckpt.config.rope_layers == [True, True, True, False]
+    prompt = _prompt("smollm3")
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    assert (Single(path).feed(prompt) - ref).abs().max().item() < 1e-4
+    assert Single(path).greedy(prompt, 16)[0] == _reference(hf, prompt, 16)[0]
 
 
 def _config(model_type: str, **extra) -> dict:

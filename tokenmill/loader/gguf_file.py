@@ -45,9 +45,11 @@ SUPPORTED_TYPES = {
     GGMLQuantizationType.Q5_K,
     GGMLQuantizationType.Q6_K,
 }
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt2")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt2", "smollm3")
 # Families whose Q/K rows llama.cpp's converter permuted.
-_PERMUTED_QK = ("llama", "mistral")
+_PERMUTED_QK = ("llama", "mistral", "smollm3")
+# SmolLM3: llama.cpp has no key for its NoPE layers; it hard-codes every 4th layer.
+_SMOLLM3_NOPE_STEP = 4
 
 _LAYER_NAMES = {
     "attn_norm": "attn_norm",
@@ -168,8 +170,10 @@ def _config(reader: GGUFFile, path: Path) -> ModelConfig:
             **common,
         )
     window = meta_int("attention.sliding_window", None, size="sliding_window")
+    nope = arch == "smollm3"
     return ModelConfig(
         arch=arch,
+        rope_layers=[not nope or (i + 1) % _SMOLLM3_NOPE_STEP != 0 for i in range(layers)],
         norm_eps=rms_eps,
         qkv_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
