@@ -1,7 +1,8 @@
 """The newer dense families against transformers on tiny random-weight checkpoints
 (float32): Phi-3/Phi-4 (fused projections, LongRoPE, partial rotary), Gemma 2 (attention
-and final-logit soft-caps, sandwich norms, alternating sliding windows), SmolLM3 (NoPE
-layers) and Granite 3 (embedding, attention, residual and logit multipliers).
+and final-logit soft-caps, sandwich norms, alternating sliding windows), OLMo 2 (norms
+after the sublayers only, Q/K norm over the whole projection), SmolLM3 (NoPE layers) and
+Granite 3 (embedding, attention, residual and logit multipliers).
 
 Odd sizes: 6 query heads over 2 K/V heads of 12 dims, MLP width 100, vocabulary 301.
 Prefill logits at every prompt position and the logits of a 32-token greedy continuation
@@ -86,6 +87,7 @@ CASES = {
         dict(head_dim=16, attn_logit_softcapping=None, sliding_window=8),
         "stack",
     ),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", {}, "whole projection"),
     "smollm3-nope": (
         "SmolLM3ForCausalLM",
         "SmolLM3Config",
@@ -280,6 +282,8 @@ def test_family_switches_read_from_config_json():
     assert phi.rope.scaling == "longrope" and phi.rope.original_max_position == 1024
     # transformers' default attention factor: sqrt(1 + ln(4096 / 1024) / ln(1024))
     assert abs(phi.rope.attention_factor - (1 + 2 / 10) ** 0.5) < 1e-9
+    olmo = from_hf_config(_config("olmo2"))
+    assert olmo.qk_norm == "full" and not olmo.pre_norm and olmo.sandwich_norm
     smol = from_hf_config(_config("smollm3", no_rope_layers=[1, 0]))
     assert smol.rope_layers == [True, False]
     granite = from_hf_config(_config("granite", logits_scaling=8.0, residual_multiplier=0.25))

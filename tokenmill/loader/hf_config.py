@@ -21,7 +21,7 @@ from tokenmill.config import (
 # Mixture-of-experts families (layers/moe.py), read by _moe_config.
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 # the newer dense families, each read by _dense_family below
-DENSE_FAMILIES = ("phi3", "gemma2", "smollm3", "granite")
+DENSE_FAMILIES = ("phi3", "gemma2", "olmo2", "smollm3", "granite")
 HF_FAMILIES = (
     *("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3", "gpt2"),
     *MOE_FAMILIES,
@@ -254,7 +254,7 @@ def _layer_types(f: ConfigFields, layers: int, default: list[str]) -> list[str]:
 
 
 def _dense_family(f: ConfigFields, model_type: str, params: dict, common: dict) -> ModelConfig:
-    """Phi-3/Phi-4, Gemma 2, SmolLM3 and Granite 3: the Llama block with the
+    """Phi-3/Phi-4, Gemma 2, OLMo 2, SmolLM3 and Granite 3: the Llama block with the
     switches each family adds (see ModelConfig)."""
     layers, hidden, head_dim = common["num_layers"], common["hidden_size"], common["head_dim"]
     bias = f.bool("attention_bias", False)
@@ -289,6 +289,16 @@ def _dense_family(f: ConfigFields, model_type: str, params: dict, common: dict) 
             qkv_bias=bias,
             o_bias=bias,
             **{**common, "tie_embeddings": f.bool("tie_word_embeddings", True)},
+        )
+    if model_type == "olmo2":
+        return ModelConfig(
+            arch="olmo2",
+            qk_norm="full",
+            pre_norm=False,
+            sandwich_norm=True,
+            qkv_bias=bias,
+            o_bias=bias,
+            **common,
         )
     if model_type == "smollm3":
         # no_rope_layers[i]: 1 where layer i uses RoPE, 0 for a NoPE layer
