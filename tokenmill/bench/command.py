@@ -7,6 +7,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -95,12 +96,17 @@ def _peer_list(text: str) -> list[str]:
     return names
 
 
-def _preset_help(text: str, option: str) -> str:
-    full, quick = PRESETS[option]
+def _add_preset_option(
+    p: argparse.ArgumentParser, flag: str, kind: Callable[[str], object], text: str
+) -> None:
+    """A size whose default comes from PRESETS (the full run's or --quick's): None here,
+    filled in by apply_preset; its help shows both defaults."""
+    full, quick = PRESETS[flag.removeprefix("--").replace("-", "_")]
     shown = [
         ",".join(map(str, v)) if isinstance(v, list | tuple) else str(v) for v in (full, quick)
     ]
-    return f"{text} (default {shown[0]}; with --quick {shown[1]})"
+    described = f"{text} (default {shown[0]}; with --quick {shown[1]})"
+    p.add_argument(flag, type=kind, default=None, help=described)
 
 
 def register(subparsers, add_model_args, add_sampling_args) -> None:
@@ -118,42 +124,16 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         help="a few minutes: fewer and shorter runs, one prompt length, 8 throughput "
         "requests, smaller machine tests, and only the peers already installed",
     )
-    p.add_argument(
-        "--runs",
-        type=int_at_least(1),
-        default=None,
-        help=_preset_help("timed latency runs per prompt length (median)", "runs"),
+    _add_preset_option(
+        p, "--runs", int_at_least(1), "timed latency runs per prompt length (median)"
     )
-    p.add_argument(
-        "--prompt-len",
-        type=_int_list,
-        default=None,
-        help=_preset_help("latency prompt lengths, e.g. 128,512", "prompt_len"),
+    _add_preset_option(p, "--prompt-len", _int_list, "latency prompt lengths, e.g. 128,512")
+    _add_preset_option(p, "--gen-len", int_at_least(2), "tokens generated per latency run")
+    _add_preset_option(
+        p, "--num-requests", int_at_least(1), "throughput requests, all submitted at once"
     )
-    p.add_argument(
-        "--gen-len",
-        type=int_at_least(2),
-        default=None,
-        help=_preset_help("tokens generated per latency run", "gen_len"),
-    )
-    p.add_argument(
-        "--num-requests",
-        type=int_at_least(1),
-        default=None,
-        help=_preset_help("throughput requests, all submitted at once", "num_requests"),
-    )
-    p.add_argument(
-        "--request-prompt-len",
-        type=_int_range,
-        default=None,
-        help=_preset_help("throughput prompt lengths MIN,MAX", "request_prompt_len"),
-    )
-    p.add_argument(
-        "--request-gen-len",
-        type=_int_range,
-        default=None,
-        help=_preset_help("throughput output lengths MIN,MAX", "request_gen_len"),
-    )
+    _add_preset_option(p, "--request-prompt-len", _int_range, "throughput prompt lengths MIN,MAX")
+    _add_preset_option(p, "--request-gen-len", _int_range, "throughput output lengths MIN,MAX")
     p.add_argument("--seed", type=int, default=0, help="seed of the throughput requests")
     p.add_argument(
         "--peers",
@@ -171,18 +151,8 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
     p.add_argument(
         "--skip", action="append", choices=PHASES, default=[], help="skip a phase (repeatable)"
     )
-    p.add_argument(
-        "--bandwidth-mib",
-        type=int_at_least(1),
-        default=None,
-        help=_preset_help("buffer size of the bandwidth test", "bandwidth_mib"),
-    )
-    p.add_argument(
-        "--gemm-size",
-        type=int_at_least(1),
-        default=None,
-        help=_preset_help("N of the N x N x N GEMM test", "gemm_size"),
-    )
+    _add_preset_option(p, "--bandwidth-mib", int_at_least(1), "buffer size of the bandwidth test")
+    _add_preset_option(p, "--gemm-size", int_at_least(1), "N of the N x N x N GEMM test")
     p.add_argument("--json", default=None, metavar="PATH", help="write the full report as JSON")
     p.add_argument(
         "--plot", default=None, metavar="PATH", help="write a PNG bar chart (needs matplotlib)"
