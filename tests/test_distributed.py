@@ -126,6 +126,39 @@ def test_split_and_pp_plan():
         pp_plan(_cfg(9, 3), 5)
 
 
+def test_a_stage_keeps_its_layers_entries_and_tp_refuses_experts():
+    """A pipeline stage's config keeps its own layers' entries of every per-layer list
+    (an MoE stage once kept all of moe_layers and failed validation); tensor parallelism
+    refuses MoE models (every rank held every expert and the all-reduce summed them
+    once per rank: wrong output)."""
+    from tokenmill.distributed.plan import pp_local_config
+
+    cfg = ModelConfig(
+        "qwen3_moe", 64, 72, 96, 4, 4, 2, 16, num_experts=5, num_experts_per_tok=2,
+        moe_intermediate_size=40, moe_layers=[True, False, True, True],
+        rope_layers=[True, True, False, True], layer_types=["full", "sliding"] * 2,
+        sliding_window=8,
+    )  # fmt: skip
+    a, b = (pp_local_config(cfg, stage) for stage in pp_plan(cfg, 2))
+    assert (a.moe_layers, a.rope_layers, a.layer_types) == (
+        [True, False],
+        [True, True],
+        ["full", "sliding"],
+    )
+    assert (b.moe_layers, b.rope_layers, b.layer_types) == (
+        [True, True],
+        [False, True],
+        ["full", "sliding"],
+    )
+    assert set(ModelConfig.PER_LAYER) == {
+        name
+        for name, value in vars(cfg).items()
+        if isinstance(value, list) and name.endswith(("_layers", "_types"))
+    }
+    with pytest.raises(PlanError, match="Mixture-of-Experts"):
+        tp_plan(cfg, 2)
+
+
 def test_parallel_arguments_are_checked(tmp_path):
     build_hf_model("llama", tmp_path)
     with pytest.raises(ValueError, match="not both"):

@@ -9,7 +9,7 @@ metadata: loader/gguf_file.py); the model reads only this.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tokenmill import checks
@@ -210,6 +210,15 @@ class ModelConfig:
     def kv_bytes_per_token(self, element_size: int) -> int:
         """Bytes the KV cache holds per token, over all layers (K and V)."""
         return 2 * self.num_layers * self.kv_size * element_size
+
+    # The fields that hold one entry per layer: a run of layers (a pipeline stage) keeps
+    # its own entries of each.
+    PER_LAYER = ("layer_types", "moe_layers", "rope_layers")
+
+    def layers_slice(self, start: int, end: int) -> ModelConfig:
+        """The config of layers [start, end) alone (a pipeline stage's model)."""
+        lists = {name: list(getattr(self, name)[start:end]) for name in self.PER_LAYER}
+        return replace(self, num_layers=end - start, **lists)
 
 
 def _check_rope(name: str, rope: RopeConfig, head_dim: int, used: bool) -> None:

@@ -71,6 +71,12 @@ def tp_plan(cfg: ModelConfig, size: int) -> list[TPShard]:
     """The shard of every rank, for tensor parallelism over `size` ranks."""
     if size < 1:
         raise PlanError("tensor_parallel_size must be at least 1")
+    if cfg.num_experts:
+        # every rank would hold every expert and the all-reduce would add them `size` times
+        raise PlanError(
+            "tensor parallelism does not shard Mixture-of-Experts layers yet: "
+            "use pipeline_parallel_size (or one process) for this model"
+        )
     H, Hkv = cfg.num_heads, cfg.num_kv_heads
     rep = H // Hkv
     if Hkv >= size:
@@ -142,5 +148,4 @@ def pp_plan(cfg: ModelConfig, size: int) -> list[PPStage]:
 
 
 def pp_local_config(cfg: ModelConfig, stage: PPStage) -> ModelConfig:
-    l0, l1 = stage.layers
-    return replace(cfg, num_layers=l1 - l0, layer_types=list(cfg.layer_types[l0:l1]))
+    return cfg.layers_slice(*stage.layers)
