@@ -4,7 +4,7 @@ LLMEngine is not thread-safe and batches best when one loop steps every request
 together, so a single background thread owns it:
 
     HTTP handlers (event loop)            engine thread
-    submit() --- _Add / _Abort ---> commands (queue.SimpleQueue)
+    generate() -- _Add / _Abort --> commands (queue.SimpleQueue)
                                           apply commands, then engine.step()
     RequestStream <- call_soon_threadsafe - RequestOutputs, routed by request id
 
@@ -18,7 +18,7 @@ finished. A request with P prompts and n completions each runs P x n engine
 requests ("<id>-<i>" for choice i = p * n + j, completion_index=j, OpenAI's order)
 that are aborted together.
 
-`drain()` (the server's SIGTERM) stops admitting: later submits raise ShuttingDown
+`drain()` (the server's SIGTERM) stops admitting: later requests raise ShuttingDown
 (HTTP 503), while the requests already in the engine run to their end.
 
 A request whose own sampling, grammar or trace fails in a step fails alone
@@ -93,7 +93,7 @@ _ADMITTED = object()  # a stream's first item when the engine took all its reque
 class RequestStream:
     """The event-loop side of one API request and its n engine requests.
 
-    Created by AsyncEngine.submit. `await admitted()`, then iterate to receive
+    Created by AsyncEngine.generate, which awaits `admitted()`; then iterate to receive
     (choice index, RequestOutput) until all n are finished; `abort()` at any time
     (idempotent, a no-op once finished) stops the rest and frees their KV blocks."""
 
@@ -186,7 +186,7 @@ class AsyncEngine:
     engine: the synchronous LLMEngine (tokenizer, config, max_model_len); only the
     engine thread may call its methods that change state.
     max_waiting: the most engine requests that may wait (in the scheduler's queue or
-    not yet picked up by the engine thread) before `submit` raises QueueFull.
+    not yet picked up by the engine thread) before `generate` raises QueueFull.
     stall_timeout: seconds pending work may go without a completed step before
     `health()` reports the engine stalled."""
 
@@ -252,7 +252,7 @@ class AsyncEngine:
         return True, "ok"
 
     # ---- the event loop's API ----
-    def submit(
+    async def generate(
         self,
         request_id: str,
         prompts: list[list[int]],
@@ -262,8 +262,9 @@ class AsyncEngine:
         grammar: CompiledGrammar | None = None,
         cache_salt: int | None = None,
     ) -> RequestStream:
-        """Queue a request: params.n engine requests per prompt. Raises QueueFull,
-        ShuttingDown, EngineFailure, or RequestError for one that could never be queued.
+        """Queue a request (params.n engine requests per prompt) and wait until the engine
+        has taken it. Raises QueueFull, ShuttingDown, EngineFailure, or RequestError for
+        one that could never be queued or that the engine refuses.
 
         cache_salt: the request's prefix-cache scope (block_manager.salt_root).
 
@@ -295,25 +296,6 @@ class AsyncEngine:
         stream = RequestStream(request_ids, lambda ids: self._commands.put(_Abort(ids)))
         per_choice = [prompt for prompt in prompts for _ in range(params.n)]
         self._commands.put(_Add(stream, per_choice, params, trace, grammar, cache_salt))
-        return stream
-
-    async def generate(
-        self,
-        request_id: str,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        *,
-        trace: object | None = None,
-        grammar: CompiledGrammar | None = None,
-        cache_salt: int | None = None,
-    ) -> RequestStream:
-        """Submit and wait until the engine has taken the request.
-
-        Raises QueueFull, ShuttingDown, EngineFailure, or RequestError (a request the
-        engine refuses)."""
-        stream = self.submit(
-            request_id, prompts, params, trace=trace, grammar=grammar, cache_salt=cache_salt
-        )
         await stream.admitted()
         return stream
 
