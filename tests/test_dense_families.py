@@ -13,6 +13,8 @@ and models/paths.py names the reason where they do not.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers as tf
@@ -116,9 +118,11 @@ CASES = {
 }
 
 
-def build(name: str, folder, seed: int = 0):
-    """Build, save and return the tiny random transformers model of case `name`."""
+def build(name: str, folder, seed: int = 0, **more):
+    """Build, save and return the tiny random transformers model of case `name` (with
+    `more` config overrides)."""
     model_cls, config_cls, overrides, _ = CASES[name]
+    overrides = {**overrides, **more}
     if not hasattr(tf, model_cls):  # pragma: no cover - an older transformers
         pytest.skip(f"transformers {tf.__version__} has no {model_cls}")
     torch.manual_seed(seed)
@@ -254,6 +258,93 @@ def test_smollm3_gguf_reads_back_as_the_folder(tmp_path, qtype):
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     assert (Single(path).feed(prompt) - ref).abs().max().item() < 1e-4
+    assert Single(path).greedy(prompt, 16)[0] == _reference(hf, prompt, 16)[0]
+
+
+# HF parameter (inside a layer) -> llama.cpp tensor name, for the families below
+_GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _write_gguf(hf, path, arch: str, metadata: dict) -> None:
+    """hf's weights as llama.cpp's converter writes a Gemma 2 or OLMo 2 GGUF (float32): Q/K
+    rows as they are (NEOX rotary), Gemma's norms stored as 1 + w."""
+    import gguf
+
+    cfg = hf.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    for key, value in metadata.items():
+        getattr(w, f"add_{key}")(value)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(3, VOCAB)])
+    top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    for name, t in hf.state_dict().items():
+        stem = name.removesuffix(".weight")
+        if stem in top:
+            out = top[stem]
+        else:
+            _, _, idx, rest = stem.split(".", 3)
+            out = f"blk.{idx}.{_GGUF_NAMES[rest]}"
+        if arch == "gemma2" and stem.endswith("norm"):
+            t = t + 1.0
+        if out == "output" and cfg.tie_word_embeddings:
+            continue
+        w.add_tensor(f"{out}.weight", t.float().numpy().copy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("name", ["gemma2-softcaps", "olmo2"])
+def test_gguf_reads_back_as_the_folder(tmp_path, name):
+    """Gemma 2 (soft-caps from the header, even layers sliding) and OLMo 2 (post-norms,
+    whole-projection Q/K norms) as GGUF give transformers' logits and greedy tokens."""
+    if name.startswith("gemma2"):
+        # llama.cpp's Gemma 2 scales queries by 1/sqrt(head_dim): the file cannot say 20
+        hf = build(name, tmp_path / "hf", query_pre_attn_scalar=16)
+        meta = dict(
+            sliding_window=hf.config.sliding_window,
+            attn_logit_softcapping=hf.config.attn_logit_softcapping,
+            final_logit_softcapping=hf.config.final_logit_softcapping,
+        )
+    else:
+        hf, meta = build(name, tmp_path / "hf"), {}
+    path = tmp_path / f"{name}.gguf"
+    _write_gguf(hf, path, name.split("-")[0], meta)
+    config = open_checkpoint(path).config
+    ref = from_hf_config(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    for field in ("qk_norm", "pre_norm", "attn_logit_softcap", "final_logit_softcap"):
+        assert getattr(config, field) == getattr(ref, field), field
+    assert config.layer_types == ref.layer_types
+    prompt = _prompt(name)
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0]
+    assert (Single(path).feed(prompt) - want).abs().max().item() < 1e-4
     assert Single(path).greedy(prompt, 16)[0] == _reference(hf, prompt, 16)[0]
 
 

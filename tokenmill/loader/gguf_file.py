@@ -45,7 +45,10 @@ SUPPORTED_TYPES = {
     GGMLQuantizationType.Q5_K,
     GGMLQuantizationType.Q6_K,
 }
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt2", "smollm3")
+SUPPORTED_ARCHS = (
+    *("llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt2"),
+    *("smollm3", "gemma2", "olmo2"),
+)
 # Families whose Q/K rows llama.cpp's converter permuted.
 _PERMUTED_QK = ("llama", "mistral", "smollm3")
 # SmolLM3: llama.cpp has no key for its NoPE layers; it hard-codes every 4th layer.
@@ -169,7 +172,37 @@ def _config(reader: GGUFFile, path: Path) -> ModelConfig:
             rope_local=RopeConfig(theta=10000.0),
             **common,
         )
+    if arch == "gemma2":
+        # llama.cpp: the even layers slide; the caps default to Gemma 2's 50 and 30; queries
+        # scale by 1/sqrt(head_dim), or 1/sqrt(d / H) for the 27B (its 46 layers)
+        scale = (hidden // heads) ** -0.5 if layers == 46 else head_dim**-0.5
+        return ModelConfig(
+            arch="gemma2",
+            norm_eps=rms_eps,
+            activation="gelu_tanh",
+            sandwich_norm=True,
+            embed_scale=math.sqrt(hidden),
+            attn_scale=scale,
+            attn_logit_softcap=meta_float("attn_logit_softcapping", 50.0, lo_open=True),
+            final_logit_softcap=meta_float("final_logit_softcapping", 30.0, lo_open=True),
+            sliding_window=meta_int("attention.sliding_window", size="sliding_window"),
+            layer_types=["sliding" if i % 2 == 0 else "full" for i in range(layers)],
+            **common,
+        )
     window = meta_int("attention.sliding_window", None, size="sliding_window")
+    if arch == "olmo2":
+        # norms after each sublayer only; Q/K norm over the whole projection; with a window
+        # (OLMo 3), llama.cpp makes 3 layers in every 4 slide
+        return ModelConfig(
+            arch="olmo2",
+            norm_eps=rms_eps,
+            qk_norm="full",
+            pre_norm=False,
+            sandwich_norm=True,
+            sliding_window=window,
+            layer_types=["sliding" if window and i % 4 < 3 else "full" for i in range(layers)],
+            **common,
+        )
     nope = arch == "smollm3"
     return ModelConfig(
         arch=arch,
