@@ -88,6 +88,24 @@ def _run(folder, fused: bool, monkeypatch, partial_rotary: int | None, quantize=
     return results
 
 
+def _build_case(name: str, folder) -> tuple[str, int | None]:
+    """Write CASES[name]'s checkpoint to folder. Returns (arch, partial rotary dim or
+    None): the partial rotary is no checkpoint setting, _run swaps it in."""
+    arch, overrides = CASES[name]
+    overrides = dict(overrides)
+    partial = overrides.pop("partial_rotary", None)
+    build_hf_model(arch, folder, **overrides)
+    return arch, partial
+
+
+def _count_calls(monkeypatch, owner, name: str) -> list[int]:
+    """Patch owner.name to record each call (one entry per call) and run as before."""
+    calls: list[int] = []
+    real = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
 @pytest.fixture(params=BUILDS)
 def kbuild(request, monkeypatch):
     """Runs the test once per kernel build (native, AVX2, scalar), each the active library."""
@@ -97,13 +115,8 @@ def kbuild(request, monkeypatch):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_fused_decode_matches_torch(kbuild, tmp_path, monkeypatch, name):
-    arch, overrides = CASES[name]
-    overrides = dict(overrides)
-    partial = overrides.pop("partial_rotary", None)
-    build_hf_model(arch, tmp_path, **overrides)
-    calls = []
-    fused_call = kernels.decode_attention
-    monkeypatch.setattr(kernels, "decode_attention", lambda *a: calls.append(1) or fused_call(*a))
+    _, partial = _build_case(name, tmp_path)
+    calls = _count_calls(monkeypatch, kernels, "decode_attention")
     ref = _run(tmp_path, False, monkeypatch, partial)
     assert not calls
     got = _run(tmp_path, True, monkeypatch, partial)
@@ -127,13 +140,8 @@ def test_fused_decode_matches_torch(kbuild, tmp_path, monkeypatch, name):
 def test_fused_stack_matches_per_layer_path(kbuild, tmp_path, monkeypatch, name, scheme, n):
     if n > 3:
         assert n >= kernels.gemm_min_rows()
-    arch, overrides = CASES[name]
-    overrides = dict(overrides)
-    partial = overrides.pop("partial_rotary", None)
-    build_hf_model(arch, tmp_path, **overrides)
-    runs = []
-    real_run = NativeModel.run_stack
-    monkeypatch.setattr(NativeModel, "run_stack", lambda *a: runs.append(1) or real_run(*a))
+    arch, partial = _build_case(name, tmp_path)
+    runs = _count_calls(monkeypatch, NativeModel, "run_stack")
     real_best = paths.best_decode_path
     with monkeypatch.context() as m:  # the per-layer native path only
         m.setattr(
@@ -168,9 +176,7 @@ def test_fused_stack_takes_float_weights(kbuild, tmp_path, monkeypatch, name, dt
     arch, overrides = CASES[name]
     model = build_hf_model(arch, tmp_path, **overrides)
     model.to(dtype).save_pretrained(tmp_path)  # a bf16 / f16 safetensors folder
-    runs = []
-    real_run = NativeModel.run_stack
-    monkeypatch.setattr(NativeModel, "run_stack", lambda *a: runs.append(1) or real_run(*a))
+    runs = _count_calls(monkeypatch, NativeModel, "run_stack")
     got = _run(tmp_path, True, monkeypatch, None, "float")
     assert len(runs) == 6
     # the same 16-bit weights, widened to float32 torch Linears: the reference path
