@@ -43,3 +43,14 @@ def max_model_len(url: str) -> int:
 @pytest.fixture(scope="session")
 def gemma_path() -> Path:
     return real_model("gemma-3-270m")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A tiny random-weight Llama checkpoint folder (helpers.build_hf_model), one per
+    test module: a module may write into it (a chat template)."""
+    from helpers import build_hf_model
+
+    folder = tmp_path_factory.mktemp("tiny")
+    build_hf_model("llama", folder)
+    return folder

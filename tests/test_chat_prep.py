@@ -8,7 +8,6 @@ variables (the reasoning switches) reach the template."""
 from __future__ import annotations
 
 import pytest
-from helpers import build_hf_model
 
 from tokenmill.llm import LLM
 from tokenmill.tokenizer.chat import encode_chat
@@ -50,26 +49,19 @@ HISTORY = [
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    build_hf_model("llama", folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def llm(tiny):
-    with LLM(tiny, kv_cache_memory="512tok", threads=1) as llm:
+def llm(tiny_llama):
+    with LLM(tiny_llama, kv_cache_memory="512tok", threads=1) as llm:
         yield llm
 
 
 @pytest.fixture(scope="module")
-def app(tiny):
+def app(tiny_llama):
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.server.app import create_app
     from tokenmill.server.async_engine import AsyncEngine
 
     return create_app(
-        AsyncEngine(LLMEngine(tiny, kv_cache_memory="512tok", threads=1)), model_name="tiny"
+        AsyncEngine(LLMEngine(tiny_llama, kv_cache_memory="512tok", threads=1)), model_name="tiny"
     )
 
 

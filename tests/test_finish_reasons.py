@@ -23,7 +23,6 @@ import time
 import httpx
 import pytest
 import torch
-from helpers import build_hf_model
 from server_fixture import metric, metric_by_label, running_server, server_process, sse_events
 
 from tokenmill.engine.llm_engine import LLMEngine, RequestOutput
@@ -89,15 +88,8 @@ def test_the_rule(token, params, facts, reason):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    build_hf_model("llama", folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def engine(tiny) -> LLMEngine:
-    return LLMEngine(tiny, kv_cache_memory="512tok", threads=1)
+def engine(tiny_llama) -> LLMEngine:
+    return LLMEngine(tiny_llama, kv_cache_memory="512tok", threads=1)
 
 
 def _run(engine: LLMEngine, prompt, params: SamplingParams) -> tuple[str, list[int], RequestOutput]:
@@ -204,8 +196,8 @@ def test_the_trace_asks_the_same_rule(engine):
         assert expected is (finish_reason(token, params, engine.eos_token_ids, 0) is not None)
 
 
-def test_llm_outputs_carry_the_enum(tiny):
-    llm = LLM(tiny, kv_cache_memory="512tok", threads=1)
+def test_llm_outputs_carry_the_enum(tiny_llama):
+    llm = LLM(tiny_llama, kv_cache_memory="512tok", threads=1)
     [out] = llm.generate(PROMPT, _greedy(max_tokens=2, ignore_eos=True))
     assert out.finish_reason is FinishReason.LENGTH
     [out] = llm.generate(PROMPT, _greedy(logit_bias={EOS: 100.0}))
@@ -216,10 +208,12 @@ def test_llm_outputs_carry_the_enum(tiny):
 
 
 @pytest.fixture(scope="module")
-def server(tiny):
+def server(tiny_llama):
     # a chat template, for a chat's default max_tokens: the rest of the context
-    (tiny / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }} {% endfor %}")
-    args = ("--model", str(tiny), "--kv-cache-memory", "256tok", "--threads", "1")
+    (tiny_llama / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.content }} {% endfor %}"
+    )
+    args = ("--model", str(tiny_llama), "--kv-cache-memory", "256tok", "--threads", "1")
     with server_process(*args) as proc:
         yield proc
 
@@ -318,14 +312,14 @@ def test_server_abort(server):
     assert "client disconnected mid-stream; aborted" in server.log()
 
 
-def test_server_error(tiny, monkeypatch):
+def test_server_error(tiny_llama, monkeypatch):
     """A request whose sampling raises gets an error, never a finish_reason "error"."""
     from fastapi.testclient import TestClient
 
     from tokenmill.server.app import create_app
     from tokenmill.server.async_engine import AsyncEngine
 
-    engine = LLMEngine(tiny, kv_cache_memory="512tok", threads=1)
+    engine = LLMEngine(tiny_llama, kv_cache_memory="512tok", threads=1)
 
     def raising(*args, **kwargs):
         raise RuntimeError("poisoned")

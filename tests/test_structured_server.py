@@ -409,17 +409,14 @@ BAD = [
 
 
 @pytest.fixture(scope="module")
-def tiny_http(tmp_path_factory):
+def tiny_http(tiny_llama):
     from fastapi.testclient import TestClient
-    from helpers import build_hf_model
 
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.server.app import create_app
     from tokenmill.server.async_engine import AsyncEngine
 
-    folder = tmp_path_factory.mktemp("tiny")
-    build_hf_model("llama", folder)
-    engine = LLMEngine(folder, kv_cache_memory="512tok", threads=1)
+    engine = LLMEngine(tiny_llama, kv_cache_memory="512tok", threads=1)
     engine.tokenizer.chat_template = CHATML
     app = create_app(AsyncEngine(engine), model_name="tiny")
     with TestClient(app) as http:
