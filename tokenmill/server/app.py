@@ -216,25 +216,28 @@ class ErrorResponse(JSONResponse):
         return json.dumps(content, separators=(",", ":")).encode()
 
 
-def _error_response(error: APIError) -> JSONResponse:
-    return ErrorResponse(error.body(), status_code=error.status, headers=error.headers)
+def _error_response(error: APIError, request: Request) -> JSONResponse:
+    """The error in the shape of the API the request's path belongs to (errors.py's
+    error_body: Anthropic's under /v1/messages, OpenAI's elsewhere)."""
+    body = error.body(request.url.path)
+    return ErrorResponse(body, status_code=error.status, headers=error.headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     """Every error answer goes through to_api_error (tokenmill/server/errors.py)."""
 
     async def known(request: Request, exc: Exception) -> JSONResponse:
-        return _error_response(to_api_error(exc))
+        return _error_response(to_api_error(exc), request)
 
     async def too_deep(request: Request, exc: RecursionError) -> JSONResponse:
         # Whatever recursed past Python's stack (JSON nested ~1,000 deep walked somewhere)
         # was the client's structure: a 400, not a 500 with a traceback (issue 21 item 8).
         log.info("%s %s: RecursionError: %s", request.method, request.url.path, exc)
-        return _error_response(to_api_error(exc))
+        return _error_response(to_api_error(exc), request)
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Starlette logs the traceback and re-raises after sending this.
-        return _error_response(to_api_error(InternalError()))
+        return _error_response(to_api_error(InternalError()), request)
 
     for known_type in (APIError, RequestValidationError, StarletteHTTPException, EngineFailure):
         app.add_exception_handler(known_type, known)

@@ -3,15 +3,17 @@
     to_api_error(exc) -> APIError      what an exception means for a client: status,
                                        type, message, param, code
     format_openai(error) -> dict       OpenAI's body, {"error": {message, type, param, code}}
+    format_anthropic(error) -> dict    Anthropic's, {"type": "error", "error": {type, message}}
+    error_body(error, path) -> dict    the body in the shape of the API that `path` belongs to
 
 Routes, the exception handlers and the streams (completion, chat, inspect) all go
 through `to_api_error`; nothing reads a message to find out what it is about. A
 request parameter's error is a tokenmill.checks.ParamError (SamplingParams, the request
 models, the engine's RequestError), which carries that parameter as `param`.
 
-APIError is the error itself, not its wire form: another API's shape (Anthropic's
-{"type": "error", "error": {type, message}}, the Responses API's) is another formatter
-beside `format_openai`, over the same APIError.
+APIError is the error itself, not its wire form: another API's shape (Anthropic's,
+the Responses API's) is another formatter beside `format_openai`, over the same APIError,
+and FORMATTERS says which paths answer in it (the app's error handlers ask `error_body`).
 
 Whatever raised it, no message carries a native panic, a backtrace, a source path, or
 in a server error a loopback address (`clean_message`).
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
@@ -59,9 +61,9 @@ class APIError(Exception):
         self.type = type
         self.headers = headers
 
-    def body(self) -> dict[str, Any]:
-        """The OpenAI-shaped body (the only shape this server speaks so far)."""
-        return format_openai(self)
+    def body(self, path: str = "") -> dict[str, Any]:
+        """The body in the shape of the API whose route `path` is (OpenAI's by default)."""
+        return error_body(self, path)
 
 
 class InternalError(Exception):
@@ -79,6 +81,46 @@ def format_openai(error: APIError) -> dict[str, Any]:
     return {
         "error": {"message": message, "type": error.type, "param": error.param, "code": error.code}
     }
+
+
+# Anthropic's error types (docs.anthropic.com, "Errors"), by HTTP status; any other 4xx is
+# an invalid_request_error, any other 5xx an api_error.
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",  # a draining server: worth another try, as a 529 is
+}
+
+
+def format_anthropic(error: APIError) -> dict[str, Any]:
+    """Anthropic's error shape, {"type": "error", "error": {"type", "message"}}: the type
+    follows the status (the Anthropic SDK picks its exception class by the status). The
+    shape has no `param`; the message names the field."""
+    kind = _ANTHROPIC_TYPES.get(error.status)
+    if kind is None:
+        kind = "api_error" if error.status >= 500 else "invalid_request_error"
+    message = clean_message(error.message, internal=error.status >= 500)
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+# The error shape of each API that is not OpenAI's, by the path its routes live under
+# (that path itself, or below it): a route's errors, including FastAPI's validation
+# errors, the API key's 401 and an unknown path's 404 under it, come out in its shape.
+FORMATTERS: dict[str, Callable[[APIError], dict[str, Any]]] = {
+    "/v1/messages": format_anthropic,
+}
+
+
+def error_body(error: APIError, path: str = "") -> dict[str, Any]:
+    """The body of `error` in the shape of the API whose route `path` is (OpenAI's when
+    no entry of FORMATTERS claims the path)."""
+    for prefix, formatter in FORMATTERS.items():
+        if path == prefix or path.startswith(prefix + "/"):
+            return formatter(error)
+    return format_openai(error)
 
 
 def invalid(message: str, param: str | None = None) -> APIError:
