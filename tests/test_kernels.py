@@ -102,8 +102,11 @@ def kbuild(request, monkeypatch):
 # ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("qtype", SIMPLE)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(
+    "qtype, shape",
+    [(q, shape) for shape in SHAPES for q in SIMPLE]
+    + [(q, shape) for shape in K_SHAPES for q in K_QUANTS],
+)
 def test_gguf_conversion_is_exact(qtype, shape):
     n, k = shape
     raw = gguf_bytes(qtype, n, k)
@@ -112,15 +115,6 @@ def test_gguf_conversion_is_exact(qtype, shape):
     assert np.array_equal(layer.dequantize().numpy(), ref)
     if qtype in (GT.Q4_0, GT.Q4_1, GT.Q8_0):  # same size as the file: nothing expanded
         assert layer.nbytes == raw.nbytes
-
-
-@pytest.mark.parametrize("qtype", K_QUANTS)
-@pytest.mark.parametrize("shape", K_SHAPES)
-def test_gguf_k_quant_conversion_is_exact(qtype, shape):
-    n, k = shape
-    raw = gguf_bytes(qtype, n, k)
-    ref = dequantize(raw, qtype).reshape(n, k)
-    assert np.array_equal(QuantLinear.from_gguf(raw, qtype, n, k).dequantize().numpy(), ref)
 
 
 @pytest.mark.parametrize("k", [256, 512, 768])
