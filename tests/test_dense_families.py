@@ -276,12 +276,15 @@ _GGUF_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused projections, stored fused
+    "mlp.gate_up_proj": "ffn_up",
 }
 
 
-def _write_gguf(hf, path, arch: str, metadata: dict) -> None:
-    """hf's weights as llama.cpp's converter writes a Gemma 2 or OLMo 2 GGUF (float32): Q/K
-    rows as they are (NEOX rotary), Gemma's norms stored as 1 + w."""
+def _write_gguf(hf, path, arch: str, metadata: dict, extra: dict | None = None) -> None:
+    """hf's weights as llama.cpp's converter writes a Gemma 2, OLMo 2 or Phi-3 GGUF
+    (float32): Q/K rows as they are (NEOX rotary), Gemma's norms stored as 1 + w, Phi-3's
+    post-attention norm as the MLP's norm; `extra` more tensors by name."""
     import gguf
 
     cfg = hf.config
@@ -308,12 +311,15 @@ def _write_gguf(hf, path, arch: str, metadata: dict) -> None:
             out = top[stem]
         else:
             _, _, idx, rest = stem.split(".", 3)
-            out = f"blk.{idx}.{_GGUF_NAMES[rest]}"
+            phi3_mlp_norm = arch == "phi3" and rest == "post_attention_layernorm"
+            out = f"blk.{idx}.{'ffn_norm' if phi3_mlp_norm else _GGUF_NAMES[rest]}"
         if arch == "gemma2" and stem.endswith("norm"):
             t = t + 1.0
         if out == "output" and cfg.tie_word_embeddings:
             continue
         w.add_tensor(f"{out}.weight", t.float().numpy().copy())
+    for name, t in (extra or {}).items():
+        w.add_tensor(name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -346,6 +352,43 @@ def test_gguf_reads_back_as_the_folder(tmp_path, name):
         want = hf(torch.tensor([prompt])).logits[0]
     assert (Single(path).feed(prompt) - want).abs().max().item() < 1e-4
     assert Single(path).greedy(prompt, 16)[0] == _reference(hf, prompt, 16)[0]
+
+
+@pytest.mark.parametrize("name", ["phi3-longrope", "phi4-partial-rotary"])
+def test_phi3_gguf_reads_back_as_the_folder(tmp_path, name):
+    """Phi-3 as llama.cpp's converter writes it: attn_qkv and ffn_up fused, LongRoPE's
+    factors as the rope_factors_short/long tensors with the original context length and
+    the attention factor in the header, the rotary dimensions for partial rotary. Read
+    back (float weights, and packed as stored, which decodes through the fused stack) it
+    gives transformers' logits and greedy tokens."""
+    import numpy as np
+
+    hf = build(name, tmp_path / "hf")
+    rope = hf.config.rope_parameters
+    ref = from_hf_config(json.loads((tmp_path / "hf" / "config.json").read_text())).rope
+    meta = {"rope_dimension_count": ref.dim or 12}
+    extra = {}
+    if "longrope" in name:
+        meta["rope_scaling_orig_ctx_len"] = ref.original_max_position
+        meta["rope_scaling_attn_factors"] = ref.attention_factor
+        for kind in ("short", "long"):
+            extra[f"rope_factors_{kind}.weight"] = np.array(rope[f"{kind}_factor"], np.float32)
+    path = tmp_path / f"{name}.gguf"
+    _write_gguf(hf, path, "phi3", meta, extra)
+    got = open_checkpoint(path).config.rope
+    assert (got.scaling, got.dim or 12) == (ref.scaling, ref.dim or 12)
+    for kind in ("short_factor", "long_factor", "attention_factor"):  # float32 in the file
+        assert getattr(got, kind) == pytest.approx(getattr(ref, kind)), kind
+    prompt = _prompt(name)
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0]
+    assert (Single(path).feed(prompt) - want).abs().max().item() < 1e-4
+    tokens = _reference(hf, prompt, 16)[0]
+    assert Single(path).greedy(prompt, 16)[0] == tokens
+    packed = Single(path, quantize="gguf")
+    assert packed.greedy(prompt, 16)[0] == tokens
+    if kernels.library() is not None:
+        assert packed.model.decode_path().name == paths.STACK
 
 
 def _config(model_type: str, **extra) -> dict:

@@ -29,6 +29,7 @@ from tokenmill.config import (
 from tokenmill.loader.checkpoint import Checkpoint, LoadError
 from tokenmill.loader.checks import check_checkpoint, part_shape
 from tokenmill.loader.gguf_reader import GGUFFile, GGUFFormatError
+from tokenmill.loader.hf_folder import phi3_rows
 
 SUPPORTED_TYPES = {
     GGMLQuantizationType.F32,
@@ -47,7 +48,7 @@ SUPPORTED_TYPES = {
 }
 SUPPORTED_ARCHS = (
     *("llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt2"),
-    *("smollm3", "gemma2", "olmo2"),
+    *("smollm3", "gemma2", "olmo2", "phi3"),
 )
 # Families whose Q/K rows llama.cpp's converter permuted.
 _PERMUTED_QK = ("llama", "mistral", "smollm3")
@@ -190,6 +191,15 @@ def _config(reader: GGUFFile, path: Path) -> ModelConfig:
             **common,
         )
     window = meta_int("attention.sliding_window", None, size="sliding_window")
+    if arch == "phi3":
+        _phi3_rope(reader, path, rope, meta_int, meta_float)
+        return ModelConfig(
+            arch="phi3",
+            norm_eps=rms_eps,
+            sliding_window=window,
+            layer_types=["sliding" if window else "full"] * layers,
+            **common,
+        )
     if arch == "olmo2":
         # norms after each sublayer only; Q/K norm over the whole projection; with a window
         # (OLMo 3), llama.cpp makes 3 layers in every 4 slide
@@ -216,7 +226,32 @@ def _config(reader: GGUFFile, path: Path) -> ModelConfig:
     )
 
 
-def _target_name(name: str) -> list[tuple[str, str | None]]:
+def _phi3_rope(reader: GGUFFile, path: Path, rope: RopeConfig, meta_int, meta_float) -> None:
+    """Phi-3's LongRoPE, which llama.cpp's converter stores as two tensors of per-frequency
+    factors (rope_factors_short, rope_factors_long) beside the original context length and
+    the attention factor in the header. Without the tensors: plain RoPE."""
+    found = {
+        t.name: t
+        for t in reader.tensors
+        if t.name in ("rope_factors_short.weight", "rope_factors_long.weight")
+    }
+    if not found:
+        return
+    if len(found) != 2:
+        raise ConfigError("phi3 needs both rope_factors_short and rope_factors_long")
+    for name, t in found.items():
+        if math.prod(t.shape) > MAX_SIZES["head_dim"]:  # [rotary dims / 2]; checked again later
+            raise ConfigError(f"tensor {name} has {math.prod(t.shape)} factors")
+    rope.scaling = "longrope"
+    rope.short_factor = read_tensor(found["rope_factors_short.weight"], path).reshape(-1).tolist()
+    rope.long_factor = read_tensor(found["rope_factors_long.weight"], path).reshape(-1).tolist()
+    rope.original_max_position = meta_int(
+        "rope.scaling.original_context_length", size="max_position"
+    )
+    rope.attention_factor = meta_float("rope.scaling.attn_factor", 1.0, lo_open=True)
+
+
+def _target_name(name: str, arch: str = "") -> list[tuple[str, str | None]]:
     stem, _, kind = name.rpartition(".")
     if stem in _TOP_NAMES:
         return [(f"{_TOP_NAMES[stem]}.{kind}", None)]
@@ -225,6 +260,10 @@ def _target_name(name: str) -> list[tuple[str, str | None]]:
     if not stem.startswith("blk.") or stem.count(".") < 2:
         return []
     _, idx, part = stem.split(".", 2)
+    if part == "attn_qkv" and arch == "phi3":  # fused [q; k; v] of unequal sizes (GQA)
+        return [(f"layers.{idx}.attn.{p}.{kind}", f"attn.{p}") for p in ("q", "k", "v")]
+    if part == "ffn_up" and arch == "phi3":  # fused [gate; up]
+        return [(f"layers.{idx}.mlp.{p}.{kind}", f"mlp.{p}") for p in ("gate", "up")]
     if part == "attn_qkv":  # fused (GPT-2): split into q, k, v by the loader
         return [(f"layers.{idx}.attn.{p}.{kind}", p) for p in ("q", "k", "v")]
     mapped = _LAYER_NAMES.get(part)
@@ -267,7 +306,7 @@ def open_gguf(path: Path) -> Checkpoint:
         raise LoadError(path, str(e)) from None
     tensors, raw, shapes, by_target = {}, {}, {}, {}
     for t in reader.tensors:  # the reader checked each lies inside the file
-        targets = _target_name(t.name)
+        targets = _target_name(t.name, config.arch)
         if targets and t.tensor_type not in SUPPORTED_TYPES:
             raise LoadError(
                 path, f"tensor {t.name}: unsupported quantization type {t.tensor_type.name}"
@@ -275,7 +314,11 @@ def open_gguf(path: Path) -> Checkpoint:
         for target, part in targets:
             tensors[target] = _gguf_loader(t, path, config, target, part)
             raw[target] = _raw_loader(t, path, config, target, part)
-            shapes[target] = part_shape(path, t.name, t.shape, part)
+            if config.arch == "phi3" and part is not None:
+                start, stop = phi3_rows(path, t.name, tuple(t.shape), config, part)
+                shapes[target] = (stop - start, *t.shape[1:])
+            else:
+                shapes[target] = part_shape(path, t.name, t.shape, part)
             by_target[target] = t
     ckpt = Checkpoint(
         path,
@@ -290,10 +333,15 @@ def open_gguf(path: Path) -> Checkpoint:
     return ckpt
 
 
-def _rows_in_our_order(w: np.ndarray, config: ModelConfig, target: str, part: str | None):
+def _rows_in_our_order(
+    w: np.ndarray, config: ModelConfig, target: str, part: str | None, path: Path
+) -> np.ndarray:
     """Split fused QKV rows and undo llama.cpp's Q/K row permutation. Works on dequantized
     floats and on raw block bytes alike: both only move whole rows."""
-    if part is not None:
+    if part is not None and config.arch == "phi3":  # attn_qkv [q; k; v], ffn_up [gate; up]
+        start, stop = phi3_rows(path, target, w.shape, config, part)
+        w = w[start:stop]
+    elif part is not None:
         w = np.split(w, 3, axis=0)[("q", "k", "v").index(part)]
     if config.arch in _PERMUTED_QK:
         if target.endswith("attn.q.weight"):
@@ -305,7 +353,7 @@ def _rows_in_our_order(w: np.ndarray, config: ModelConfig, target: str, part: st
 
 def _gguf_loader(t, path: Path, config: ModelConfig, target: str, part: str | None):
     def load() -> torch.Tensor:
-        w = _rows_in_our_order(read_tensor(t, path), config, target, part)
+        w = _rows_in_our_order(read_tensor(t, path), config, target, part, path)
         w = np.ascontiguousarray(w)
         return torch.from_numpy(w if w.flags.writeable else w.copy())
 
@@ -321,6 +369,6 @@ def _raw_loader(t, path: Path, config: ModelConfig, target: str, part: str | Non
         data = np.asarray(t.data)
         if data.ndim == 1:
             data = data.reshape(1, -1)
-        return t.tensor_type, _rows_in_our_order(data, config, target, part)
+        return t.tensor_type, _rows_in_our_order(data, config, target, part, path)
 
     return load

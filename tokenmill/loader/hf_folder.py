@@ -45,7 +45,7 @@ _MOE_NAMES = {
     "shared_expert_gate": "shared_gate",
 }
 # Phi-3's fused projections -> the parts the model already has (split at load by
-# _phi3_rows, so every path sees the same q/k/v and gate/up weights as Llama's).
+# phi3_rows, so every path sees the same q/k/v and gate/up weights as Llama's).
 _PHI3_FUSED = {
     "self_attn.qkv_proj": ("attn.q", "attn.k", "attn.v"),
     "mlp.gate_up_proj": ("mlp.gate", "mlp.up"),
@@ -215,7 +215,7 @@ def open_folder(folder: Path) -> Checkpoint:
                     continue
                 shape = _our_shape(key, header[key], config)
                 if config.arch == "phi3" and part is not None:
-                    start, stop = _phi3_rows(file, key, shape, config, part)
+                    start, stop = phi3_rows(file, key, shape, config, part)
                     shapes[target] = (stop - start, *shape[1:])
                 else:
                     shapes[target] = part_shape(file, key, shape, part)
@@ -231,9 +231,10 @@ def _our_shape(key: str, shape: tuple[int, ...], config) -> tuple[int, ...]:
     return shape
 
 
-def _phi3_rows(file: Path, key: str, shape: tuple[int, ...], config, part: str) -> tuple[int, int]:
+def phi3_rows(file: Path, key: str, shape: tuple[int, ...], config, part: str) -> tuple[int, int]:
     """Rows [start, stop) of Phi-3's fused tensor `key` that hold `part`: qkv_proj is [q;
-    k; v] ([q_size + 2 kv_size, d]), gate_up_proj [gate; up] ([2f, d])."""
+    k; v] ([q_size + 2 kv_size, d]), gate_up_proj [gate; up] ([2f, d]); GGUF's attn_qkv
+    and ffn_up hold the same rows (loader/gguf_file.py)."""
     rows = shape[0] if shape else 0
     q, kv, f = config.q_size, config.kv_size, config.intermediate_size
     bounds = {
@@ -264,7 +265,7 @@ def _loader(handle, file: Path, key: str, config, part):
         if config.arch == "gpt2" and t.dim() == 2 and "wte" not in key and "wpe" not in key:
             t = t.t()  # GPT-2's Conv1D stores [in, out]; tokenmill uses [out, in]
         if part is not None and config.arch == "phi3":  # fused qkv_proj / gate_up_proj
-            start, stop = _phi3_rows(file, key, tuple(t.shape), config, part)
+            start, stop = phi3_rows(file, key, tuple(t.shape), config, part)
             t = t[start:stop]
         elif part is not None:  # GPT-2 fused c_attn: rows [q; k; v]
             i = "qkv".index(part)
