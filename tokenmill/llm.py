@@ -175,6 +175,42 @@ class LLM:
             result.prompt_token_ids = self.engine.encode_prompt(prompt)
         return results
 
+    def embed(self, texts: Prompt | list[Prompt]) -> list[list[float]]:
+        """One embedding per text (or token-id list), pooled as the model's folder says
+        (engine/pooling.py: sentence-transformers' modules.json, else the last token,
+        L2-normalized). All run batched through the engine's prefill; nothing decodes."""
+        self._check_open()
+        if isinstance(texts, str) or (
+            isinstance(texts, list) and texts and isinstance(texts[0], int)
+        ):
+            texts = [texts]
+        if not isinstance(texts, list) or not texts:
+            raise ValueError(
+                "texts must be a string, a list of token ids, or a non-empty list of them"
+            )
+        vectors: dict[str, list[float] | None] = {}
+        try:
+            for text in texts:
+                rid = f"embed-{next(self._ids)}"
+                self.engine.add_request(rid, text, embed=True)
+                vectors[rid] = None
+            left = set(vectors)
+            while left:
+                for out in self.engine.step():
+                    if out.request_id in left and out.finished:
+                        left.discard(out.request_id)
+                        if out.embedding is None:  # e.g. a prompt larger than the KV pool
+                            raise RuntimeError(
+                                f"embedding {out.request_id} ended without a vector "
+                                f"({out.finish_reason})"
+                            )
+                        vectors[out.request_id] = out.embedding
+        except BaseException:
+            for rid in vectors:
+                self.engine.abort(rid)
+            raise
+        return [v for v in vectors.values() if v is not None]
+
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the generated text piece by piece as it is produced."""
         for out in self.stream_outputs(prompt, params):

@@ -60,9 +60,10 @@ class EngineView:
 
 
 class StepHooks(ForwardHooks, Protocol):
-    """A traced request's observer (Sequence.trace; AttentionMetadata.trace in the forward
-    pass): the forward pass's hooks (on_embedding, on_attention, on_residual: declared with
-    the batch they see, layers/attention.py::ForwardHooks) and the engine's around them."""
+    """A traced request's observer (Sequence.trace; AttentionMetadata.trace.hooks in the
+    forward pass): the forward pass's hooks (on_embedding, on_attention, on_residual:
+    declared with the batch they see, layers/attention.py::ForwardHooks) and the engine's
+    around them."""
 
     def on_step_begin(self, seq: Sequence, num_tokens: int) -> None: ...
 

@@ -8,6 +8,8 @@
              detokenize + stop checks    text delta, finish_reason
              free finished sequences' blocks at once
     abort(request_id) frees a request's blocks at once.
+    add_request(..., embed=True): an embedding, prefill only; the step that runs its last
+    prompt token finishes it with RequestOutput.embedding (engine/pooling.py), no decode.
 
 The server drives this object from one thread; `LLM` (tokenmill/llm.py) wraps it
 for offline use. Around the loop, each in its own module:
@@ -34,6 +36,7 @@ from tokenmill.engine.build import load_tokenizer, model_eos_ids  # re-exported 
 from tokenmill.engine.hooks import EngineView
 from tokenmill.engine.inputs import RequestError  # re-exported (the server, the tests)
 from tokenmill.engine.kv_cache import BLOCK_SIZE
+from tokenmill.engine.pooling import Pooling, PoolingError, PoolState, read_pooling
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence, Status
 from tokenmill.hub import resolve_model  # re-exported (tokenmill bench)
@@ -90,6 +93,9 @@ class RequestOutput:
     # Set (with finish_reason ERROR) when this request alone failed in a step, e.g. its
     # sampling or its grammar raised: one line for the client; the rest of the step ran.
     error: str | None = None
+    # An embedding request's pooled vector [hidden_size] (add_request(embed=True)); it
+    # comes in its one output, finished, with no tokens.
+    embedding: list[float] | None = None
 
 
 class _Request:
@@ -149,6 +155,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens_computed": 0}
+        self._pooling: Pooling | None = None
 
     def close(self) -> None:
         """Stop the other ranks of a parallel run, wait for their processes to end and
@@ -233,6 +240,15 @@ class LLMEngine:
         except TextTooLong as e:
             raise RequestError(self._too_long(e), "messages") from None
 
+    @property
+    def pooling(self) -> Pooling:
+        """How this model pools an embedding (engine/pooling.py: sentence-transformers'
+        modules.json in the model folder, else last token, normalized). PoolingError (a
+        ValueError) for a folder that asks for what is not implemented."""
+        if self._pooling is None:
+            self._pooling = read_pooling(self.path if self.path.is_dir() else None)
+        return self._pooling
+
     def _too_long(self, e: TextTooLong) -> str:
         return inputs.too_long(e, self.max_model_len)
 
@@ -247,6 +263,7 @@ class LLMEngine:
         grammar: CompiledGrammar | None = None,
         cache_salt: int | None = None,
         group: str | None = None,
+        embed: bool = False,
     ) -> int:
         """Queue a request; returns its prompt length in tokens.
 
@@ -256,12 +273,15 @@ class LLMEngine:
         group: whom the request counts against for fair admission (the scheduler): the
         n choices of one API request share one; None gives it a group of its own.
         grammar: params' constraint already compiled by compile_grammar; compiled here
-        (on the caller's thread) when not given."""
+        (on the caller's thread) when not given.
+        embed: run the prompt only and answer its pooled final hidden state
+        (RequestOutput.embedding, engine/pooling.py); params are not used."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running", "request_id")
         ids = self.encode_prompt(prompt)
-        if len(ids) >= self.max_model_len:
+        pool = self._pool_state(len(ids)) if embed else None
+        if pool is None and len(ids) >= self.max_model_len:
             raise RequestError(
                 f"prompt has {len(ids)} tokens, more than the model's context of "
                 f"{self.max_model_len - 1} (leaving room for at least one generated token)",
@@ -281,13 +301,30 @@ class LLMEngine:
         except ValueError as e:  # GrammarError included
             raise RequestError(str(e), getattr(e, "param", None)) from None
         seq = Sequence(
-            request_id, ids, params, state, trace=trace, cache_salt=cache_salt, group=group
-        )
+            request_id, ids, params, state, trace=trace, cache_salt=cache_salt, group=group,
+            pool=pool,
+        )  # fmt: skip
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids)
         self.requests[request_id] = _Request(seq, detok, StopStringMatcher(params.stop))
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(ids)
         return len(ids)
+
+    def _pool_state(self, num_tokens: int) -> PoolState:
+        """An embedding request's pooling state, once its prompt is known to fit (no token
+        is generated, so the whole context is the limit)."""
+        if self.parallel is not None:
+            raise RequestError("embeddings are not supported on a parallel run", "input")
+        if num_tokens > self.max_model_len:
+            raise RequestError(
+                f"input has {num_tokens} tokens, more than the model's context of "
+                f"{self.max_model_len}",
+                "input",
+            )
+        try:
+            return PoolState(self.pooling)
+        except PoolingError as e:
+            raise RequestError(str(e), "model") from None
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. False if it was not running."""
@@ -320,9 +357,13 @@ class LLMEngine:
             seq.num_computed += chunk.num_tokens
             self.blocks.commit_full_blocks(seq)
         seqs = [chunks[i].seq for i in sampled]
-        picks = self._sample(logits, seqs)
+        picks = self._sample(logits, seqs) if seqs else []
         now = time.perf_counter()
-        outputs = []
+        outputs = [
+            self._embedded(c.seq, now)
+            for c in chunks
+            if c.seq.pool is not None and c.seq.num_computed == len(c.seq)
+        ]
         # Per sequence from here: what one request's sampling state, grammar or trace
         # raises fails that request alone, never the others in the step.
         for row, (seq, pick) in enumerate(zip(seqs, picks, strict=True)):
@@ -369,6 +410,16 @@ class LLMEngine:
                 lp = TokenLogprob(token, result.logprobs[i], result.top_logprobs[i] or {})
             picks.append((token, lp))
         return picks
+
+    def _embedded(self, seq: Sequence, now: float) -> RequestOutput:
+        """Finish an embedding whose prompt has run: its vector, its blocks freed."""
+        self.requests.pop(seq.request_id, None)
+        seq.first_token_time = seq.finish_time = now
+        seq.finish_reason = FinishReason.STOP
+        self.scheduler.finish(seq)
+        out = self._output(seq, "", [], [])
+        out.embedding = seq.pool.result()
+        return out
 
     def _fail(self, seq: Sequence, error: Exception, now: float) -> RequestOutput:
         """End one request whose step failed: free its blocks, tell its client in one line

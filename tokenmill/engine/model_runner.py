@@ -2,6 +2,9 @@
 
 Layout of the packed batch: decode rows first (one token each, attending over
 their cached context), then prefill chunks (many tokens of one sequence each).
+
+An embedding sequence (seq.pool, engine/pooling.py) samples nothing: the step also takes
+the final-norm hidden states at the rows its pooling keeps and hands them to its PoolState.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.engine.kv_cache import KVCache
+from tokenmill.engine.pooling import PoolState
 from tokenmill.engine.scheduler import ScheduledChunk
 from tokenmill.layers.attention import AttentionMetadata, AttentionSite, PrefillSpan
 from tokenmill.models.transformer import Transformer
@@ -38,8 +42,33 @@ class ModelRunner:
         the indices (into `chunks`) of those chunks, in the same order.
         all_logits=True returns logits [T, vocab] for every packed row instead
         (tests and the inspector compare whole prompts)."""
-        input_ids, meta, rows, sampled = self.pack(chunks)
-        return self.forward(input_ids, meta, None if all_logits else rows), sampled
+        input_ids, meta, rows, sampled, pools = self._pack(chunks)
+        if not pools:
+            return self.forward(input_ids, meta, None if all_logits else rows), sampled
+        return self._run_pooled(input_ids, meta, rows, pools), sampled
+
+    def _run_pooled(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        rows: torch.Tensor,
+        pools: list[tuple[PoolState, list[int], bool]],
+    ) -> torch.Tensor:
+        """A step with embedding rows: the final-norm hidden states at the sampled rows
+        [S] and the pooled rows [P] in one pass, logits [S, vocab] from the first S, each
+        PoolState fed its rows. (LLMEngine refuses embeddings on a parallel run, whose
+        runners override forward.)"""
+        pool_rows = [r for _, kept, _ in pools for r in kept]
+        every = torch.cat([rows, torch.tensor(pool_rows, dtype=torch.long, device=self.device)])
+        hidden = self.model(input_ids, meta, every, head=False)  # [S + P, d]
+        n = rows.shape[0]
+        at = n
+        for state, kept, restart in pools:
+            state.add(hidden[at : at + len(kept)], restart)
+            at += len(kept)
+        if n == 0:
+            return hidden.new_zeros(0, self.model.cfg.vocab_size, dtype=torch.float32)
+        return self.model.unembed(hidden[:n])
 
     def forward(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor | None
@@ -52,6 +81,20 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor, list[int]]:
         """One step's chunks as a packed batch: (input_ids [T], metadata, the rows that
         sample [S], the indices into `chunks` of those rows' chunks)."""
+        input_ids, meta, rows, sampled, _ = self._pack(chunks)
+        return input_ids, meta, rows, sampled
+
+    def _pack(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[
+        torch.Tensor,
+        AttentionMetadata,
+        torch.Tensor,
+        list[int],
+        list[tuple[PoolState, list[int], bool]],
+    ]:
+        """pack(), and for each embedding chunk: its PoolState, the packed rows its
+        pooling keeps, and whether the chunk starts the prompt over (position 0)."""
         decode = [i for i, c in enumerate(chunks) if c.is_decode]
         is_decode = set(decode)
         prefill = [i for i in range(len(chunks)) if i not in is_decode]
@@ -60,6 +103,7 @@ class ModelRunner:
         slot_maps: list[torch.Tensor] = []
         logit_rows: list[int] = []
         sampled: list[int] = []
+        pools: list[tuple[PoolState, list[int], bool]] = []
         meta = AttentionMetadata(positions=None, slot_mapping=None)
 
         if decode:
@@ -83,7 +127,11 @@ class ModelRunner:
             meta.decode_slots = slots.to(self.device)
             meta.decode_context_lens = ctx_t.to(self.device)
             for row, i in enumerate(decode):
-                if chunks[i].samples:  # not a prompt's one-token chunk short of its end
+                pool = chunks[i].seq.pool
+                if pool is not None:  # an embedding's one-token chunk: nothing to sample
+                    kept = pool.rows(ctx[row] - 1, ctx[row], len(chunks[i].seq))
+                    pools.append((pool, [row] * len(kept), False))
+                elif chunks[i].samples:  # not a prompt's one-token chunk short of its end
                     logit_rows.append(row)
                     sampled.append(i)
                 if chunks[i].seq.trace is not None and meta.trace is None:
@@ -105,8 +153,11 @@ class ModelRunner:
             if seq.trace is not None and meta.trace is None:
                 meta.trace, meta.trace_rows = seq.trace, slice(row, row + n)
                 meta.trace_attn = AttentionSite("prefill", len(meta.prefills) - 1)
+            if seq.pool is not None:
+                kept = seq.pool.rows(start, end, len(seq))
+                pools.append((seq.pool, [row + p - start for p in kept], start == 0))
             row += n
-            if chunk.samples:
+            if chunk.samples and seq.pool is None:
                 logit_rows.append(row - 1)
                 sampled.append(i)
 
@@ -114,7 +165,7 @@ class ModelRunner:
         meta.slot_mapping = _cat(slot_maps).to(self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        return input_ids, meta, rows, sampled
+        return input_ids, meta, rows, sampled, pools
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

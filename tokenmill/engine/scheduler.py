@@ -141,7 +141,10 @@ class Scheduler:
             seq = min(admissible, key=lambda s: running[s.group], default=None)
             if seq is None:  # only traced ones wait, and this step has its trace
                 break
-            if not seq.block_table:
+            # an embedding pooled over every row (mean, CLS) must run every row: no
+            # prefix-cache hit for it (its full blocks are still named for others)
+            every_row = seq.pool is not None and seq.pool.pooling.needs_every_row
+            if not seq.block_table and not every_row:
                 seq.block_table, seq.last_hash = self.blocks.match_prefix(
                     seq.token_ids, seq.cache_salt
                 )

@@ -12,6 +12,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from tokenmill.engine.pooling import PoolState
 from tokenmill.sampling import FinishReason, SamplingParams, SamplingState
 
 
@@ -49,6 +50,9 @@ class Sequence:
     # Who this sequence counts against for fair scheduling: its API request (the n
     # choices of one request share it). None: a group of its own (request_id).
     group: str | None = None
+    # An embedding request's pooling (engine/pooling.py): its prompt runs, nothing is
+    # sampled, and the model runner hands it the rows' final-norm hidden states.
+    pool: PoolState | None = None
 
     def __post_init__(self) -> None:
         self.last_hash = self.cache_salt

@@ -245,8 +245,8 @@ class Trace:
 
     @_timed
     def on_embedding(self, meta, input_ids: Tensor, x: Tensor) -> None:
-        rows = x[meta.trace_rows]  # [n, d]
-        self._step["positions"] = meta.positions[meta.trace_rows].tolist()
+        rows = x[meta.trace.rows]  # [n, d]
+        self._step["positions"] = meta.positions[meta.trace.rows].tolist()
         self._step["embedding"] = {
             "shape": list(rows.shape),
             "sample": _round(rows[:MAX_SAMPLE_ROWS, : self.sample_dims]),
@@ -265,7 +265,7 @@ class Trace:
         mask: Tensor | None,
         scale: float,
     ) -> None:
-        kind, index = meta.trace_attn.kind, meta.trace_attn.index
+        kind, index = meta.trace.site.kind, meta.trace.site.index
         if site.kind != kind or (kind == "prefill" and site.index != index):
             return  # an attention call of other requests in the batch
         if kind == "decode":
@@ -318,7 +318,7 @@ class Trace:
 
     @_timed
     def on_residual(self, meta, layer_idx: int, sublayer: str, x: Tensor) -> None:
-        row = x[meta.trace_rows][-1].float()
+        row = x[meta.trace.rows][-1].float()
         update = row - self._last_row
         self._last_row = row.clone()
         layer = self._step["layers"][-1]  # on_attention of this layer came just before

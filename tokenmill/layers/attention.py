@@ -13,7 +13,7 @@ GQA and MQA alike), hd head dim, C context length.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -38,15 +38,15 @@ class PrefillSpan:
 @dataclass(frozen=True)
 class AttentionSite:
     """Which attention call of a step: the decode rows' (one call for all of them), or
-    prefill chunk `index` (one call each). As the traced request's site (AttentionMetadata
-    .trace_attn), a decode site's index is the request's row among the decode rows."""
+    prefill chunk `index` (one call each). As the traced request's site (TracedRows.site),
+    a decode site's index is the request's row among the decode rows."""
 
     kind: Literal["decode", "prefill"]
     index: int | None = None
 
 
 class ForwardHooks(Protocol):
-    """What the forward pass calls on a traced batch (AttentionMetadata.trace): the model
+    """What the forward pass calls on a traced batch (TracedRows.hooks): the model
     (models/transformer.py) after the embedding and each residual add, this module at
     each attention call. The engine's StepHooks (engine/hooks.py) adds the step's own
     hooks around them; the layers and the model know only these."""
@@ -75,12 +75,33 @@ class ForwardHooks(Protocol):
     ) -> None: ...
 
 
+@dataclass(frozen=True)
+class TracedRows:
+    """The one traced request of a step, as the runner attaches it: its hooks, its rows in
+    the packed batch, and where its attention runs (AttentionSite("decode", row) or
+    ("prefill", span))."""
+
+    hooks: ForwardHooks
+    rows: slice
+    site: AttentionSite
+
+
+@dataclass(frozen=True)
+class NativeStep:
+    """What the model attaches when a step's decode rows run natively (models/paths.py):
+    its NativeModel and the decode rows' C view (kernels.decode_rows)."""
+
+    model: Any
+    rows: Any
+
+
 @dataclass
 class AttentionMetadata:
     """One forward pass's packed batch: the layout the runner packs (positions, slots,
-    decode rows, prefill spans), then what the trace and the native decode path attach
-    for the step. Every type it names is declared here or below, so the layers never
-    import the engine."""
+    decode rows, prefill spans), plus two attachments kept apart from it: the traced
+    request (TracedRows, from the runner) and the native decode path (NativeStep, which
+    the model adds on a copy for its layers, never into the runner's). Every type it names
+    is declared here or below, so the layers never import the engine."""
 
     positions: torch.Tensor  # [T] position of each token in its sequence
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
@@ -88,16 +109,8 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None = None  # [Bd, Cmax] slots to read, padded
     decode_context_lens: torch.Tensor | None = None  # [Bd]
     prefills: list[PrefillSpan] = field(default_factory=list)
-    # Tracing (ForwardHooks above; the engine's StepHooks): the traced request's hooks, its
-    # rows in the packed batch, and where its attention runs: AttentionSite("decode", row)
-    # or ("prefill", span).
-    trace: ForwardHooks | None = None
-    trace_rows: slice | None = None
-    trace_attn: AttentionSite | None = None
-    # The native decode paths (models/paths.py): the model's NativeModel and the decode
-    # rows' C view, set by the model when the decode rows' attention runs natively.
-    native: object | None = None
-    native_rows: object | None = None
+    trace: TracedRows | None = None
+    native: NativeStep | None = None
     _masks: dict = field(default_factory=dict)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
@@ -172,7 +185,7 @@ class Attention(nn.Module):
         nd = meta.num_decode if meta.native is not None else 0
         if nd:
             # ---- decode rows: norms, RoPE, KV write and attention in one native call ----
-            meta.native.attention(self.layer_idx, meta.native_rows, qkv[:nd], out[:nd])
+            meta.native.model.attention(self.layer_idx, meta.native.rows, qkv[:nd], out[:nd])
         if nd < T:
             self._attend(qkv[nd:], meta, out[nd:], nd)
         return self.o(out)
@@ -218,7 +231,7 @@ class Attention(nn.Module):
         mask = meta.decode_mask(self.window)  # [Bd, 1, 1, Cmax]
         qd = q.unsqueeze(2)  # [Bd, H, 1, hd]
         if meta.trace is not None:
-            meta.trace.on_attention(meta, DECODE, self.layer_idx, qd, keys, mask, self.scale)
+            meta.trace.hooks.on_attention(meta, DECODE, self.layer_idx, qd, keys, mask, self.scale)
         return self._sdpa(qd, keys, values, mask, False).squeeze(2)
 
     def prefill_attention(
@@ -237,7 +250,7 @@ class Attention(nn.Module):
         mask = meta.prefill_mask(i, self.window)
         if meta.trace is not None:
             site = AttentionSite("prefill", i)
-            meta.trace.on_attention(meta, site, self.layer_idx, qp, keys, mask, self.scale)
+            meta.trace.hooks.on_attention(meta, site, self.layer_idx, qp, keys, mask, self.scale)
         return self._sdpa(qp, keys, values, mask, mask is None)[0].transpose(0, 1)
 
     def _sdpa(self, q, k, v, mask, causal: bool) -> torch.Tensor:

@@ -167,9 +167,11 @@ class Transformer(nn.Module):
         meta: AttentionMetadata,
         logits_rows: torch.Tensor | None = None,  # [B] rows to un-embed; None = all rows
         hidden: torch.Tensor | None = None,  # [T, d]: a later pipeline stage's input
+        head: bool = True,  # False: the final-norm hidden states [B, d] instead of logits
     ) -> torch.Tensor:
         """logits [B, vocab] of the rows that sample (or of every row); a pipeline stage
-        before the last returns its hidden states [T, d] for the next stage instead."""
+        before the last returns its hidden states [T, d] for the next stage instead.
+        head=False (embeddings, engine/pooling.py) stops after the final norm."""
         if hidden is not None:
             x = hidden
         else:
@@ -193,6 +195,8 @@ class Transformer(nn.Module):
         if path.name == paths.STACK:
             # every layer and the final norm in one native call; all decode rows sample
             x = meta.native.run_stack(x, meta.native_rows)
+            if not head:  # the stack's rows are all T rows, final norm included
+                return x if logits_rows is None else x[logits_rows]
             return self.unembed(x) if last else x
         for layer in self.layers:
             x = layer(x, meta)
@@ -201,7 +205,7 @@ class Transformer(nn.Module):
         if logits_rows is not None:
             x = x[logits_rows]  # [B, d]: only the rows whose next token we sample
         x = self.final_norm(x)
-        return self.unembed(x)
+        return self.unembed(x) if head else x
 
     def attach_kv_cache(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
         """Give each layer its view of the cache pool ([num_slots, Hkv, hd] per layer)."""
