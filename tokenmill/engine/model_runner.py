@@ -14,7 +14,7 @@ import torch
 from tokenmill.engine.kv_cache import KVCache
 from tokenmill.engine.pooling import PoolState
 from tokenmill.engine.scheduler import ScheduledChunk
-from tokenmill.layers.attention import AttentionMetadata, AttentionSite, PrefillSpan
+from tokenmill.layers.attention import AttentionMetadata, AttentionSite, PrefillSpan, TracedRows
 from tokenmill.models.transformer import Transformer
 
 
@@ -135,8 +135,8 @@ class ModelRunner:
                     logit_rows.append(row)
                     sampled.append(i)
                 if chunks[i].seq.trace is not None and meta.trace is None:
-                    meta.trace, meta.trace_rows = chunks[i].seq.trace, slice(row, row + 1)
-                    meta.trace_attn = AttentionSite("decode", row)
+                    site = AttentionSite("decode", row)
+                    meta.trace = TracedRows(chunks[i].seq.trace, slice(row, row + 1), site)
 
         row = len(decode)
         for i in prefill:
@@ -151,8 +151,8 @@ class ModelRunner:
                 PrefillSpan(row, row + n, end, None if start == 0 else all_slots.to(self.device))
             )
             if seq.trace is not None and meta.trace is None:
-                meta.trace, meta.trace_rows = seq.trace, slice(row, row + n)
-                meta.trace_attn = AttentionSite("prefill", len(meta.prefills) - 1)
+                site = AttentionSite("prefill", len(meta.prefills) - 1)
+                meta.trace = TracedRows(seq.trace, slice(row, row + n), site)
             if seq.pool is not None:
                 kept = seq.pool.rows(start, end, len(seq))
                 pools.append((seq.pool, [row + p - start for p in kept], start == 0))

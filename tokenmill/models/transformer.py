@@ -21,12 +21,14 @@ concatenates the checkpoint's tensors into them (see FUSED).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from tokenmill import kernels
 from tokenmill.config import ModelConfig
-from tokenmill.layers.attention import Attention, AttentionMetadata
+from tokenmill.layers.attention import Attention, AttentionMetadata, NativeStep
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.mlp import MLP
 from tokenmill.layers.moe import MoE
@@ -82,7 +84,7 @@ class Block(nn.Module):
             h = self.post_attn_norm(h)
         x = x + h
         if meta.trace is not None:
-            meta.trace.on_residual(meta, self.attn.layer_idx, "attention", x)
+            meta.trace.hooks.on_residual(meta, self.attn.layer_idx, "attention", x)
         h = self.mlp(x if self.mlp_norm is None else self.mlp_norm(x))
         if self.tp is not None:  # the down projection too
             self.tp.all_reduce(h)
@@ -90,7 +92,7 @@ class Block(nn.Module):
             h = self.post_mlp_norm(h)
         x = x + h
         if meta.trace is not None:
-            meta.trace.on_residual(meta, self.attn.layer_idx, "mlp", x)
+            meta.trace.hooks.on_residual(meta, self.attn.layer_idx, "mlp", x)
         return x
 
 
@@ -182,19 +184,19 @@ class Transformer(nn.Module):
             if self.pos_embed is not None:
                 x = x + self.pos_embed(meta.positions)
             if meta.trace is not None:
-                meta.trace.on_embedding(meta, input_ids, x)
+                meta.trace.hooks.on_embedding(meta, input_ids, x)
         last = self.final_norm is not None
         # ---- which code runs the decode rows (models/paths.py) ----
         path = paths.choose(self, meta, x.shape[0])
         if path.name != paths.TORCH:
-            meta.native = self.native_model()
-            meta.native_rows = kernels.decode_rows(
+            rows = kernels.decode_rows(
                 meta.positions[: meta.num_decode], meta.slot_mapping[: meta.num_decode],
                 meta.decode_slots, meta.decode_context_lens,
             )  # fmt: skip
+            meta = replace(meta, native=NativeStep(self.native_model(), rows))
         if path.name == paths.STACK:
             # every layer and the final norm in one native call; all decode rows sample
-            x = meta.native.run_stack(x, meta.native_rows)
+            x = meta.native.model.run_stack(x, meta.native.rows)
             if not head:  # the stack's rows are all T rows, final norm included
                 return x if logits_rows is None else x[logits_rows]
             return self.unembed(x) if last else x
