@@ -118,18 +118,25 @@ def test_greedy_neighbours_are_unchanged_and_constraints_hold(float_llm):
     assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", texts["c1"])
 
 
-def test_inspect_shows_the_grammar_mask(smollm_path, tmp_path):
-    trace_path = tmp_path / "trace.json"
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m tokenmill.cli ARGS` to its end (no stdin), checked to succeed."""
     r = subprocess.run(
-        [sys.executable, "-m", "tokenmill.cli", "inspect", "Is the sky blue?", "--chat",
-         "--model", str(smollm_path), "--choice", "yes", "--choice", "no", "--max-tokens", "3",
-         "--json", str(trace_path)],
+        [sys.executable, "-m", "tokenmill.cli", *args],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
         timeout=600,
-    )  # fmt: skip
+    )
     assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_inspect_shows_the_grammar_mask(smollm_path, tmp_path):
+    trace_path = tmp_path / "trace.json"
+    r = _cli(
+        "inspect", "Is the sky blue?", "--chat", "--model", str(smollm_path),
+        "--choice", "yes", "--choice", "no", "--max-tokens", "3", "--json", str(trace_path),
+    )  # fmt: skip
     assert re.search(
         r"9b\. Grammar mask \(choice\): 5 of 49,152 vocabulary entries allowed", r.stdout
     )
@@ -148,14 +155,8 @@ def test_inspect_shows_the_grammar_mask(smollm_path, tmp_path):
 def test_cli_generate_with_a_json_schema_file(smollm_path, tmp_path):
     schema_file = tmp_path / "person.json"
     schema_file.write_text(json.dumps(PERSON))
-    r = subprocess.run(
-        [sys.executable, "-m", "tokenmill.cli", "generate", "Invent a person, as JSON.", "--chat",
-         "--model", str(smollm_path), "--json-schema", str(schema_file), "--temperature", "0",
-         "--max-tokens", "60"],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    r = _cli(
+        "generate", "Invent a person, as JSON.", "--chat", "--model", str(smollm_path),
+        "--json-schema", str(schema_file), "--temperature", "0", "--max-tokens", "60",
     )  # fmt: skip
-    assert r.returncode == 0, r.stderr
     jsonschema.validate(json.loads(r.stdout), PERSON)
