@@ -115,21 +115,24 @@ def cache_salt_for(request: Request, cache_salt: str | None) -> int | None:
     return salt_root(key, None if cache_salt is None else f"salt-{cache_salt}")
 
 
-def check_messages_fit(engine: LLMEngine, messages: list[dict[str, Any]]) -> None:
+def check_messages_fit(
+    engine: LLMEngine, messages: list[dict[str, Any]], param: str = "messages"
+) -> None:
     """Refuse messages whose text alone certainly needs more tokens than the context,
     before the template renders it or anything tokenizes it (a 1 MB message was swept for
     special-token text and rendered before the rendered prompt was measured). The
     template writes every message's content into the prompt, so the prompt has at least
-    these bytes."""
+    these bytes. param: the request field that holds them, for the 400."""
     text = "".join(m["content"] for m in messages if isinstance(m.get("content"), str))
     try:
         engine.tokenizer.check_length(text, engine.max_model_len)
     except TextTooLong as e:
+        verb = "hold" if param.endswith("s") else "holds"  # messages hold, input holds
         raise invalid(
-            f"messages hold {e.num_bytes} bytes of text, at least {e.min_tokens} tokens: "
+            f"{param} {verb} {e.num_bytes} bytes of text, at least {e.min_tokens} tokens: "
             f"more than the model's context of {engine.max_model_len - 1} (leaving room "
             "for at least one generated token)",
-            "messages",
+            param,
         ) from None
 
 
