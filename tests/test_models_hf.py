@@ -63,6 +63,29 @@ class Single:
         seq.num_computed = len(seq)
         return logits
 
+    def greedy(self, prompt: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
+        """Feed prompt, then n greedy tokens, each fed back. Returns (the prompt's logits
+        [T, vocab], the n token ids)."""
+        logits = self.feed(prompt)
+        step, out = logits[-1], []
+        for _ in range(n):
+            out.append(int(step.argmax()))
+            step = self.feed([out[-1]])[0]
+        return logits, out
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of prompt: n token ids, EOS not stopping it."""
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
 
 def _case(name: str):
     arch = name.split("-")[0]
@@ -96,19 +119,8 @@ def test_logits_and_greedy_match_transformers(tmp_path, name):
         assert (step - ref[-1]).abs().max().item() < 1e-4
 
     # ---- 32-token greedy continuation vs transformers.generate ----
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0
-        )[0, len(prompt) :].tolist()
-    greedy = Single(tmp_path)
-    logits = greedy.feed(prompt)[-1]
-    ours_out = []
-    for _ in range(32):
-        nxt = int(logits.argmax())
-        ours_out.append(nxt)
-        logits = greedy.feed([nxt])[0]
-    assert ours_out == out
+    _, ours_out = Single(tmp_path).greedy(prompt, 32)
+    assert ours_out == hf_greedy(hf, prompt, 32)
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "gpt2"])

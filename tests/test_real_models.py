@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_models_hf import Single
+from test_models_hf import Single, hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -35,23 +35,9 @@ def test_greedy_top1_matches_transformers(which, smollm_path, gemma_path):
     path = smollm_path if which == "smollm" else gemma_path
     tok, hf = _hf(path)
     prompt = tok(PROMPTS[which])["input_ids"]
-    ours = Single(path)
-    logits = ours.feed(prompt)
+    logits, ours_out = Single(path).greedy(prompt, 32)
     with torch.no_grad():
         ref_all = hf(torch.tensor([prompt])).logits[0]
-        assert (logits - ref_all).abs().max().item() < 1e-3
-        hf_out = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=32,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
-    step = logits[-1]
-    ours_out = []
-    for _ in range(32):
-        nxt = int(step.argmax())
-        ours_out.append(nxt)
-        step = ours.feed([nxt])[0]
-    assert ours_out == hf_out
+    assert (logits - ref_all).abs().max().item() < 1e-3
+    assert ours_out == hf_greedy(hf, prompt, 32)
     assert tok.decode(ours_out).startswith(" Paris")
