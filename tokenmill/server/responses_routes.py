@@ -41,13 +41,19 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError
 
 from tokenmill.checks import ParamError
 from tokenmill.engine.llm_engine import LLMEngine, RequestOutput
 from tokenmill.sampling import FinishReason, SamplingParams
 from tokenmill.server.async_engine import EngineFailure, Generation, RequestStream
-from tokenmill.server.errors import InternalError, clean_message, invalid, to_api_error
+from tokenmill.server.errors import (
+    InternalError,
+    clean_message,
+    invalid,
+    pydantic_errors_to_api_error,
+    to_api_error,
+)
 from tokenmill.server.metrics import CLIENT_CLOSED_REQUEST
 from tokenmill.server.protocol import (
     FunctionDefinition,
@@ -98,11 +104,20 @@ def _kind(known: tuple[str, ...], default: str | None = None):
 
     def tag(value: Any) -> str:
         if not isinstance(value, dict):
-            return default or known[0]  # fails as "not an object" against that model
+            return TAG + (default or known[0])  # fails as "not an object" against it
         kind = value.get("type", default)
-        return kind if kind in known else "other"
+        return TAG + (kind if kind in known else "other")
 
     return Discriminator(tag)
+
+
+# Tags of the unions above begin with TAG: pydantic puts them in an error's location
+# (input, "~list", 0, "~function_call", call_id), and _validate drops them again.
+TAG = "~"
+
+
+def _tag(name: str) -> Tag:
+    return Tag(TAG + name)
 
 
 class _Other(BaseModel):
@@ -135,13 +150,24 @@ class RefusalPart(StrictModel):
 
 
 ContentPart = Annotated[
-    Annotated[InputText, Tag("input_text")]
-    | Annotated[OutputText, Tag("output_text")]
-    | Annotated[RefusalPart, Tag("refusal")]
-    | Annotated[_Other, Tag("other")],
+    Annotated[InputText, _tag("input_text")]
+    | Annotated[OutputText, _tag("output_text")]
+    | Annotated[RefusalPart, _tag("refusal")]
+    | Annotated[_Other, _tag("other")],
     _kind(("input_text", "output_text", "refusal")),
 ]
-Content = Text | list[ContentPart]
+
+
+def _text_or(items: Any) -> Any:
+    """A string or a list of `items`, whose errors are those of the form sent (a union
+    would add "should be a valid string" to every item's error, and drop its field)."""
+    return Annotated[
+        Annotated[Text, _tag("text")] | Annotated[list[items], _tag("list")],
+        Discriminator(lambda value: TAG + ("text" if isinstance(value, str) else "list")),
+    ]
+
+
+Content = _text_or(ContentPart)
 
 
 class MessageItem(StrictModel):
@@ -188,11 +214,11 @@ class ReasoningItem(StrictModel):
 
 
 InputItem = Annotated[
-    Annotated[MessageItem, Tag("message")]
-    | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-    | Annotated[ReasoningItem, Tag("reasoning")]
-    | Annotated[_Other, Tag("other")],
+    Annotated[MessageItem, _tag("message")]
+    | Annotated[FunctionCallItem, _tag("function_call")]
+    | Annotated[FunctionCallOutputItem, _tag("function_call_output")]
+    | Annotated[ReasoningItem, _tag("reasoning")]
+    | Annotated[_Other, _tag("other")],
     _kind(("message", "function_call", "function_call_output", "reasoning"), default="message"),
 ]
 
@@ -222,7 +248,7 @@ class FunctionTool(StrictModel):
 
 
 ToolIn = Annotated[
-    Annotated[FunctionTool, Tag("function")] | Annotated[_Other, Tag("other")],
+    Annotated[FunctionTool, _tag("function")] | Annotated[_Other, _tag("other")],
     _kind(("function",)),
 ]
 
@@ -261,7 +287,7 @@ class ResponsesRequest(BaseModel):
     unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = _UNSUPPORTED
 
     model: Text | None = None
-    input: Text | list[InputItem]
+    input: _text_or(InputItem)
     instructions: Text | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -561,7 +587,12 @@ class ResponseShape:
     def usage(num_input: int, num_output: int, num_cached: int) -> dict[str, Any]:
         return {
             "input_tokens": num_input,
-            "input_tokens_details": {"cached_tokens": num_cached},
+            # the prompt tokens computed here went into the KV cache (its full blocks stay
+            # cached for later prompts); the others came from it
+            "input_tokens_details": {
+                "cached_tokens": num_cached,
+                "cache_write_tokens": num_input - num_cached,
+            },
             "output_tokens": num_output,
             "output_tokens_details": {"reasoning_tokens": 0},  # no reasoning is split out
             "total_tokens": num_input + num_output,
@@ -746,7 +777,8 @@ def _sse(event: dict[str, Any]) -> str:
 
 
 @router.post("/v1/responses")
-async def create_response(body: ResponsesRequest, request: Request) -> Response:
+async def create_response(request: Request) -> Response:
+    body = _validate(await request.body())
     engine = engine_of(request)
     model = check_model(request, body.model)
     body.check()
@@ -788,6 +820,19 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     generation, num_cached = answer
     return JSONResponse(shape.whole(generation, len(prompt_ids), num_cached))
+
+
+def _validate(raw: bytes) -> ResponsesRequest:
+    """The body as a request (read here, not by FastAPI: a bad one's error locations lose
+    the union tags before they name the field, e.g. input[0].call_id)."""
+    try:
+        return ResponsesRequest.model_validate_json(raw)
+    except ValidationError as e:
+        errors = [
+            {**error, "loc": tuple(p for p in error["loc"] if not str(p).startswith(TAG))}
+            for error in e.errors()
+        ]
+        raise pydantic_errors_to_api_error(errors) from None
 
 
 async def _collect(stream: RequestStream) -> tuple[Generation, int]:
