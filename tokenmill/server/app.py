@@ -59,7 +59,7 @@ from starlette.routing import Match
 
 from tokenmill.engine.llm_engine import LLMEngine, RequestError
 from tokenmill.sampling import SamplingParams
-from tokenmill.server import responses_routes
+from tokenmill.server import embeddings_routes, responses_routes, tokenize_routes
 from tokenmill.server.async_engine import (
     AsyncEngine,
     EngineFailure,
@@ -180,7 +180,14 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=max_body, timeout_s=limits.body_timeout_s)
     app.add_middleware(CountRequests, requests=engine.metrics.http)
     auth = [Depends(_api_key_check(keys))] if keys else []
-    routers = [router, responses_routes.router, _inspect_router(), ops_router]
+    routers = [
+        router,
+        responses_routes.router,
+        embeddings_routes.router,
+        tokenize_routes.router,
+        _inspect_router(),
+        ops_router,
+    ]
     app.state.api_routes = [r for included in filter(None, routers) for r in included.routes]
     for route in app.state.api_routes:  # before include_router copies them into the app
         if "GET" in route.methods:

@@ -164,6 +164,7 @@ class _Add:
     trace: object | None
     grammar: CompiledGrammar | None = None
     cache_salt: int | None = None
+    embed: bool = False  # embeddings (LLMEngine.add_request(embed=True)): prefill only
 
 
 @dataclass
@@ -261,9 +262,11 @@ class AsyncEngine:
         trace: object | None = None,
         grammar: CompiledGrammar | None = None,
         cache_salt: int | None = None,
+        embed: bool = False,
     ) -> RequestStream:
         """Queue a request (params.n engine requests per prompt) and wait until the engine
-        has taken it. Raises QueueFull, ShuttingDown, EngineFailure, or RequestError for
+        has taken it. embed: each prompt's pooled embedding (RequestOutput.embedding, one
+        finished output each) instead of generated text. Raises QueueFull, ShuttingDown, EngineFailure, or RequestError for
         one that could never be queued or that the engine refuses.
 
         cache_salt: the request's prefix-cache scope (block_manager.salt_root).
@@ -295,7 +298,7 @@ class AsyncEngine:
         request_ids = [f"{request_id}-{i}" for i in range(count)]
         stream = RequestStream(request_ids, lambda ids: self._commands.put(_Abort(ids)))
         per_choice = [prompt for prompt in prompts for _ in range(params.n)]
-        self._commands.put(_Add(stream, per_choice, params, trace, grammar, cache_salt))
+        self._commands.put(_Add(stream, per_choice, params, trace, grammar, cache_salt, embed))
         await stream.admitted()
         return stream
 
@@ -387,6 +390,7 @@ class AsyncEngine:
                     grammar=command.grammar,
                     cache_salt=command.cache_salt,
                     group=stream.request_ids[0],  # the API request: its n choices share it
+                    embed=command.embed,
                 )
                 added.append(request_id)
         except Exception as e:  # RequestError is the client's fault; others are ours
