@@ -112,11 +112,27 @@ def browser():
         b.close()
 
 
-def test_inspector_streams_and_explains_a_token(browser, server: str) -> None:
+def open_inspector(browser, server: str):
+    """A new page on the inspector at server. Returns (page, the list its script errors
+    are collected in)."""
     page = browser.new_page(viewport={"width": 1600, "height": 1300})
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(server + "/")
+    return page, errors
+
+
+def shown_model(page, server: str) -> str:
+    """The served model's name, once the page shows it."""
+    model = served_model(server)
+    page.wait_for_function(
+        "m => document.getElementById('model-name').innerText.includes(m)", arg=model
+    )
+    return model
+
+
+def test_inspector_streams_and_explains_a_token(browser, server: str) -> None:
+    page, errors = open_inspector(browser, server)
     assert "tokenmill" in page.title()
 
     page.fill("#max_tokens", "16")
@@ -161,10 +177,7 @@ def test_inspector_streams_and_explains_a_token(browser, server: str) -> None:
 
 
 def test_inspector_shows_the_grammar_mask(browser, server: str) -> None:
-    page = browser.new_page(viewport={"width": 1600, "height": 1300})
-    errors: list[str] = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    page.goto(server + "/")
+    page, errors = open_inspector(browser, server)
     page.select_option("#constraint", "choice")
     page.fill("#constraint_value", "yes\nno")
     page.fill("#prompt", "Is the sky blue?")
@@ -359,20 +372,9 @@ def assert_empty_inspector(page, model: str) -> None:
     assert "generated" not in page.locator("#phase-detail").inner_text()
 
 
-def new_page(browser):
-    page = browser.new_page(viewport={"width": 1600, "height": 1300})
-    errors: list[str] = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    return page, errors
-
-
 def test_page_explains_every_panel_before_the_first_message(browser, server: str) -> None:
-    page, errors = new_page(browser)
-    page.goto(server + "/")
-    model = served_model(server)
-    page.wait_for_function(
-        "m => document.getElementById('model-name').innerText.includes(m)", arg=model
-    )
+    page, errors = open_inspector(browser, server)
+    model = shown_model(page, server)
     assert_empty_inspector(page, model)
     assert page.locator("#messages .hint").is_visible()
     # greedy by default: the small default model's answers hold at T = 0 (at 0.7 it
@@ -384,8 +386,7 @@ def test_page_explains_every_panel_before_the_first_message(browser, server: str
 
 
 def test_dark_theme_on_every_input_and_a_resizable_constraint_box(browser, server: str) -> None:
-    page, errors = new_page(browser)
-    page.goto(server + "/")
+    page, errors = open_inspector(browser, server)
     fields = page.locator("input:not([type=range]):not([type=checkbox]), select, textarea")
     assert fields.count() >= 7  # prompt, top-k, max tokens, layer, API key, constraint ×2
     for i in range(fields.count()):
@@ -430,12 +431,8 @@ def test_dark_theme_on_every_input_and_a_resizable_constraint_box(browser, serve
 
 
 def test_new_chat_clears_the_inspector_plurals_and_bar_labels(browser, server: str) -> None:
-    page, errors = new_page(browser)
-    page.goto(server + "/")
-    model = served_model(server)
-    page.wait_for_function(
-        "m => document.getElementById('model-name').innerText.includes(m)", arg=model
-    )
+    page, errors = open_inspector(browser, server)
+    model = shown_model(page, server)
     pristine = page.evaluate(INSPECTOR_TEXT)
     set_range(page, "#temperature", 0)  # greedy: the funnel has a one-token bar
 
@@ -522,8 +519,7 @@ def requests_running(url: str) -> float:
 
 
 def test_new_chat_during_an_answer_drops_it(browser, server: str) -> None:
-    page, errors = new_page(browser)
-    page.goto(server + "/")
+    page, errors = open_inspector(browser, server)
     model = served_model(server)
     set_range(page, "#slowmo", 40)  # slow motion: the answer is still coming when we click
     page.fill("#max_tokens", "64")
