@@ -59,7 +59,12 @@ from starlette.routing import Match
 
 from tokenmill.engine.llm_engine import LLMEngine, RequestError
 from tokenmill.sampling import SamplingParams
-from tokenmill.server import embeddings_routes, responses_routes, tokenize_routes
+from tokenmill.server import (
+    anthropic_routes,
+    embeddings_routes,
+    responses_routes,
+    tokenize_routes,
+)
 from tokenmill.server.async_engine import (
     AsyncEngine,
     EngineFailure,
@@ -182,6 +187,7 @@ def create_app(
     auth = [Depends(_api_key_check(keys))] if keys else []
     routers = [
         router,
+        anthropic_routes.router,
         responses_routes.router,
         embeddings_routes.router,
         tokenize_routes.router,
@@ -258,12 +264,15 @@ def _api_key_check(keys: list[str]) -> Callable[[Request], Awaitable[None]]:
 
     async def check(request: Request) -> None:
         given = request.headers.get("authorization", "").encode()
+        if not given and "x-api-key" in request.headers:  # Anthropic's clients send this
+            given = b"Bearer " + request.headers["x-api-key"].encode()
         # Every key compared, in constant time each: which one matched stays hidden.
         matches = [hmac.compare_digest(given, e) for e in expected]
         if not any(matches):
             raise APIError(
                 401,
-                "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                "Incorrect or missing API key: send 'Authorization: Bearer <key>' "
+                "or 'x-api-key: <key>'",
                 code="invalid_api_key",
             )
         request.state.api_key_index = matches.index(True)

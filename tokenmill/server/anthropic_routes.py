@@ -1,0 +1,588 @@
+"""Anthropic's Messages API over the shared engine (issue 25 item 2).
+
+    POST /v1/messages               a conversation -> {"type": "message", "content": [...]},
+                                    or with `stream` Anthropic's event stream
+    POST /v1/messages/count_tokens  the prompt's size, {"input_tokens": N}
+
+A request is turned into what OpenAI's chat route prepares, so both answer alike: the
+`system` text and the messages' content blocks become the OpenAI-style message dicts
+that chat preparation (LLMEngine.encode_chat) renders with the model's template, the
+tools become server/tools.py's ToolRequest (tool_choice `any` is OpenAI's "required",
+`tool` a named function: both force a valid call by grammar), and the model's calls are
+read back by server/tool_parser.py:
+
+    text block                      {"role": user|assistant, "content": text}
+    tool_use block (assistant)      {"tool_calls": [{id, function: {name, arguments}}]}
+    tool_result block (user)        {"role": "tool", "tool_call_id", "content": text}
+
+The answer's content is a text block (the model's text, when it wrote any), then one
+tool_use block per call, its `input` the parsed arguments. stop_reason: "max_tokens"
+for a cut (max_tokens or the context), "tool_use" after calls, "stop_sequence" (with
+the string in `stop_sequence`) for a stop sequence, else "end_turn".
+
+Streamed, the events are Anthropic's: message_start, a ping, then per block
+content_block_start, content_block_delta (text_delta; input_json_delta with the call's
+arguments in fragments as the model writes them), content_block_stop; message_delta
+with stop_reason and usage; message_stop. An error after the stream started is an
+`error` event. There are no thinking blocks: tokenmill has no reasoning parser yet.
+
+Errors are Anthropic's shape (errors.py's format_anthropic, picked for every path under
+/v1/messages). Requests are strict as the OpenAI routes are: an unknown field, a block
+type this server does not take (image, document) or a wrong JSON type is a 400.
+`metadata` and blocks' `cache_control` are accepted and change nothing (the prefix
+cache needs no marks); the `anthropic-version` and `anthropic-beta` headers are
+accepted; the API key may come as `x-api-key` (app.py's check).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field
+
+from tokenmill.checks import ParamError
+from tokenmill.engine.llm_engine import LLMEngine, RequestOutput
+from tokenmill.sampling import FinishReason, SamplingParams, is_stop_token
+from tokenmill.sampling.stop import StopStringMatcher
+from tokenmill.server.async_engine import EngineFailure, Generation, RequestStream
+from tokenmill.server.errors import InternalError, format_anthropic, invalid, to_api_error
+from tokenmill.server.metrics import CLIENT_CLOSED_REQUEST
+from tokenmill.server.protocol import (
+    FunctionDefinition,
+    FunctionName,
+    NamedToolChoice,
+    Tool,
+    ToolName,
+    check_fits,
+    make_sampling_params,
+)
+from tokenmill.server.running import (
+    EventStream,
+    check_messages_fit,
+    check_model,
+    engine_of,
+    off_loop,
+    shorter,
+    start_request,
+    unless_disconnected,
+)
+from tokenmill.server.text import StrictModel, Text
+from tokenmill.server.tool_parser import ToolCallParser, parse_tool_calls
+from tokenmill.server.tools import MAX_JSON_DEPTH, MAX_TOOLS, ToolRequest, json_depth
+from tokenmill.tokenizer.detokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("tokenmill.server")
+
+router = APIRouter()
+
+# tool_choice's types, as OpenAI's tool_choice ("tool" is a NamedToolChoice)
+_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class CacheControl(StrictModel):
+    """Anthropic's prompt-caching mark: accepted, and needless here (every prompt's
+    blocks are cached by prefix)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlock(StrictModel):
+    type: Literal["text"]
+    text: Text
+    cache_control: CacheControl | None = None
+    # What an answer from Anthropic carries back in a history: the cited passages are
+    # already in `text`, so the citations change nothing here.
+    citations: list[dict[str, Any]] | None = None
+
+
+class ToolUseBlock(StrictModel):
+    """A call the assistant made, in the history."""
+
+    type: Literal["tool_use"]
+    id: Text
+    name: Text
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+    # What the SDK's ToolUseBlock carries back in a history (who made the call, the
+    # toolset of a server's tools); nothing here reads them.
+    caller: dict[str, Any] | None = None
+    toolset_name: Text | None = None
+
+
+class ToolResultBlock(StrictModel):
+    """A call's result, in a user turn; is_error results reach the model marked so."""
+
+    type: Literal["tool_result"]
+    tool_use_id: Text
+    content: Text | list[TextBlock] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+class InputMessage(StrictModel):
+    role: Literal["user", "assistant"]
+    content: Text | list[ContentBlock]
+
+
+class ToolDefinition(StrictModel):
+    type: Literal["custom"] | None = None  # server tools (web search...) are not served
+    name: ToolName
+    description: Text | None = None
+    input_schema: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class ToolChoice(StrictModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: ToolName | None = None  # the tool to call, with type "tool"
+    disable_parallel_tool_use: bool | None = None
+
+
+class Metadata(StrictModel):
+    user_id: Text | None = None  # logged, as OpenAI's `user` is
+
+
+class CountTokensRequest(StrictModel):
+    """What makes the prompt: /v1/messages/count_tokens takes this alone."""
+
+    model: Text
+    messages: list[InputMessage]
+    system: Text | list[TextBlock] | None = None
+    # capped before it is validated, as the chat route's tools are
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    cache_control: CacheControl | None = None  # the whole prompt's mark: as the blocks'
+
+    def check(self) -> None:
+        """What the types cannot say; a 400 naming the field."""
+        if not self.messages:
+            raise invalid("messages: at least one message is required", "messages")
+        for i, message in enumerate(self.messages):
+            for j, block in enumerate(message.content if isinstance(message.content, list) else []):
+                where = f"messages[{i}].content[{j}]"
+                if block.type == "tool_use" and message.role != "assistant":
+                    raise invalid(f"{where}: tool_use blocks belong in assistant messages")
+                if block.type == "tool_result" and message.role != "user":
+                    raise invalid(f"{where}: tool_result blocks belong in user messages")
+                if block.type == "tool_use" and json_depth(block.input, MAX_JSON_DEPTH) > (
+                    MAX_JSON_DEPTH
+                ):
+                    raise invalid(f"{where}.input nests more than {MAX_JSON_DEPTH} levels")
+        if self.messages[-1].role != "user":
+            # Anthropic continues a final assistant turn (a prefill); the chat templates
+            # here render every turn whole and open a new one, which is not that.
+            raise invalid(
+                "the last message must be a user message: continuing a final assistant "
+                "message (prefill) is not supported",
+                "messages",
+            )
+        choice = self.tool_choice
+        if choice is not None and (choice.type == "tool") != (choice.name is not None):
+            raise invalid(
+                "tool_choice: name is required with type 'tool', and only allowed with it",
+                "tool_choice",
+            )
+        if choice is not None and choice.type == "none" and choice.disable_parallel_tool_use:
+            raise invalid(
+                "tool_choice: disable_parallel_tool_use is not allowed with type 'none'",
+                "tool_choice",
+            )
+
+    def tool_request(self, tokenizer: Any) -> ToolRequest | None:
+        """The tools resolved against the model's template (None without tools), as the
+        chat route's: OpenAI's Tool models and tool_choice, for ToolRequest.create."""
+        tools = None
+        if self.tools is not None:
+            tools = [
+                Tool(
+                    type="function",
+                    function=FunctionDefinition(
+                        name=t.name, description=t.description, parameters=t.input_schema
+                    ),
+                )
+                for t in self.tools
+            ]
+        choice: str | NamedToolChoice | None = None
+        parallel = None
+        if self.tool_choice is not None:
+            if self.tool_choice.type == "tool":
+                choice = NamedToolChoice(
+                    type="function", function=FunctionName(name=self.tool_choice.name)
+                )
+            else:
+                choice = _CHOICES[self.tool_choice.type]
+            if self.tool_choice.disable_parallel_tool_use is not None and tools is not None:
+                parallel = not self.tool_choice.disable_parallel_tool_use
+
+        def special_id(piece: str) -> int | None:  # Mistral's [TOOL_CALLS], as a token
+            ids = tokenizer.encode(piece, add_special_tokens=False)
+            return ids[0] if len(ids) == 1 and ids[0] in tokenizer.special_ids else None
+
+        try:
+            return ToolRequest.create(tools, choice, parallel, tokenizer.chat_template, special_id)
+        except ParamError as e:
+            raise to_api_error(e) from None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The conversation as the OpenAI-style message dicts chat preparation takes."""
+        out: list[dict[str, Any]] = []
+        if self.system is not None:
+            out.append({"role": "system", "content": _text_of(self.system)})
+        for message in self.messages:
+            if isinstance(message.content, str):
+                out.append({"role": message.role, "content": message.content})
+            elif message.role == "assistant":
+                out.append(_assistant_turn(message.content))
+            else:
+                out.extend(_user_turns(message.content))
+        return out
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int  # required, as Anthropic's API requires it
+    stop_sequences: list[Text] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+    metadata: Metadata | None = None
+
+    def sampling_params(self, tools: ToolRequest | None) -> SamplingParams:
+        """SamplingParams of the request; a forced call (tool_choice any or tool) is a
+        grammar. A refused value is a 400 naming the request's field."""
+        kwargs: dict[str, Any] = {
+            k: v for k in ("temperature", "top_p", "top_k") if (v := getattr(self, k)) is not None
+        }
+        if self.stop_sequences is not None:
+            kwargs["stop"] = self.stop_sequences
+        if tools is not None and tools.grammar() is not None:
+            kwargs["grammar"] = tools.grammar()
+        renames = {"stop": "stop_sequences", "grammar": "tools"}
+        return make_sampling_params(max_tokens=self.max_tokens, renames=renames, **kwargs)
+
+
+def _text_of(content: str | list[TextBlock] | None) -> str:
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "".join(b.text for b in content)
+
+
+def _assistant_turn(blocks: list[Any]) -> dict[str, Any]:
+    """An assistant message's blocks: its text, and its calls as OpenAI's tool_calls with
+    the arguments as a dict (the form chat templates read)."""
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": "".join(b.text for b in blocks if b.type == "text"),
+    }
+    calls = [
+        {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+        for b in blocks
+        if b.type == "tool_use"
+    ]
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _user_turns(blocks: list[Any]) -> list[dict[str, Any]]:
+    """A user message's blocks, in order: each tool result a "tool" message, each run of
+    text blocks one user message."""
+    out: list[dict[str, Any]] = []
+    text: list[str] = []
+    for block in blocks:
+        if block.type == "text":
+            text.append(block.text)
+            continue
+        if text:
+            out.append({"role": "user", "content": "".join(text)})
+            text = []
+        content = _text_of(block.content)
+        out.append(
+            {
+                "role": "tool",
+                "tool_call_id": block.tool_use_id,
+                "content": f"Error: {content}" if block.is_error else content,
+            }
+        )
+    if text or not out:
+        out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+# --------------------------------------------------------------------------- routes
+
+
+@router.post("/v1/messages")
+async def create_message(body: MessagesRequest, request: Request) -> Response:
+    engine = engine_of(request)
+    model = check_model(request, body.model)
+    body.check()
+    # off the loop: a tool list's checks walk every schema, as in the chat route
+    tools = await off_loop(request, body.tool_request, engine.engine.tokenizer)
+    prompt_ids = await off_loop(request, _prompt, engine.engine, body.template_messages(), tools)
+    params = body.sampling_params(tools)
+    check_fits(
+        len(prompt_ids),
+        params.max_tokens,
+        engine.engine.max_model_len,
+        prompt_param="messages",
+        max_param="max_tokens",
+    )
+    request_id = uuid.uuid4().hex
+    fmt = MessageFormat(f"msg_{request_id}", model, engine.engine, prompt_ids, params, tools)
+    log.info(
+        "%s: %d prompt tokens, max_tokens=%d, stream=%s, user=%r",
+        fmt.id,
+        len(prompt_ids),
+        params.max_tokens,
+        body.stream,
+        shorter(body.metadata.user_id, 64) if body.metadata and body.metadata.user_id else None,
+    )
+    stream = await start_request(
+        request,
+        request_id,
+        [prompt_ids],
+        params,
+        constraint_param="tools" if params.constraint is not None else None,
+        fields=MessagesRequest.model_fields,
+    )
+    if body.stream:
+        return EventStream(_events(request, fmt, stream), stream, fmt.id)
+    generations = await unless_disconnected(request, stream.collect())
+    if generations is None:
+        log.info("%s: client disconnected; aborted", fmt.id)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    [generation] = generations
+    return JSONResponse(await off_loop(request, fmt.message, generation))
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
+    """The prompt a /v1/messages request with these fields would run, in tokens."""
+    engine = engine_of(request)
+    check_model(request, body.model)
+    body.check()
+    tools = await off_loop(request, body.tool_request, engine.engine.tokenizer)
+    prompt_ids = await off_loop(request, _prompt, engine.engine, body.template_messages(), tools)
+    return {"input_tokens": len(prompt_ids)}
+
+
+def _prompt(
+    engine: LLMEngine, messages: list[dict[str, Any]], tools: ToolRequest | None
+) -> list[int]:
+    """The messages rendered with the model's chat template and tokenized, as the chat
+    route's are (tokenizer/chat.py's encode_chat). Runs on a worker thread."""
+    check_messages_fit(engine, messages)
+    try:
+        return engine.encode_chat(messages, tools)
+    except ValueError as e:  # ChatTemplateError, RequestError (too long), a refused message
+        raise to_api_error(e, param="messages") from None
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class MessageFormat:
+    """The answer to one /v1/messages request, whole (`message`) or as events (`start`,
+    `feed` per engine output, `finish`). With tools the text goes through the call
+    parser, streamed and whole alike."""
+
+    def __init__(
+        self,
+        message_id: str,
+        model: str,
+        engine: LLMEngine,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tools: ToolRequest | None,
+    ):
+        self.id, self.model = message_id, model
+        self.engine, self.prompt_ids, self.params = engine, prompt_ids, params
+        self.tools = tools if tools is not None and tools.parses_calls else None
+        # streaming state
+        self._parser: ToolCallParser | None = self.tools.parser() if self.tools else None
+        self._blocks = 0  # content blocks started
+        self._open: str | None = None  # the open block's type: "text", "tool_use"
+        self._token_ids: list[int] = []
+        self._called = False
+
+    # ---- whole ----
+    def message(self, generation: Generation) -> dict[str, Any]:
+        text, calls = generation.text, []
+        if self.tools is not None:
+            text, calls = parse_tool_calls(self.tools.fmt, generation.text)
+        content: list[dict[str, Any]] = []
+        if text:
+            content.append({"type": "text", "text": text})
+        for call in calls:
+            content.append(
+                {
+                    "type": "tool_use",
+                    "id": _tool_use_id(call.id),
+                    "name": call.name,
+                    "input": json.loads(call.arguments),
+                }
+            )
+        reason, sequence = self._stop(generation.finish_reason, generation.token_ids, bool(calls))
+        return {
+            **self._envelope(content, reason, sequence),
+            "usage": self._usage(len(generation.token_ids)),
+        }
+
+    # ---- streamed ----
+    def start(self) -> list[dict[str, Any]]:
+        message = {**self._envelope([], None, None), "usage": self._usage(0)}
+        return [{"type": "message_start", "message": message}, {"type": "ping"}]
+
+    def feed(self, out: RequestOutput) -> list[dict[str, Any]]:
+        """The events for one engine output (none while text is held back)."""
+        self._token_ids += out.token_ids
+        if self._parser is None:
+            return self._text(out.text)
+        parsed = self._parser.feed(out.text)
+        if out.finished:
+            parsed.add(self._parser.finish())
+        events = self._text(parsed.content)
+        for entry in parsed.tool_calls:
+            if "id" in entry:  # a new call: id and name first
+                events += self._close()
+                self._called = True
+                block = {
+                    "type": "tool_use",
+                    "id": _tool_use_id(entry["id"]),
+                    "name": entry["function"]["name"],
+                    "input": {},
+                }
+                events.append(self._begin("tool_use", block))
+            fragment = entry["function"]["arguments"]
+            if fragment:
+                delta = {"type": "input_json_delta", "partial_json": fragment}
+                events.append(self._delta(delta))
+        return events
+
+    def finish(self, reason: FinishReason | None) -> list[dict[str, Any]]:
+        """Closing events, once the engine output said the answer is finished."""
+        stop_reason, sequence = self._stop(reason, self._token_ids, self._called)
+        usage = self._usage(len(self._token_ids))
+        return [
+            *self._close(),
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason, "stop_sequence": sequence},
+                "usage": usage,
+            },
+            {"type": "message_stop"},
+        ]
+
+    def _text(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        events = []
+        if self._open != "text":
+            events += self._close()
+            events.append(self._begin("text", {"type": "text", "text": ""}))
+        events.append(self._delta({"type": "text_delta", "text": text}))
+        return events
+
+    def _begin(self, kind: str, block: dict[str, Any]) -> dict[str, Any]:
+        self._open, self._blocks = kind, self._blocks + 1
+        return {"type": "content_block_start", "index": self._blocks - 1, "content_block": block}
+
+    def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "content_block_delta", "index": self._blocks - 1, "delta": delta}
+
+    def _close(self) -> list[dict[str, Any]]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [{"type": "content_block_stop", "index": self._blocks - 1}]
+
+    # ---- both ----
+    def _envelope(
+        self, content: list[dict[str, Any]], reason: str | None, sequence: str | None
+    ) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "content": content,
+            "model": self.model,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+        }
+
+    def _usage(self, output_tokens: int) -> dict[str, int]:
+        return {"input_tokens": len(self.prompt_ids), "output_tokens": output_tokens}
+
+    def _stop(
+        self, reason: FinishReason | None, token_ids: list[int], called: bool
+    ) -> tuple[str, str | None]:
+        """(stop_reason, stop_sequence) of a finished answer."""
+        if reason is FinishReason.LENGTH:
+            return "max_tokens", None
+        if called:
+            return "tool_use", None
+        sequence = self._matched_stop(token_ids) if self.params.stop else None
+        return ("stop_sequence", sequence) if sequence is not None else ("end_turn", None)
+
+    def _matched_stop(self, token_ids: list[int]) -> str | None:
+        """The stop sequence that ended the answer, or None (an EOS did). The engine's
+        outputs do not say which string matched, so its detokenizing and stop matching
+        are run again over the answer's tokens: the same text, so the same match."""
+        detok = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids=self.prompt_ids)
+        matcher = StopStringMatcher(self.params.stop)
+        for token in token_ids:
+            if is_stop_token(token, self.params, self.engine.eos_token_ids):
+                return None
+            if matcher.feed(detok.add(token))[1]:
+                return matcher.matched
+        return matcher.matched if matcher.feed(detok.flush())[1] else None
+
+
+def _tool_use_id(call_id: str) -> str:
+    """A call's id as Anthropic spells them (toolu_...); Mistral's 9-character ids, which
+    its templates insist on, stay as they are."""
+    return "toolu_" + call_id.removeprefix("call_") if call_id.startswith("call_") else call_id
+
+
+def event(data: dict[str, Any]) -> str:
+    """One server-sent event as Anthropic frames them: `event: <type>` then `data:`."""
+    return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _events(
+    request: Request, fmt: MessageFormat, stream: RequestStream
+) -> AsyncIterator[str]:
+    """The SSE body: message_start, the blocks' events, message_delta, message_stop; an
+    `error` event if the engine fails on the way."""
+    for data in fmt.start():
+        yield event(data)
+    try:
+        async for _, out in stream:
+            for data in fmt.feed(out):
+                yield event(data)
+            if out.finished:
+                closing = await off_loop(request, fmt.finish, out.finish_reason)
+                for data in closing:
+                    yield event(data)
+                return
+            if await request.is_disconnected():
+                return  # EventStream aborts the rest
+    except EngineFailure as e:
+        yield event(format_anthropic(to_api_error(e)))
+    except Exception:  # an event that could not be made: the stream still ends cleanly
+        log.exception("%s: the stream failed", fmt.id)
+        yield event(format_anthropic(to_api_error(InternalError())))
