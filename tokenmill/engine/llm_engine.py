@@ -5,7 +5,9 @@
              ModelRunner.run()           one forward pass -> logits of the rows that sample
              Sampler()                   next token per sequence (per-request params,
                                          grammar masks for constrained rows)
-             detokenize + stop checks    text delta, finish_reason
+             detokenize + stop checks    text delta, finish_reason (a reasoning
+                                         request: its reasoning apart, stops and
+                                         grammar on the answer after it)
              free finished sequences' blocks at once
     abort(request_id) frees a request's blocks at once.
     add_request(..., embed=True): an embedding, prefill only; the step that runs its last
@@ -52,9 +54,14 @@ from tokenmill.sampling import (
 from tokenmill.sampling.grammar import CompiledGrammar, GrammarCompiler
 from tokenmill.tokenizer import IncrementalDetokenizer
 from tokenmill.tokenizer.chat import ToolOffer, encode_chat
+from tokenmill.tokenizer.reasoning import ReasoningParser, start_parser
 from tokenmill.tokenizer.tokenizer import TextTooLong
 
 log = logging.getLogger("tokenmill.engine")
+
+# Prompt tokens decoded to see whether the template opened or closed the reasoning tag at
+# the end of the prompt (tokenizer/reasoning.py's start_parser): a tag and a turn marker.
+REASONING_TAIL_TOKENS = 16
 
 __all__ = [
     "LLMEngine",
@@ -93,16 +100,31 @@ class RequestOutput:
     # Set (with finish_reason ERROR) when this request alone failed in a step, e.g. its
     # sampling or its grammar raised: one line for the client; the rest of the step ran.
     error: str | None = None
+    # With params.reasoning: the reasoning's delta (text holds the answer's alone).
+    reasoning: str = ""
     # An embedding request's pooled vector [hidden_size] (add_request(embed=True)); it
     # comes in its one output, finished, with no tokens.
     embedding: list[float] | None = None
 
 
 class _Request:
-    """Engine-side bookkeeping around a Sequence: text state and stop matching."""
+    """Engine-side bookkeeping around a Sequence: text state and stop matching.
 
-    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, stops: StopStringMatcher):
+    reasoning: the parser splitting the text, for a request with params.reasoning whose
+    prompt left thinking on. pending_grammar: its constraint, held back until the
+    reasoning ends (vLLM's reasoning-aware structured output); the sampler sees no
+    grammar on the sequence until then."""
+
+    def __init__(
+        self,
+        seq: Sequence,
+        detok: IncrementalDetokenizer,
+        stops: StopStringMatcher,
+        reasoning: ReasoningParser | None = None,
+    ):
         self.seq, self.detok, self.stops = seq, detok, stops
+        self.reasoning = reasoning
+        self.pending_grammar = None
 
 
 class LLMEngine:
@@ -305,7 +327,13 @@ class LLMEngine:
             pool=pool,
         )  # fmt: skip
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids)
-        self.requests[request_id] = _Request(seq, detok, StopStringMatcher(params.stop))
+        req = _Request(seq, detok, StopStringMatcher(params.stop), self._reasoning(params, ids))
+        if req.reasoning is not None and state.grammar is not None and req.reasoning.reasoned:
+            # The prompt opened the reasoning: the constraint starts after it. (An answer
+            # that may open it itself is constrained from its first token: the grammar
+            # decides whether it may think.)
+            req.pending_grammar, state.grammar = state.grammar, None
+        self.requests[request_id] = req
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(ids)
         return len(ids)
@@ -325,6 +353,17 @@ class LLMEngine:
             return PoolState(self.pooling)
         except PoolingError as e:
             raise RequestError(str(e), "model") from None
+
+    def _reasoning(self, params: SamplingParams, ids: list[int]) -> ReasoningParser | None:
+        """The reasoning parser of a request with params.reasoning (None without, or when
+        its prompt switched thinking off), from the end of its prompt's text."""
+        if params.reasoning is None:
+            return None
+        tail = self.tokenizer.decode(ids[-REASONING_TAIL_TOKENS:])
+        try:
+            return start_parser(params.reasoning, tail)
+        except ValueError as e:
+            raise RequestError(str(e), "reasoning") from None
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. False if it was not running."""
@@ -447,10 +486,16 @@ class LLMEngine:
         seq.output_ids.append(token)
         seq.sampling.append(token)
         self.stats["generation_tokens"] += 1
+        reasoning = ""
         if is_stop_token(token, seq.params, self.eos_token_ids):
             text, hit = "", False  # a stop token's own text is never shown
         else:
-            text, hit = req.stops.feed(req.detok.add(token))
+            text = req.detok.add(token)
+            if req.reasoning is not None:
+                reasoning, text = req.reasoning.feed(text)
+                if req.pending_grammar is not None and req.reasoning.ended:
+                    self._start_grammar(seq, req, text)
+            text, hit = req.stops.feed(text)  # stop strings: the answer's text only
         grammar = seq.sampling.grammar
         reason = finish_reason(
             token,
@@ -463,18 +508,38 @@ class LLMEngine:
             grammar_complete=grammar is not None and grammar.finished,
         )
         if reason is not None:
-            text += self._drain(req)  # what was held back ("" after a stop string)
+            more_reasoning, more = self._drain(req)  # what was held back
+            text, reasoning = text + more, reasoning + more_reasoning
             seq.finish_reason, seq.finish_time = reason, now
             self.scheduler.finish(seq)
             del self.requests[seq.request_id]
-        return self._output(seq, text, [token], [lp] if lp else [])
+        out = self._output(seq, text, [token], [lp] if lp else [])
+        out.reasoning = reasoning
+        return out
+
+    def _start_grammar(self, seq: Sequence, req: _Request, content: str) -> None:
+        """The reasoning ended in this token: its constraint applies from here. Answer text
+        the same token carried past the closing tag goes through the grammar first (as its
+        tokens), so the grammar sees the whole answer."""
+        grammar, req.pending_grammar = req.pending_grammar, None
+        for token_id in self.tokenizer.encode(content, add_special_tokens=False) if content else []:
+            grammar.consume(token_id)
+        seq.sampling.grammar = grammar
 
     @staticmethod
-    def _drain(req: _Request) -> str:
-        """Text still held back when a request ends: an incomplete character, a possible
-        stop-string start."""
-        tail, hit = req.stops.feed(req.detok.flush())
-        return tail if hit else tail + req.stops.flush()
+    def _drain(req: _Request) -> tuple[str, str]:
+        """(reasoning, text) still held back when a request ends: an incomplete character,
+        a possible tag or stop-string start ("" text after a stop string)."""
+        tail = req.detok.flush()
+        reasoning = ""
+        if req.reasoning is not None:
+            reasoning, tail = req.reasoning.feed(tail)
+            more_reasoning, more = req.reasoning.finish()
+            reasoning, tail = reasoning + more_reasoning, tail + more
+        if req.stops.stopped:
+            return reasoning, ""
+        tail, hit = req.stops.feed(tail)
+        return reasoning, tail if hit else tail + req.stops.flush()
 
     def _reject_unschedulable(self) -> list[RequestOutput]:
         """Nothing fits: the head waiting request needs more blocks than the whole pool."""
@@ -485,7 +550,10 @@ class LLMEngine:
         # cut short before its first token, as a context too small for it would be
         seq.finish_reason, seq.finish_time = FinishReason.LENGTH, time.perf_counter()
         self.scheduler.finish(seq)
-        return [self._output(seq, self._drain(req), [], [])]
+        reasoning, text = self._drain(req)
+        out = self._output(seq, text, [], [])
+        out.reasoning = reasoning
+        return [out]
 
     def _output(self, seq: Sequence, text: str, tokens: list[int], lps: list) -> RequestOutput:
         return RequestOutput(

@@ -62,6 +62,10 @@ class SamplingParams:
     regex: str | None = None  # the whole output matches this regular expression
     choice: list[str] | None = None  # the output is exactly one of these strings
     grammar: str | None = None  # a context-free grammar: Lark (llguidance's dialect) or GBNF
+    # The reasoning format to split the output by (tokenmill/tokenizer/reasoning.py's, e.g.
+    # "think"; the engine checks the name): stop strings and the constraint then apply to
+    # the answer after the reasoning, and outputs carry the reasoning apart. None: off.
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         self.max_tokens = _check_int("max_tokens", self.max_tokens, 1)
@@ -108,6 +112,12 @@ class SamplingParams:
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         self.n = _check_int("n", self.n, 1)
+        if self.reasoning is not None and (
+            not isinstance(self.reasoning, str) or not self.reasoning
+        ):
+            raise ParamError.named(
+                "reasoning", f" must be a reasoning format's name or None, got {self.reasoning!r}"
+            )
         self._check_constraint()
 
     @property

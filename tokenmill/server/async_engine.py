@@ -79,9 +79,11 @@ class Generation:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    reasoning: str = ""  # with SamplingParams.reasoning: the thinking (text is the answer)
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.text
+        self.reasoning += out.reasoning
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
         self.finish_reason = out.finish_reason
