@@ -96,6 +96,7 @@ from tokenmill.server.running import (
 )
 from tokenmill.server.sse import sse
 from tokenmill.server.tools import ToolRequest
+from tokenmill.tokenizer.reasoning import resolve as resolve_reasoning
 
 log = logging.getLogger("tokenmill.server")
 
@@ -124,6 +125,7 @@ def create_app(
     aliases: Sequence[str] = (),
     limits: ServerLimits | None = None,
     prefix_cache_scope: str | None = None,
+    reasoning_parser: str = "auto",
 ) -> FastAPI:
     """An app serving `engine` under the name `model_name`; `api_key` (one key or
     several, one per client) guards /v1 paths; `limits` bounds request bodies (the
@@ -134,7 +136,10 @@ def create_app(
     set. A request's `cache_salt` narrows its scope further either way.
 
     Requests may also name the model by any of `aliases` (e.g. its file name); responses
-    and /v1/models always use `model_name`, as vLLM does with several served names."""
+    and /v1/models always use `model_name`, as vLLM does with several served names.
+
+    reasoning_parser: how chat answers split into reasoning_content and content: "auto"
+    (by the chat template: tokenizer/reasoning.py's detect), "none", or a format ("think")."""
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if api_key is not None and (not keys or not all(keys)):
         raise ValueError("api_key is empty: pass None to serve without a key")
@@ -178,6 +183,8 @@ def create_app(
     app.state.created = int(time.time())
     app.state.max_body_bytes = max_body
     app.state.prefix_cache_scope = prefix_cache_scope
+    # the reasoning format chat answers are split by (None: not split)
+    app.state.reasoning = resolve_reasoning(reasoning_parser, engine.engine.tokenizer.chat_template)
     _add_error_handlers(app)
     # Added last = outermost: the counter sees every answer, the body limit's included.
     if limits.allowed_hosts is not None:  # inside the body limit: a bounded body first
@@ -320,7 +327,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     tools = await off_loop(request, body.tool_request, engine.engine.tokenizer)
     prompt_ids = await off_loop(request, _chat_prompt, engine.engine, body, tools)
     max_model_len = engine.engine.max_model_len
-    params = body.sampling_params(default_max_tokens=max(1, max_model_len - len(prompt_ids)))
+    reasoning = request.app.state.reasoning
+    params = body.sampling_params(
+        default_max_tokens=max(1, max_model_len - len(prompt_ids)), reasoning=reasoning
+    )
     check_fits(
         len(prompt_ids),
         params.max_tokens,
@@ -329,7 +339,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         max_param=body.max_tokens_param,
     )
     request_id = uuid.uuid4().hex
-    fmt = ChatFormat(request_id, model, decoder(engine.engine), body.logprobs, tools)
+    fmt = ChatFormat(
+        request_id, model, decoder(engine.engine), body.logprobs, tools, reasoning is not None
+    )
     return await _run(request, body, fmt, request_id, [prompt_ids], params)
 
 
@@ -432,11 +444,12 @@ def _chat_prompt(
 ) -> list[int]:
     """Render the messages (and tools) with the model's chat template (within its limits;
     messages' text kept as text) and tokenize them: tokenizer/chat.py's encode_chat, as
-    LLM.chat and /v1/inspect do. Runs on a worker thread."""
+    LLM.chat and /v1/inspect do, with chat_template_kwargs and reasoning_effort as
+    further template variables. Runs on a worker thread."""
     messages = [message.as_template_input(i) for i, message in enumerate(body.messages)]
     check_messages_fit(engine, messages)
     try:
-        return engine.encode_chat(messages, tools)
+        return engine.encode_chat(messages, tools, body.template_vars)
     except ValueError as e:  # ChatTemplateError, RequestError (too long), a refused message
         raise to_api_error(e, param="messages") from None
 

@@ -31,6 +31,10 @@ from tokenmill.checks import ArgumentError
 from tokenmill.cli.common import positive_int
 from tokenmill.server.limits import ServerLimits
 
+# tokenizer/reasoning.py's PARSER_CHOICES, spelled out so that parsing the command line
+# imports no tokenizer (tests/test_reasoning.py checks that the two agree)
+REASONING_PARSERS = ("auto", "none", "think")
+
 API_KEY_ENV = "TOKENMILL_API_KEY"
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -158,6 +162,14 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         default=30.0,
         help="/health answers 503 once requests are pending and no engine step (or a "
         "parallel rank's part of one) has finished for this many seconds",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default="auto",
+        help="split a reasoning model's chat answers into reasoning_content and content: "
+        "'think' for <think>...</think> (Qwen3, DeepSeek-R1, SmolLM3); 'auto' (the default) "
+        "when the chat template mentions <think>; 'none' leaves the thinking in content",
     )
     p.add_argument(
         "--log-level",
@@ -307,6 +319,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         aliases=aliases,
         limits=limits,
         prefix_cache_scope=args.prefix_cache_scope,
+        reasoning_parser=args.reasoning_parser,
     )
     port = args.sockets[0].getsockname()[1]  # --port 0: the one the system picked
     shown = f"[{args.host}]" if ":" in args.host else args.host or "0.0.0.0"

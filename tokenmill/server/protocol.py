@@ -44,6 +44,7 @@ from tokenmill.server.structured import ResponseFormat, StructuredOutputs
 from tokenmill.server.text import StrictModel, Text
 from tokenmill.server.tool_parser import Delta, ToolCallParser, parse_tool_calls
 from tokenmill.server.tools import MAX_JSON_DEPTH, MAX_TOOLS, ToolRequest, json_depth
+from tokenmill.tokenizer.chat_template import is_reserved
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 MAX_N = 128  # OpenAI's cap on completions per request
@@ -64,7 +65,6 @@ _UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
-    "reasoning_effort": (None,),
     "web_search_options": (None,),
 }
 
@@ -323,6 +323,10 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: further variables for the chat template ({"enable_thinking": false})
+    chat_template_kwargs: dict[Text, Any] | None = None
+    # OpenAI's: the template's variable of the same name, where it reads one (gpt-oss)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     _tools: ToolRequest | None = PrivateAttr(default=None)  # set by tool_request()
 
     def check_extra_fields(self) -> None:
@@ -331,6 +335,28 @@ class ChatCompletionRequest(_GenerationRequest):
             raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
         for i, message in enumerate(self.messages):
             message.check(i)
+        for name, value in (self.chat_template_kwargs or {}).items():
+            if not name.isidentifier() or is_reserved(name):
+                raise invalid(
+                    f"chat_template_kwargs cannot set {name!r}: "
+                    + ("the chat template sets it" if name.isidentifier() else "not a name"),
+                    "chat_template_kwargs",
+                )
+            if json_depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+                raise invalid(
+                    f"chat_template_kwargs[{name!r}] nests more than {MAX_JSON_DEPTH} levels",
+                    "chat_template_kwargs",
+                )
+
+    @property
+    def template_vars(self) -> dict[str, Any] | None:
+        """The chat template's further variables: chat_template_kwargs, and reasoning_effort
+        under its own name (over a chat_template_kwargs entry of that name). A template
+        that reads neither renders as without them."""
+        found = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            found["reasoning_effort"] = self.reasoning_effort
+        return found or None
 
     def tool_request(self, tokenizer: Any) -> ToolRequest | None:
         """The tools setup against the model's chat template (None without tools)."""
@@ -371,7 +397,10 @@ class ChatCompletionRequest(_GenerationRequest):
             else self.max_tokens
         )
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(
+        self, default_max_tokens: int, reasoning: str | None = None
+    ) -> SamplingParams:
+        """reasoning: the reasoning format the answer is split by (None: not split)."""
         requested = self.requested_max_tokens
         constraint, renames = self._constraint_kwargs()
         tools = self._tools
@@ -381,6 +410,7 @@ class ChatCompletionRequest(_GenerationRequest):
             max_tokens=default_max_tokens if requested is None else requested,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             renames={"max_tokens": self.max_tokens_param, "logprobs": "top_logprobs", **renames},
+            reasoning=reasoning,
             **self._sampling_kwargs(),
             **constraint,
         )
@@ -566,7 +596,12 @@ class ChatFormat(_Format):
 
     With tools, the output is parsed into message.tool_calls (finish_reason
     "tool_calls"), streamed as delta.tool_calls: id and name first, then the
-    arguments in fragments."""
+    arguments in fragments.
+
+    With reasoning (the engine split the output: SamplingParams.reasoning), the thinking
+    is message.reasoning_content (null when there was none), streamed as
+    delta.reasoning_content before the answer's delta.content; tool calls are parsed
+    from the answer alone."""
 
     object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
 
@@ -577,9 +612,11 @@ class ChatFormat(_Format):
         decode: Callable[[int], str],
         want_logprobs: bool,
         tools: ToolRequest | None = None,
+        reasoning: bool = False,
     ):
         super().__init__("chatcmpl", request_id, model, decode, want_logprobs)
         self.tools = tools if tools is not None and tools.parses_calls else None
+        self.reasoning = reasoning
         self._parsers: dict[int, ToolCallParser] = {}  # per choice, when streaming
 
     def logprobs(self, logprobs: list[TokenLogprob]) -> dict[str, list]:
@@ -598,6 +635,8 @@ class ChatFormat(_Format):
 
     def _choice(self, index: int, generation: Generation) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": generation.text}
+        if self.reasoning:
+            message["reasoning_content"] = generation.reasoning or None
         reason = generation.finish_reason
         if self.tools is not None:
             message["content"], calls = parse_tool_calls(self.tools.fmt, generation.text)
@@ -617,9 +656,11 @@ class ChatFormat(_Format):
     def chunk(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
         if self.tools is not None:
             return self._tool_chunk(index, out)
-        if not self._worth_sending(out):
+        if not (self._worth_sending(out) or out.reasoning):
             return None
-        delta = {"content": out.text} if out.text or not out.finished else {}
+        delta = _reasoning_delta(out)
+        if out.text or not (out.finished or out.reasoning):
+            delta["content"] = out.text
         logprobs = self.logprobs(out.logprobs) if self.want_logprobs else None
         return self._chunk(index, delta, logprobs, out.finish_reason if out.finished else None)
 
@@ -629,11 +670,11 @@ class ChatFormat(_Format):
         parsed = parser.feed(out.text)
         if out.finished:
             parsed.add(parser.finish())
-        if not (parsed.content or parsed.tool_calls or out.finished) and not (
+        if not (parsed.content or parsed.tool_calls or out.finished or out.reasoning) and not (
             self.want_logprobs and out.logprobs
         ):
             return None
-        delta = _delta(parsed)
+        delta = {**_reasoning_delta(out), **_delta(parsed)}
         reason = out.finish_reason if out.finished else None
         if reason is not None and parser.calls:
             reason = reason.with_tool_calls()
@@ -643,6 +684,10 @@ class ChatFormat(_Format):
     def _chunk(self, index: int, delta: dict, logprobs, reason: str | None) -> dict[str, Any]:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return self._envelope(self.chunk_object_name, [choice])
+
+
+def _reasoning_delta(out: RequestOutput) -> dict[str, Any]:
+    return {"reasoning_content": out.reasoning} if out.reasoning else {}
 
 
 def _delta(parsed: Delta) -> dict[str, Any]:

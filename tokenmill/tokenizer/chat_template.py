@@ -77,7 +77,7 @@ def render_chat_template(
         "documents": None,
     }
     for name in template_vars or {}:
-        if not isinstance(name, str) or name in context or name in _ENV.globals:
+        if not isinstance(name, str) or name in context or is_reserved(name):
             raise ValueError(
                 f"template_vars cannot set {name!r}: not a name, or one the renderer sets"
             )
@@ -94,6 +94,23 @@ def render_chat_template(
         raise ChatTemplateError(
             f"chat template failed: {type(e).__name__}: {_first_line(e)}"
         ) from None
+
+
+# The variables render_chat_template sets in every template's context.
+RENDERER_VARS = (
+    "messages",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+    "tools",
+    "documents",
+)
+
+
+def is_reserved(name: str) -> bool:
+    """Whether template_vars may not set `name`: a variable the renderer sets
+    (RENDERER_VARS, the sandbox's globals such as raise_exception)."""
+    return name in RENDERER_VARS or name in _ENV.globals
 
 
 def _first_line(e: BaseException) -> str:
