@@ -5,6 +5,11 @@ ggml block formats by `gguf.quants`. llama.cpp's converter permutes the rows of 
 Q and K projections of llama-family models (its rotary kernel pairs adjacent
 dimensions, HF's pairs the two halves); we undo that so one rotary implementation
 serves both formats.
+
+Mixture-of-experts files (qwen2moe, qwen3moe, olmoe, and llama with experts: Mixtral)
+keep each sparse layer's experts as 3-D tensors blk.N.ffn_{gate,up,down}_exps,
+[n_expert, rows, cols] in numpy order; each expert's slice becomes its own tensor
+(layers.N.mlp.experts.j.*), so it loads, and packs as stored, like any projection.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from gguf.quants import dequantize
 
 from tokenmill.checks import short_repr
 from tokenmill.config import (
+    MAX_EXPERTS,
     MAX_SIZES,
     ConfigError,
     ModelConfig,
@@ -28,7 +34,7 @@ from tokenmill.config import (
 )
 from tokenmill.loader.checkpoint import Checkpoint, LoadError
 from tokenmill.loader.checks import check_checkpoint, part_shape
-from tokenmill.loader.gguf_reader import GGUFFile, GGUFFormatError
+from tokenmill.loader.gguf_reader import GGUFFile, GGUFFormatError, GGUFTensor
 from tokenmill.loader.hf_folder import phi3_rows
 
 SUPPORTED_TYPES = {
@@ -49,7 +55,23 @@ SUPPORTED_TYPES = {
 SUPPORTED_ARCHS = (
     *("llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt2"),
     *("smollm3", "gemma2", "olmo2", "phi3"),
+    *("qwen2moe", "qwen3moe", "olmoe"),
 )
+# Mixture-of-experts families (layers/moe.py); llama is one too when it has experts.
+_MOE_ARCHS = ("qwen2moe", "qwen3moe", "olmoe")
+# llama.cpp's rule per family (build_moe_ffn's norm_w): softmax over all experts, the top
+# k, then rescale those k to sum to 1 or not. It is fixed per architecture, not read from
+# the file: Mixtral and Qwen3-MoE renormalize, Qwen2-MoE and OLMoE do not.
+_NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
+# llama.cpp MoE tensor (after blk.N.) -> tokenmill suffix after layers.N.mlp.
+_MOE_NAMES = {
+    "ffn_gate_inp": "router",
+    "ffn_gate_inp_shexp": "shared_gate",
+    "ffn_gate_shexp": "shared.gate",
+    "ffn_up_shexp": "shared.up",
+    "ffn_down_shexp": "shared.down",
+}
+_EXPERT_NAMES = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 # Families whose Q/K rows llama.cpp's converter permuted.
 _PERMUTED_QK = ("llama", "mistral", "smollm3")
 # SmolLM3: llama.cpp has no key for its NoPE layers; it hard-codes every 4th layer.
@@ -214,16 +236,54 @@ def _config(reader: GGUFFile, path: Path) -> ModelConfig:
             **common,
         )
     nope = arch == "smollm3"
+    moe = _moe_fields(arch, raw, meta_int, names, layers, common["intermediate_size"])
+    qk_norm = "blk.0.attn_q_norm.weight" in names
     return ModelConfig(
         arch=arch,
         rope_layers=[not nope or (i + 1) % _SMOLLM3_NOPE_STEP != 0 for i in range(layers)],
         norm_eps=rms_eps,
         qkv_bias="blk.0.attn_q.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
+        # the MoE families with attention biases (Qwen2/3-MoE) carry one on the output too
+        o_bias=arch in _MOE_ARCHS and "blk.0.attn_output.bias" in names,
+        # OLMoE: RMSNorm over the whole q and k projections ([H hd], [Hkv hd])
+        qk_norm="full" if arch == "olmoe" else qk_norm,
         sliding_window=window,
         layer_types=["sliding" if window else "full"] * layers,
+        **moe,
         **common,
     )
+
+
+def _moe_fields(arch: str, raw, meta_int, names: set[str], layers: int, n_ff: int) -> dict:
+    """The MoE fields of ModelConfig from a GGUF header, as llama.cpp reads them: none for
+    a dense file (llama without {arch}.expert_count, or with 0). A layer is sparse where
+    the file has its router, blk.N.ffn_gate_inp (llama.cpp's files have one in every
+    layer; a dense layer mixed in reads as the dense MLP)."""
+    if arch not in (*_MOE_ARCHS, "llama"):
+        return {}
+    key = f"{arch}.expert_count"
+    experts = raw(key, _REQUIRED if arch in _MOE_ARCHS else None)
+    if arch == "llama" and not experts:
+        return {}
+    experts = check_int(key, experts, 1, MAX_EXPERTS)
+    used_key = f"{arch}.expert_used_count"
+    used = check_int(used_key, raw(used_key), 1, experts)
+    # the experts' width: the key, else llama.cpp's fallback (the Qwen families:
+    # feed_forward_length / expert_used_count; Mixtral and OLMoE: feed_forward_length)
+    fallback = n_ff // used if arch in ("qwen2moe", "qwen3moe") else n_ff
+    width = meta_int("expert_feed_forward_length", None, size="intermediate_size")
+    fields = dict(
+        num_experts=experts,
+        num_experts_per_tok=used,
+        moe_intermediate_size=width or fallback,
+        router="softmax_topk",
+        norm_topk_prob=_NORM_TOPK[arch],
+        moe_layers=[f"blk.{i}.ffn_gate_inp.weight" in names for i in range(layers)],
+    )
+    if arch == "qwen2moe":  # its shared expert (sigmoid-gated) is in every sparse layer
+        shared = meta_int("expert_shared_feed_forward_length", None, size="intermediate_size")
+        fields["shared_expert_intermediate_size"] = shared or n_ff
+    return fields
 
 
 def _phi3_rope(reader: GGUFFile, path: Path, rope: RopeConfig, meta_int, meta_float) -> None:
@@ -270,6 +330,54 @@ def _target_name(name: str, arch: str = "") -> list[tuple[str, str | None]]:
     return [(f"layers.{idx}.{mapped}.{kind}", None)] if mapped else []
 
 
+def _moe_targets(t: GGUFTensor, config: ModelConfig, path: Path):
+    """A sparse layer's tensor -> [(tokenmill name, the GGUFTensor it reads)], or None
+    when `t` is not one. A 3-D expert tensor [E, rows, cols] gives one 2-D slice per
+    expert (its bytes are contiguous in the file: quantized rows stay as stored); the
+    shared expert's gate, [d] in llama.cpp's files, reads as the [1, d] linear it is."""
+    stem, _, kind = t.name.rpartition(".")
+    if not stem.startswith("blk.") or stem.count(".") != 2:
+        return None
+    _, idx, part = stem.split(".")
+    if part in _MOE_NAMES:
+        if part == "ffn_gate_inp_shexp" and len(t.shape) == 1:
+            t = GGUFTensor(
+                t.name, (1, *t.shape), t.tensor_type, t.data_offset, t.n_bytes, t.data[None]
+            )
+        return [(f"layers.{idx}.mlp.{_MOE_NAMES[part]}.{kind}", t)]
+    if part not in _EXPERT_NAMES:
+        return None
+    experts = config.num_experts
+    if len(t.shape) != 3 or t.shape[0] != experts:
+        raise LoadError(
+            path,
+            f"tensor {t.name}: shape {t.shape} is not [{experts} experts, rows, cols] "
+            f"({config.arch}.expert_count is {experts})",
+        )
+    n_bytes = t.n_bytes // experts
+    return [
+        (
+            f"layers.{idx}.mlp.experts.{j}.{_EXPERT_NAMES[part]}.{kind}",
+            GGUFTensor(
+                f"{t.name}[expert {j}]",
+                t.shape[1:],
+                t.tensor_type,
+                t.data_offset + j * n_bytes,
+                n_bytes,
+                t.data[j],  # [rows, cols] floats, or [rows, bytes per row] blocks
+            ),
+        )
+        for j in range(experts)
+    ]
+
+
+def _targets(t: GGUFTensor, config: ModelConfig, path: Path):
+    """[(tokenmill name, part, the GGUFTensor it reads)] for one tensor of the file."""
+    if config.num_experts and (moe := _moe_targets(t, config, path)) is not None:
+        return [(target, None, view) for target, view in moe]
+    return [(target, part, t) for target, part in _target_name(t.name, config.arch)]
+
+
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation: rows [h, d/2, 2] -> [h, 2, d/2]."""
     rows = w.shape[0]
@@ -306,20 +414,20 @@ def open_gguf(path: Path) -> Checkpoint:
         raise LoadError(path, str(e)) from None
     tensors, raw, shapes, by_target = {}, {}, {}, {}
     for t in reader.tensors:  # the reader checked each lies inside the file
-        targets = _target_name(t.name, config.arch)
+        targets = _targets(t, config, path)
         if targets and t.tensor_type not in SUPPORTED_TYPES:
             raise LoadError(
                 path, f"tensor {t.name}: unsupported quantization type {t.tensor_type.name}"
             )
-        for target, part in targets:
-            tensors[target] = _gguf_loader(t, path, config, target, part)
-            raw[target] = _raw_loader(t, path, config, target, part)
+        for target, part, view in targets:  # view: t, or the part of t the target reads
+            tensors[target] = _gguf_loader(view, path, config, target, part)
+            raw[target] = _raw_loader(view, path, config, target, part)
             if config.arch == "phi3" and part is not None:
                 start, stop = phi3_rows(path, t.name, tuple(t.shape), config, part)
                 shapes[target] = (stop - start, *t.shape[1:])
             else:
-                shapes[target] = part_shape(path, t.name, t.shape, part)
-            by_target[target] = t
+                shapes[target] = part_shape(path, t.name, view.shape, part)
+            by_target[target] = view  # release: an expert's own bytes
     ckpt = Checkpoint(
         path,
         "gguf",
