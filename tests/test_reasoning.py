@@ -274,3 +274,33 @@ def test_bad_template_variables_are_400s(served, kwargs, message):
     error = answer.json()["error"]
     assert message in error["message"]
     assert error["param"] is None or error["param"].startswith(next(iter(kwargs)))
+
+
+# --------------------------------------------------------------------------- LLM.chat, CLI
+
+
+def test_llm_chat_returns_the_reasoning_apart(tmp_path):
+    from tokenmill import LLM, SamplingParams
+
+    build_thinking_model(tmp_path)
+    params = {k: v for k, v in SAMPLED.items() if k != "logit_bias"}
+    params = SamplingParams(**params, logit_bias={END_ID: 5.0, EOS: -100.0})
+    with LLM(tmp_path, kv_cache_memory="512tok", threads=1) as llm:
+        raw = llm.generate("t5 t6 <think>", params)[0]
+        out = llm.chat(HELLO, params)
+        whole = llm.chat(HELLO, params, reasoning_parser=None)
+    assert raw.reasoning is None and whole.text == raw.text  # not split unless asked
+    assert (out.reasoning, out.text) == oracle(raw.text, inside=True)
+    assert out.token_ids == raw.token_ids
+
+
+def test_the_chat_command_folds_the_thinking():
+    from tokenmill.cli.chat import Conversation
+
+    chat = Conversation()
+    assert chat.command("/think") == "no thinking in the last answer"
+    chat.last_thinking = "hmm"
+    assert chat.command("/think off") == "thinking folded" and not chat.show_thinking
+    assert chat.command("/think") == "hmm"
+    assert chat.command("/think on") == "thinking shown" and chat.show_thinking
+    assert chat.command("/think maybe").startswith("usage")

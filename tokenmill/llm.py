@@ -10,6 +10,7 @@ a closed LLM refuses further calls.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from pathlib import Path
 import tokenmill.distributed.build  # noqa: F401
 from tokenmill.engine.llm_engine import LLMEngine, RequestOutput, TokenLogprob
 from tokenmill.sampling import FinishReason, SamplingParams
+from tokenmill.tokenizer.reasoning import AUTO
+from tokenmill.tokenizer.reasoning import resolve as resolve_reasoning
 
 Prompt = str | list[int]
 
@@ -47,6 +50,9 @@ class Completion:
     finish_reason: FinishReason | None
     logprobs: list[TokenLogprob] | None
     timings: Timings | None = None
+    # With SamplingParams.reasoning (LLM.chat on a reasoning model): the thinking, and
+    # text is the answer after it; None when the output was not split.
+    reasoning: str | None = None
 
 
 @dataclass
@@ -77,6 +83,10 @@ class Output:
     @property
     def timings(self) -> Timings | None:
         return self.outputs[0].timings
+
+    @property
+    def reasoning(self) -> str | None:
+        return self.outputs[0].reasoning
 
 
 def _timings(out: RequestOutput, prefill_tokens: int) -> Timings:
@@ -168,6 +178,7 @@ class LLM:
                 if params.logprobs is not None
                 else None,
                 timings=_timings(last, seq_prefill),
+                reasoning="".join(p.reasoning for p in parts) if params.reasoning else None,
             )
             result.outputs.append(completion)
             result.num_cached_tokens = last.num_cached_tokens
@@ -249,5 +260,15 @@ class LLM:
         messages: list[dict],
         params: SamplingParams | None = None,
         template_vars: dict | None = None,
+        reasoning_parser: str | None = AUTO,
     ) -> Output:
+        """The model's answer to messages. On a reasoning model (reasoning_parser "auto":
+        its chat template mentions <think>; or a format's name, "think") the thinking is
+        `.reasoning` and `.text` the answer after it, and stop strings and a constraint
+        apply to the answer, as the server's chat route does; None leaves the output
+        whole. params.reasoning, when set, wins."""
+        params = params or SamplingParams()
+        name = resolve_reasoning(reasoning_parser or "none", self.tokenizer.chat_template)
+        if name is not None and params.reasoning is None:
+            params = dataclasses.replace(params, reasoning=name)
         return self.generate([self.chat_prompt(messages, template_vars)], params)[0]

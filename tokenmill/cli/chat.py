@@ -6,6 +6,10 @@ token arrives; each answer streams to stdout and is followed by a dim speed line
 stderr. Slash commands manage the conversation (`COMMANDS`). Ctrl-C stops an answer
 and returns to the prompt; Ctrl-D, /exit, /quit or /bye leave.
 
+A reasoning model's thinking (its chat template mentions <think>: tokenizer/reasoning.py)
+streams dimmed on stderr before the answer; `/think off` folds it into one line, `/think`
+shows the last answer's thinking again. Only answers go back into the conversation.
+
 Status text (header, speeds, command replies) goes to stderr, answers to stdout, so
 `tokenmill chat < questions.txt > answers.txt` keeps the answers clean.
 """
@@ -13,6 +17,8 @@ Status text (header, speeds, command replies) goes to stderr, answers to stdout,
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import sys
 from dataclasses import dataclass, field
 
@@ -21,6 +27,8 @@ COMMANDS = {
     "/help": "show these commands",
     "/clear": "start a new conversation (the system message stays)",
     "/system TEXT": "set the system message and start a new conversation; no TEXT: show it",
+    "/think [on|off]": "show a reasoning model's thinking as it comes, or fold it into one "
+    "line; no argument: show the last answer's thinking",
     "/exit": "leave (also /quit, /bye or Ctrl-D); Ctrl-C stops an answer",
 }
 
@@ -44,6 +52,8 @@ class Conversation:
 
     system: str | None = None
     turns: list[dict[str, str]] = field(default_factory=list)
+    show_thinking: bool = True  # a reasoning model's thinking streamed (else folded)
+    last_thinking: str = ""
 
     def messages(self) -> list[dict[str, str]]:
         head = [{"role": "system", "content": self.system}] if self.system else []
@@ -67,6 +77,13 @@ class Conversation:
             self.system = rest
             self.turns.clear()
             return "system message set; new conversation"
+        if name == "/think":
+            if rest in ("on", "off"):
+                self.show_thinking = rest == "on"
+                return f"thinking {'shown' if self.show_thinking else 'folded'}"
+            if rest:
+                return "usage: /think [on|off]"
+            return self.last_thinking or "no thinking in the last answer"
         return f"unknown command {name!r}; /help lists the commands"
 
 
@@ -88,13 +105,24 @@ def check_chat_template(args: argparse.Namespace, facts) -> None:
         tokenizer.encode_chat([*conversation.messages(), {"role": "user", "content": "hi"}])
 
 
+def _think(conversation: Conversation, console, thought: list[str], text: str) -> None:
+    """One piece of the thinking: kept for /think, shown dimmed on stderr unless folded."""
+    thought.append(text)
+    if conversation.show_thinking:
+        console.print(text, style="dim", highlight=False, end="", soft_wrap=True)
+
+
 def cmd_chat(args: argparse.Namespace) -> None:
     from tokenmill import hub
     from tokenmill.cli.common import _params, load_llm, stderr_console
     from tokenmill.cli.generate import speed_line, stream_answer
+    from tokenmill.tokenizer.reasoning import AUTO, resolve
 
     params = _params(args)
     llm = load_llm(args)
+    reasoning = resolve(AUTO, llm.tokenizer.chat_template)
+    if reasoning is not None:  # the thinking apart from the answer (dimmed, foldable)
+        params = dataclasses.replace(params, reasoning=reasoning)
     console = stderr_console()
     interactive = sys.stdin.isatty()
     if interactive:
@@ -122,9 +150,14 @@ def cmd_chat(args: argparse.Namespace) -> None:
             console.print(reply, style="dim", highlight=False)
             continue
         conversation.turns.append({"role": "user", "content": line})
+        thought: list[str] = []
         try:
             answer, done = stream_answer(
-                llm, llm.chat_prompt(conversation.messages()), params, console
+                llm,
+                llm.chat_prompt(conversation.messages()),
+                params,
+                console,
+                functools.partial(_think, conversation, console, thought),
             )
         except KeyboardInterrupt:
             sys.stdout.write("\n")
@@ -133,5 +166,9 @@ def cmd_chat(args: argparse.Namespace) -> None:
             continue
         sys.stdout.write("\n")
         sys.stdout.flush()
+        conversation.last_thinking = "".join(thought)
+        if thought and not conversation.show_thinking:
+            words = len(conversation.last_thinking.split())
+            console.print(f"(thought {words} words; /think shows them)", style="dim")
         console.print(speed_line(done), style="dim", highlight=False, soft_wrap=True)
         conversation.turns.append({"role": "assistant", "content": answer})

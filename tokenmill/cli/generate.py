@@ -47,8 +47,10 @@ def speed_line(out) -> str:
     )
 
 
-def stream_answer(llm, prompt, params, console=None) -> tuple[str, Any]:
+def stream_answer(llm, prompt, params, console=None, thinking=None) -> tuple[str, Any]:
     """Stream one completion to stdout; returns its text and a Completion with timings.
+    thinking(text): called with each piece of a reasoning model's thinking (params with
+    reasoning set: tokenmill chat shows it dimmed), before the answer's text.
 
     On a terminal a spinner runs on stderr until the first text arrives, so the wait for
     the prefill does not look like a hang (ollama does the same)."""
@@ -60,13 +62,22 @@ def stream_answer(llm, prompt, params, console=None) -> tuple[str, Any]:
     spinner = console.status("[dim]thinking…", spinner="dots") if console.is_terminal else None
     pieces: list[str] = []
     last = None
+    thought = False
     if spinner is not None:
         spinner.start()
     try:
         # closing(): an interrupted answer aborts its request and frees its KV blocks at once
         with closing(llm.stream_outputs(prompt, params)) as outputs:
             for out in outputs:
+                if out.reasoning and thinking is not None:
+                    if spinner is not None:
+                        spinner.stop()
+                        spinner = None
+                    thinking(out.reasoning)
+                    thought = True
                 if out.text:
+                    if thought and not pieces:  # the answer starts on a line of its own
+                        console.print("")
                     if spinner is not None:
                         spinner.stop()
                         spinner = None
