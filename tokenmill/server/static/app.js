@@ -941,8 +941,19 @@ async function plainAnswer(bubble) {
   let text = "";
   let first = null;
   let chunks = 0;
+  let thinking = null; // a reasoning model's thinking, folded in a <details> above the answer
   for await (const chunk of readEvents(response)) {
     if (chunk.error) throw new Error(chunk.error.message);
+    const reasoning = chunk.choices?.[0]?.delta?.reasoning_content;
+    if (reasoning) {
+      if (!thinking) {
+        const details = el("details", "thinking");
+        details.append(el("summary", "", "thinking"));
+        thinking = details.appendChild(el("span", "thought"));
+        bubble.append(details);
+      }
+      thinking.textContent += reasoning;
+    }
     const delta = chunk.choices?.[0]?.delta?.content;
     if (!delta) continue;
     first ??= performance.now();
