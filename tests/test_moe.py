@@ -298,3 +298,60 @@ def test_missing_expert_tensor_is_one_clear_error(tmp_path):
         open_checkpoint(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["model_type"] == "mixtral"
+
+
+def test_trace_records_each_tokens_router_choice(tmp_path):
+    """A traced request's steps carry, per sparse layer, each of its tokens' experts and
+    weights: those transformers' router computes on the same tokens (softmax over all
+    experts, the top k, renormalized here), best first. An untraced request in the same
+    steps leaves its rows out; the dense layer has no router record."""
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.inspect.trace import Trace
+
+    name = "qwen2_moe-norm-dense"  # layer 0 dense, top-3 renormalized, a shared expert
+    arch, overrides = _case(name)
+    hf = build_moe_model(arch, tmp_path, **overrides)
+    engine = LLMEngine(tmp_path, kv_cache_memory="1024tok", enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    prompt = torch.randint(2, 300, (17,), generator=torch.Generator().manual_seed(4)).tolist()
+    engine.add_request("other", list(range(40, 61)), params)  # shares the traced steps
+    trace = Trace()
+    engine.add_request("traced", prompt, params, trace=trace)
+    while engine.has_unfinished():
+        engine.step()
+    assert trace.model["num_experts"] == 5 and trace.model["experts_per_token"] == 3
+
+    tokens = prompt + trace.summary["output_ids"]
+    with torch.no_grad():
+        out = hf(torch.tensor([tokens]), output_router_logits=True)
+    sparse = [i for i, s in enumerate(engine.config.moe_layers) if s]
+    assert sparse == [1, 2] and len(out.router_logits) == len(sparse)
+    want = {}
+    for layer, logits in zip(sparse, out.router_logits, strict=True):
+        w, ids = torch.softmax(logits.float(), -1).topk(3)  # [T, 3]
+        want[layer] = (ids, w / w.sum(-1, keepdim=True))
+    seen = 0
+    for step in trace.steps:
+        positions = step["positions"]
+        assert len(positions) == step["num_tokens"]
+        for record in step["layers"]:
+            layer = record["layer"]
+            if layer not in sparse:
+                assert "experts" not in record
+                continue
+            experts = record["experts"]
+            ids, w = want[layer]
+            assert experts["ids"] == ids[positions].tolist(), (step["index"], layer)
+            got = torch.tensor(experts["weights"])  # rounded to 4 decimals
+            assert (got - w[positions]).abs().max().item() < 2e-4
+            assert got.sum(-1).sub(1).abs().max().item() < 5e-4
+            seen += len(positions)
+    assert seen == len(sparse) * (len(tokens) - 1)  # every traced token, once per layer
+    # and the bound the server checks before running a trace covers the router records
+    from tokenmill.inspect import trace as trace_module
+
+    made = len(trace_module.dumps(trace.to_dict()).encode())
+    bound = trace_module.size_bound(
+        engine.config, len(prompt), 5, map_layers=0, map_heads=0, top_n=10, chunk_tokens=1
+    )
+    assert made <= bound

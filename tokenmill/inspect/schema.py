@@ -25,6 +25,8 @@ class ModelRecord(TypedDict):
     activation: str
     norm: str
     tie_embeddings: bool
+    num_experts: int  # MoE experts per sparse layer (0: a dense model)
+    experts_per_token: int  # the router's k (0: a dense model)
     dtype: str
     weights: str  # models/quantize.py's scheme, or "torch"
     kernels: str  # the native kernels' instruction set
@@ -45,6 +47,14 @@ class PromptRecord(TypedDict):
     text: str
 
 
+class RouterRecord(TypedDict):
+    """An MoE layer's router choice for the step's rows: row i is the step's token at
+    positions[i], for the first 512 rows (trace.MAX_SAMPLE_ROWS)."""
+
+    ids: list[list[int]]  # [rows][k] the chosen experts, best first
+    weights: list[list[float]]  # [rows][k] what each one's output is scaled by
+
+
 class LayerRecord(TypedDict, total=False):
     layer: int
     q: list[int]  # [rows, heads, head_dim]: the step's whole chunk
@@ -58,6 +68,7 @@ class LayerRecord(TypedDict, total=False):
     attention_residual_norm: float
     mlp_update_norm: float  # the MLP sublayer's
     mlp_residual_norm: float
+    experts: RouterRecord  # optional: MoE layers only
 
 
 class Candidate(TypedDict, total=False):

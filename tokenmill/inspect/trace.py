@@ -3,7 +3,8 @@
 A `Trace` passed to `LLMEngine.add_request(..., trace=...)` receives the engine's
 trace hooks for that request only, and turns what it sees into plain JSON-able
 data: the tokens, embedding and position samples, per layer the Q/K/V shapes and
-attention summaries, attention maps (weights) for the layers and heads asked for, the
+attention summaries (and an MoE layer's router choice per token: which experts, with
+what weight), attention maps (weights) for the layers and heads asked for, the
 KV cache size, the sampler's distributions at every stage, the chosen token and timings.
 `tokenmill inspect` prints it, and `POST /v1/inspect` streams it to the web page.
 
@@ -87,6 +88,7 @@ CANDIDATE_BYTES = 200  # one candidate's keys and numbers, besides its piece and
 LAYER_BYTES = 300  # one layer record's keys, shapes and norms, besides its per-head lists
 HEAD_BYTES = 21  # a head's entropy ("12.345,"), peak weight ("0.123,") and argmax key
 STEP_BYTES = 1_400  # one step's keys, kv, timings, sample scalars, event framing
+ROUTER_BYTES = 40  # an MoE layer's router record's keys and brackets, besides its rows
 HEADER_BYTES = 4_000  # the model record, trace settings and the summary's scalars
 
 
@@ -128,9 +130,14 @@ def size_bound(
     cells += maps * decode_steps * (decode_steps + 1) // 2
     map_overhead = map_layers * (steps * 200 + (map_rows + decode_steps) * (NUMBER_BYTES + 2))
     map_overhead += maps * (map_rows + decode_steps) * 2  # each row's brackets
+    # MoE layers: per kept row its k expert ids and weights, each list's brackets
+    sparse = sum(cfg.moe_layers) if cfg.num_experts else 0
+    k = cfg.num_experts_per_tok
+    router = sparse * (steps * ROUTER_BYTES + rows * (k * (NUMBER_BYTES + WEIGHT_BYTES) + 6))
     return (
         HEADER_BYTES
         + prompt
+        + router
         + steps * (STEP_BYTES + layers)
         + max_tokens * sample
         + rows * per_row
@@ -326,6 +333,17 @@ class Trace:
         layer[f"{sublayer}_residual_norm"] = round(float(row.norm()), 3)
 
     @_timed
+    def on_router(self, meta, layer_idx: int, ids: Tensor, weights: Tensor) -> None:
+        # ids, weights: [T, k] for the whole batch; kept: the traced request's rows, the
+        # first MAX_SAMPLE_ROWS of them as for the embedding sample
+        layer = self._step["layers"][-1]  # on_attention of this layer came just before
+        rows = meta.trace.rows
+        layer["experts"] = {
+            "ids": ids[rows][:MAX_SAMPLE_ROWS].tolist(),  # [n][k] best first
+            "weights": _round(weights[rows][:MAX_SAMPLE_ROWS]),  # [n][k], 4 decimals
+        }
+
+    @_timed
     def on_sample(self, logits_row: Tensor, state: SamplingState, token_id: int) -> None:
         t = process_logits(logits_row, state)
         # Ranked before the grammar mask, so the candidates show what it took away.
@@ -442,6 +460,8 @@ class Trace:
             "activation": c.activation,
             "norm": c.norm,
             "tie_embeddings": c.tie_embeddings,
+            "num_experts": c.num_experts,
+            "experts_per_token": c.num_experts_per_tok,
             "dtype": engine.info["dtype"],
             "weights": engine.info["weights"],
             "kernels": engine.info["kernels"],

@@ -48,8 +48,10 @@ class AttentionSite:
 class ForwardHooks(Protocol):
     """What the forward pass calls on a traced batch (TracedRows.hooks): the model
     (models/transformer.py) after the embedding and each residual add, this module at
-    each attention call. The engine's StepHooks (engine/hooks.py) adds the step's own
-    hooks around them; the layers and the model know only these."""
+    each attention call, an MoE layer (layers/moe.py) once its router has chosen, between
+    the layer's on_residual("attention") and on_residual("mlp"). The engine's StepHooks
+    (engine/hooks.py) adds the step's own hooks around them; the layers and the model
+    know only these."""
 
     def on_embedding(
         self, meta: AttentionMetadata, input_ids: torch.Tensor, x: torch.Tensor
@@ -73,6 +75,13 @@ class ForwardHooks(Protocol):
         sublayer: Literal["attention", "mlp"],
         x: torch.Tensor,
     ) -> None: ...
+
+    def on_router(
+        self, meta: AttentionMetadata, layer_idx: int, ids: torch.Tensor, weights: torch.Tensor
+    ) -> None:
+        """An MoE layer's routing of every row of the batch: ids [T, k] int64 (the chosen
+        experts, best first) and weights [T, k] (what each one's output is scaled by)."""
+        ...
 
 
 @dataclass(frozen=True)

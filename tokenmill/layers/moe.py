@@ -11,6 +11,10 @@ A step's tokens are grouped by expert: one matmul per active expert over the row
 chose it (so rows that picked the same expert share one read of its weights), added back
 with index_add. Rows never mix: each output row sums only its own k experts' rows.
 
+On a traced step (meta.trace set) the router's choice is handed to the trace's hooks
+(ForwardHooks.on_router, layers/attention.py): ids and weights [T, k] of every row, as
+computed here; the hook keeps the traced request's rows.
+
 Experts are separate `MLP` modules whose projections are `Linear`s, so models/quantize.py
 packs them like any other projection (FloatLinear, QuantLinear). The router and the
 shared expert's gate are `Gate`s, not `Linear`s: they stay float, since a routing choice
@@ -26,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.mlp import MLP
 
 
@@ -42,8 +47,9 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
         super().__init__()
+        self.layer_idx = layer_idx  # named in the trace's router records
         d = cfg.hidden_size
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
         self.router_kind, self.norm_topk_prob = cfg.router, cfg.norm_topk_prob
@@ -68,9 +74,11 @@ class MoE(nn.Module):
             weights = torch.softmax(top, dim=-1, dtype=torch.float32)
         return weights.to(x.dtype), ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, d] -> [T, d]
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        # x: [T, d] -> [T, d]; meta: the step's batch, for its trace (None: untraced)
         weights, ids = self.route(x)  # [T, k], [T, k]
+        if meta is not None and meta.trace is not None:
+            meta.trace.hooks.on_router(meta, self.layer_idx, ids, weights)
         out = torch.zeros_like(x)  # [T, d]
         # ---- group the T*k (token, expert) pairs by expert ----
         flat = ids.reshape(-1)  # [T k]: pair p is token p // k's (p % k)-th choice

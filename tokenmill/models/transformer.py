@@ -71,7 +71,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg, idx, rotary)
         self.mlp_norm = make_norm(cfg.norm, d, cfg.norm_eps) if pre else None
         # a sparse layer's MoE (layers/moe.py) or the dense MLP
-        self.mlp = MoE(cfg) if cfg.moe_layers[idx] else MLP(cfg)
+        self.mlp = MoE(cfg, idx) if cfg.moe_layers[idx] else MLP(cfg)
         self.post_attn_norm = make_norm(cfg.norm, d, cfg.norm_eps) if cfg.sandwich_norm else None
         self.post_mlp_norm = make_norm(cfg.norm, d, cfg.norm_eps) if cfg.sandwich_norm else None
         self.tp = None  # tensor parallelism: the rank's TPGroup (distributed/group.py)
@@ -85,7 +85,9 @@ class Block(nn.Module):
         x = x + h
         if meta.trace is not None:
             meta.trace.hooks.on_residual(meta, self.attn.layer_idx, "attention", x)
-        h = self.mlp(x if self.mlp_norm is None else self.mlp_norm(x))
+        h = x if self.mlp_norm is None else self.mlp_norm(x)
+        # an MoE layer hands its router's choice to the trace (ForwardHooks.on_router)
+        h = self.mlp(h, meta) if isinstance(self.mlp, MoE) else self.mlp(h)
         if self.tp is not None:  # the down projection too
             self.tp.all_reduce(h)
         if self.post_mlp_norm is not None:
