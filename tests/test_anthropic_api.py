@@ -408,3 +408,54 @@ def test_tool_round_trip(smollm_path):
             max_tokens=60,
         )
         assert answer.content[0].text == chat["choices"][0]["message"]["content"]
+
+
+# --------------------------------------------------------------------------- thinking
+
+
+@pytest.fixture(scope="module")
+def thinking_url(tmp_path_factory):
+    from test_reasoning import build_thinking_model  # a tiny Qwen3 that writes <think>
+
+    folder = tmp_path_factory.mktemp("thinking")
+    build_thinking_model(folder)
+    args = ("--model", str(folder), "--served-model-name", "tiny", "--kv-cache-memory", "512tok")
+    with running_server(*args, "--threads", "1") as url:
+        yield url
+
+
+def test_thinking_blocks(thinking_url):
+    """A reasoning model's thinking is a thinking block before the text block, whole and
+    streamed (thinking_delta), the chat route's reasoning_content and content."""
+    client = anthropic.Anthropic(base_url=thinking_url, api_key="unused", max_retries=0)
+    # a prompt whose greedy answer ends its reasoning (the template opened it) early
+    for k in range(5, 80):
+        chat = [{"role": "user", "content": f"t{k}"}]
+        [choice] = openai_chat(thinking_url, chat, max_tokens=24)["choices"]
+        if choice["message"]["reasoning_content"] and choice["message"]["content"]:
+            break
+    else:
+        pytest.skip("no short prompt makes the tiny model close its reasoning")
+    message = greedy(client, messages=chat, max_tokens=24)
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking == choice["message"]["reasoning_content"]
+    assert message.content[1].text == choice["message"]["content"]
+    with client.messages.stream(
+        model="tiny", max_tokens=24, messages=chat, extra_body=GREEDY
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert blocks(final) == blocks(message)
+    deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
+    assert deltas == sorted(deltas, reverse=True) and "thinking_delta" in deltas  # thinking first
+    # the history takes the thinking back (and leaves it out of the prompt)
+    history = [*chat, {"role": "assistant", "content": message.content}, *CONVERSATION[-1:]]
+    with_thinking = client.messages.count_tokens(model="tiny", messages=history)
+    history[1] = {"role": "assistant", "content": message.content[1].text}
+    assert client.messages.count_tokens(model="tiny", messages=history) == with_thinking
+    # thinking switched off: the template closes the tag in the prompt, so no thinking
+    off = greedy(client, messages=chat, max_tokens=24, thinking={"type": "disabled"})
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    [choice] = openai_chat(thinking_url, chat, max_tokens=24, **kwargs)["choices"]
+    assert [b.type for b in off.content] == ["text"]
+    assert off.content[0].text == choice["message"]["content"]

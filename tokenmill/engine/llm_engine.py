@@ -105,6 +105,9 @@ class RequestOutput:
     # An embedding request's pooled vector [hidden_size] (add_request(embed=True)); it
     # comes in its one output, finished, with no tokens.
     embedding: list[float] | None = None
+    # In a finished output: the stop string that ended the answer, if one did (Anthropic's
+    # API names it in stop_sequence).
+    stop_string: str | None = None
 
 
 class _Request:
@@ -515,6 +518,8 @@ class LLMEngine:
             del self.requests[seq.request_id]
         out = self._output(seq, text, [token], [lp] if lp else [])
         out.reasoning = reasoning
+        if reason is not None:
+            out.stop_string = req.stops.matched
         return out
 
     def _start_grammar(self, seq: Sequence, req: _Request, content: str) -> None:

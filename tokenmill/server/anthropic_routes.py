@@ -15,16 +15,19 @@ read back by server/tool_parser.py:
     tool_use block (assistant)      {"tool_calls": [{id, function: {name, arguments}}]}
     tool_result block (user)        {"role": "tool", "tool_call_id", "content": text}
 
-The answer's content is a text block (the model's text, when it wrote any), then one
-tool_use block per call, its `input` the parsed arguments. stop_reason: "max_tokens"
-for a cut (max_tokens or the context), "tool_use" after calls, "stop_sequence" (with
-the string in `stop_sequence`) for a stop sequence, else "end_turn".
+The answer's content is a thinking block (a reasoning model's thinking, split off by the
+engine as for the chat route's reasoning_content), a text block (the model's text, when
+it wrote any), then one tool_use block per call, its `input` the parsed arguments.
+stop_reason: "max_tokens" for a cut (max_tokens or the context), "tool_use" after calls,
+"stop_sequence" (the engine names the string, in `stop_sequence`), else "end_turn".
+`thinking` {"type": "disabled"} reaches the template as enable_thinking false; thinking
+blocks sent back in a history are left out of the prompt.
 
 Streamed, the events are Anthropic's: message_start, a ping, then per block
-content_block_start, content_block_delta (text_delta; input_json_delta with the call's
-arguments in fragments as the model writes them), content_block_stop; message_delta
-with stop_reason and usage; message_stop. An error after the stream started is an
-`error` event. There are no thinking blocks: tokenmill has no reasoning parser yet.
+content_block_start, content_block_delta (thinking_delta, text_delta; input_json_delta
+with the call's arguments in fragments as the model writes them), content_block_stop;
+message_delta with stop_reason and usage; message_stop. An error after the stream
+started is an `error` event.
 
 Errors are Anthropic's shape (errors.py's format_anthropic, picked for every path under
 /v1/messages). Requests are strict as the OpenAI routes are: an unknown field, a block
@@ -48,8 +51,7 @@ from pydantic import Field
 
 from tokenmill.checks import ParamError
 from tokenmill.engine.llm_engine import LLMEngine, RequestOutput
-from tokenmill.sampling import FinishReason, SamplingParams, is_stop_token
-from tokenmill.sampling.stop import StopStringMatcher
+from tokenmill.sampling import FinishReason, SamplingParams
 from tokenmill.server.async_engine import EngineFailure, Generation, RequestStream
 from tokenmill.server.errors import InternalError, format_anthropic, invalid, to_api_error
 from tokenmill.server.metrics import CLIENT_CLOSED_REQUEST
@@ -75,7 +77,6 @@ from tokenmill.server.running import (
 from tokenmill.server.text import StrictModel, Text
 from tokenmill.server.tool_parser import ToolCallParser, parse_tool_calls
 from tokenmill.server.tools import MAX_JSON_DEPTH, MAX_TOOLS, ToolRequest, json_depth
-from tokenmill.tokenizer.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("tokenmill.server")
 
@@ -129,7 +130,26 @@ class ToolResultBlock(StrictModel):
     cache_control: CacheControl | None = None
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(StrictModel):
+    """An earlier answer's thinking, sent back in the history: accepted and left out of
+    the prompt, as chat templates leave out earlier turns' reasoning."""
+
+    type: Literal["thinking"]
+    thinking: Text
+    signature: Text | None = None
+    cache_control: CacheControl | None = None
+
+
+class RedactedThinkingBlock(StrictModel):
+    type: Literal["redacted_thinking"]
+    data: Text
+    cache_control: CacheControl | None = None
+
+
+ContentBlock = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
 
 
 class InputMessage(StrictModel):
@@ -151,6 +171,15 @@ class ToolChoice(StrictModel):
     disable_parallel_tool_use: bool | None = None
 
 
+class ThinkingConfig(StrictModel):
+    """Whether the model thinks first: passed to the chat template as enable_thinking
+    (Qwen3's switch; a template without one thinks as it always does). budget_tokens is
+    accepted and not enforced: max_tokens bounds the thinking and the answer together."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
+
+
 class Metadata(StrictModel):
     user_id: Text | None = None  # logged, as OpenAI's `user` is
 
@@ -165,6 +194,14 @@ class CountTokensRequest(StrictModel):
     tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     cache_control: CacheControl | None = None  # the whole prompt's mark: as the blocks'
+    thinking: ThinkingConfig | None = None
+
+    @property
+    def template_vars(self) -> dict[str, Any] | None:
+        """The chat template's further variables: `thinking` as enable_thinking."""
+        if self.thinking is None:
+            return None
+        return {"enable_thinking": self.thinking.type != "disabled"}
 
     def check(self) -> None:
         """What the types cannot say; a 400 naming the field."""
@@ -177,6 +214,8 @@ class CountTokensRequest(StrictModel):
                     raise invalid(f"{where}: tool_use blocks belong in assistant messages")
                 if block.type == "tool_result" and message.role != "user":
                     raise invalid(f"{where}: tool_result blocks belong in user messages")
+                if block.type.endswith("thinking") and message.role != "assistant":
+                    raise invalid(f"{where}: {block.type} blocks belong in assistant messages")
                 if block.type == "tool_use" and json_depth(block.input, MAX_JSON_DEPTH) > (
                     MAX_JSON_DEPTH
                 ):
@@ -260,12 +299,14 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: Metadata | None = None
 
-    def sampling_params(self, tools: ToolRequest | None) -> SamplingParams:
+    def sampling_params(self, tools: ToolRequest | None, reasoning: str | None) -> SamplingParams:
         """SamplingParams of the request; a forced call (tool_choice any or tool) is a
-        grammar. A refused value is a 400 naming the request's field."""
+        grammar; reasoning: the format the answer is split by (None: not split). A refused
+        value is a 400 naming the request's field."""
         kwargs: dict[str, Any] = {
             k: v for k in ("temperature", "top_p", "top_k") if (v := getattr(self, k)) is not None
         }
+        kwargs["reasoning"] = reasoning
         if self.stop_sequences is not None:
             kwargs["stop"] = self.stop_sequences
         if tools is not None and tools.grammar() is not None:
@@ -332,8 +373,11 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     body.check()
     # off the loop: a tool list's checks walk every schema, as in the chat route
     tools = await off_loop(request, body.tool_request, engine.engine.tokenizer)
-    prompt_ids = await off_loop(request, _prompt, engine.engine, body.template_messages(), tools)
-    params = body.sampling_params(tools)
+    prompt_ids = await off_loop(
+        request, _prompt, engine.engine, body.template_messages(), tools, body.template_vars
+    )
+    reasoning = request.app.state.reasoning  # the format answers are split by, or None
+    params = body.sampling_params(tools, reasoning)
     check_fits(
         len(prompt_ids),
         params.max_tokens,
@@ -342,7 +386,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         max_param="max_tokens",
     )
     request_id = uuid.uuid4().hex
-    fmt = MessageFormat(f"msg_{request_id}", model, engine.engine, prompt_ids, params, tools)
+    fmt = MessageFormat(f"msg_{request_id}", model, len(prompt_ids), tools)
     log.info(
         "%s: %d prompt tokens, max_tokens=%d, stream=%s, user=%r",
         fmt.id,
@@ -361,12 +405,24 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     )
     if body.stream:
         return EventStream(_events(request, fmt, stream), stream, fmt.id)
-    generations = await unless_disconnected(request, stream.collect())
-    if generations is None:
+    answer = await unless_disconnected(request, _collect(stream))
+    if answer is None:
         log.info("%s: client disconnected; aborted", fmt.id)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    [generation] = generations
-    return JSONResponse(await off_loop(request, fmt.message, generation))
+    return JSONResponse(fmt.message(*answer))
+
+
+async def _collect(stream: RequestStream) -> tuple[Generation, str | None]:
+    """The whole answer, and the stop string that ended it (if one did); aborted if
+    cancelled."""
+    generation, stop_string = Generation(), None
+    try:
+        async for _, out in stream:
+            generation.add(out)
+            stop_string = out.stop_string
+    finally:
+        stream.abort()
+    return generation, stop_string
 
 
 @router.post("/v1/messages/count_tokens")
@@ -376,18 +432,23 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
     check_model(request, body.model)
     body.check()
     tools = await off_loop(request, body.tool_request, engine.engine.tokenizer)
-    prompt_ids = await off_loop(request, _prompt, engine.engine, body.template_messages(), tools)
+    prompt_ids = await off_loop(
+        request, _prompt, engine.engine, body.template_messages(), tools, body.template_vars
+    )
     return {"input_tokens": len(prompt_ids)}
 
 
 def _prompt(
-    engine: LLMEngine, messages: list[dict[str, Any]], tools: ToolRequest | None
+    engine: LLMEngine,
+    messages: list[dict[str, Any]],
+    tools: ToolRequest | None,
+    template_vars: dict[str, Any] | None,
 ) -> list[int]:
     """The messages rendered with the model's chat template and tokenized, as the chat
     route's are (tokenizer/chat.py's encode_chat). Runs on a worker thread."""
     check_messages_fit(engine, messages)
     try:
-        return engine.encode_chat(messages, tools)
+        return engine.encode_chat(messages, tools, template_vars)
     except ValueError as e:  # ChatTemplateError, RequestError (too long), a refused message
         raise to_api_error(e, param="messages") from None
 
@@ -398,33 +459,27 @@ def _prompt(
 class MessageFormat:
     """The answer to one /v1/messages request, whole (`message`) or as events (`start`,
     `feed` per engine output, `finish`). With tools the text goes through the call
-    parser, streamed and whole alike."""
+    parser, streamed and whole alike; with reasoning (the engine split the output:
+    SamplingParams.reasoning) the thinking comes first, as a thinking block."""
 
-    def __init__(
-        self,
-        message_id: str,
-        model: str,
-        engine: LLMEngine,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        tools: ToolRequest | None,
-    ):
-        self.id, self.model = message_id, model
-        self.engine, self.prompt_ids, self.params = engine, prompt_ids, params
+    def __init__(self, message_id: str, model: str, num_prompt: int, tools: ToolRequest | None):
+        self.id, self.model, self.num_prompt = message_id, model, num_prompt
         self.tools = tools if tools is not None and tools.parses_calls else None
         # streaming state
         self._parser: ToolCallParser | None = self.tools.parser() if self.tools else None
         self._blocks = 0  # content blocks started
-        self._open: str | None = None  # the open block's type: "text", "tool_use"
-        self._token_ids: list[int] = []
+        self._open: str | None = None  # the open block's type: "thinking", "text", "tool_use"
+        self._num_tokens = 0
         self._called = False
 
     # ---- whole ----
-    def message(self, generation: Generation) -> dict[str, Any]:
+    def message(self, generation: Generation, stop_string: str | None) -> dict[str, Any]:
         text, calls = generation.text, []
         if self.tools is not None:
             text, calls = parse_tool_calls(self.tools.fmt, generation.text)
         content: list[dict[str, Any]] = []
+        if generation.reasoning:
+            content.append(_thinking_block(generation.reasoning))
         if text:
             content.append({"type": "text", "text": text})
         for call in calls:
@@ -436,7 +491,7 @@ class MessageFormat:
                     "input": json.loads(call.arguments),
                 }
             )
-        reason, sequence = self._stop(generation.finish_reason, generation.token_ids, bool(calls))
+        reason, sequence = _stop(generation.finish_reason, stop_string, bool(calls))
         return {
             **self._envelope(content, reason, sequence),
             "usage": self._usage(len(generation.token_ids)),
@@ -448,53 +503,60 @@ class MessageFormat:
         return [{"type": "message_start", "message": message}, {"type": "ping"}]
 
     def feed(self, out: RequestOutput) -> list[dict[str, Any]]:
-        """The events for one engine output (none while text is held back)."""
-        self._token_ids += out.token_ids
+        """The events for one engine output (none while text is held back); the closing
+        ones after the last."""
+        self._num_tokens += len(out.token_ids)
+        events = self._block_text("thinking", out.reasoning)
         if self._parser is None:
-            return self._text(out.text)
-        parsed = self._parser.feed(out.text)
+            events += self._block_text("text", out.text)
+        else:
+            parsed = self._parser.feed(out.text)
+            if out.finished:
+                parsed.add(self._parser.finish())
+            events += self._block_text("text", parsed.content)
+            for entry in parsed.tool_calls:
+                if "id" in entry:  # a new call: id and name first
+                    events += self._close()
+                    self._called = True
+                    block = {
+                        "type": "tool_use",
+                        "id": _tool_use_id(entry["id"]),
+                        "name": entry["function"]["name"],
+                        "input": {},
+                    }
+                    events.append(self._begin("tool_use", block))
+                fragment = entry["function"]["arguments"]
+                if fragment:
+                    events.append(
+                        self._delta({"type": "input_json_delta", "partial_json": fragment})
+                    )
         if out.finished:
-            parsed.add(self._parser.finish())
-        events = self._text(parsed.content)
-        for entry in parsed.tool_calls:
-            if "id" in entry:  # a new call: id and name first
-                events += self._close()
-                self._called = True
-                block = {
-                    "type": "tool_use",
-                    "id": _tool_use_id(entry["id"]),
-                    "name": entry["function"]["name"],
-                    "input": {},
-                }
-                events.append(self._begin("tool_use", block))
-            fragment = entry["function"]["arguments"]
-            if fragment:
-                delta = {"type": "input_json_delta", "partial_json": fragment}
-                events.append(self._delta(delta))
+            events += self._finish(out.finish_reason, out.stop_string)
         return events
 
-    def finish(self, reason: FinishReason | None) -> list[dict[str, Any]]:
-        """Closing events, once the engine output said the answer is finished."""
-        stop_reason, sequence = self._stop(reason, self._token_ids, self._called)
-        usage = self._usage(len(self._token_ids))
+    def _finish(self, reason: FinishReason | None, stop_string: str | None) -> list[dict[str, Any]]:
+        stop_reason, sequence = _stop(reason, stop_string, self._called)
         return [
             *self._close(),
             {
                 "type": "message_delta",
                 "delta": {"stop_reason": stop_reason, "stop_sequence": sequence},
-                "usage": usage,
+                "usage": self._usage(self._num_tokens),
             },
             {"type": "message_stop"},
         ]
 
-    def _text(self, text: str) -> list[dict[str, Any]]:
+    def _block_text(self, kind: str, text: str) -> list[dict[str, Any]]:
+        """Text for a thinking or text block: the open one, or a new one after it."""
         if not text:
             return []
         events = []
-        if self._open != "text":
+        if self._open != kind:
             events += self._close()
-            events.append(self._begin("text", {"type": "text", "text": ""}))
-        events.append(self._delta({"type": "text_delta", "text": text}))
+            block = _thinking_block("") if kind == "thinking" else {"type": "text", "text": ""}
+            events.append(self._begin(kind, block))
+        key = "thinking" if kind == "thinking" else "text"
+        events.append(self._delta({"type": f"{kind}_delta", key: text}))
         return events
 
     def _begin(self, kind: str, block: dict[str, Any]) -> dict[str, Any]:
@@ -525,31 +587,28 @@ class MessageFormat:
         }
 
     def _usage(self, output_tokens: int) -> dict[str, int]:
-        return {"input_tokens": len(self.prompt_ids), "output_tokens": output_tokens}
+        return {"input_tokens": self.num_prompt, "output_tokens": output_tokens}
 
-    def _stop(
-        self, reason: FinishReason | None, token_ids: list[int], called: bool
-    ) -> tuple[str, str | None]:
-        """(stop_reason, stop_sequence) of a finished answer."""
-        if reason is FinishReason.LENGTH:
-            return "max_tokens", None
-        if called:
-            return "tool_use", None
-        sequence = self._matched_stop(token_ids) if self.params.stop else None
-        return ("stop_sequence", sequence) if sequence is not None else ("end_turn", None)
 
-    def _matched_stop(self, token_ids: list[int]) -> str | None:
-        """The stop sequence that ended the answer, or None (an EOS did). The engine's
-        outputs do not say which string matched, so its detokenizing and stop matching
-        are run again over the answer's tokens: the same text, so the same match."""
-        detok = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids=self.prompt_ids)
-        matcher = StopStringMatcher(self.params.stop)
-        for token in token_ids:
-            if is_stop_token(token, self.params, self.engine.eos_token_ids):
-                return None
-            if matcher.feed(detok.add(token))[1]:
-                return matcher.matched
-        return matcher.matched if matcher.feed(detok.flush())[1] else None
+def _stop(
+    reason: FinishReason | None, stop_string: str | None, called: bool
+) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finished answer: a cut is max_tokens (calls cut
+    short too), calls end in tool_use, a stop string (the engine names it) in stop_sequence,
+    anything else (an EOS) in end_turn."""
+    if reason is FinishReason.LENGTH:
+        return "max_tokens", None
+    if called:
+        return "tool_use", None
+    if stop_string is not None:
+        return "stop_sequence", stop_string
+    return "end_turn", None
+
+
+def _thinking_block(thinking: str) -> dict[str, Any]:
+    # Anthropic signs its thinking so that it can check what comes back; nothing here
+    # checks it, so the signature is empty
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
 
 
 def _tool_use_id(call_id: str) -> str:
@@ -574,11 +633,6 @@ async def _events(
         async for _, out in stream:
             for data in fmt.feed(out):
                 yield event(data)
-            if out.finished:
-                closing = await off_loop(request, fmt.finish, out.finish_reason)
-                for data in closing:
-                    yield event(data)
-                return
             if await request.is_disconnected():
                 return  # EventStream aborts the rest
     except EngineFailure as e:
