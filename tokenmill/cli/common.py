@@ -554,11 +554,13 @@ def load_llm(args: argparse.Namespace, **engine_kwargs: Any):
         # check_constraint's, for this model's vocabulary and EOS ids: the grammar is in
         # its cache already
         engine.grammars = compiler
-    console.print(f"[dim]{engine.describe()}[/dim]", soft_wrap=True, highlight=False)
+    console.print(engine.describe(), style="dim", soft_wrap=True, highlight=False)
     return llm
 
 
 def stderr_console():
     from rich.console import Console
 
-    return Console(stderr=True)
+    # markup off: what it prints (help text like "/think [on|off]", a model's thinking,
+    # engine descriptions) is plain text, and rich would eat "[...]" as style tags
+    return Console(stderr=True, markup=False)
