@@ -95,6 +95,19 @@ def _timings(out: RequestOutput, prefill_tokens: int) -> Timings:
     return Timings(first - out.arrival, end - out.arrival, prefill_tokens, out.num_output_tokens)
 
 
+def _as_batch(prompts: Prompt | list[Prompt], name: str) -> list[Prompt]:
+    """One prompt (a string or a token-id list) as a batch of one; a batch as it is."""
+    if isinstance(prompts, str) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]
+    if not isinstance(prompts, list) or not prompts:
+        raise ValueError(
+            f"{name} must be a string, a list of token ids, or a non-empty list of them"
+        )
+    return prompts
+
+
 class LLM:
     def __init__(
         self,
@@ -138,14 +151,7 @@ class LLM:
         """Generate for one prompt or a list of them (strings or token-id lists), batched."""
         self._check_open()
         params = params or SamplingParams()
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        if not isinstance(prompts, list) or not prompts:
-            raise ValueError(
-                "prompts must be a string, a list of token ids, or a non-empty list of them"
-            )
+        prompts = _as_batch(prompts, "prompts")
         results: list[Output] = []
         owners: dict[str, tuple[Output, int]] = {}
         pieces: dict[str, list[RequestOutput]] = {}
@@ -191,14 +197,7 @@ class LLM:
         (engine/pooling.py: sentence-transformers' modules.json, else the last token,
         L2-normalized). All run batched through the engine's prefill; nothing decodes."""
         self._check_open()
-        if isinstance(texts, str) or (
-            isinstance(texts, list) and texts and isinstance(texts[0], int)
-        ):
-            texts = [texts]
-        if not isinstance(texts, list) or not texts:
-            raise ValueError(
-                "texts must be a string, a list of token ids, or a non-empty list of them"
-            )
+        texts = _as_batch(texts, "texts")
         vectors: dict[str, list[float] | None] = {}
         try:
             for text in texts:

@@ -30,15 +30,11 @@ class TokenmillRunner:
         from tokenmill.llm import LLM
 
         start = time.perf_counter()
-        self.llm = LLM(
-            work.model,
-            dtype=work.dtype,
-            threads=work.threads,
-            kv_cache_memory=work.kv_cache_memory,
-            enable_prefix_caching=False,
-            tensor_parallel_size=work.tensor_parallel_size,
-            pipeline_parallel_size=work.pipeline_parallel_size,
-        )
+        # the workload's engine settings are LLM arguments of the same names
+        settings = ("dtype", "threads", "kv_cache_memory")
+        parallel = ("tensor_parallel_size", "pipeline_parallel_size")
+        engine = {name: getattr(work, name) for name in (*settings, *parallel)}
+        self.llm = LLM(work.model, enable_prefix_caching=False, **engine)
         self._ids = itertools.count()
         engine = self.llm.engine
         tied = engine.model.embed if engine.model.lm_head is None else None

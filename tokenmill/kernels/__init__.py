@@ -109,16 +109,11 @@ class TmLayer(ctypes.Structure):
     _fields_ = [
         *((name, ctypes.c_void_p) for name in ("qkv", "o", "up", "down")),
         *((f"{n}_bias", ctypes.c_void_p) for n in ("qkv", "o", "up", "down")),
-        ("attn_norm", ctypes.c_void_p),
-        ("mlp_norm", ctypes.c_void_p),
-        ("post_attn_norm", ctypes.c_void_p),
-        ("post_mlp_norm", ctypes.c_void_p),
-        ("q_norm", ctypes.c_void_p),
-        ("k_norm", ctypes.c_void_p),
-        ("rcos", ctypes.c_void_p),
-        ("rsin", ctypes.c_void_p),
-        ("k_cache", ctypes.c_void_p),
-        ("v_cache", ctypes.c_void_p),
+        *(
+            (f"{n}_norm", ctypes.c_void_p)
+            for n in ("attn", "mlp", "post_attn", "post_mlp", "q", "k")
+        ),
+        *((name, ctypes.c_void_p) for name in ("rcos", "rsin", "k_cache", "v_cache")),
         ("rot_dim", ctypes.c_int32),
         ("window", ctypes.c_int32),
         ("act16", ctypes.c_int32),

@@ -29,12 +29,12 @@ from tokenmill.config import (
     ConfigError,
     ModelConfig,
     RopeConfig,
-    check_float,
     check_int,
 )
 from tokenmill.loader.checkpoint import Checkpoint, LoadError
 from tokenmill.loader.checks import check_checkpoint, part_shape
 from tokenmill.loader.gguf_reader import GGUFFile, GGUFFormatError, GGUFTensor
+from tokenmill.loader.hf_config import REQUIRED, ConfigFields
 from tokenmill.loader.hf_folder import phi3_rows
 
 SUPPORTED_TYPES = {
@@ -100,9 +100,6 @@ _TOP_NAMES = {
 }
 
 
-_REQUIRED = object()
-
-
 def _config(reader: GGUFFile, path: Path) -> ModelConfig:
     """The ModelConfig a GGUF header describes. Every number is checked (type, range) under
     its own key name before it is used: ConfigError, which open_gguf turns into LoadError."""
@@ -113,20 +110,15 @@ def _config(reader: GGUFFile, path: Path) -> ModelConfig:
             f"unsupported architecture {short_repr(arch)} (supported: {', '.join(SUPPORTED_ARCHS)})",
         )
 
-    def raw(key: str, default=_REQUIRED):
-        value = reader.metadata.get(key, default)
-        if value is _REQUIRED:
-            raise ConfigError(f"missing metadata key {key}")
-        return value
+    # GGUF metadata is read as config.json is (loader/hf_config.py), under {arch}.key names
+    fields = ConfigFields(reader.metadata, str(path), missing="missing metadata key {key}")
+    raw = fields.raw
 
-    def meta_int(key: str, default=_REQUIRED, *, lo: int = 1, size: str | None = None):
-        value = raw(f"{arch}.{key}", default)
-        hi = MAX_SIZES[size] if size else None
-        return None if value is None else check_int(f"{arch}.{key}", value, lo, hi)
+    def meta_int(key: str, default=REQUIRED, *, lo: int = 1, size: str | None = None):
+        return fields.int(f"{arch}.{key}", default, lo=lo, hi=MAX_SIZES[size] if size else None)
 
-    def meta_float(key: str, default=_REQUIRED, *, lo_open: bool = False):
-        value = raw(f"{arch}.{key}", default)
-        return None if value is None else check_float(f"{arch}.{key}", value, 0.0, lo_open=lo_open)
+    def meta_float(key: str, default=REQUIRED, *, lo_open: bool = False):
+        return fields.float(f"{arch}.{key}", default, lo_open=lo_open)
 
     hidden = meta_int("embedding_length", size="hidden_size")
     heads = meta_int("attention.head_count", size="num_heads")
@@ -262,7 +254,7 @@ def _moe_fields(arch: str, raw, meta_int, names: set[str], layers: int, n_ff: in
     if arch not in (*_MOE_ARCHS, "llama"):
         return {}
     key = f"{arch}.expert_count"
-    experts = raw(key, _REQUIRED if arch in _MOE_ARCHS else None)
+    experts = raw(key, REQUIRED if arch in _MOE_ARCHS else None)
     if arch == "llama" and not experts:
         return {}
     experts = check_int(key, experts, 1, MAX_EXPERTS)

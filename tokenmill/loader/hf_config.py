@@ -28,33 +28,36 @@ HF_FAMILIES = (
     *DENSE_FAMILIES,
 )
 
-_REQUIRED = object()
+REQUIRED = object()  # a read's default: the key must be there
 
 
 class ConfigFields:
     """Checked reads of a parsed config.json: each names the JSON key when its value is
     missing or of the wrong type, so a hostile file gets a ConfigError, never a TypeError."""
 
-    def __init__(self, cfg: Any, where: str = "config.json"):
+    def __init__(
+        self, cfg: Any, where: str = "config.json", missing: str = "missing field {key!r}"
+    ):
         if not isinstance(cfg, dict):
             raise ConfigError(f"{where} must hold a JSON object, not {type(cfg).__name__}")
         self.cfg = cfg
+        self.missing = missing  # the message for a required key that is absent
 
-    def raw(self, key: str, default: Any = _REQUIRED) -> Any:
+    def raw(self, key: str, default: Any = REQUIRED) -> Any:
         """The key's value; its default when absent or null (configs write null for
         "unset"); ConfigError when a key without a default is either."""
         value = self.cfg.get(key)
         if value is None:
-            if default is _REQUIRED:
-                raise ConfigError(f"missing field {key!r}")
+            if default is REQUIRED:
+                raise ConfigError(self.missing.format(key=key))
             return default
         return value
 
-    def int(self, key: str, default: Any = _REQUIRED, *, lo: int = 1, hi: int | None = None):
+    def int(self, key: str, default: Any = REQUIRED, *, lo: int = 1, hi: int | None = None):
         value = self.raw(key, default)
         return None if value is None else check_int(key, value, lo, hi)
 
-    def float(self, key: str, default: Any = _REQUIRED, *, lo: float = 0.0, lo_open=False):
+    def float(self, key: str, default: Any = REQUIRED, *, lo: float = 0.0, lo_open=False):
         value = self.raw(key, default)
         return None if value is None else check_float(key, value, lo, lo_open=lo_open)
 
@@ -66,7 +69,7 @@ class ConfigFields:
             raise ConfigError(f"{key} must be true or false, got {short_repr(value)}")
         return value
 
-    def str(self, key: str, default: Any = _REQUIRED) -> str | None:
+    def str(self, key: str, default: Any = REQUIRED) -> str | None:
         value = self.raw(key, default)
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"{key} must be a string, got {short_repr(value)}")

@@ -78,23 +78,23 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.attn(x if self.attn_norm is None else self.attn_norm(x), meta)
-        if self.tp is not None:  # the output projection was row-parallel: sum the ranks'
-            self.tp.all_reduce(h)
-        if self.post_attn_norm is not None:
-            h = self.post_attn_norm(h)
-        x = x + h
-        if meta.trace is not None:
-            meta.trace.hooks.on_residual(meta, self.attn.layer_idx, "attention", x)
+        x = self._residual(x, h, self.post_attn_norm, "attention", meta)
         h = x if self.mlp_norm is None else self.mlp_norm(x)
         # an MoE layer hands its router's choice to the trace (ForwardHooks.on_router)
         h = self.mlp(h, meta) if isinstance(self.mlp, MoE) else self.mlp(h)
-        if self.tp is not None:  # the down projection too
+        return self._residual(x, h, self.post_mlp_norm, "mlp", meta)
+
+    def _residual(
+        self, x: torch.Tensor, h: torch.Tensor, post_norm, site: str, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """x + a sublayer's output h (both [T, d]), after the sublayer's last steps."""
+        if self.tp is not None:  # its last projection (o or down) was row-parallel: sum ranks'
             self.tp.all_reduce(h)
-        if self.post_mlp_norm is not None:
-            h = self.post_mlp_norm(h)
+        if post_norm is not None:  # Gemma 2/3 and OLMo 2 norm the output before the add
+            h = post_norm(h)
         x = x + h
         if meta.trace is not None:
-            meta.trace.hooks.on_residual(meta, self.attn.layer_idx, "mlp", x)
+            meta.trace.hooks.on_residual(meta, self.attn.layer_idx, site, x)
         return x
 
 
