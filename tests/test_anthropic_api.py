@@ -18,7 +18,7 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
-from helpers import build_hf_model
+from api_helpers import call_turn, tool_turn
 from server_fixture import running_server, server_process
 
 # Roles and contents as words: the tiny model's tokenizer knows t0..t319 (others are t0).
@@ -45,11 +45,9 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    build_hf_model("llama", folder)
-    (folder / "chat_template.jinja").write_text(TEMPLATE)
-    return folder
+def tiny(tiny_llama):
+    (tiny_llama / "chat_template.jinja").write_text(TEMPLATE)
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -208,18 +206,8 @@ def test_tool_history_is_the_chat_routes_prompt(client, url):
     ]
     openai_history = [
         {"role": "user", "content": "t5 t6"},
-        {
-            "role": "assistant",
-            "content": "t7",
-            "tool_calls": [
-                {
-                    "id": "toolu_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "t8"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "toolu_1", "content": "t9 t10"},
+        call_turn("toolu_1", "get_weather", '{"city": "t8"}', content="t7"),
+        tool_turn("toolu_1", "t9 t10"),
         {"role": "user", "content": "t11"},
     ]
     tool = {"type": "function", "function": {**WEATHER, "parameters": WEATHER["input_schema"]}}
@@ -391,18 +379,8 @@ def test_tool_round_trip(smollm_path):
             url,
             [
                 question,
-                {
-                    "role": "assistant",
-                    "content": None,
-                    "tool_calls": [
-                        {
-                            "id": call.id,
-                            "type": "function",
-                            "function": {"name": call.name, "arguments": arguments},
-                        }
-                    ],
-                },
-                {"role": "tool", "tool_call_id": call.id, "content": result},
+                call_turn(call.id, call.name, arguments),
+                tool_turn(call.id, result),
             ],
             model="smollm2-135m-instruct",
             max_tokens=60,

@@ -8,6 +8,7 @@ variables (the reasoning switches) reach the template."""
 from __future__ import annotations
 
 import pytest
+from api_helpers import call_turn, tool_turn
 
 from tokenmill.llm import LLM
 from tokenmill.tokenizer.chat import encode_chat
@@ -33,18 +34,8 @@ WEATHER = {
 }
 HISTORY = [
     {"role": "user", "content": "t5 t6 t7"},
-    {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [
-            {
-                "id": "call_1",
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "t8"}'},
-            }
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call_1", "content": "t9 t10"},
+    call_turn("call_1", "get_weather", '{"city": "t8"}', content=""),
+    tool_turn("call_1", "t9 t10"),
 ]
 
 

@@ -227,20 +227,16 @@ def test_the_cli_names_the_option_from_the_param(monkeypatch, capsys):
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    from helpers import build_hf_model
-
+def app(tiny_llama):
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.server.app import create_app
     from tokenmill.server.async_engine import AsyncEngine
 
-    folder = tmp_path_factory.mktemp("tiny")
-    build_hf_model("llama", folder)
     # a template, so that chat requests get as far as their sampling parameters
-    (folder / "chat_template.jinja").write_text(
+    (tiny_llama / "chat_template.jinja").write_text(
         "{% for m in messages %}{{ m.content }} {% endfor %}"
     )
-    engine = AsyncEngine(LLMEngine(folder, kv_cache_memory="512tok", threads=1))
+    engine = AsyncEngine(LLMEngine(tiny_llama, kv_cache_memory="512tok", threads=1))
     return create_app(engine, model_name="tiny")
 
 

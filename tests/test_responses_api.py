@@ -20,7 +20,7 @@ import json
 import httpx
 import jsonschema
 import pytest
-from helpers import build_hf_model
+from api_helpers import call_turn, closed_object, tool_turn, weather_tool
 from server_fixture import running_server
 
 from tokenmill.engine.llm_engine import RequestOutput
@@ -33,34 +33,20 @@ from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
 from pydantic import TypeAdapter  # noqa: E402
 
 TINY = "tiny"
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Get the current weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 30}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
-}
-CHAT_WEATHER = {  # the same tool as the chat route spells it
-    "type": "function",
-    "function": {k: v for k, v in WEATHER.items() if k != "type"},
-}
+# the Responses API's tool is the chat route's function, flat beside its type
+CHAT_WEATHER = weather_tool("Get the current weather in a city", city_max_length=30, unit=False)
+WEATHER = {"type": "function", **CHAT_WEATHER["function"]}
 EVENT = TypeAdapter(ResponseStreamEvent)
 
 
 @pytest.fixture(scope="module")
-def tiny_url(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    build_hf_model("llama", folder)
+def tiny_url(tiny_llama):
     # every turn's role and content, so a wrong role or a lost turn changes the prompt
-    (folder / "chat_template.jinja").write_text(
+    (tiny_llama / "chat_template.jinja").write_text(
         "{% for m in messages %}{{ m.role }} {{ m.content }} "
         "{% for c in m.tool_calls or [] %}{{ c.function.name }} {% endfor %}{% endfor %}"
     )
-    args = ("--model", str(folder), "--served-model-name", TINY, "--kv-cache-memory", "512tok")
+    args = ("--model", str(tiny_llama), "--served-model-name", TINY, "--kv-cache-memory", "512tok")
     with running_server(*args, "--threads", "1") as url:
         yield url
 
@@ -68,6 +54,13 @@ def tiny_url(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny(tiny_url):
     return openai.OpenAI(base_url=f"{tiny_url}/v1", api_key="unused", max_retries=0)
+
+
+def _message_item(role: str, text: str) -> dict:
+    """A Responses message item of one text part: input_text, or output_text from the
+    assistant."""
+    kind = "output_text" if role == "assistant" else "input_text"
+    return {"type": "message", "role": role, "content": [{"type": kind, "text": text}]}
 
 
 def _chat(client, messages, **kwargs) -> tuple[str, object]:
@@ -100,11 +93,7 @@ def test_whole_answer_is_the_chat_routes_greedy_answer(tiny_url, tiny):
         model=TINY,
         input=[
             {"role": "developer", "content": "t4 t5"},
-            {
-                "type": "message",
-                "role": "user",
-                "content": [{"type": "input_text", "text": "t1 t2 t3"}],
-            },
+            _message_item("user", "t1 t2 t3"),
         ],
         max_output_tokens=6,
         temperature=0,
@@ -128,11 +117,7 @@ def test_a_history_of_calls_and_results_is_the_chat_routes(tiny):
         model=TINY,
         input=[
             {"role": "user", "content": "t1 t2"},
-            {
-                "type": "message",
-                "role": "assistant",
-                "content": [{"type": "output_text", "text": "t3"}],
-            },
+            _message_item("assistant", "t3"),
             {
                 "type": "function_call",
                 "call_id": "call_1",
@@ -147,18 +132,8 @@ def test_a_history_of_calls_and_results_is_the_chat_routes(tiny):
     )
     messages = [
         {"role": "user", "content": "t1 t2"},
-        {
-            "role": "assistant",
-            "content": "t3",
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "t6 t7"},
+        call_turn("call_1", "get_weather", '{"city": "Oslo"}', content="t3"),
+        tool_turn("call_1", "t6 t7"),
     ]
     text, usage = _chat(tiny, messages, tools=[CHAT_WEATHER], max_tokens=5)
     assert response.usage.input_tokens == usage.prompt_tokens
@@ -386,15 +361,12 @@ def test_function_call_round_trip(client):
 
 @pytest.mark.slow
 def test_text_format_json_schema_answers_validate(client):
-    schema = {
-        "type": "object",
-        "properties": {
+    schema = closed_object(
+        {
             "name": {"type": "string", "maxLength": 20},
             "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        },
-        "required": ["name", "age"],
-        "additionalProperties": False,
-    }
+        }
+    )
     response = client.responses.create(
         model=MODEL,
         input="Maria is 34. Extract the person as JSON.",

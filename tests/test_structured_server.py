@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import jsonschema
 import pytest
+from api_helpers import call_turn, closed_object, tool_turn, weather_tool
 from server_fixture import running_server
 
 from tokenmill.server.protocol import ChatCompletionRequest
@@ -28,57 +29,42 @@ KV = ("--kv-cache-memory", "256MiB")
 MODEL = "smollm2-135m-instruct"
 
 SCHEMAS = {
-    "nested": {
-        "type": "object",
-        "properties": {
+    "nested": closed_object(
+        {
             "name": {"type": "string", "maxLength": 20},
-            "address": {
-                "type": "object",
-                "properties": {
+            "address": closed_object(
+                {
                     "city": {"type": "string", "maxLength": 20},
                     "country": {"type": "string", "maxLength": 20},
-                },
-                "required": ["city", "country"],
-                "additionalProperties": False,
-            },
-        },
-        "required": ["name", "address"],
-        "additionalProperties": False,
-    },
-    "array of enums": {
-        "type": "object",
-        "properties": {
+                }
+            ),
+        }
+    ),
+    "array of enums": closed_object(
+        {
             "colors": {
                 "type": "array",
                 "items": {"enum": ["red", "green", "blue", "yellow"]},
                 "minItems": 1,
                 "maxItems": 4,
             }
-        },
-        "required": ["colors"],
-        "additionalProperties": False,
-    },
-    "bounded numbers": {
-        "type": "object",
-        "properties": {
+        }
+    ),
+    "bounded numbers": closed_object(
+        {
             "age": {"type": "integer", "minimum": 18, "maximum": 99},
             "height_m": {"type": "number", "minimum": 1.2, "maximum": 2.2},
             "member": {"type": "boolean"},
-        },
-        "required": ["age", "height_m", "member"],
-        "additionalProperties": False,
-    },
+        }
+    ),
     "array of objects": {
         "type": "array",
-        "items": {
-            "type": "object",
-            "properties": {
+        "items": closed_object(
+            {
                 "item": {"type": "string", "maxLength": 16},
                 "qty": {"type": "integer", "minimum": 1, "maximum": 9},
-            },
-            "required": ["item", "qty"],
-            "additionalProperties": False,
-        },
+            }
+        ),
         "minItems": 1,
         "maxItems": 3,
     },
@@ -90,22 +76,7 @@ QUESTIONS = {
     "array of objects": "Write a shopping list in JSON.",
 }
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 30},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
+WEATHER = weather_tool("Get the current weather in a city", city_max_length=30)
 TIME = {
     "type": "function",
     "function": {
@@ -318,20 +289,8 @@ def test_tool_calls_stream_as_fragments(client):
     expected = whole.choices[0].message.tool_calls[0].function
     assert (calls[0]["name"], calls[0]["arguments"]) == (expected.name, expected.arguments)
     # the streamed call goes back as history like any other
-    messages.append(
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": calls[0]["id"],
-                    "type": "function",
-                    "function": {"name": "get_time", "arguments": calls[0]["arguments"]},
-                }
-            ],
-        }
-    )
-    messages.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": "09:30"})
+    messages.append(call_turn(calls[0]["id"], "get_time", calls[0]["arguments"]))
+    messages.append(tool_turn(calls[0]["id"], "09:30"))
     answer = client.chat.completions.create(
         model=MODEL, messages=messages, tools=TOOLS, max_tokens=20, stream=True
     )
@@ -446,18 +405,8 @@ def test_tools_reach_the_prompt_and_auto_answers_parse(tiny_http):
     body = {
         "messages": [
             *CHAT,
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {
-                        "id": "call_1",
-                        "type": "function",
-                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
-                    }
-                ],
-            },
-            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            call_turn("call_1", "get_weather", '{"city": "Oslo"}'),
+            tool_turn("call_1", "sunny"),
         ],
         "tools": [WEATHER],
         "max_tokens": 3,

@@ -10,6 +10,7 @@ import random
 import jsonschema
 import numpy as np
 import pytest
+from api_helpers import call_turn, weather_tool
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -77,22 +78,7 @@ PLAIN_CHATML = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 20},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
+WEATHER = weather_tool("The current weather in a city", city_max_length=20)
 CLOCK = {"type": "function", "function": {"name": "get_time"}}  # no parameters at all
 TOOLS = [Tool.model_validate(WEATHER), Tool.model_validate(CLOCK)]
 VOCAB, EOS = 49152, [0, 2]
@@ -145,20 +131,7 @@ def test_request_checks():
 HISTORY = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather in Paris?"},
-    {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [
-            {
-                "id": "call_1",
-                "type": "function",
-                "function": {
-                    "name": "get_weather",
-                    "arguments": {"city": "Paris", "unit": "celsius"},
-                },
-            }
-        ],
-    },
+    call_turn("call_1", "get_weather", {"city": "Paris", "unit": "celsius"}, content=""),
     {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "call_1"},
     {"role": "tool", "content": '{"humidity": 40}', "tool_call_id": "call_1"},
 ]
