@@ -81,7 +81,7 @@ CASES = {
             query_pre_attn_scalar=20,
             sliding_window=8,
         ),
-        "attention logit soft-capping",
+        "stack",
     ),
     "gemma2-no-attn-softcap": (
         "Gemma2ForCausalLM",
@@ -89,7 +89,7 @@ CASES = {
         dict(head_dim=16, attn_logit_softcapping=None, sliding_window=8),
         "stack",
     ),
-    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", {}, "whole projection"),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", {}, "stack"),
     "smollm3-nope": (
         "SmolLM3ForCausalLM",
         "SmolLM3Config",

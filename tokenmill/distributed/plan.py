@@ -77,6 +77,12 @@ def tp_plan(cfg: ModelConfig, size: int) -> list[TPShard]:
             "tensor parallelism does not shard Mixture-of-Experts layers yet: "
             "use pipeline_parallel_size (or one process) for this model"
         )
+    if cfg.qk_norm == "full" and size > 1:
+        # OLMo 2's q/k norms take the RMS over every head; a rank holds only its own heads
+        raise PlanError(
+            "tensor parallelism does not cut a Q/K norm over the whole projection "
+            "(qk_norm 'full', OLMo 2) yet: use pipeline_parallel_size for this model"
+        )
     H, Hkv = cfg.num_heads, cfg.num_kv_heads
     rep = H // Hkv
     if Hkv >= size:

@@ -68,7 +68,7 @@ __all__ = [
 ]
 
 
-ABI = 10  # tm_info() // 1000 of the sources this module binds
+ABI = 11  # tm_info() // 1000 of the sources this module binds
 F16, BF16, F32 = 16, 17, 32  # tm_weight.bits of float weights (4 and 8: packed blocks)
 DEFAULT_GROUP_BLOCKS = 16  # the packing used when no library is loaded (any would do)
 # The most rows of x the GEMV takes before float32 tiles beat it (float weights, and
@@ -117,7 +117,9 @@ class TmLayer(ctypes.Structure):
         ("rot_dim", ctypes.c_int32),
         ("window", ctypes.c_int32),
         ("act16", ctypes.c_int32),
+        ("qk_full", ctypes.c_int32),
         ("scale", ctypes.c_float),
+        ("softcap", ctypes.c_float),
     ]
 
 

@@ -103,9 +103,13 @@ static inline float softmax_exp(float *s, int n) {
 /* Attention of Bd decode rows (one new token each) over a paged KV cache, whole layer
  * in one call: per row and K/V head, q/k RMSNorm (optional), RoPE, the cache write of
  * the new k/v, then softmax(q K^T * scale) V for the `rep` = H/Hkv query heads sharing
- * that K/V head. The layer L gives the q/k norms, the rotary tables [P, rot_dim], the
- * cache [num_slots, Hkv, hd], the sliding window (> 0: only the last `window` keys are
- * seen) and the score scale; `rows` the step's decode rows (see tm_rows).
+ * that K/V head. The layer L gives the q/k norms (each head apart, or with qk_full over
+ * the row's whole q [H hd] and k [Hkv hd]: each task computes the row's two RMS factors
+ * itself, H + Hkv dot products of hd, so tasks stay independent), the rotary tables
+ * [P, rot_dim], the cache [num_slots, Hkv, hd], the sliding window (> 0: only the last
+ * `window` keys are seen), the score scale and the soft-cap (> 0: each scaled score s
+ * becomes softcap * tanh(s / softcap) before the softmax); `rows` the step's decode rows
+ * (see tm_rows).
  *
  *   qkv        [Bd, (H + 2 Hkv) hd]  fused projection output (q heads, k heads, v heads)
  *   out        [Bd, H hd]
@@ -115,6 +119,8 @@ int tm_decode_attention(const tm_shape *sh, const tm_layer *L, const tm_rows *ro
     const int H = sh->H, Hkv = sh->Hkv, hd = sh->hd, Bd = rows->Bd, cmax = rows->cmax;
     const int rot_dim = L->rot_dim, window = L->window;
     const float eps = sh->eps, scale = L->scale, *q_norm = L->q_norm, *k_norm = L->k_norm;
+    const float softcap = L->softcap;
+    const int qk_full = L->qk_full;
     const float *rcos = L->rcos, *rsin = L->rsin;
     float *k_cache = L->k_cache, *v_cache = L->v_cache;
     const int64_t *positions = rows->positions, *new_slots = rows->new_slots;
@@ -137,17 +143,27 @@ int tm_decode_attention(const tm_shape *sh, const tm_layer *L, const tm_rows *ro
             const float *c = rcos ? rcos + positions[b] * rot_dim : NULL;
             const float *s = rsin ? rsin + positions[b] * rot_dim : NULL;
             /* ---- new k, v: norm, rotate, write to the cache ---- */
+            /* qk_full: the RMS factors of the row's whole q and k projections */
+            const float q_inv = qk_full ? tm_rms_inv(row, H * hd, eps) : 0.f;
+            const float k_inv = qk_full ? tm_rms_inv(row + (size_t)H * hd, Hkv * hd, eps) : 0.f;
             float *kd = k_cache + ((size_t)new_slots[b] * Hkv + g) * hd;
             memcpy(kd, row + (size_t)(H + g) * hd, hd * sizeof(float));
-            if (k_norm) tm_rms_norm(kd, hd, k_norm, eps, kd);
+            if (k_norm && qk_full)
+                for (int i = 0; i < hd; i++) kd[i] = kd[i] * k_inv * k_norm[(size_t)g * hd + i];
+            else if (k_norm)
+                tm_rms_norm(kd, hd, k_norm, eps, kd);
             if (c) rope_inplace(kd, rot_dim, c, s);
             memcpy(v_cache + ((size_t)new_slots[b] * Hkv + g) * hd, row + (size_t)(H + Hkv + g) * hd,
                    hd * sizeof(float));
             /* ---- the rep query heads of this group ---- */
             for (int r = 0; r < rep; r++) {
                 float *qr = q + (size_t)r * hd;
-                memcpy(qr, row + (size_t)(g * rep + r) * hd, hd * sizeof(float));
-                if (q_norm) tm_rms_norm(qr, hd, q_norm, eps, qr);
+                const size_t h0 = (size_t)(g * rep + r) * hd; /* this head's offset in q */
+                memcpy(qr, row + h0, hd * sizeof(float));
+                if (q_norm && qk_full)
+                    for (int i = 0; i < hd; i++) qr[i] = qr[i] * q_inv * q_norm[h0 + i];
+                else if (q_norm)
+                    tm_rms_norm(qr, hd, q_norm, eps, qr);
                 if (c) rope_inplace(qr, rot_dim, c, s);
             }
             /* ---- scores over the visible context [j0, n) ---- */
@@ -157,6 +173,8 @@ int tm_decode_attention(const tm_shape *sh, const tm_layer *L, const tm_rows *ro
             for (int r = 0; r < rep; r++)
                 attn_scores(q + (size_t)r * hd, k_cache + (size_t)g * hd, sl, stride, m, hd, scale,
                             sc + (size_t)r * m);
+            if (softcap > 0.f)
+                for (size_t j = 0; j < (size_t)rep * m; j++) sc[j] = softcap * tanhf(sc[j] / softcap);
             /* ---- softmax, then the weighted sum of values ---- */
             float inv[rep];
             for (int r = 0; r < rep; r++) inv[r] = 1.f / softmax_exp(sc + (size_t)r * m, m);

@@ -37,8 +37,13 @@ static void gated_act(const float *g, const float *u, int f, int act, float *out
     }
 }
 
-/* dst [Bd, d] = rmsnorm of each row of src (in place when dst == src). */
+/* dst [Bd, d] = rmsnorm of each row of src (in place when dst == src); without weights w
+ * (OLMo 2 norms after its sublayers only) a copy. */
 static void norm_rows(const float *src, int Bd, int d, const float *w, float eps, float *dst) {
+    if (!w) {
+        if (dst != src) memcpy(dst, src, (size_t)Bd * d * sizeof(float));
+        return;
+    }
     for (int b = 0; b < Bd; b++) tm_rms_norm(src + (size_t)b * d, d, w, eps, dst + (size_t)b * d);
 }
 
@@ -53,9 +58,9 @@ static void add_residual(float *x, float *h, int Bd, int d, const float *post_no
 static __thread tm_buf stack_buf;
 
 /* x [Bd, d]: the embedded decode rows in, the final norm of the residual stream out.
- * Per layer, for the Bd rows together:
- *     h = rmsnorm(x); qkv = h Wqkv^T; attention over the paged cache (writes k/v);
- *     x += [post_norm](attn Wo^T); h = rmsnorm(x); x += [post_norm](down(act(gate) * up))
+ * Per layer, for the Bd rows together ([rmsnorm]: none where the family has no pre-norm):
+ *     h = [rmsnorm](x); qkv = h Wqkv^T; attention over the paged cache (writes k/v);
+ *     x += [post_norm](attn Wo^T); h = [rmsnorm](x); x += [post_norm](down(act(gate) * up))
  * Returns 1, 0 on OOM, or tm_linear's error code. */
 int tm_decode_stack(const tm_stack *st, const tm_rows *rows, float *x, int nthreads) {
     const tm_shape *s = st->shape;

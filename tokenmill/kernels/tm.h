@@ -29,7 +29,7 @@
 
 #define TM_GB TM_W /* blocks per lane-order group: one vector of 32-bit lanes */
 
-#define TM_ABI 10 /* tm_info() / 1000: bumped when a struct or signature changes */
+#define TM_ABI 11 /* tm_info() / 1000: bumped when a struct or signature changes */
 
 #define QK 32            /* values per block */
 #define GW (TM_GB * QK)  /* values per full lane-order group */
@@ -85,11 +85,13 @@ typedef struct {
     const float *qkv_bias, *o_bias, *up_bias, *down_bias;
     const float *attn_norm, *mlp_norm;            /* RMSNorm weights [d] */
     const float *post_attn_norm, *post_mlp_norm;  /* Gemma's sandwich norms [d] or NULL */
-    const float *q_norm, *k_norm;                 /* [hd] or NULL */
+    const float *q_norm, *k_norm;                 /* [hd], or [H hd] and [Hkv hd] (qk_full) */
     const float *rcos, *rsin;                     /* [P, rot_dim] or NULL */
     float *k_cache, *v_cache;                     /* [num_slots, Hkv, hd] */
     int32_t rot_dim, window, act16;               /* act16: activation bits of the linears */
-    float scale;                                  /* attention score scale */
+    int32_t qk_full;  /* 1: q/k norms over the whole projection (OLMo 2), 0: each head apart */
+    float scale;      /* attention score scale */
+    float softcap;    /* > 0: scores -> softcap * tanh(scores / softcap) (Gemma 2); 0: none */
 } tm_layer;
 
 /* Tensor parallelism: called with a row-parallel projection's partial sums [n] (the
@@ -298,8 +300,11 @@ static inline int32_t tm_quant_block(const float *v, float qmax, int16_t q[QK], 
 
 /* RMSNorm: out [n] = x * w / sqrt(mean(x^2) + eps), the sum of squares accumulated in
  * float like F.rms_norm; out may be x (in place). */
+static inline float tm_rms_inv(const float *x, int n, float eps) {
+    return 1.f / sqrtf(vf_dot(x, x, n) / n + eps);
+}
 static inline void tm_rms_norm(const float *x, int n, const float *w, float eps, float *out) {
-    const float inv = 1.f / sqrtf(vf_dot(x, x, n) / n + eps);
+    const float inv = tm_rms_inv(x, n, eps);
     for (int i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
 }
 

@@ -9,15 +9,17 @@ GEMVs' memory traffic itself. So:
                                (tm_decode_attention: q/k norm, RoPE, KV write, softmax, values)
   the whole-step stack         every layer and the final norm in one C call (tm_decode_stack):
 
-    per layer:  h = rmsnorm(x);  qkv = h Wqkv^T;  attention over the paged cache
-                x += [post_norm](attn Wo^T);  h = rmsnorm(x)
+    per layer:  h = [rmsnorm](x);  qkv = h Wqkv^T;  attention over the paged cache
+                x += [post_norm](attn Wo^T);  h = [rmsnorm](x)
                 x += [post_norm](down(act(gate(h)) * up(h)))
 
 Both read the same `TmLayer` per block, built here once (after the KV cache is attached)
 from the modules' own tensors: the attention path reads its attention fields, the stack
-all of them. The stack needs RMSNorm before each sublayer, a gated SiLU or tanh-GELU MLP
-(Llama, Mistral, Qwen2/3, Gemma 3, Phi-3, SmolLM3, Granite) and every linear layer native
-(QuantLinear or FloatLinear); when it cannot run, `stack_blocker` says why. Phi-3's
+all of them. The stack needs RMSNorms (before each sublayer, after it, or both), a gated
+SiLU or tanh-GELU MLP (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, OLMo 2, SmolLM3,
+Granite) and every linear layer native (QuantLinear or FloatLinear); when it cannot run,
+`stack_blocker` says why. Attention covers per-head and whole-projection Q/K norms (Qwen3,
+OLMo 2) and Gemma 2's score soft-cap. Phi-3's
 LongRoPE is in the rotary tables, SmolLM3's NoPE layers have none, and Granite's
 multipliers sit outside the stack (embedding, logits) or in its weights (residual).
 """
@@ -94,9 +96,8 @@ class NativeModel:
             setattr(desc, f"{name}_bias", self._ptr(lin.bias))
         for name in ("attn_norm", "mlp_norm"):
             norm = getattr(block, name)
-            if norm is None:  # OLMo 2: norms after the sublayers only
-                self._block(f"layer {i} has no {name}: the stack norms before each sublayer")
-            elif not isinstance(norm, RMSNorm):
+            # None: OLMo 2 norms after the sublayers only (the stack copies instead)
+            if norm is not None and not isinstance(norm, RMSNorm):
                 self._block(f"layer {i} {name} is not an RMSNorm")
             setattr(desc, name, None if norm is None else self._ptr(norm.weight))
         for name in ("post_attn_norm", "post_mlp_norm"):
@@ -115,6 +116,8 @@ class NativeModel:
             self._block(f"layer {i} mixes activation precisions {sorted(act_bits)}")
         desc.act16 = int(act_bits == {16})
         desc.scale = a.scale
+        desc.qk_full = int(a.qk_norm_full)  # OLMo 2: norms [H hd] and [Hkv hd]
+        desc.softcap = a.softcap or 0.0  # Gemma 2
 
     # -- the two native calls ---------------------------------------------------------------
 

@@ -45,12 +45,6 @@ def native_blocker(model) -> str | None:
     if cfg.num_experts:
         # the per-layer descriptors (models/native_model.py) have one dense MLP per layer
         return "MoE layers are not in the fused stack yet"
-    if cfg.qk_norm == "full":
-        # tm_decode_attention normalizes each head apart (weights [hd])
-        return "Q/K norm over the whole projection (qk_norm='full') is not in native attention yet"
-    if model.cfg.attn_logit_softcap is not None:
-        # Gemma 2: tm_decode_attention's scores have no tanh cap (kernels/attention.c)
-        return "attention logit soft-capping (Gemma 2) is not in native attention yet"
     if model.dtype is not torch.float32:
         return f"activations are {str(model.dtype).removeprefix('torch.')}, not float32"
     cache = model.layers[0].attn.k_cache
