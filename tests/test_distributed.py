@@ -116,6 +116,15 @@ def test_tp_plan_replicates_kv_heads_when_fewer_than_ranks():
         tp_plan(_cfg(6, 2), 3)  # 3 ranks over 2 K/V heads: neither divides
 
 
+def test_tp_refuses_a_qk_norm_over_the_whole_projection():
+    """OLMo 2's q/k norms take one RMS over every head: a rank holding some heads cannot."""
+    cfg = _cfg(8, 2)
+    cfg.qk_norm = "full"
+    with pytest.raises(PlanError, match="whole projection"):
+        tp_plan(cfg, 2)
+    assert len(tp_plan(cfg, 1)) == 1  # one rank holds every head: nothing to cut
+
+
 def test_split_and_pp_plan():
     assert split(10, 3) == [(0, 4), (4, 7), (7, 10)]
     assert split(1536 + 32, 2, 256) == [(0, 768), (768, 1568)]  # remainder to the last
