@@ -261,6 +261,38 @@ def test_smollm3_gguf_reads_back_as_the_folder(tmp_path, qtype):
     assert Single(path).greedy(prompt, 16)[0] == _reference(hf, prompt, 16)[0]
 
 
+@pytest.mark.parametrize("qtype", [None, Q.F16])
+def test_granite_gguf_reads_back_as_the_folder(tmp_path, qtype):
+    """A Granite GGUF as llama.cpp's converter writes it (a llama layout, Q/K rows
+    permuted, the multipliers as granite.*_scale keys) gives transformers' logits and
+    greedy tokens, on the torch path and on the fused stack with the file's weights."""
+    import gguf
+
+    hf = build("granite-multipliers", tmp_path / "hf")
+    c, f32 = hf.config, gguf.GGUFValueType.FLOAT32
+    meta = {
+        "granite.attention.scale": (c.attention_multiplier, f32),
+        "granite.embedding_scale": (c.embedding_multiplier, f32),
+        "granite.residual_scale": (c.residual_multiplier, f32),
+        "granite.logit_scale": (c.logits_scaling, f32),
+    }
+    path = tmp_path / "granite.gguf"
+    hf = write_llama_gguf(hf, path, qtype, arch="granite", metadata=meta)
+    cfg = open_checkpoint(path).config
+    assert (cfg.embed_scale, cfg.residual_scale) == pytest.approx((3.0, 0.4))
+    assert (cfg.attn_scale, cfg.logit_scale) == pytest.approx((0.2, 1 / 2.5))
+    prompt = _prompt("granite")
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    assert (Single(path).feed(prompt) - ref).abs().max().item() < 1e-4
+    want = _reference(hf, prompt, 16)[0]
+    assert Single(path).greedy(prompt, 16)[0] == want
+    if kernels.library() is not None:
+        packed = Single(path, quantize="gguf")
+        assert packed.greedy(prompt, 16)[0] == want
+        assert packed.model.decode_path().name == paths.STACK
+
+
 # HF parameter (inside a layer) -> llama.cpp tensor name, for the families below
 _GGUF_NAMES = {
     "input_layernorm": "attn_norm",

@@ -132,9 +132,9 @@ class ModelConfig:
     pre_norm: bool = True
     # Per layer: False where the layer has no RoPE (SmolLM3's NoPE layers). Empty: all True.
     rope_layers: list[bool] = field(default_factory=list)
-    # Granite: each sublayer's output times residual_scale before its residual add. The
-    # loaders fold it into attn.o and mlp.down (weights and biases), so the model and the
-    # fused stack run unchanged; nothing after loading reads it.
+    # Granite: each sublayer's output times residual_scale before its residual add (the
+    # model's Block._residual and the fused stack's add_residual; a GGUF's packed o and
+    # down weights could not take it folded in).
     residual_scale: float = 1.0
     logit_scale: float = 1.0  # Granite: logits times this (1 / logits_scaling)
     tie_embeddings: bool = True

@@ -120,6 +120,7 @@ class TmLayer(ctypes.Structure):
         ("qk_full", ctypes.c_int32),
         ("scale", ctypes.c_float),
         ("softcap", ctypes.c_float),
+        ("residual_scale", ctypes.c_float),
     ]
 
 

@@ -92,6 +92,7 @@ typedef struct {
     int32_t qk_full;  /* 1: q/k norms over the whole projection (OLMo 2), 0: each head apart */
     float scale;      /* attention score scale */
     float softcap;    /* > 0: scores -> softcap * tanh(scores / softcap) (Gemma 2); 0: none */
+    float residual_scale; /* x += residual_scale * sublayer (Granite; 1 elsewhere) */
 } tm_layer;
 
 /* Tensor parallelism: called with a row-parallel projection's partial sums [n] (the

@@ -54,7 +54,7 @@ SUPPORTED_TYPES = {
 }
 SUPPORTED_ARCHS = (
     *("llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt2"),
-    *("smollm3", "gemma2", "olmo2", "phi3"),
+    *("smollm3", "gemma2", "olmo2", "phi3", "granite"),
     *("qwen2moe", "qwen3moe", "olmoe"),
 )
 # Mixture-of-experts families (layers/moe.py); llama is one too when it has experts.
@@ -73,7 +73,7 @@ _MOE_NAMES = {
 }
 _EXPERT_NAMES = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 # Families whose Q/K rows llama.cpp's converter permuted.
-_PERMUTED_QK = ("llama", "mistral", "smollm3")
+_PERMUTED_QK = ("llama", "mistral", "smollm3", "granite")
 # SmolLM3: llama.cpp has no key for its NoPE layers; it hard-codes every 4th layer.
 _SMOLLM3_NOPE_STEP = 4
 
@@ -225,6 +225,27 @@ def _config(reader: GGUFFile, path: Path) -> ModelConfig:
             sandwich_norm=True,
             sliding_window=window,
             layer_types=["sliding" if window and i % 4 < 3 else "full" for i in range(layers)],
+            **common,
+        )
+    if arch == "granite":
+        # llama.cpp's converter writes each multiplier as a *_scale key, and only when it is
+        # set (not 0); absent, llama.cpp takes none (1), and 1/sqrt(head_dim) for attention.
+        # logit_scale is transformers' logits_scaling: the logits are divided by it.
+        def scale(key: str, default: float) -> float:
+            return meta_float(key, 0.0) or default
+
+        return ModelConfig(
+            arch="granite",
+            norm_eps=rms_eps,
+            embed_scale=scale("embedding_scale", 1.0),
+            attn_scale=scale("attention.scale", head_dim**-0.5),
+            residual_scale=scale("residual_scale", 1.0),
+            logit_scale=1.0 / scale("logit_scale", 1.0),
+            qkv_bias="blk.0.attn_q.bias" in names,
+            o_bias="blk.0.attn_output.bias" in names,
+            mlp_bias="blk.0.ffn_up.bias" in names,
+            sliding_window=window,
+            layer_types=["sliding" if window else "full"] * layers,
             **common,
         )
     nope = arch == "smollm3"

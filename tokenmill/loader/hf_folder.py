@@ -50,8 +50,6 @@ _PHI3_FUSED = {
     "self_attn.qkv_proj": ("attn.q", "attn.k", "attn.v"),
     "mlp.gate_up_proj": ("mlp.gate", "mlp.up"),
 }
-# Granite's residual multiplier is folded into the projections before each residual add.
-_RESIDUAL_PROJECTIONS = ("self_attn.o_proj.", "mlp.down_proj.")
 _GPT2_LAYER_NAMES = {
     "ln_1": "attn_norm",
     "attn.c_proj": "attn.o",
@@ -272,10 +270,6 @@ def _loader(handle, file: Path, key: str, config, part):
             t = t.chunk(3, dim=0)[i]
         if config.arch in ("gemma2", "gemma3") and key.endswith("norm.weight"):
             t = t.float() + 1.0  # Gemma scales by (1 + w); fold the 1 in once at load
-        if config.residual_scale != 1.0 and any(p in key for p in _RESIDUAL_PROJECTIONS):
-            # Granite: x + s * o(attn), x + s * down(mlp): s folded into o and down (and
-            # their biases), computed in float32 and stored back in the file's dtype
-            t = (t.float() * config.residual_scale).to(t.dtype)
         return t
 
     return load

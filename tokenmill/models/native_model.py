@@ -21,7 +21,8 @@ Granite) and every linear layer native (QuantLinear or FloatLinear); when it can
 `stack_blocker` says why. Attention covers per-head and whole-projection Q/K norms (Qwen3,
 OLMo 2) and Gemma 2's score soft-cap. Phi-3's
 LongRoPE is in the rotary tables, SmolLM3's NoPE layers have none, and Granite's
-multipliers sit outside the stack (embedding, logits) or in its weights (residual).
+multipliers sit outside the stack (embedding, logits) or in its layers (attention's score
+scale, the residual adds' scale).
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ class NativeModel:
         desc.scale = a.scale
         desc.qk_full = int(a.qk_norm_full)  # OLMo 2: norms [H hd] and [Hkv hd]
         desc.softcap = a.softcap or 0.0  # Gemma 2
+        desc.residual_scale = block.residual_scale  # Granite
 
     # -- the two native calls ---------------------------------------------------------------
 

@@ -74,6 +74,7 @@ class Block(nn.Module):
         self.mlp = MoE(cfg, idx) if cfg.moe_layers[idx] else MLP(cfg)
         self.post_attn_norm = make_norm(cfg.norm, d, cfg.norm_eps) if cfg.sandwich_norm else None
         self.post_mlp_norm = make_norm(cfg.norm, d, cfg.norm_eps) if cfg.sandwich_norm else None
+        self.residual_scale = cfg.residual_scale  # Granite: x + s * sublayer(x)
         self.tp = None  # tensor parallelism: the rank's TPGroup (distributed/group.py)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -92,6 +93,8 @@ class Block(nn.Module):
             self.tp.all_reduce(h)
         if post_norm is not None:  # Gemma 2/3 and OLMo 2 norm the output before the add
             h = post_norm(h)
+        if self.residual_scale != 1.0:
+            h = h * self.residual_scale
         x = x + h
         if meta.trace is not None:
             meta.trace.hooks.on_residual(meta, self.attn.layer_idx, site, x)
