@@ -49,27 +49,26 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
-from tokenmill.checks import ParamError
-from tokenmill.engine.llm_engine import LLMEngine, RequestOutput
+from tokenmill.engine.llm_engine import RequestOutput
 from tokenmill.sampling import FinishReason, SamplingParams
 from tokenmill.server.async_engine import EngineFailure, Generation, RequestStream
 from tokenmill.server.errors import InternalError, format_anthropic, invalid, to_api_error
 from tokenmill.server.metrics import CLIENT_CLOSED_REQUEST
 from tokenmill.server.protocol import (
-    FunctionDefinition,
-    FunctionName,
     NamedToolChoice,
-    Tool,
     ToolName,
     check_fits,
+    function_tool,
     make_sampling_params,
+    named_choice,
+    resolve_tools,
 )
 from tokenmill.server.running import (
     EventStream,
-    check_messages_fit,
+    chat_prompt,
     check_model,
+    collect_one,
     engine_of,
-    off_loop,
     shorter,
     start_request,
     unless_disconnected,
@@ -242,38 +241,21 @@ class CountTokensRequest(StrictModel):
 
     def tool_request(self, tokenizer: Any) -> ToolRequest | None:
         """The tools resolved against the model's template (None without tools), as the
-        chat route's: OpenAI's Tool models and tool_choice, for ToolRequest.create."""
+        chat route's: OpenAI's Tool models and tool_choice, for protocol.py's
+        resolve_tools."""
         tools = None
         if self.tools is not None:
-            tools = [
-                Tool(
-                    type="function",
-                    function=FunctionDefinition(
-                        name=t.name, description=t.description, parameters=t.input_schema
-                    ),
-                )
-                for t in self.tools
-            ]
+            tools = [function_tool(t.name, t.description, t.input_schema) for t in self.tools]
         choice: str | NamedToolChoice | None = None
         parallel = None
         if self.tool_choice is not None:
             if self.tool_choice.type == "tool":
-                choice = NamedToolChoice(
-                    type="function", function=FunctionName(name=self.tool_choice.name)
-                )
+                choice = named_choice(self.tool_choice.name)
             else:
                 choice = _CHOICES[self.tool_choice.type]
             if self.tool_choice.disable_parallel_tool_use is not None and tools is not None:
                 parallel = not self.tool_choice.disable_parallel_tool_use
-
-        def special_id(piece: str) -> int | None:  # Mistral's [TOOL_CALLS], as a token
-            ids = tokenizer.encode(piece, add_special_tokens=False)
-            return ids[0] if len(ids) == 1 and ids[0] in tokenizer.special_ids else None
-
-        try:
-            return ToolRequest.create(tools, choice, parallel, tokenizer.chat_template, special_id)
-        except ParamError as e:
-            raise to_api_error(e) from None
+        return resolve_tools(tokenizer, tools, choice, parallel)
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The conversation as the OpenAI-style message dicts chat preparation takes."""
@@ -371,11 +353,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     engine = engine_of(request)
     model = check_model(request, body.model)
     body.check()
-    # off the loop: a tool list's checks walk every schema, as in the chat route
-    tools = await off_loop(request, body.tool_request, engine.engine.tokenizer)
-    prompt_ids = await off_loop(
-        request, _prompt, engine.engine, body.template_messages(), tools, body.template_vars
-    )
+    tools, prompt_ids = await chat_prompt(request, body)
     reasoning = request.app.state.reasoning  # the format answers are split by, or None
     params = body.sampling_params(tools, reasoning)
     check_fits(
@@ -405,52 +383,21 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     )
     if body.stream:
         return EventStream(_events(request, fmt, stream), stream, fmt.id)
-    answer = await unless_disconnected(request, _collect(stream))
+    answer = await unless_disconnected(request, collect_one(stream))
     if answer is None:
         log.info("%s: client disconnected; aborted", fmt.id)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONResponse(fmt.message(*answer))
-
-
-async def _collect(stream: RequestStream) -> tuple[Generation, str | None]:
-    """The whole answer, and the stop string that ended it (if one did); aborted if
-    cancelled."""
-    generation, stop_string = Generation(), None
-    try:
-        async for _, out in stream:
-            generation.add(out)
-            stop_string = out.stop_string
-    finally:
-        stream.abort()
-    return generation, stop_string
+    generation, last = answer
+    return JSONResponse(fmt.message(generation, last.stop_string if last else None))
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
     """The prompt a /v1/messages request with these fields would run, in tokens."""
-    engine = engine_of(request)
     check_model(request, body.model)
     body.check()
-    tools = await off_loop(request, body.tool_request, engine.engine.tokenizer)
-    prompt_ids = await off_loop(
-        request, _prompt, engine.engine, body.template_messages(), tools, body.template_vars
-    )
+    _, prompt_ids = await chat_prompt(request, body)
     return {"input_tokens": len(prompt_ids)}
-
-
-def _prompt(
-    engine: LLMEngine,
-    messages: list[dict[str, Any]],
-    tools: ToolRequest | None,
-    template_vars: dict[str, Any] | None,
-) -> list[int]:
-    """The messages rendered with the model's chat template and tokenized, as the chat
-    route's are (tokenizer/chat.py's encode_chat). Runs on a worker thread."""
-    check_messages_fit(engine, messages)
-    try:
-        return engine.encode_chat(messages, tools, template_vars)
-    except ValueError as e:  # ChatTemplateError, RequestError (too long), a refused message
-        raise to_api_error(e, param="messages") from None
 
 
 # --------------------------------------------------------------------------- responses

@@ -84,7 +84,7 @@ from tokenmill.server.running import (
     BIG_PREP_THREADS,
     PREP_THREADS,
     EventStream,
-    check_messages_fit,
+    chat_prompt,
     check_model,
     decoder,
     engine_of,
@@ -95,7 +95,6 @@ from tokenmill.server.running import (
     unless_disconnected,
 )
 from tokenmill.server.sse import sse
-from tokenmill.server.tools import ToolRequest
 from tokenmill.tokenizer.reasoning import resolve as resolve_reasoning
 
 log = logging.getLogger("tokenmill.server")
@@ -323,9 +322,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     engine = engine_of(request)
     model = check_model(request, body.model)
     body.check_extra_fields()
-    # off the loop: a tool list's checks walk every schema (20,000 tools held it 4.7 s)
-    tools = await off_loop(request, body.tool_request, engine.engine.tokenizer)
-    prompt_ids = await off_loop(request, _chat_prompt, engine.engine, body, tools)
+    tools, prompt_ids = await chat_prompt(request, body)
     max_model_len = engine.engine.max_model_len
     reasoning = request.app.state.reasoning
     params = body.sampling_params(
@@ -437,21 +434,6 @@ def _completion_prompts(
             text = one if isinstance(one, str) else engine.tokenizer.decode(ids)
         out.append((ids, text))
     return out
-
-
-def _chat_prompt(
-    engine: LLMEngine, body: ChatCompletionRequest, tools: ToolRequest | None = None
-) -> list[int]:
-    """Render the messages (and tools) with the model's chat template (within its limits;
-    messages' text kept as text) and tokenize them: tokenizer/chat.py's encode_chat, as
-    LLM.chat and /v1/inspect do, with chat_template_kwargs and reasoning_effort as
-    further template variables. Runs on a worker thread."""
-    messages = [message.as_template_input(i) for i, message in enumerate(body.messages)]
-    check_messages_fit(engine, messages)
-    try:
-        return engine.encode_chat(messages, tools, body.template_vars)
-    except ValueError as e:  # ChatTemplateError, RequestError (too long), a refused message
-        raise to_api_error(e, param="messages") from None
 
 
 async def _run(

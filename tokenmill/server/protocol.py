@@ -219,6 +219,59 @@ class NamedToolChoice(StrictModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+def function_tool(
+    name: str,
+    description: str | None,
+    parameters: dict[str, Any] | None,
+    strict: bool | None = None,
+) -> Tool:
+    """A function tool in the chat form, from another API's spelling of one (Anthropic's
+    input_schema, the Responses API's flat tools)."""
+    return Tool(
+        type="function",
+        function=FunctionDefinition(
+            name=name, description=description, parameters=parameters, strict=strict
+        ),
+    )
+
+
+def named_choice(name: str) -> NamedToolChoice:
+    """tool_choice naming the function to call, in the chat form."""
+    return NamedToolChoice(type="function", function=FunctionName(name=name))
+
+
+def resolve_tools(
+    tokenizer: Any,
+    tools: list[Tool] | None,
+    choice: str | NamedToolChoice | None,
+    parallel: bool | None,
+    constraint: Callable[[], str | None] = lambda: None,
+) -> ToolRequest | None:
+    """The tools set up against the model's chat template (None without tools), for every
+    API that takes tools: ToolRequest.create with the tokenizer's special tokens (Mistral's
+    [TOOL_CALLS]), its ParamError a 400 naming the field. constraint() -> the field of an
+    output constraint the request also sets (None: none), which a forced call refuses;
+    asked only when the call is forced. Runs on a worker thread (it walks every schema)."""
+
+    def special_id(piece: str) -> int | None:
+        ids = tokenizer.encode(piece, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 and ids[0] in tokenizer.special_ids else None
+
+    try:
+        request = ToolRequest.create(tools, choice, parallel, tokenizer.chat_template, special_id)
+    except ParamError as e:
+        raise to_api_error(e) from None
+    forced = request is not None and request.grammar() is not None
+    if forced and (name := constraint()) is not None:
+        raise invalid(
+            f"{name} cannot be combined with tool_choice "
+            f"{request.choice if request.forced is None else 'naming a function'}: "
+            "the answer is a tool call",
+            "tool_choice",
+        )
+    return request
+
+
 class CalledFunction(StrictModel):
     name: Text
     arguments: Text  # JSON text, as OpenAI sends it
@@ -280,7 +333,7 @@ class ChatMessage(StrictModel):
                     "type": "function",
                     "function": {
                         "name": call.function.name,
-                        "arguments": _json_or_text(
+                        "arguments": json_or_text(
                             call.function.arguments,
                             f"messages[{'' if index is None else index}].tool_calls[{j}]"
                             ".function.arguments",
@@ -294,9 +347,10 @@ class ChatMessage(StrictModel):
         return message
 
 
-def _json_or_text(text: str, where: str) -> Any:
-    """JSON text as its value (a 400 naming `where` when it nests too deep for the chat
-    template to walk: "[" * 990 was a 500, issue 21 item 8), other text as it is."""
+def json_or_text(text: str, where: str, param: str = "messages") -> Any:
+    """JSON text as its value (a 400 about `param` naming `where` when it nests too deep
+    for the chat template to walk: "[" * 990 was a 500, issue 21 item 8), other text as it
+    is: a call's arguments in a history, as chat templates read them."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
@@ -307,7 +361,7 @@ def _json_or_text(text: str, where: str) -> Any:
     else:
         depth = json_depth(value, MAX_JSON_DEPTH)
     if depth > MAX_JSON_DEPTH:
-        raise invalid(f"{where} nests more than {MAX_JSON_DEPTH} levels", "messages")
+        raise invalid(f"{where} nests more than {MAX_JSON_DEPTH} levels", param)
     return value
 
 
@@ -359,31 +413,21 @@ class ChatCompletionRequest(_GenerationRequest):
         return found or None
 
     def tool_request(self, tokenizer: Any) -> ToolRequest | None:
-        """The tools setup against the model's chat template (None without tools)."""
-
-        def special_id(piece: str) -> int | None:
-            ids = tokenizer.encode(piece, add_special_tokens=False)
-            return ids[0] if len(ids) == 1 and ids[0] in tokenizer.special_ids else None
-
-        try:
-            tools = ToolRequest.create(
-                self.tools,
-                self.tool_choice,
-                self.parallel_tool_calls,
-                tokenizer.chat_template,
-                special_id,
-            )
-        except ParamError as e:
-            raise to_api_error(e) from None
-        if tools is not None and tools.grammar() is not None and self._constraint() is not None:
-            raise invalid(
-                f"{self.constraint_param} cannot be combined with tool_choice "
-                f"{tools.choice if tools.forced is None else 'naming a function'}: "
-                "the answer is a tool call",
-                "tool_choice",
-            )
+        """The tools set up against the model's chat template (None without tools)."""
+        # constraint_param before _tools is set: the output constraint's own field
+        tools = resolve_tools(
+            tokenizer,
+            self.tools,
+            self.tool_choice,
+            self.parallel_tool_calls,
+            lambda: self.constraint_param,
+        )
         self._tools = tools
         return tools
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template reads them (their text kept as text)."""
+        return [message.as_template_input(i) for i, message in enumerate(self.messages)]
 
     @property
     def max_tokens_param(self) -> str:

@@ -43,9 +43,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError
 
-from tokenmill.checks import ParamError
-from tokenmill.engine.llm_engine import LLMEngine, RequestOutput
+from tokenmill.engine.llm_engine import RequestOutput
 from tokenmill.sampling import FinishReason, SamplingParams
+from tokenmill.server import running
 from tokenmill.server.async_engine import EngineFailure, Generation, RequestStream
 from tokenmill.server.errors import (
     InternalError,
@@ -56,28 +56,19 @@ from tokenmill.server.errors import (
 )
 from tokenmill.server.metrics import CLIENT_CLOSED_REQUEST
 from tokenmill.server.protocol import (
-    FunctionDefinition,
-    FunctionName,
-    NamedToolChoice,
     Tool,
     ToolName,
     check_fits,
+    function_tool,
+    json_or_text,
     make_sampling_params,
-)
-from tokenmill.server.running import (
-    EventStream,
-    check_messages_fit,
-    check_model,
-    engine_of,
-    off_loop,
-    shorter,
-    start_request,
-    unless_disconnected,
+    named_choice,
+    resolve_tools,
 )
 from tokenmill.server.structured import JSON_OBJECT
 from tokenmill.server.text import StrictModel, Text
 from tokenmill.server.tool_parser import ToolCallParser, parse_tool_calls
-from tokenmill.server.tools import MAX_JSON_DEPTH, MAX_TOOLS, ToolRequest, json_depth
+from tokenmill.server.tools import MAX_TOOLS, ToolRequest
 
 log = logging.getLogger("tokenmill.server")
 
@@ -236,15 +227,7 @@ class FunctionTool(StrictModel):
     strict: bool | None = None  # calls are always valid when forced; taken as given
 
     def as_chat_tool(self) -> Tool:
-        return Tool(
-            type="function",
-            function=FunctionDefinition(
-                name=self.name,
-                description=self.description,
-                parameters=self.parameters,
-                strict=self.strict,
-            ),
-        )
+        return function_tool(self.name, self.description, self.parameters, self.strict)
 
 
 ToolIn = Annotated[
@@ -348,32 +331,20 @@ class ResponsesRequest(BaseModel):
     def tool_request(self, tokenizer: Any) -> ToolRequest | None:
         """The tools set up against the model's chat template (None without tools); a
         ParamError names the field. Runs on a worker thread (it walks every schema)."""
-
-        def special_id(piece: str) -> int | None:  # as the chat route finds [TOOL_CALLS]
-            ids = tokenizer.encode(piece, add_special_tokens=False)
-            return ids[0] if len(ids) == 1 and ids[0] in tokenizer.special_ids else None
-
         choice = self.tool_choice
         if isinstance(choice, FunctionChoice):
-            choice = NamedToolChoice(type="function", function=FunctionName(name=choice.name))
+            choice = named_choice(choice.name)
         tools = None if self.tools is None else [t.as_chat_tool() for t in self.tools]
-        try:
-            request = ToolRequest.create(
-                tools, choice, self.parallel_tool_calls, tokenizer.chat_template, special_id
-            )
-        except ParamError as e:
-            raise to_api_error(e) from None
-        if request is not None and request.grammar() is not None and self._constraint():
-            raise invalid(
-                f"text.format {self.text.format.type} cannot be combined with tool_choice "
-                f"{request.choice if request.forced is None else 'naming a function'}: "
-                "the answer is a tool call",
-                "tool_choice",
-            )
-        self._tools = request
-        return request
+        self._tools = resolve_tools(
+            tokenizer,
+            tools,
+            choice,
+            self.parallel_tool_calls,
+            lambda: f"text.format {self.text.format.type}" if self._constraint() else None,
+        )
+        return self._tools
 
-    def chat_messages(self) -> list[dict[str, Any]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         """The conversation as the OpenAI-style messages the chat template reads: the
         instructions a system turn, each run of function_call items the tool_calls of one
         assistant turn (the one their text came in, if it comes right before), each
@@ -396,7 +367,7 @@ class ResponsesRequest(BaseModel):
                     "type": "function",
                     "function": {
                         "name": item.name,
-                        "arguments": _json_or_text(item.arguments, f"input[{i}].arguments"),
+                        "arguments": json_or_text(item.arguments, f"input[{i}].arguments", "input"),
                     },
                 }
                 last = messages[-1] if messages else None
@@ -449,7 +420,7 @@ class ResponsesRequest(BaseModel):
 
 
 def _quoted(value: Any) -> str:
-    return repr(shorter(value, 40)) if isinstance(value, str) else "unknown"
+    return repr(running.shorter(value, 40)) if isinstance(value, str) else "unknown"
 
 
 def _check_item(item: Any, where: str) -> None:
@@ -474,30 +445,6 @@ def _text(content: str | list[Any]) -> str:
     if isinstance(content, str):
         return content
     return "".join(part.refusal if isinstance(part, RefusalPart) else part.text for part in content)
-
-
-def _json_or_text(text: str, where: str) -> Any:
-    """A call's JSON arguments as their value (a 400 naming `where` when they nest too deep
-    for the template to walk), other text as it is; as chat's history reads them."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return text
-    except RecursionError:  # deeper than json's own stack allows
-        raise invalid(f"{where} nests more than {MAX_JSON_DEPTH} levels", "input") from None
-    if json_depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
-        raise invalid(f"{where} nests more than {MAX_JSON_DEPTH} levels", "input")
-    return value
-
-
-def _prompt(engine: LLMEngine, body: ResponsesRequest, tools: ToolRequest | None) -> list[int]:
-    """The request's prompt ids, prepared as the chat route's. Runs on a worker thread."""
-    messages = body.chat_messages()
-    check_messages_fit(engine, messages, param="input")
-    try:
-        return engine.encode_chat(messages, tools, body.template_vars)
-    except ValueError as e:  # ChatTemplateError, RequestError (too long), a refused message
-        raise to_api_error(e, param="input") from None
 
 
 # --------------------------------------------------------------------------- the answer
@@ -779,12 +726,10 @@ def _sse(event: dict[str, Any]) -> str:
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
     body = _validate(await request.body())
-    engine = engine_of(request)
-    model = check_model(request, body.model)
+    engine = running.engine_of(request)
+    model = running.check_model(request, body.model)
     body.check()
-    # off the loop: a tool list's checks walk every schema, rendering walks the input
-    tools = await off_loop(request, body.tool_request, engine.engine.tokenizer)
-    prompt_ids = await off_loop(request, _prompt, engine.engine, body, tools)
+    tools, prompt_ids = await running.chat_prompt(request, body, param="input")
     max_model_len = engine.engine.max_model_len
     params = body.sampling_params(default_max_tokens=max(1, max_model_len - len(prompt_ids)))
     check_fits(
@@ -804,7 +749,7 @@ async def create_response(request: Request) -> Response:
         len(body.tools or []),
         body.stream,
     )
-    stream = await start_request(
+    stream = await running.start_request(
         request,
         request_id,
         [prompt_ids],
@@ -813,12 +758,15 @@ async def create_response(request: Request) -> Response:
         fields=ResponsesRequest.model_fields,
     )
     if body.stream:
-        return EventStream(_events(request, shape, stream, len(prompt_ids)), stream, shape.id)
-    answer = await unless_disconnected(request, _collect(stream))
+        return running.EventStream(
+            _events(request, shape, stream, len(prompt_ids)), stream, shape.id
+        )
+    answer = await running.unless_disconnected(request, running.collect_one(stream))
     if answer is None:
         log.info("%s: client disconnected; aborted", shape.id)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    generation, num_cached = answer
+    generation, last = answer
+    num_cached = last.num_cached_tokens if last else 0  # the prompt tokens the cache held
     return JSONResponse(shape.whole(generation, len(prompt_ids), num_cached))
 
 
@@ -833,18 +781,6 @@ def _validate(raw: bytes) -> ResponsesRequest:
             for error in e.errors()
         ]
         raise pydantic_errors_to_api_error(errors) from None
-
-
-async def _collect(stream: RequestStream) -> tuple[Generation, int]:
-    """The one answer, and how many of its prompt tokens the prefix cache held."""
-    generation, num_cached = Generation(), 0
-    try:
-        async for _, out in stream:
-            generation.add(out)
-            num_cached = out.num_cached_tokens
-    finally:
-        stream.abort()
-    return generation, num_cached
 
 
 async def _events(

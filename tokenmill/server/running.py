@@ -5,11 +5,13 @@ APIs' route modules all turn a request into prompt ids and sampling parameters, 
 it through the one shared engine the same way:
 
     off_loop(request, fn, ...)      tokenizing, templates, tool checks: on the prep threads
+    chat_prompt(request, body)      a chat-like request's tools and prompt ids, off the loop
     check_model(request, name)      the model a request names, or a 404
     cache_salt_for(request, salt)   the prefix-cache scope (per API key, then cache_salt)
     start_request(...)              compile the grammar (a 400 naming its field), queue it
     EventStream(events, stream, id) a streamed answer that aborts its request however it ends
     unless_disconnected(request, w) a whole answer, cancelled when the client leaves
+    collect_one(stream)             a one-prompt request's answer and its last output
 
 How each API shapes its answers (chunks, events, error bodies) stays with that API.
 """
@@ -23,18 +25,25 @@ import logging
 import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tokenmill.engine.block_manager import salt_root
-from tokenmill.engine.llm_engine import LLMEngine, RequestError
+from tokenmill.engine.llm_engine import LLMEngine, RequestError, RequestOutput
 from tokenmill.sampling import SamplingParams
 from tokenmill.sampling.grammar import GrammarError
-from tokenmill.server.async_engine import AsyncEngine, QueueFull, RequestStream, ShuttingDown
+from tokenmill.server.async_engine import (
+    AsyncEngine,
+    Generation,
+    QueueFull,
+    RequestStream,
+    ShuttingDown,
+)
 from tokenmill.server.errors import APIError, invalid, to_api_error
+from tokenmill.server.tools import ToolRequest
 from tokenmill.tokenizer.tokenizer import TextTooLong
 
 log = logging.getLogger("tokenmill.server")
@@ -136,6 +145,42 @@ def check_messages_fit(
         ) from None
 
 
+class ChatBody(Protocol):
+    """A chat-like request body (chat completions, Anthropic's messages, responses)."""
+
+    @property
+    def template_vars(self) -> dict[str, Any] | None: ...
+
+    def tool_request(self, tokenizer: Any) -> ToolRequest | None: ...
+
+    def template_messages(self) -> list[dict[str, Any]]: ...
+
+
+async def chat_prompt(
+    request: Request, body: ChatBody, param: str = "messages"
+) -> tuple[ToolRequest | None, list[int]]:
+    """The tools and prompt ids of a chat-like request, prepared on the prep threads (a
+    tool list's checks walk every schema: 20,000 tools held the loop 4.7 s; rendering
+    walks every message). param: the field that holds the messages, for a 400."""
+    engine = engine_of(request).engine
+    tools = await off_loop(request, body.tool_request, engine.tokenizer)
+    return tools, await off_loop(request, _encode_chat, engine, body, tools, param)
+
+
+def _encode_chat(
+    engine: LLMEngine, body: ChatBody, tools: ToolRequest | None, param: str
+) -> list[int]:
+    """The body's messages (and tools) rendered with the model's chat template and
+    tokenized: tokenizer/chat.py's encode_chat, as LLM.chat and /v1/inspect do, with the
+    body's further template variables. Runs on a worker thread."""
+    messages = body.template_messages()
+    check_messages_fit(engine, messages, param)
+    try:
+        return engine.encode_chat(messages, tools, body.template_vars)
+    except ValueError as e:  # ChatTemplateError, RequestError (too long), a refused message
+        raise to_api_error(e, param=param) from None
+
+
 async def start_request(
     request: Request,
     request_id: str,
@@ -195,6 +240,19 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     return task.result() if not task.cancelled() else None
+
+
+async def collect_one(stream: RequestStream) -> tuple[Generation, RequestOutput | None]:
+    """The whole answer of a request with one prompt and n = 1, and its last output (what
+    ended it: stop_string, num_cached_tokens); aborted if cancelled."""
+    generation, last = Generation(), None
+    try:
+        async for _, out in stream:
+            generation.add(out)
+            last = out
+    finally:
+        stream.abort()
+    return generation, last
 
 
 async def disconnected(request: Request) -> None:
