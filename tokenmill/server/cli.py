@@ -132,37 +132,36 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         help="largest request body; larger ones get 413 (default: 64 bytes per context "
         "token, at least 1MiB)",
     )
-    p.add_argument(
-        "--body-timeout",
-        type=_seconds,
-        default=ServerLimits.body_timeout_s,
-        help="seconds to wait for the next chunk of a request body before answering 408",
-    )
-    p.add_argument(
-        "--header-timeout",
-        type=_seconds,
-        default=ServerLimits.header_timeout_s,
-        help="seconds a request's line and headers may take to arrive",
-    )
-    p.add_argument(
-        "--keep-alive-timeout",
-        type=_seconds,
-        default=ServerLimits.keep_alive_s,
-        help="seconds an idle connection stays open between requests",
-    )
-    p.add_argument(
-        "--shutdown-timeout",
-        type=_seconds,
-        default=ServerLimits.shutdown_timeout_s,
-        help="on SIGTERM, seconds running requests may take to finish",
-    )
-    p.add_argument(
-        "--health-stall-timeout",
-        type=_seconds,
-        default=30.0,
-        help="/health answers 503 once requests are pending and no engine step (or a "
-        "parallel rank's part of one) has finished for this many seconds",
-    )
+    # the timeouts, all in seconds: (flag, default, what it bounds)
+    for flag, default, what in (
+        (
+            "--body-timeout",
+            ServerLimits.body_timeout_s,
+            "seconds to wait for the next chunk of a request body before answering 408",
+        ),
+        (
+            "--header-timeout",
+            ServerLimits.header_timeout_s,
+            "seconds a request's line and headers may take to arrive",
+        ),
+        (
+            "--keep-alive-timeout",
+            ServerLimits.keep_alive_s,
+            "seconds an idle connection stays open between requests",
+        ),
+        (
+            "--shutdown-timeout",
+            ServerLimits.shutdown_timeout_s,
+            "on SIGTERM, seconds running requests may take to finish",
+        ),
+        (
+            "--health-stall-timeout",
+            30.0,
+            "/health answers 503 once requests are pending and no engine step (or a "
+            "parallel rank's part of one) has finished for this many seconds",
+        ),
+    ):
+        p.add_argument(flag, type=_seconds, default=default, help=what)
     p.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSERS,
