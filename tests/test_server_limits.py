@@ -81,6 +81,22 @@ def test_oversized_body_is_413_before_it_is_read(url):
     assert took < BODY_TIMEOUT_S  # answered at once, not after waiting for the body
 
 
+def test_limit_errors_take_the_shape_of_the_route_api(url):
+    """Under /v1/messages the middleware's refusals are Anthropic-shaped, as the route's
+    own errors are: the Anthropic SDK reads error.type, not OpenAI's code."""
+    head = (
+        "POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {20 * MIB}\r\n\r\n"
+    )
+    raw, _ = _raw_exchange(url, head.encode())
+    status, body = int(raw.split(b" ", 2)[1]), json.loads(raw.partition(b"\r\n\r\n")[2])
+    assert status == 413 and body["type"] == "error", raw
+    assert body["error"]["type"] == "request_too_large" and "at most" in body["error"]["message"]
+    # the same refusal elsewhere keeps OpenAI's shape
+    raw, _ = _raw_exchange(url, head.replace("/v1/messages", "/v1/chat/completions").encode())
+    assert _status_and_error(raw)[1]["code"] == "request_too_large"
+
+
 def test_oversized_chunked_body_is_413(url):
     """Without a Content-Length the limit applies as the chunks arrive."""
     chunk = b"x" * 65536

@@ -58,12 +58,20 @@ class ServerLimits:
 
 
 async def send_error(
-    send: Send, status: int, message: str, code: str, headers: dict[str, str] | None = None
+    scope: Scope,
+    send: Send,
+    status: int,
+    message: str,
+    code: str,
+    headers: dict[str, str] | None = None,
 ) -> None:
-    """An OpenAI-shaped JSON error, sent straight through ASGI (ASCII-escaped: it may quote
-    a client's text)."""
-    error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
-    body = json.dumps({"error": error}).encode()
+    """A JSON error in the shape of the API whose route the request's path is (OpenAI's,
+    or Anthropic's under /v1/messages: server/errors.py's FORMATTERS), sent straight
+    through ASGI (ASCII-escaped: it may quote a client's text)."""
+    from tokenmill.server.errors import APIError  # here: see the module's docstring
+
+    error = APIError(status, message, code=code)
+    body = json.dumps(error.body(scope.get("path", ""))).encode()
     raw_headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -89,7 +97,7 @@ class BodyLimit:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await self._too_large(send, declared)
+            await self._too_large(scope, send, declared)
             return
         chunks, size = [], 0
         while True:
@@ -97,6 +105,7 @@ class BodyLimit:
                 message = await asyncio.wait_for(receive(), self.timeout_s)
             except TimeoutError:
                 await send_error(
+                    scope,
                     send,
                     408,
                     f"the request body did not arrive: no bytes for {self.timeout_s:g} s "
@@ -110,7 +119,7 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await self._too_large(send, size)
+                await self._too_large(scope, send, size)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -119,8 +128,9 @@ class BodyLimit:
         scope.setdefault("state", {})["body_bytes"] = size
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
-    async def _too_large(self, send: Send, size: int) -> None:
+    async def _too_large(self, scope: Scope, send: Send, size: int) -> None:
         await send_error(
+            scope,
             send,
             413,
             f"the request body has {'at least ' if size else ''}{size} bytes; this server "
@@ -186,6 +196,7 @@ class HostCheck:
                 if name not in self.allowed:
                     shown = name if len(name) <= 100 else name[:97] + "..."
                     await send_error(
+                        scope,
                         send,
                         400,
                         f"this server does not answer to the host {shown!r} (the request's "
