@@ -22,6 +22,7 @@ from tokenmill.engine.kv_cache import KVCache
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.scheduler import ScheduledChunk
 from tokenmill.engine.sequence import Sequence
+from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import Rotary
 from tokenmill.loader import open_checkpoint
 from tokenmill.models import paths
@@ -38,20 +39,47 @@ CASES = {
     "gemma3-sliding": ("gemma3", {}),
     "gpt2-no-rotary": ("gpt2", {}),
     "llama-partial-rotary": ("llama", dict(partial_rotary=16)),
+    # switches of the newer families, set on a loaded Llama (see _tweak): Gemma 2's score
+    # soft-cap, OLMo 2's Q/K norms over the whole projection, Granite's residual scale
+    "llama-softcap": ("llama", dict(softcap=0.5)),
+    "llama-qk-norm-full": ("llama", dict(qk_full=True)),
+    "llama-residual-scale": ("llama", dict(residual_scale=0.5)),
 }
+TWEAKS = ("partial_rotary", "softcap", "qk_full", "residual_scale")
 
 
-def _run(folder, fused: bool, monkeypatch, partial_rotary: int | None, quantize=None, n=3):
+def _tweak(model: Transformer, tweaks: dict) -> None:
+    """Give a loaded model a family's switch that its checkpoint has no setting for; the
+    torch path and the native descriptors (built later) both read these attributes."""
+    cfg, gen = model.cfg, torch.Generator().manual_seed(2)
+    dim = tweaks.get("partial_rotary")
+    rotary = Rotary(RopeConfig(dim=dim), cfg.head_dim, 512) if dim else None
+    for layer in model.layers:
+        a = layer.attn
+        if rotary is not None:
+            a.rotary = rotary
+        if "softcap" in tweaks:  # small: most scores of these random weights are capped
+            a.softcap = tweaks["softcap"]
+        if "qk_full" in tweaks:
+            a.q_norm, a.k_norm = (
+                RMSNorm(cfg.q_size, cfg.norm_eps),
+                RMSNorm(cfg.kv_size, cfg.norm_eps),
+            )
+            for norm in (a.q_norm, a.k_norm):
+                norm.weight.data = 0.5 + torch.rand(norm.weight.shape, generator=gen)
+            a.qk_norm_full = True
+        if "residual_scale" in tweaks:
+            layer.residual_scale = tweaks["residual_scale"]
+
+
+def _run(folder, fused: bool, monkeypatch, tweaks: dict, quantize=None, n=3):
     """Prefill n sequences, 6 batched decode steps, then one mixed decode + prefill step.
     Returns per step (logits [T, vocab], [attention outputs [T, q_size] per layer])."""
     monkeypatch.setattr(paths, "NATIVE_DECODE", fused)
     ckpt = open_checkpoint(folder)
     model = Transformer(ckpt.config)
     model.load_weights(ckpt, torch.float32, quantize=quantize)
-    if partial_rotary:
-        rot = Rotary(RopeConfig(dim=partial_rotary), ckpt.config.head_dim, 512)
-        for layer in model.layers:
-            layer.attn.rotary = rot
+    _tweak(model, tweaks)
     attn_out: list[torch.Tensor] = []
     for layer in model.layers:
         layer.attn.o.register_forward_pre_hook(lambda _m, args: attn_out.append(args[0].clone()))
@@ -88,14 +116,13 @@ def _run(folder, fused: bool, monkeypatch, partial_rotary: int | None, quantize=
     return results
 
 
-def _build_case(name: str, folder) -> tuple[str, int | None]:
-    """Write CASES[name]'s checkpoint to folder. Returns (arch, partial rotary dim or
-    None): the partial rotary is no checkpoint setting, _run swaps it in."""
+def _build_case(name: str, folder) -> tuple[str, dict]:
+    """Write CASES[name]'s checkpoint to folder. Returns (arch, tweaks): the TWEAKS are no
+    checkpoint setting, _run sets them on the loaded model."""
     arch, overrides = CASES[name]
-    overrides = dict(overrides)
-    partial = overrides.pop("partial_rotary", None)
-    build_hf_model(arch, folder, **overrides)
-    return arch, partial
+    tweaks = {k: v for k, v in overrides.items() if k in TWEAKS}
+    build_hf_model(arch, folder, **{k: v for k, v in overrides.items() if k not in TWEAKS})
+    return arch, tweaks
 
 
 def _count_calls(monkeypatch, owner, name: str) -> list[int]:
@@ -115,11 +142,11 @@ def kbuild(request, monkeypatch):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_fused_decode_matches_torch(kbuild, tmp_path, monkeypatch, name):
-    _, partial = _build_case(name, tmp_path)
+    _, tweaks = _build_case(name, tmp_path)
     calls = _count_calls(monkeypatch, kernels, "decode_attention")
-    ref = _run(tmp_path, False, monkeypatch, partial)
+    ref = _run(tmp_path, False, monkeypatch, tweaks)
     assert not calls
-    got = _run(tmp_path, True, monkeypatch, partial)
+    got = _run(tmp_path, True, monkeypatch, tweaks)
     assert len(calls) == 7 * len(got[0][1])  # every decode step, every layer
     for (ref_logits, ref_attn), (got_logits, got_attn) in zip(ref, got, strict=True):
         for a, b in zip(ref_attn, got_attn, strict=True):
@@ -140,7 +167,7 @@ def test_fused_decode_matches_torch(kbuild, tmp_path, monkeypatch, name):
 def test_fused_stack_matches_per_layer_path(kbuild, tmp_path, monkeypatch, name, scheme, n):
     if n > 3:
         assert n >= kernels.gemm_min_rows()
-    arch, partial = _build_case(name, tmp_path)
+    arch, tweaks = _build_case(name, tmp_path)
     runs = _count_calls(monkeypatch, NativeModel, "run_stack")
     real_best = paths.best_decode_path
     with monkeypatch.context() as m:  # the per-layer native path only
@@ -149,15 +176,15 @@ def test_fused_stack_matches_per_layer_path(kbuild, tmp_path, monkeypatch, name,
             lambda model: paths.DecodePath(paths.NATIVE_ATTENTION, "test")
             if real_best(model).name == paths.STACK else real_best(model),
         )  # fmt: skip
-        ref = _run(tmp_path, True, monkeypatch, partial, scheme, n)
+        ref = _run(tmp_path, True, monkeypatch, tweaks, scheme, n)
     assert not runs
-    got = _run(tmp_path, True, monkeypatch, partial, scheme, n)
+    got = _run(tmp_path, True, monkeypatch, tweaks, scheme, n)
     # the 6 pure decode steps; GPT-2 (LayerNorm, plain MLP) keeps the per-layer path
     assert len(runs) == (0 if arch == "gpt2" else 6)
     # exact products with the same packed weights: no native library at all
     monkeypatch.setattr(kernels, "_lib", None)
     monkeypatch.setattr(kernels, "_tried", True)
-    exact = _run(tmp_path, False, monkeypatch, partial, scheme, n)
+    exact = _run(tmp_path, False, monkeypatch, tweaks, scheme, n)
     for (ref_logits, _), (got_logits, _), (ex, _) in zip(ref, got, exact, strict=True):
         scale = ex.abs().max().item()
         e_ref = (ref_logits - ex).abs().max().item() / scale
@@ -177,10 +204,10 @@ def test_fused_stack_takes_float_weights(kbuild, tmp_path, monkeypatch, name, dt
     model = build_hf_model(arch, tmp_path, **overrides)
     model.to(dtype).save_pretrained(tmp_path)  # a bf16 / f16 safetensors folder
     runs = _count_calls(monkeypatch, NativeModel, "run_stack")
-    got = _run(tmp_path, True, monkeypatch, None, "float")
+    got = _run(tmp_path, True, monkeypatch, {}, "float")
     assert len(runs) == 6
     # the same 16-bit weights, widened to float32 torch Linears: the reference path
-    ref = _run(tmp_path, False, monkeypatch, None, None)
+    ref = _run(tmp_path, False, monkeypatch, {}, None)
     for (a, _), (b, _) in zip(got, ref, strict=True):
         assert (a - b).abs().max().item() < 1e-4 * b.abs().max().item()
 
