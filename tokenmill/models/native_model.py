@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from tokenmill import kernels
+from tokenmill.layers.moe import MoE
 from tokenmill.layers.native_linear import NativeLinear
 from tokenmill.layers.norm import RMSNorm
 
@@ -91,7 +92,11 @@ class NativeModel:
     def _describe(self, desc: kernels.TmLayer, block: nn.Module) -> None:
         a, m = block.attn, block.mlp
         i = a.layer_idx
-        linears = {"qkv": a.qkv, "o": a.o, "up": m.up, "down": m.down}
+        linears = {"qkv": a.qkv, "o": a.o}
+        if isinstance(m, MoE):  # the per-layer attention runs; the MLP stays torch's
+            self._block(f"layer {i} is a Mixture-of-Experts layer, not in the fused stack yet")
+        else:
+            linears.update(up=m.up, down=m.down)
         for name, lin in linears.items():
             setattr(desc, name, self._weight(f"layer {i} {name}", lin))
             setattr(desc, f"{name}_bias", self._ptr(lin.bias))

@@ -4,7 +4,7 @@
 |------------------|--------------------------------------------------------------|------|
 | stack            | every layer and the final norm in one C call (tm_decode_stack) | a step of decode rows only, untraced, and the model fits the stack (RMSNorm, gated SiLU/GELU MLP, every linear native) |
 | native-attention | the per-layer modules; each layer's decode-row attention in one C call (tm_decode_attention) | decode rows, untraced, but the step also has prefill rows or the model does not fit the stack |
-| torch            | the per-layer modules, attention with torch SDPA: the reference | a traced step (the inspector records every op), no decode rows, no native library, not float32 on CPU, an MoE model, a whole-projection Q/K norm or attention soft-capping (not in the native paths yet), or TOKENMILL_FUSED_DECODE=0 |
+| torch            | the per-layer modules, attention with torch SDPA: the reference | a traced step (the inspector records every op), no decode rows, no native library, not float32 on CPU, or TOKENMILL_FUSED_DECODE=0 |
 
 Linear layers run their own native kernel on every path where the weights are native
 (layers/native_linear.py); the paths differ in what runs around them. `choose` is called
@@ -41,10 +41,6 @@ def native_blocker(model) -> str | None:
         return "TOKENMILL_FUSED_DECODE=0"
     if kernels.library() is None:
         return "no native kernel library"
-    cfg = model.cfg
-    if cfg.num_experts:
-        # the per-layer descriptors (models/native_model.py) have one dense MLP per layer
-        return "MoE layers are not in the fused stack yet"
     if model.dtype is not torch.float32:
         return f"activations are {str(model.dtype).removeprefix('torch.')}, not float32"
     cache = model.layers[0].attn.k_cache
