@@ -109,6 +109,10 @@ class Tokenizer:
         self.vocab_size = len(pieces)
         self._decoding = _ByteDecoding.of(backend, pieces)
         by_text = {i for i in self._special_ids if added[i].content in END_OF_TURN_PIECES}
+        if any(added[i].content == "<|channel|>" for i in self._special_ids):
+            # harmony (gpt-oss): <|end|> closes one message of the turn (its analysis, say),
+            # which goes on to its answer; <|return|> and <|call|> end it (its config says)
+            by_text -= {i for i in self._special_ids if added[i].content == "<|end|>"}
         named = {eos_token_id, *stop_token_ids} - {None}
         self.eos_token_ids: list[int] = sorted(named | by_text)
         # The most text bytes one token can cover (times how much normalization can shrink
