@@ -33,7 +33,7 @@ from tokenmill.server.limits import ServerLimits
 
 # tokenizer/reasoning.py's PARSER_CHOICES, spelled out so that parsing the command line
 # imports no tokenizer (tests/test_reasoning.py checks that the two agree)
-REASONING_PARSERS = ("auto", "none", "think")
+REASONING_PARSERS = ("auto", "none", "think", "harmony")
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
 
@@ -167,8 +167,9 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         choices=REASONING_PARSERS,
         default="auto",
         help="split a reasoning model's chat answers into reasoning_content and content: "
-        "'think' for <think>...</think> (Qwen3, DeepSeek-R1, SmolLM3); 'auto' (the default) "
-        "when the chat template mentions <think>; 'none' leaves the thinking in content",
+        "'think' for <think>...</think> (Qwen3, DeepSeek-R1, SmolLM3), 'harmony' for "
+        "gpt-oss's channels; 'auto' (the default) by the chat template (<think> or "
+        "<|channel|>); 'none' leaves the thinking in content",
     )
     p.add_argument(
         "--log-level",

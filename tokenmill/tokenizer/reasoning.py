@@ -22,11 +22,31 @@ leading whitespace dropped. An answer that does not open with `<think>` is conte
 as generated, and a `<think>` later in it is text. Without a closing tag, everything after
 the opening one is reasoning.
 
-gpt-oss's harmony channels (analysis, final, commentary) are not parsed here.
+gpt-oss writes its answer as harmony messages (the "harmony" format), each a header and a
+body; the prompt usually ends with `<|start|>assistant`, so the answer opens in a header:
+
+    <|channel|>analysis<|message|>thinking<|end|><|start|>assistant<|channel|>final<|message|>answer<|return|>
+
+`HarmonyParser` reads them with the same interface. An `analysis` body is reasoning, a
+`final` body content (`ended` turns true where it starts, so a constraint applies to the
+answer), a `commentary` body content too (gpt-oss's preambles to the user). The markers
+(`<|start|>`, `<|channel|>`, `<|message|>`, `<|constrain|>`, `<|end|>`, `<|return|>`,
+`<|call|>`) and the headers between them (`assistant`, the channel's name, ` to=...`,
+`json`) never reach the client; bodies are kept as written, each side its messages' text
+joined. A message addressed `to=functions.NAME` (in its header, either place harmony allows)
+is a tool call: its content is the call rewritten in the Hermes syntax,
+`<tool_call>{"name": NAME, "arguments": BODY}</tool_call>`, which is what server/tool_parser.py
+reads for a harmony template (tokenizer/chat.py's tool_format names none other for it), so
+the routes that parse calls turn it into a call; a request that parses none sees that text.
+Text outside any message (well-formed harmony has none) is content, stripped of the
+whitespace around it. The prompt's tail is read by the same machine: where it leaves off
+(in a header, or inside a message the template opened) is where the answer starts.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from enum import Enum
 
@@ -38,21 +58,22 @@ class ReasoningFormat:
     """How one template family marks its reasoning."""
 
     name: str
-    start: str  # the tag that opens the reasoning
-    end: str  # the tag that closes it
+    start: str  # the tag that opens the reasoning (harmony: a message's channel)
+    end: str  # the tag that closes it (harmony: a message's end)
 
 
 THINK = ReasoningFormat("think", "<think>", "</think>")
-FORMATS = {THINK.name: THINK}
+HARMONY = ReasoningFormat("harmony", "<|channel|>", "<|end|>")
+FORMATS = {THINK.name: THINK, HARMONY.name: HARMONY}
 PARSER_CHOICES = (AUTO, NONE, *FORMATS)  # what --reasoning-parser accepts
 
 
 def detect(template: str | None) -> str | None:
     """The reasoning format a chat template's model writes: "think" for a template that
-    mentions `<think>`, else None."""
-    if template and any(fmt.start in template for fmt in FORMATS.values()):
-        return THINK.name
-    return None
+    mentions `<think>`, "harmony" for one that mentions `<|channel|>`, else None."""
+    if not template:
+        return None
+    return next((fmt.name for fmt in FORMATS.values() if fmt.start in template), None)
 
 
 def resolve(choice: str, template: str | None) -> str | None:
@@ -163,14 +184,155 @@ def _partial_suffix_len(text: str, tag: str) -> int:
     return 0
 
 
+# harmony's markers; the name picks what each does (HarmonyParser._marker)
+_HARMONY_MARKERS = ("start", "channel", "message", "constrain", "end", "return", "call")
+_HARMONY_MARKER = re.compile(r"<\|(" + "|".join(_HARMONY_MARKERS) + r")\|>")
+_HARMONY_TAGS = tuple(f"<|{name}|>" for name in _HARMONY_MARKERS)
+_CHANNEL = re.compile(r"<\|channel\|>\s*([^\s<]+)")  # in a header: the channel's name
+_RECIPIENT = re.compile(r"\bto=([^\s<]+)")  # " to=functions.get_weather"
+_FUNCTIONS = "functions."  # the recipient prefix of the request's tools
+# A call rewritten in the Hermes syntax (see the module's docstring): opening, closing.
+_CALL_OPEN, _CALL_CLOSE = '<tool_call>{{"name": {name}, "arguments": ', "}</tool_call>"
+
+
+class _Where(Enum):
+    OUTSIDE = "outside"  # between messages (or before any)
+    HEADER = "header"  # from <|start|> or <|channel|> to <|message|>: dropped
+    BODY = "body"  # a message's text, to self._side
+
+
+class HarmonyParser(ReasoningParser):
+    """Splits one harmony answer's text deltas into (reasoning, content) deltas, as the
+    module's docstring says; the same interface as the think format's parser.
+
+    Invariant: what has been returned is the split of the text fed so far, less a held-back
+    tail of at most a partial marker (and, between messages, the whitespace before it)."""
+
+    def __init__(self, prompt_tail: str = ""):
+        """prompt_tail: the end of the prompt's text; its last marker says where the
+        answer starts (`<|start|>assistant`: in a header)."""
+        super().__init__(HARMONY)
+        self._where = _Where.OUTSIDE
+        self._header = ""  # the header read so far, markers included
+        self._side = "content"  # where the body's text goes: reasoning, content or call
+        self._final = False  # a final body has started
+        self._args = False  # the call being written has had arguments
+        self._strip = True  # between messages, just past a marker: leading space dropped
+        self.feed(prompt_tail)  # read as the answer would be, and its output dropped
+        self._held = ""  # a partial marker at the prompt's very end is the prompt's
+        self._final = self._where is _Where.BODY and self._channel() == "final"
+        # the constraint waits unless the answer starts in its final message
+        self.reasoned = self._where is _Where.HEADER or self._side == "reasoning"
+
+    @property
+    def ended(self) -> bool:
+        """Whether the final channel has started: what follows is the answer."""
+        return self._final
+
+    def finish(self) -> tuple[str, str]:
+        """The held-back tail once generation ends (a partial marker is text after all),
+        and the close of a call cut off before its end."""
+        held, self._held = self._held, ""
+        reasoning: list[str] = []
+        content: list[str] = []
+        if self._where is _Where.BODY:
+            self._body(held, reasoning, content)
+            self._end_message(content)
+        elif self._where is _Where.OUTSIDE:
+            self._outside(held.rstrip(), content)
+        return "".join(reasoning), "".join(content)
+
+    def _step(self, text: str, reasoning: list[str], content: list[str]) -> str:
+        """Consume text up to and including its first marker; returns the rest (""
+        when the rest is held back)."""
+        found = _HARMONY_MARKER.search(text)
+        if found is None:
+            cut = len(text) - max(_partial_suffix_len(text, tag) for tag in _HARMONY_TAGS)
+            if self._where is _Where.OUTSIDE:
+                while cut > 0 and text[cut - 1].isspace():
+                    cut -= 1  # a marker may follow: the space before it is dropped
+            self._text(text[:cut], reasoning, content)
+            self._held = text[cut:]
+            return ""
+        before = text[: found.start()]
+        self._text(before.rstrip() if self._where is _Where.OUTSIDE else before, reasoning, content)
+        self._marker(found.group(1), found.group(), content)
+        return text[found.end() :]
+
+    def _text(self, text: str, reasoning: list[str], content: list[str]) -> None:
+        if self._where is _Where.HEADER:
+            self._header += text
+        elif self._where is _Where.BODY:
+            self._body(text, reasoning, content)
+        else:
+            self._outside(text, content)
+
+    def _body(self, text: str, reasoning: list[str], content: list[str]) -> None:
+        if self._side == "call":
+            self._args = self._args or bool(text.strip())
+        (reasoning if self._side == "reasoning" else content).append(text)
+
+    def _outside(self, text: str, content: list[str]) -> None:
+        if self._strip:
+            text = text.lstrip()
+        if text:
+            self._strip = False
+            content.append(text)
+
+    def _marker(self, name: str, tag: str, content: list[str]) -> None:
+        """One marker: it starts a header, ends one (<|message|>) or ends a message."""
+        if name in ("channel", "constrain") and self._where is _Where.HEADER:
+            self._header += tag
+        elif name in ("start", "channel", "constrain"):  # a new header (a stray
+            self._end_message(content)  # <|channel|> in a body begins one too)
+            self._where, self._header = _Where.HEADER, "" if name == "start" else tag
+        elif name == "message":
+            if self._where is _Where.BODY:
+                return  # a stray one inside a body: dropped
+            self._begin_body(content)
+        else:  # end, return, call
+            self._end_message(content)
+            self._where, self._strip = _Where.OUTSIDE, True
+
+    def _channel(self) -> str | None:
+        found = _CHANNEL.search(self._header)
+        return found.group(1) if found else None
+
+    def _begin_body(self, content: list[str]) -> None:
+        """<|message|>: the header read so far says where the body goes."""
+        header = self._header if self._where is _Where.HEADER else ""  # a bare <|message|>
+        recipient, channel = _RECIPIENT.search(header), _CHANNEL.search(header)
+        channel = channel.group(1) if channel else None
+        self._where = _Where.BODY
+        if recipient is not None and recipient.group(1).startswith(_FUNCTIONS):
+            name = recipient.group(1)[len(_FUNCTIONS) :]
+            self._side, self._args = "call", False
+            content.append(_CALL_OPEN.format(name=json.dumps(name)))
+        elif channel == "analysis":
+            self._side, self.reasoned = "reasoning", True
+        else:
+            self._side = "content"
+            self._final = self._final or channel == "final"
+
+    def _end_message(self, content: list[str]) -> None:
+        """A body ends (its end marker, a new header, or the end of the output): a call
+        is closed, with {} for arguments the model never wrote."""
+        if self._where is _Where.BODY and self._side == "call":
+            content.append(_CALL_CLOSE if self._args else "{}" + _CALL_CLOSE)
+        self._where, self._side = _Where.OUTSIDE, "content"
+
+
 def start_parser(name: str, prompt_tail: str = "") -> ReasoningParser | None:
     """The parser for one answer in format `name`, given the end of its prompt's text
     (a few tokens decoded): inside the reasoning when the prompt opened the tag, None when
-    the prompt closed it (thinking switched off: the answer is all content). A ValueError
-    for an unknown format."""
+    the prompt closed it (thinking switched off: the answer is all content); a harmony
+    answer gets a HarmonyParser, which reads the tail itself. A ValueError for an unknown
+    format."""
     fmt = FORMATS.get(name)
     if fmt is None:
         raise ValueError(f"unknown reasoning format {name!r}; known: {', '.join(FORMATS)}")
+    if fmt is HARMONY:
+        return HarmonyParser(prompt_tail)
     tail = prompt_tail.rstrip()
     if tail.endswith(fmt.end):
         return None
