@@ -1,4 +1,6 @@
-"""Shared test helpers: tiny random-weight checkpoints built with transformers (the oracle)."""
+"""Shared test helpers: tiny random-weight checkpoints built with transformers (the oracle),
+the engine driven one sequence at a time, transformers' references, and GGUF files written
+the way llama.cpp's converter writes them."""
 
 from __future__ import annotations
 
@@ -6,6 +8,14 @@ import json
 from pathlib import Path
 
 import torch
+
+from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.kv_cache import KVCache
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.scheduler import ScheduledChunk
+from tokenmill.engine.sequence import Sequence
+from tokenmill.loader import open_checkpoint
+from tokenmill.models.transformer import Transformer
 
 
 def save_word_tokenizer(folder: Path, vocab_size: int) -> None:
@@ -20,86 +30,261 @@ def save_word_tokenizer(folder: Path, vocab_size: int) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"t{vocab_size - 1}"}))
 
 
-def build_hf_model(arch: str, folder: Path, seed: int = 0, **overrides):
-    """Build, save and return a tiny random transformers model of family `arch`."""
+# family -> (transformers model class, its config class, the family's config defaults over
+# build_hf_model's common sizes)
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", {}),
+    "mistral": ("MistralForCausalLM", "MistralConfig", {"sliding_window": None}),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {}),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {"head_dim": 32}),
+    "gemma3": (
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        {
+            "head_dim": 32,
+            "num_key_value_heads": 1,
+            "num_hidden_layers": 4,
+            "sliding_window": 8,
+            "layer_types": [
+                "sliding_attention",
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+            "query_pre_attn_scalar": 24,
+        },
+    ),
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", {}),
+    # the newer dense families (tests/test_dense_families.py sets their switches)
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", {}),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", {}),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", {}),
+    "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", {}),
+    "granite": ("GraniteForCausalLM", "GraniteConfig", {}),
+    # mixtures of experts (tests/test_moe.py): 5 experts, 40 wide
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        {"head_dim": 16, "intermediate_size": 56, "moe_intermediate_size": 40, "num_experts": 5},
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeForCausalLM",
+        "Qwen2MoeConfig",
+        {"intermediate_size": 56, "moe_intermediate_size": 40, "num_experts": 5},
+    ),
+    "mixtral": (
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        {"intermediate_size": 40, "num_local_experts": 5},
+    ),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", {"intermediate_size": 40, "num_experts": 5}),
+}
+
+# GPT-2's names for the common sizes (it has no K/V heads, MLP width or pad token to set)
+_GPT2_NAMES = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "n_embd",
+    "num_hidden_layers": "n_layer",
+    "num_attention_heads": "n_head",
+    "max_position_embeddings": "n_positions",
+    "initializer_range": "initializer_range",
+    "bos_token_id": "bos_token_id",
+    "eos_token_id": "eos_token_id",
+}
+
+
+def hf_sizes(vocab: int, hidden: int, mlp: int, layers: int, heads: int, kv_heads: int) -> dict:
+    """A transformers config's size fields, by config.json's names."""
+    return dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+    )
+
+
+def build_hf_model(
+    arch: str,
+    folder: Path,
+    seed: int = 0,
+    *,
+    vocab: int = 320,
+    save: dict | None = None,
+    **overrides,
+):
+    """Build, save and return a tiny random transformers model of family `arch` (FAMILIES).
+
+    Its config: the common sizes below (hidden 64, 3 layers, 4 query over 2 K/V heads, MLP
+    width 128, a `vocab`-word vocabulary ending in EOS), then the family's defaults, then
+    `overrides`. `save`: keyword arguments for save_pretrained.
+    """
     import transformers as tf
 
+    model_cls, config_cls, defaults = FAMILIES[arch]
     torch.manual_seed(seed)
-    vocab = 320
-    common = dict(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        bos_token_id=1,
-        eos_token_id=vocab - 1,
-        pad_token_id=0,
-    )
-    if arch == "llama":
-        cfg = tf.LlamaConfig(**{**common, **overrides})
-        model = tf.LlamaForCausalLM(cfg)
-    elif arch == "mistral":
-        cfg = tf.MistralConfig(**{**common, "sliding_window": None, **overrides})
-        model = tf.MistralForCausalLM(cfg)
-    elif arch == "qwen2":
-        cfg = tf.Qwen2Config(**{**common, **overrides})
-        model = tf.Qwen2ForCausalLM(cfg)
-    elif arch == "qwen3":
-        cfg = tf.Qwen3Config(**{**common, "head_dim": 32, **overrides})
-        model = tf.Qwen3ForCausalLM(cfg)
-    elif arch == "gemma3":
-        cfg = tf.Gemma3TextConfig(
-            **{
-                **common,
-                "head_dim": 32,
-                "num_key_value_heads": 1,
-                "num_hidden_layers": 4,
-                "sliding_window": 8,
-                "layer_types": [
-                    "sliding_attention",
-                    "sliding_attention",
-                    "sliding_attention",
-                    "full_attention",
-                ],
-                "query_pre_attn_scalar": 24,
-                **overrides,
-            }
-        )
-        model = tf.Gemma3ForCausalLM(cfg)
-    elif arch == "gpt2":
-        gpt2 = dict(
-            vocab_size=vocab,
-            n_embd=64,
-            n_layer=3,
-            n_head=4,
-            n_positions=512,
-            initializer_range=0.2,
-            bos_token_id=1,
-            eos_token_id=vocab - 1,
-        )
-        cfg = tf.GPT2Config(**{**gpt2, **overrides})
-        model = tf.GPT2LMHeadModel(cfg)
-    else:
-        raise ValueError(arch)
+    base = {
+        **hf_sizes(vocab, hidden=64, mlp=128, layers=3, heads=4, kv_heads=2),
+        "max_position_embeddings": 512,
+        "initializer_range": 0.2,
+        "bos_token_id": 1,
+        "eos_token_id": vocab - 1,
+        "pad_token_id": 0,
+        **defaults,
+    }
+    if arch == "gpt2":
+        base = {_GPT2_NAMES[k]: v for k, v in base.items() if k in _GPT2_NAMES}
+    model = getattr(tf, model_cls)(getattr(tf, config_cls)(**{**base, **overrides}))
     model.eval()
-    # Random norm weights, so a wrong norm convention (e.g. Gemma's 1 + w) shows up.
+    # Random norm weights, so a wrong norm convention (e.g. Gemma's 1 + w) or a norm over
+    # the wrong span shows up.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or "ln_" in name:
-                p.normal_(1.0 if arch != "gemma3" else 0.0, 0.3)
-    model.save_pretrained(folder)
+                p.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.3)
+    model.save_pretrained(folder, **(save or {}))
     save_word_tokenizer(folder, vocab)
     return model
+
+
+class Single:
+    """Drive the model runner for one sequence: prefill, then decode one token at a time."""
+
+    def __init__(self, folder, dtype=torch.float32, quantize: str | None = None):
+        ckpt = open_checkpoint(folder)
+        self.model = Transformer(ckpt.config)
+        self.model.load_weights(ckpt, dtype, quantize=quantize)
+        self.cache = KVCache(ckpt.config, 16, dtype, torch.device("cpu"), "1024tok")
+        self.blocks = BlockManager(self.cache.num_blocks, 16)
+        self.runner = ModelRunner(self.model, self.cache, torch.device("cpu"))
+        self.seq = Sequence("s", [], None, None)
+        self.steps: list[torch.Tensor] = []  # the last greedy run's logits [vocab], a token each
+
+    def feed(self, tokens: list[int]) -> torch.Tensor:
+        """Run `tokens` after those already fed; their logits [len(tokens), vocab]."""
+        seq = self.seq
+        seq.prompt_ids = seq.prompt_ids + tokens
+        self.blocks.grow(seq.block_table, len(seq))
+        logits, _ = self.runner.run([ScheduledChunk(seq, len(tokens))], all_logits=True)
+        seq.num_computed = len(seq)
+        return logits
+
+    def greedy(self, prompt: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
+        """Feed prompt, then n greedy tokens, each fed back. Returns (the prompt's logits
+        [T, vocab], the n token ids); self.steps keeps the logits [vocab] that chose each."""
+        logits = self.feed(prompt)
+        step, out = logits[-1], []
+        self.steps = []
+        for _ in range(n):
+            self.steps.append(step)
+            out.append(int(step.argmax()))
+            step = self.feed([out[-1]])[0]
+        return logits, out
+
+
+def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
+    """transformers' logits [T, vocab] at every position of `tokens`."""
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0]
+
+
+def hf_generate(hf, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy continuation of prompt (its own cached `generate`, EOS not
+    stopping it): the n token ids, and the logits [vocab] that chose each."""
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), [step[0] for step in out.logits]
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of prompt: n token ids, EOS not stopping it."""
+    return hf_generate(hf, prompt, n)[0]
+
+
+def assert_logits_match(
+    ours: Single, hf, prompt: list[int], decode_steps: int = 0, tol: float = 1e-4
+) -> None:
+    """Prefill: ours' logits at every position of prompt within `tol` of transformers'.
+    Then `decode_steps` steps, each fed transformers' top token: the step's logits [vocab]
+    within `tol` of transformers' on the whole sequence so far."""
+    ref = hf_logits(hf, prompt)
+    assert (ours.feed(prompt) - ref).abs().max().item() < tol
+    tokens = list(prompt)
+    for _ in range(decode_steps):
+        tokens.append(int(ref[-1].argmax()))
+        step = ours.feed([tokens[-1]])[0]
+        ref = hf_logits(hf, tokens)
+        assert (step - ref[-1]).abs().max().item() < tol
+
+
+# llama.cpp's tensor names: the model's own, and a layer's (HF name without .weight/.bias)
+_GGUF_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused projections, stored fused
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",  # a dense MLP
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate_up_proj": "ffn_up",
+    "mlp.gate": "ffn_gate_inp",  # an MoE layer's router
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+# Gemma 2 and OLMo 2 norm after each sublayer too: their names for the norms around the MLP
+_GGUF_SANDWICH = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 
 
 def _permute_qk(w, n_head: int):
     """llama.cpp's converter permutation of Q/K rows (what our loader undoes)."""
     rows = w.shape[0]
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_writer(cfg, path: Path, arch: str):
+    """A GGUFWriter for `arch` with the header keys every family's file has, from the HF
+    config `cfg`."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    return w
+
+
+def finish_gguf(w) -> None:
+    """Write a GGUFWriter's header, keys and tensors, and close the file."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def write_llama_gguf(
@@ -113,20 +298,11 @@ def write_llama_gguf(
     Returns the model with its weights replaced by their quantize/dequantize round trip,
     so it computes exactly what the file holds.
     """
-    import gguf
     import numpy as np
     from gguf.quants import dequantize, quantize
 
     cfg = model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w = _gguf_writer(cfg, path, arch)
     # a small SentencePiece-style vocabulary so an engine can run on the file
     tokens = ["<unk>", "<s>", "</s>"] + [f"▁t{i}" for i in range(3, cfg.vocab_size)]
     w.add_tokenizer_model("llama")
@@ -135,29 +311,14 @@ def write_llama_gguf(
     w.add_token_types([2, 3, 3] + [1] * (cfg.vocab_size - 3))
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    names = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    per_layer = {
-        "input_layernorm": "attn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "post_attention_layernorm": "ffn_norm",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
     state = model.state_dict()
     for hf_name, t in state.items():
-        if hf_name in names:
-            name = names[hf_name]
+        stem, _, kind = hf_name.rpartition(".")
+        if stem in _GGUF_TOP:
+            name = f"{_GGUF_TOP[stem]}.{kind}"
         else:
-            _, _, idx, rest = hf_name.split(".", 3)
-            name = f"blk.{idx}.{per_layer[rest.rsplit('.', 1)[0]]}.weight"
+            _, _, idx, rest = stem.split(".", 3)
+            name = f"blk.{idx}.{_GGUF_LAYER[rest]}.{kind}"
         if name in drop:
             continue
         data = t.float().numpy()
@@ -189,8 +350,88 @@ def write_llama_gguf(
         else:
             w.kv_data[0].pop(key, None)
             w.add_key_value(key, *typed)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return model
+
+
+def write_gguf(
+    hf, path: Path, arch: str, qtype=None, metadata: dict | None = None, extra: dict | None = None
+) -> None:
+    """hf's weights as llama.cpp's converter writes a GGUF of `arch`: a dense family
+    (Gemma 2, OLMo 2, Phi-3) or a mixture of experts (qwen2moe, qwen3moe, olmoe, and
+    llama with experts: Mixtral).
+
+    Q/K rows are permuted for llama only (the others rotate NEOX-style); Gemma's norms are
+    stored as 1 + w; each sparse layer's experts as 3-D tensors blk.N.ffn_{gate,up,down}_exps
+    ([E, fe, d], [E, d, fe] in numpy order). qtype: None (F32), F16 (every matrix; hf's own
+    weights are first rounded to float16 in place, so it computes what the file holds) or
+    a block type for the experts and attention (the router and norms stay F32).
+    `metadata` {key: value} more header keys, each by its GGUFWriter add_<key>; `extra`
+    {name: numpy array} more tensors.
+    """
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+
+    cfg = hf.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    w = _gguf_writer(cfg, path, arch)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch in ("qwen2moe", "qwen3moe"):  # Mixtral and OLMoE: feed_forward_length
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    for key, value in (metadata or {}).items():
+        getattr(w, f"add_{key}")(value)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(3, cfg.vocab_size)])
+    layer_names = {**_GGUF_LAYER, **(_GGUF_SANDWICH if arch in ("gemma2", "olmo2") else {})}
+
+    def add(name: str, t: torch.Tensor) -> None:
+        data = t.float().numpy()
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            data = _permute_qk(data, heads if "attn_q" in name else kv_heads)
+        matrix = data.ndim >= 2 and "ffn_gate_inp" not in name
+        if qtype == Q.F16 and data.ndim >= 2:
+            w.add_tensor(name, np.ascontiguousarray(data.astype(np.float16)))
+        elif qtype not in (None, Q.F16) and matrix:
+            w.add_tensor(name, quantize(np.ascontiguousarray(data), qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(data))
+
+    with torch.no_grad():
+        if qtype == Q.F16:
+            for p in hf.parameters():
+                if p.dim() >= 2:
+                    p.copy_(p.half().float())
+        for name, t in hf.state_dict().items():
+            stem, _, kind = name.rpartition(".")
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                stem, kind = name, "weight"  # transformers 5's 3-D experts, no suffix
+            if arch == "gemma2" and stem.endswith("norm"):
+                t = t + 1.0
+            if stem in _GGUF_TOP:
+                if stem == "lm_head" and cfg.tie_word_embeddings:
+                    continue
+                add(f"{_GGUF_TOP[stem]}.{kind}", t)
+                continue
+            _, _, idx, rest = stem.split(".", 3)
+            if rest == "mlp.experts.gate_up_proj":  # [E, 2fe, d], each expert's rows [gate; up]
+                gate, up = t.chunk(2, dim=1)
+                add(f"blk.{idx}.ffn_gate_exps.weight", gate)
+                add(f"blk.{idx}.ffn_up_exps.weight", up)
+            elif rest == "mlp.experts.down_proj":  # [E, d, fe]
+                add(f"blk.{idx}.ffn_down_exps.weight", t)
+            elif rest == "mlp.shared_expert_gate":  # [1, d], stored as llama.cpp's [d]
+                add(f"blk.{idx}.ffn_gate_inp_shexp.weight", t.reshape(-1))
+            else:
+                add(f"blk.{idx}.{layer_names[rest]}.{kind}", t)
+    for name, t in (extra or {}).items():
+        w.add_tensor(name, t)
+    finish_gguf(w)

@@ -19,42 +19,34 @@ import pytest
 import torch
 import transformers as tf
 from gguf import GGMLQuantizationType as Q
-from helpers import save_word_tokenizer, write_llama_gguf
+from helpers import (
+    FAMILIES,
+    Single,
+    assert_logits_match,
+    build_hf_model,
+    hf_generate,
+    hf_greedy,
+    hf_sizes,
+    write_gguf,
+    write_llama_gguf,
+)
 
 from tokenmill import kernels
 from tokenmill.config import ConfigError, ModelConfig
-from tokenmill.engine.block_manager import BlockManager
-from tokenmill.engine.kv_cache import KVCache
-from tokenmill.engine.model_runner import ModelRunner
-from tokenmill.engine.scheduler import ScheduledChunk
-from tokenmill.engine.sequence import Sequence
 from tokenmill.loader import open_checkpoint
 from tokenmill.loader.hf_config import from_hf_config
 from tokenmill.models import paths
-from tokenmill.models.transformer import Transformer
 
 VOCAB = 301
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=72,
-    intermediate_size=100,
-    num_hidden_layers=3,
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.2,
-    bos_token_id=1,
-    eos_token_id=VOCAB - 1,
-    pad_token_id=0,
-)
+# the odd sizes, over build_hf_model's common ones
+SIZES = dict(vocab=VOCAB, hidden_size=72, intermediate_size=100, num_attention_heads=6)
 HALF = 6  # rotary frequencies of a 12-dim head
 
-# name -> (transformers model class, its config class, config overrides, the decode path
-# with native weights: "stack", or the reason paths.py gives for the torch path)
+# name -> (family in helpers.FAMILIES, config overrides, the decode path with native
+# weights: "stack", or the reason paths.py gives for the torch path)
 CASES = {
     "phi3-longrope": (
-        "Phi3ForCausalLM",
-        "Phi3Config",
+        "phi3",
         dict(
             original_max_position_embeddings=64,
             rope_scaling={
@@ -66,14 +58,12 @@ CASES = {
         "stack",
     ),
     "phi4-partial-rotary": (
-        "Phi3ForCausalLM",
-        "Phi3Config",
+        "phi3",
         dict(partial_rotary_factor=0.5),
         "stack",
     ),
     "gemma2-softcaps": (
-        "Gemma2ForCausalLM",
-        "Gemma2Config",
+        "gemma2",
         dict(
             head_dim=16,
             attn_logit_softcapping=4.0,
@@ -84,28 +74,24 @@ CASES = {
         "stack",
     ),
     "gemma2-no-attn-softcap": (
-        "Gemma2ForCausalLM",
-        "Gemma2Config",
+        "gemma2",
         dict(head_dim=16, attn_logit_softcapping=None, sliding_window=8),
         "stack",
     ),
-    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", {}, "stack"),
+    "olmo2": ("olmo2", {}, "stack"),
     "smollm3-nope": (
-        "SmolLM3ForCausalLM",
-        "SmolLM3Config",
+        "smollm3",
         dict(no_rope_layers=[1, 0, 1]),
         "stack",
     ),
     # transformers' default NoPE layers (every 4th), the ones llama.cpp hard-codes for GGUF
     "smollm3-default-nope": (
-        "SmolLM3ForCausalLM",
-        "SmolLM3Config",
+        "smollm3",
         dict(num_hidden_layers=4),
         "stack",
     ),
     "granite-multipliers": (
-        "GraniteForCausalLM",
-        "GraniteConfig",
+        "granite",
         dict(
             embedding_multiplier=3.0,
             attention_multiplier=0.2,
@@ -121,52 +107,11 @@ CASES = {
 def build(name: str, folder, seed: int = 0, **more):
     """Build, save and return the tiny random transformers model of case `name` (with
     `more` config overrides)."""
-    model_cls, config_cls, overrides, _ = CASES[name]
-    overrides = {**overrides, **more}
+    family, overrides, _ = CASES[name]
+    model_cls = FAMILIES[family][0]
     if not hasattr(tf, model_cls):  # pragma: no cover - an older transformers
         pytest.skip(f"transformers {tf.__version__} has no {model_cls}")
-    torch.manual_seed(seed)
-    model = getattr(tf, model_cls)(getattr(tf, config_cls)(**{**COMMON, **overrides}))
-    model.eval()
-    gemma = name.startswith("gemma")
-    with torch.no_grad():  # random norm weights, so a wrong norm convention shows up
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.normal_(0.0 if gemma else 1.0, 0.3)
-    model.save_pretrained(folder)
-    save_word_tokenizer(folder, VOCAB)
-    return model
-
-
-class Single:
-    """One sequence through the model runner: prefill, then one token at a time."""
-
-    def __init__(self, folder, quantize: str | None = None):
-        ckpt = open_checkpoint(folder)
-        self.model = Transformer(ckpt.config)
-        self.model.load_weights(ckpt, torch.float32, quantize=quantize)
-        cache = KVCache(ckpt.config, 16, torch.float32, torch.device("cpu"), "1024tok")
-        self.blocks = BlockManager(cache.num_blocks, 16)
-        self.runner = ModelRunner(self.model, cache, torch.device("cpu"))
-        self.seq = Sequence("s", [], None, None)
-
-    def feed(self, tokens: list[int]) -> torch.Tensor:
-        seq = self.seq
-        seq.prompt_ids = seq.prompt_ids + tokens
-        self.blocks.grow(seq.block_table, len(seq))
-        logits, _ = self.runner.run([ScheduledChunk(seq, len(tokens))], all_logits=True)
-        seq.num_computed = len(seq)
-        return logits
-
-    def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
-        """n greedy tokens after `prompt`, and the logits [vocab] that chose each."""
-        logits = self.feed(prompt)[-1]
-        tokens, steps = [], []
-        for _ in range(n):
-            steps.append(logits)
-            tokens.append(int(logits.argmax()))
-            logits = self.feed([tokens[-1]])[0]
-        return tokens, steps
+    return build_hf_model(family, folder, seed, **{**SIZES, **overrides, **more})
 
 
 def _prompt(name: str) -> list[int]:
@@ -179,34 +124,16 @@ def _prompt(name: str) -> list[int]:
     ).tolist()
 
 
-def _reference(hf, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
-    return out.sequences[0, len(prompt) :].tolist(), [step[0] for step in out.logits]
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_logits_and_greedy_match_transformers(tmp_path, name):
     hf = build(name, tmp_path)
     prompt = _prompt(name)
-    ours = Single(tmp_path)
-    got = ours.feed(prompt)
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    assert (got - ref).abs().max().item() < 1e-4
+    assert_logits_match(Single(tmp_path), hf, prompt)
 
-    want, want_logits = _reference(hf, prompt, 32)
-    tokens, logits = Single(tmp_path).greedy(prompt, 32)
-    assert tokens == want
-    for mine, theirs in zip(logits, want_logits, strict=True):
+    want, want_logits = hf_generate(hf, prompt, 32)
+    ours = Single(tmp_path)
+    assert ours.greedy(prompt, 32)[1] == want
+    for mine, theirs in zip(ours.steps, want_logits, strict=True):
         assert (mine - theirs).abs().max().item() < 1e-4
 
 
@@ -218,14 +145,14 @@ def test_native_weights_take_the_stack_or_say_why(tmp_path, name):
     hf = build(name, tmp_path)
     prompt = _prompt(name)
     ours = Single(tmp_path, quantize="float")
-    tokens, _ = ours.greedy(prompt, 24)
+    _, tokens = ours.greedy(prompt, 24)
     path = ours.model.decode_path()
-    expected = CASES[name][3]
+    expected = CASES[name][2]
     if expected == "stack":
         assert path.name == paths.STACK, path.reason
     else:
         assert path.name == paths.TORCH and expected in path.reason, path
-    assert tokens == _reference(hf, prompt, 24)[0]
+    assert tokens == hf_greedy(hf, prompt, 24)
 
 
 def test_longrope_tables_match_transformers(tmp_path):
@@ -255,10 +182,8 @@ def test_smollm3_gguf_reads_back_as_the_folder(tmp_path, qtype):
     ckpt = open_checkpoint(path)
     assert ckpt.config.rope_layers == [True, True, True, False]
     prompt = _prompt("smollm3")
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    assert (Single(path).feed(prompt) - ref).abs().max().item() < 1e-4
-    assert Single(path).greedy(prompt, 16)[0] == _reference(hf, prompt, 16)[0]
+    assert_logits_match(Single(path), hf, prompt)
+    assert Single(path).greedy(prompt, 16)[1] == hf_greedy(hf, prompt, 16)
 
 
 @pytest.mark.parametrize("qtype", [None, Q.F16])
@@ -282,80 +207,13 @@ def test_granite_gguf_reads_back_as_the_folder(tmp_path, qtype):
     assert (cfg.embed_scale, cfg.residual_scale) == pytest.approx((3.0, 0.4))
     assert (cfg.attn_scale, cfg.logit_scale) == pytest.approx((0.2, 1 / 2.5))
     prompt = _prompt("granite")
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    assert (Single(path).feed(prompt) - ref).abs().max().item() < 1e-4
-    want = _reference(hf, prompt, 16)[0]
-    assert Single(path).greedy(prompt, 16)[0] == want
+    assert_logits_match(Single(path), hf, prompt)
+    want = hf_greedy(hf, prompt, 16)
+    assert Single(path).greedy(prompt, 16)[1] == want
     if kernels.library() is not None:
         packed = Single(path, quantize="gguf")
-        assert packed.greedy(prompt, 16)[0] == want
+        assert packed.greedy(prompt, 16)[1] == want
         assert packed.model.decode_path().name == paths.STACK
-
-
-# HF parameter (inside a layer) -> llama.cpp tensor name, for the families below
-_GGUF_NAMES = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "post_attention_layernorm": "post_attention_norm",
-    "pre_feedforward_layernorm": "ffn_norm",
-    "post_feedforward_layernorm": "post_ffw_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused projections, stored fused
-    "mlp.gate_up_proj": "ffn_up",
-}
-
-
-def _write_gguf(hf, path, arch: str, metadata: dict, extra: dict | None = None) -> None:
-    """hf's weights as llama.cpp's converter writes a Gemma 2, OLMo 2 or Phi-3 GGUF
-    (float32): Q/K rows as they are (NEOX rotary), Gemma's norms stored as 1 + w, Phi-3's
-    post-attention norm as the MLP's norm; `extra` more tensors by name."""
-    import gguf
-
-    cfg = hf.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    for key, value in metadata.items():
-        getattr(w, f"add_{key}")(value)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(3, VOCAB)])
-    top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-    for name, t in hf.state_dict().items():
-        stem = name.removesuffix(".weight")
-        if stem in top:
-            out = top[stem]
-        else:
-            _, _, idx, rest = stem.split(".", 3)
-            phi3_mlp_norm = arch == "phi3" and rest == "post_attention_layernorm"
-            out = f"blk.{idx}.{'ffn_norm' if phi3_mlp_norm else _GGUF_NAMES[rest]}"
-        if arch == "gemma2" and stem.endswith("norm"):
-            t = t + 1.0
-        if out == "output" and cfg.tie_word_embeddings:
-            continue
-        w.add_tensor(f"{out}.weight", t.float().numpy().copy())
-    for name, t in (extra or {}).items():
-        w.add_tensor(name, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 @pytest.mark.parametrize("name", ["gemma2-softcaps", "olmo2"])
@@ -373,17 +231,15 @@ def test_gguf_reads_back_as_the_folder(tmp_path, name):
     else:
         hf, meta = build(name, tmp_path / "hf"), {}
     path = tmp_path / f"{name}.gguf"
-    _write_gguf(hf, path, name.split("-")[0], meta)
+    write_gguf(hf, path, name.split("-")[0], metadata=meta)
     config = open_checkpoint(path).config
     ref = from_hf_config(json.loads((tmp_path / "hf" / "config.json").read_text()))
     for field in ("qk_norm", "pre_norm", "attn_logit_softcap", "final_logit_softcap"):
         assert getattr(config, field) == getattr(ref, field), field
     assert config.layer_types == ref.layer_types
     prompt = _prompt(name)
-    with torch.no_grad():
-        want = hf(torch.tensor([prompt])).logits[0]
-    assert (Single(path).feed(prompt) - want).abs().max().item() < 1e-4
-    assert Single(path).greedy(prompt, 16)[0] == _reference(hf, prompt, 16)[0]
+    assert_logits_match(Single(path), hf, prompt)
+    assert Single(path).greedy(prompt, 16)[1] == hf_greedy(hf, prompt, 16)
 
 
 @pytest.mark.parametrize("name", ["phi3-longrope", "phi4-partial-rotary"])
@@ -406,19 +262,17 @@ def test_phi3_gguf_reads_back_as_the_folder(tmp_path, name):
         for kind in ("short", "long"):
             extra[f"rope_factors_{kind}.weight"] = np.array(rope[f"{kind}_factor"], np.float32)
     path = tmp_path / f"{name}.gguf"
-    _write_gguf(hf, path, "phi3", meta, extra)
+    write_gguf(hf, path, "phi3", metadata=meta, extra=extra)
     got = open_checkpoint(path).config.rope
     assert (got.scaling, got.dim or 12) == (ref.scaling, ref.dim or 12)
     for kind in ("short_factor", "long_factor", "attention_factor"):  # float32 in the file
         assert getattr(got, kind) == pytest.approx(getattr(ref, kind)), kind
     prompt = _prompt(name)
-    with torch.no_grad():
-        want = hf(torch.tensor([prompt])).logits[0]
-    assert (Single(path).feed(prompt) - want).abs().max().item() < 1e-4
-    tokens = _reference(hf, prompt, 16)[0]
-    assert Single(path).greedy(prompt, 16)[0] == tokens
+    assert_logits_match(Single(path), hf, prompt)
+    tokens = hf_greedy(hf, prompt, 16)
+    assert Single(path).greedy(prompt, 16)[1] == tokens
     packed = Single(path, quantize="gguf")
-    assert packed.greedy(prompt, 16)[0] == tokens
+    assert packed.greedy(prompt, 16)[1] == tokens
     if kernels.library() is not None:
         assert packed.model.decode_path().name == paths.STACK
 
@@ -426,12 +280,7 @@ def test_phi3_gguf_reads_back_as_the_folder(tmp_path, name):
 def _config(model_type: str, **extra) -> dict:
     return dict(
         model_type=model_type,
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **hf_sizes(64, hidden=32, mlp=48, layers=2, heads=4, kv_heads=2),
         **extra,
     )
 

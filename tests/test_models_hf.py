@@ -11,15 +11,11 @@ import json
 
 import pytest
 import torch
-from helpers import build_hf_model
 
-from tokenmill.engine.block_manager import BlockManager
-from tokenmill.engine.kv_cache import KVCache
-from tokenmill.engine.model_runner import ModelRunner
-from tokenmill.engine.scheduler import ScheduledChunk
-from tokenmill.engine.sequence import Sequence
+# Single and hf_greedy live in helpers; test_loader and test_real_models import them from here
+from helpers import Single, assert_logits_match, build_hf_model, hf_greedy
+
 from tokenmill.loader import open_checkpoint
-from tokenmill.models.transformer import Transformer
 
 CASES = {
     "llama": {},
@@ -43,50 +39,6 @@ CASES = {
 }
 
 
-class Single:
-    """Drive the model runner for one sequence: prefill, then decode one token at a time."""
-
-    def __init__(self, folder, dtype=torch.float32):
-        ckpt = open_checkpoint(folder)
-        self.model = Transformer(ckpt.config)
-        self.model.load_weights(ckpt, dtype)
-        self.cache = KVCache(ckpt.config, 16, dtype, torch.device("cpu"), "1024tok")
-        self.blocks = BlockManager(self.cache.num_blocks, 16)
-        self.runner = ModelRunner(self.model, self.cache, torch.device("cpu"))
-        self.seq = Sequence("s", [], None, None)
-
-    def feed(self, tokens: list[int]) -> torch.Tensor:
-        seq = self.seq
-        seq.prompt_ids = seq.prompt_ids + tokens
-        self.blocks.grow(seq.block_table, len(seq))
-        logits, _ = self.runner.run([ScheduledChunk(seq, len(tokens))], all_logits=True)
-        seq.num_computed = len(seq)
-        return logits
-
-    def greedy(self, prompt: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
-        """Feed prompt, then n greedy tokens, each fed back. Returns (the prompt's logits
-        [T, vocab], the n token ids)."""
-        logits = self.feed(prompt)
-        step, out = logits[-1], []
-        for _ in range(n):
-            out.append(int(step.argmax()))
-            step = self.feed([out[-1]])[0]
-        return logits, out
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy continuation of prompt: n token ids, EOS not stopping it."""
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 def _case(name: str):
     arch = name.split("-")[0]
     if arch == "llama3":
@@ -101,22 +53,8 @@ def test_logits_and_greedy_match_transformers(tmp_path, name):
     torch.manual_seed(1)
     prompt = torch.randint(2, 300, (40,)).tolist()  # longer than the sliding windows (8)
 
-    # ---- prefill: logits at every position ----
-    ours = Single(tmp_path)
-    got = ours.feed(prompt)
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    assert (got - ref).abs().max().item() < 1e-4
-
-    # ---- 16 decode steps fed the same tokens ----
-    tokens = list(prompt)
-    for _ in range(16):
-        nxt = int(ref[-1].argmax())
-        tokens.append(nxt)
-        step = ours.feed([nxt])[0]
-        with torch.no_grad():
-            ref = hf(torch.tensor([tokens])).logits[0]
-        assert (step - ref[-1]).abs().max().item() < 1e-4
+    # ---- prefill: logits at every position, then 16 decode steps fed the same tokens ----
+    assert_logits_match(Single(tmp_path), hf, prompt, decode_steps=16)
 
     # ---- 32-token greedy continuation vs transformers.generate ----
     _, ours_out = Single(tmp_path).greedy(prompt, 32)
@@ -161,10 +99,7 @@ def test_transformers_4x_config_spelling(tmp_path):
     ckpt = open_checkpoint(tmp_path)
     assert ckpt.config.rope.theta == 5000.0 and ckpt.config.rope.scaling == "llama3"
     prompt = list(range(2, 50))
-    got = Single(tmp_path).feed(prompt)
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    assert (got - ref).abs().max().item() < 1e-4
+    assert_logits_match(Single(tmp_path), hf, prompt)
 
 
 def test_sharded_safetensors(tmp_path):

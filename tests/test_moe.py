@@ -12,8 +12,7 @@ import json
 
 import pytest
 import torch
-from helpers import save_word_tokenizer
-from test_models_hf import Single
+from helpers import Single, assert_logits_match, build_hf_model, hf_greedy, hf_logits
 
 from tokenmill.config import ConfigError, ModelConfig
 from tokenmill.layers.moe import MoE
@@ -46,64 +45,13 @@ CASES = {
 
 
 def build_moe_model(arch: str, folder, seed: int = 0, **overrides):
-    """Build, save (as transformers writes it) and return a tiny random MoE model."""
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=72,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        bos_token_id=1,
-        eos_token_id=VOCAB - 1,
-        pad_token_id=0,
-    )
-    save = dict(overrides.pop("save", {}))
-    if arch == "qwen3_moe":
-        cfg = tf.Qwen3MoeConfig(
-            **{**common, "head_dim": 16, "intermediate_size": 56, "moe_intermediate_size": 40,
-               "num_experts": 5, **overrides}
-        )  # fmt: skip
-        model = tf.Qwen3MoeForCausalLM(cfg)
-    elif arch == "qwen2_moe":
-        cfg = tf.Qwen2MoeConfig(
-            **{**common, "intermediate_size": 56, "moe_intermediate_size": 40, "num_experts": 5,
-               **overrides}
-        )  # fmt: skip
-        model = tf.Qwen2MoeForCausalLM(cfg)
-    elif arch == "mixtral":
-        cfg = tf.MixtralConfig(
-            **{**common, "intermediate_size": 40, "num_local_experts": 5, **overrides}
-        )
-        model = tf.MixtralForCausalLM(cfg)
-    elif arch == "olmoe":
-        cfg = tf.OlmoeConfig(**{**common, "intermediate_size": 40, "num_experts": 5, **overrides})
-        model = tf.OlmoeForCausalLM(cfg)
-    else:
-        raise ValueError(arch)
-    model.eval()
-    with torch.no_grad():  # random norm weights, so a norm over the wrong span shows up
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.3)
-    model.save_pretrained(folder, **save)
-    save_word_tokenizer(folder, VOCAB)
-    return model
+    """Build, save (as transformers writes it, or with save={...} for save_pretrained) and
+    return a tiny random MoE model: helpers.FAMILIES' experts, hidden 72."""
+    return build_hf_model(arch, folder, seed, vocab=VOCAB, **{"hidden_size": 72, **overrides})
 
 
 def _case(name: str):
     return name.split("-")[0], CASES[name]
-
-
-def _greedy_hf(hf, prompt: list[int], n: int) -> list[int]:
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -114,26 +62,14 @@ def test_logits_and_greedy_match_transformers(tmp_path, name):
     prompt = torch.randint(2, 300, (24,)).tolist()
 
     # ---- prefill logits at every position, then decode steps fed the oracle's tokens ----
-    ours = Single(tmp_path)
-    got = ours.feed(prompt)
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    assert (got - ref).abs().max().item() < 1e-4
-    tokens = list(prompt)
-    for _ in range(6):
-        nxt = int(ref[-1].argmax())
-        tokens.append(nxt)
-        step = ours.feed([nxt])[0]
-        with torch.no_grad():
-            ref = hf(torch.tensor([tokens])).logits[0]
-        assert (step - ref[-1]).abs().max().item() < 1e-4
+    assert_logits_match(Single(tmp_path), hf, prompt, decode_steps=6)
 
     # ---- greedy through the engine, as loaded by default (native float experts): decode
     # attention runs natively, the MoE layers on torch (not in the fused stack yet) ----
     llm = LLM(tmp_path, kv_cache_memory="1024tok")
     path = llm.engine.model.decode_path()
     assert path.name == paths.NATIVE_ATTENTION and "Mixture-of-Experts" in path.reason, path
-    assert llm.generate([prompt], GREEDY)[0].token_ids == _greedy_hf(hf, prompt, 12)
+    assert llm.generate([prompt], GREEDY)[0].token_ids == hf_greedy(hf, prompt, 12)
 
 
 def test_config_reads_each_family(tmp_path):
@@ -169,9 +105,7 @@ def test_fused_expert_tensors_load_like_per_expert_ones(tmp_path):
     prompt = list(range(2, 30))
     a, b = Single(tmp_path / "per").feed(prompt), Single(tmp_path / "fused").feed(prompt)
     assert torch.equal(a, b)
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    assert (b - ref).abs().max().item() < 1e-4
+    assert (b - hf_logits(hf, prompt)).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("name", ["qwen2_moe-norm-dense", "olmoe"])
