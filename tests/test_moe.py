@@ -64,11 +64,14 @@ def test_logits_and_greedy_match_transformers(tmp_path, name):
     # ---- prefill logits at every position, then decode steps fed the oracle's tokens ----
     assert_logits_match(Single(tmp_path), hf, prompt, decode_steps=6)
 
-    # ---- greedy through the engine, as loaded by default (native float experts): decode
-    # attention runs natively, the MoE layers on torch (not in the fused stack yet) ----
+    # ---- greedy through the engine, as loaded by default (native float experts): every
+    # decode step in the fused stack (router, top-k, the chosen experts, shared expert) ----
     llm = LLM(tmp_path, kv_cache_memory="1024tok")
-    path = llm.engine.model.decode_path()
-    assert path.name == paths.NATIVE_ATTENTION and "Mixture-of-Experts" in path.reason, path
+    assert llm.engine.model.decode_path().name == paths.STACK
+    assert llm.generate([prompt], GREEDY)[0].token_ids == hf_greedy(hf, prompt, 12)
+    # the per-layer path (native attention, torch experts) gives the same tokens
+    llm.engine.model.native_model().stack_blocker = "test: the per-layer path"
+    assert llm.engine.model.decode_path().name == paths.NATIVE_ATTENTION
     assert llm.generate([prompt], GREEDY)[0].token_ids == hf_greedy(hf, prompt, 12)
 
 

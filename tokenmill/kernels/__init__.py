@@ -68,7 +68,7 @@ __all__ = [
 ]
 
 
-ABI = 11  # tm_info() // 1000 of the sources this module binds
+ABI = 12  # tm_info() // 1000 of the sources this module binds
 F16, BF16, F32 = 16, 17, 32  # tm_weight.bits of float weights (4 and 8: packed blocks)
 DEFAULT_GROUP_BLOCKS = 16  # the packing used when no library is loaded (any would do)
 # The most rows of x the GEMV takes before float32 tiles beat it (float weights, and
@@ -121,6 +121,17 @@ class TmLayer(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("softcap", ctypes.c_float),
         ("residual_scale", ctypes.c_float),
+        ("moe", ctypes.c_void_p),  # a TmMoe, or None
+    ]
+
+
+class TmMoe(ctypes.Structure):
+    """Mirror of `tm_moe` in tm.h: an MoE layer's router, experts and shared expert."""
+
+    _fields_ = [
+        *((name, ctypes.c_int32) for name in ("E", "k", "fe", "fs", "softmax_first", "norm_topk")),
+        *((name, ctypes.c_void_p) for name in ("router", "router_bias", "up", "down")),
+        *((name, ctypes.c_void_p) for name in ("shared_up", "shared_down", "shared_gate")),
     ]
 
 
@@ -151,7 +162,7 @@ class TmRows(ctypes.Structure):
     ]
 
 
-STRUCTS = (TmWeight, TmLayer, TmStack, TmShape, TmRows)  # tm_struct_size(i) checks each
+STRUCTS = (TmWeight, TmLayer, TmStack, TmShape, TmRows, TmMoe)  # tm_struct_size(i) checks each
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

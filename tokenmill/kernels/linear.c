@@ -687,6 +687,7 @@ int tm_struct_size(int which) {
     case 2: return (int)sizeof(tm_stack);
     case 3: return (int)sizeof(tm_shape);
     case 4: return (int)sizeof(tm_rows);
+    case 5: return (int)sizeof(tm_moe);
     default: return -1;
     }
 }

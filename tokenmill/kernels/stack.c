@@ -60,8 +60,114 @@ static void add_residual(float *x, float *h, int Bd, int d, const tm_layer *L, c
 }
 
 /* tm_decode_stack's activations (h, qkv, att, proj, up, mid), one grow-only tm_buf per
- * thread, separate from tm_scratch: the kernels it calls use tm_scratch on this thread. */
-static __thread tm_buf stack_buf;
+ * thread, separate from tm_scratch: the kernels it calls use tm_scratch on this thread;
+ * moe_buf the MoE sublayer's (router logits, choices, an expert's rows). */
+static __thread tm_buf stack_buf, moe_buf;
+
+/* The k largest of v [n], best first (ties: the lower index first): ids [k]. */
+static void top_k(const float *v, int n, int k, int *ids) {
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < n; e++) {
+            int taken = 0;
+            for (int i = 0; i < j; i++) taken |= ids[i] == e;
+            if (!taken && (best < 0 || v[e] > v[best])) best = e;
+        }
+        ids[j] = best;
+    }
+}
+
+/* A gated MLP over n rows: out [n, d] = down(act(gate(x)) * up(x)), x [n, d]; up [n, 2f]
+ * and mid [n, f] scratch. */
+static int gated_mlp(const tm_shape *s, const tm_weight *wu, const tm_weight *wd, const float *ub,
+                     const float *db, int f, const float *x, int n, float *up, float *mid, float *out,
+                     int nthreads, int act16) {
+    int rc = tm_linear(wu, x, n, up, ub, nthreads, act16);
+    if (rc != 1) return rc;
+    for (int b = 0; b < n; b++) {
+        const float *u = up + (size_t)b * 2 * f;
+        gated_act(u, u + f, f, s->act, mid + (size_t)b * f);
+    }
+    return tm_linear(wd, mid, n, out, db, nthreads, act16);
+}
+
+/* The MoE MLP of Bd rows h [Bd, d] -> out [Bd, d], as layers/moe.py computes it: the router
+ * picks each row's k experts; the rows are grouped by expert, so every active expert is
+ * read once for all the rows that chose it (one tm_linear over its rows), and each row
+ * adds only its own experts' outputs, in expert order. Returns 1, 0 on OOM, or
+ * tm_linear's error code. */
+static int moe_mlp(const tm_shape *s, const tm_moe *m, const float *h, int Bd, float *out, int nthreads,
+                   int act16) {
+    const int d = s->d, E = m->E, k = m->k, fw = m->fe > m->fs ? m->fe : m->fs;
+    /* logits [Bd, E], weights [Bd, k], rows [Bd] (an expert's), x [Bd, d], y [Bd, d],
+     * up [Bd, 2 fw], mid [Bd, fw], ids [Bd, k] (ints, last) */
+    const size_t nf = (size_t)Bd * (E + k + 1 + 2 * d + 3 * fw);
+    float *logits = tm_buf_get(&moe_buf, nf * sizeof(float) + (size_t)Bd * k * sizeof(int));
+    if (!logits) return 0;
+    float *wk = logits + (size_t)Bd * E, *rw = wk + (size_t)Bd * k, *x = rw + Bd;
+    float *y = x + (size_t)Bd * d, *up = y + (size_t)Bd * d, *mid = up + (size_t)Bd * 2 * fw;
+    int *ids = (int *)(mid + (size_t)Bd * fw);
+    int rc;
+    /* ---- route: each row's k experts and their weights ---- */
+    for (int b = 0; b < Bd; b++) {
+        const float *hb = h + (size_t)b * d;
+        float *lg = logits + (size_t)b * E, *w = wk + (size_t)b * k;
+        int *id = ids + (size_t)b * k;
+        for (int e = 0; e < E; e++)
+            lg[e] = vf_dot(hb, m->router + (size_t)e * d, d) + (m->router_bias ? m->router_bias[e] : 0.f);
+        float mx = lg[0], sum = 0.f;
+        for (int e = 1; e < E; e++) mx = lg[e] > mx ? lg[e] : mx;
+        if (m->softmax_first) { /* softmax over E, the top k of it, renormalized or not */
+            for (int e = 0; e < E; e++) sum += (lg[e] = expf(lg[e] - mx));
+            for (int e = 0; e < E; e++) lg[e] /= sum;
+            top_k(lg, E, k, id);
+            float ws = 0.f;
+            for (int j = 0; j < k; j++) ws += (w[j] = lg[id[j]]);
+            if (m->norm_topk)
+                for (int j = 0; j < k; j++) w[j] /= ws;
+        } else { /* the top k logits, softmax over them */
+            top_k(lg, E, k, id);
+            const float top = lg[id[0]];
+            for (int j = 0; j < k; j++) sum += (w[j] = expf(lg[id[j]] - top));
+            for (int j = 0; j < k; j++) w[j] /= sum;
+        }
+    }
+    memset(out, 0, (size_t)Bd * d * sizeof(float));
+    /* ---- each active expert over the rows that chose it ---- */
+    for (int e = 0; e < E; e++) {
+        int n = 0;
+        int rows[Bd];
+        for (int b = 0; b < Bd; b++)
+            for (int j = 0; j < k; j++)
+                if (ids[(size_t)b * k + j] == e) {
+                    rows[n] = b, rw[n] = wk[(size_t)b * k + j];
+                    memcpy(x + (size_t)n * d, h + (size_t)b * d, d * sizeof(float));
+                    n++;
+                }
+        if (!n) continue;
+        if ((rc = gated_mlp(s, m->up[e], m->down[e], NULL, NULL, m->fe, x, n, up, mid, y, nthreads,
+                            act16)) != 1)
+            return rc;
+        for (int i = 0; i < n; i++) {
+            float *o = out + (size_t)rows[i] * d;
+            const float *yi = y + (size_t)i * d;
+            for (int c = 0; c < d; c++) o[c] += yi[c] * rw[i];
+        }
+    }
+    /* ---- the shared expert, gated per row ---- */
+    if (m->shared_up) {
+        if ((rc = gated_mlp(s, m->shared_up, m->shared_down, NULL, NULL, m->fs, h, Bd, up, mid, y,
+                            nthreads, act16)) != 1)
+            return rc;
+        for (int b = 0; b < Bd; b++) {
+            const float g = 1.f / (1.f + expf(-vf_dot(h + (size_t)b * d, m->shared_gate, d)));
+            float *o = out + (size_t)b * d;
+            const float *yb = y + (size_t)b * d;
+            for (int c = 0; c < d; c++) o[c] += g * yb[c];
+        }
+    }
+    return 1;
+}
 
 /* x [Bd, d]: the embedded decode rows in, the final norm of the residual stream out.
  * Per layer, for the Bd rows together ([rmsnorm]: none where the family has no pre-norm):
@@ -90,12 +196,12 @@ int tm_decode_stack(const tm_stack *st, const tm_rows *rows, float *x, int nthre
         add_residual(x, proj, Bd, d, L, L->post_attn_norm, s->eps);
         /* ---- MLP sublayer ---- */
         norm_rows(x, Bd, d, L->mlp_norm, s->eps, h);
-        TRY(tm_linear(L->up, h, Bd, up, L->up_bias, nthreads, L->act16));
-        for (int b = 0; b < Bd; b++) {
-            const float *ub = up + (size_t)b * 2 * f;
-            gated_act(ub, ub + f, f, s->act, mid + (size_t)b * f);
+        if (L->moe) {
+            TRY(moe_mlp(s, L->moe, h, Bd, proj, nthreads, L->act16));
+        } else {
+            TRY(gated_mlp(s, L->up, L->down, L->up_bias, L->down_bias, f, h, Bd, up, mid, proj, nthreads,
+                          L->act16));
         }
-        TRY(tm_linear(L->down, mid, Bd, proj, L->down_bias, nthreads, L->act16));
         if (st->allreduce) st->allreduce(proj, Bd * d, st->allreduce_ctx);
         add_residual(x, proj, Bd, d, L, L->post_mlp_norm, s->eps);
     }

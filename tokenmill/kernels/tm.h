@@ -29,7 +29,7 @@
 
 #define TM_GB TM_W /* blocks per lane-order group: one vector of 32-bit lanes */
 
-#define TM_ABI 11 /* tm_info() / 1000: bumped when a struct or signature changes */
+#define TM_ABI 12 /* tm_info() / 1000: bumped when a struct or signature changes */
 
 #define QK 32            /* values per block */
 #define GW (TM_GB * QK)  /* values per full lane-order group */
@@ -75,6 +75,20 @@ typedef struct {
     float eps;   /* RMSNorm epsilon (also the q/k norms') */
 } tm_shape;
 
+/* A Mixture-of-Experts MLP (ctypes mirror: TmMoe), layers/moe.py's in the fused stack:
+ * a float router [E, d] picks k of E gated experts per row, their outputs weighted by
+ * the router's probabilities, plus an optional shared expert gated by sigmoid(x . g). */
+typedef struct {
+    int32_t E, k;          /* experts, and how many each row uses */
+    int32_t fe, fs;        /* an expert's width, the shared expert's (0: none) */
+    int32_t softmax_first; /* 1: softmax over E, then the top k; 0: softmax of the top-k logits */
+    int32_t norm_topk;     /* softmax_first: renormalize the k weights to sum to 1 */
+    const float *router, *router_bias;        /* [E, d], [E] or NULL */
+    const tm_weight *const *up, *const *down; /* [E] each: up [2fe, d] (gate; up), down [d, fe] */
+    const tm_weight *shared_up, *shared_down; /* [2fs, d], [d, fs], or NULL */
+    const float *shared_gate;                 /* [d], or NULL */
+} tm_moe;
+
 /* One transformer block as the native decode paths see it (ctypes mirror: TmLayer),
  * built once per layer and used by both: the per-layer decode attention reads its
  * attention fields, the whole-step stack all of them. Linear layers are tm_weights (NULL
@@ -93,6 +107,7 @@ typedef struct {
     float scale;      /* attention score scale */
     float softcap;    /* > 0: scores -> softcap * tanh(scores / softcap) (Gemma 2); 0: none */
     float residual_scale; /* x += residual_scale * sublayer (Granite; 1 elsewhere) */
+    const tm_moe *moe;    /* an MoE layer's MLP (up, down and up_bias unused then), or NULL */
 } tm_layer;
 
 /* Tensor parallelism: called with a row-parallel projection's partial sums [n] (the

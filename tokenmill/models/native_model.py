@@ -15,7 +15,8 @@ GEMVs' memory traffic itself. So:
 
 Both read the same `TmLayer` per block, built here once (after the KV cache is attached)
 from the modules' own tensors: the attention path reads its attention fields, the stack
-all of them. The stack needs RMSNorms (before each sublayer, after it, or both), a gated
+all of them. An MoE layer's MLP is a TmMoe (router, each expert's packed weights, the
+shared expert), run by the stack's moe_mlp. The stack needs RMSNorms (before each sublayer, after it, or both), a gated
 SiLU or tanh-GELU MLP (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, OLMo 2, SmolLM3,
 Granite) and every linear layer native (QuantLinear or FloatLinear); when it cannot run,
 `stack_blocker` says why. Attention covers per-head and whole-projection Q/K norms (Qwen3,
@@ -93,13 +94,12 @@ class NativeModel:
         a, m = block.attn, block.mlp
         i = a.layer_idx
         linears = {"qkv": a.qkv, "o": a.o}
-        if isinstance(m, MoE):  # the per-layer attention runs; the MLP stays torch's
-            self._block(f"layer {i} is a Mixture-of-Experts layer, not in the fused stack yet")
-        else:
+        if not isinstance(m, MoE):
             linears.update(up=m.up, down=m.down)
         for name, lin in linears.items():
             setattr(desc, name, self._weight(f"layer {i} {name}", lin))
             setattr(desc, f"{name}_bias", self._ptr(lin.bias))
+        experts = self._moe(desc, m, i) if isinstance(m, MoE) else []
         for name in ("attn_norm", "mlp_norm"):
             norm = getattr(block, name)
             # None: OLMo 2 norms after the sublayers only (the stack copies instead)
@@ -117,7 +117,7 @@ class NativeModel:
         desc.rot_dim = 0 if rot is None else rot.cos.shape[1]
         desc.k_cache, desc.v_cache = a.k_cache.data_ptr(), a.v_cache.data_ptr()
         desc.window = a.window or 0
-        act_bits = {getattr(lin, "act_bits", 16) for lin in linears.values()}
+        act_bits = {getattr(lin, "act_bits", 16) for lin in [*linears.values(), *experts]}
         if len(act_bits) != 1:
             self._block(f"layer {i} mixes activation precisions {sorted(act_bits)}")
         desc.act16 = int(act_bits == {16})
@@ -125,6 +125,35 @@ class NativeModel:
         desc.qk_full = int(a.qk_norm_full)  # OLMo 2: norms [H hd] and [Hkv hd]
         desc.softcap = a.softcap or 0.0  # Gemma 2
         desc.residual_scale = block.residual_scale  # Granite
+
+    def _moe(self, desc: kernels.TmLayer, m: MoE, i: int) -> list[nn.Module]:
+        """desc.moe for MoE layer i (a TmMoe: router, experts, shared expert); returns
+        the layer's expert projections, for the activation-precision check."""
+        mlps = [*m.experts, *([m.shared] if m.shared is not None else [])]
+        if any(lin.bias is not None for mlp in mlps for lin in (mlp.up, mlp.down)):
+            self._block(f"layer {i}'s experts have biases, which the fused stack's MoE lacks")
+        moe = kernels.TmMoe()
+        moe.E, moe.k, moe.fe = m.num_experts, m.top_k, m.experts[0].f
+        moe.fs = m.shared.f if m.shared is not None else 0
+        moe.softmax_first = int(m.router_kind == "softmax_topk")
+        moe.norm_topk = int(bool(m.norm_topk_prob))
+        moe.router, moe.router_bias = self._ptr(m.router.weight), self._ptr(m.router.bias)
+        for name in ("up", "down"):  # [E] pointers to each expert's packed weight
+            ptrs = (ctypes.c_void_p * m.num_experts)(
+                *(
+                    self._weight(f"layer {i} expert {e} {name}", getattr(x, name))
+                    for e, x in enumerate(m.experts)
+                )
+            )
+            self._keep.append(ptrs)
+            setattr(moe, name, ctypes.addressof(ptrs))
+        if m.shared is not None:
+            moe.shared_up = self._weight(f"layer {i} shared up", m.shared.up)
+            moe.shared_down = self._weight(f"layer {i} shared down", m.shared.down)
+            moe.shared_gate = self._ptr(m.shared_gate.weight)
+        self._keep.append(moe)
+        desc.moe = ctypes.addressof(moe)
+        return [lin for mlp in mlps for lin in (mlp.up, mlp.down)]
 
     # -- the two native calls ---------------------------------------------------------------
 
