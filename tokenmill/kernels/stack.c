@@ -49,14 +49,9 @@ static void norm_rows(const float *src, int Bd, int d, const float *w, float eps
 
 /* The residual add of a sublayer's output h [Bd, d]: x += s * (post_norm ? rmsnorm(h) : h),
  * s the layer's residual_scale (Granite's multiplier, 1 elsewhere). */
-static void add_residual(float *x, float *h, int Bd, int d, const tm_layer *L, const float *post_norm,
-                         float eps) {
+static void add_residual(float *x, float *h, int Bd, int d, float s, const float *post_norm, float eps) {
     if (post_norm) norm_rows(h, Bd, d, post_norm, eps, h);
-    const float s = L->residual_scale;
-    if (s == 1.f)
-        for (size_t i = 0; i < (size_t)Bd * d; i++) x[i] += h[i];
-    else
-        for (size_t i = 0; i < (size_t)Bd * d; i++) x[i] += s * h[i];
+    for (size_t i = 0; i < (size_t)Bd * d; i++) x[i] += s * h[i]; /* 1 * h is h exactly */
 }
 
 /* tm_decode_stack's activations (h, qkv, att, proj, up, mid), one grow-only tm_buf per
@@ -193,7 +188,7 @@ int tm_decode_stack(const tm_stack *st, const tm_rows *rows, float *x, int nthre
         TRY(tm_decode_attention(s, L, rows, qkv, att, nthreads));
         TRY(tm_linear(L->o, att, Bd, proj, L->o_bias, nthreads, L->act16));
         if (st->allreduce) st->allreduce(proj, Bd * d, st->allreduce_ctx); /* sum over ranks */
-        add_residual(x, proj, Bd, d, L, L->post_attn_norm, s->eps);
+        add_residual(x, proj, Bd, d, L->residual_scale, L->post_attn_norm, s->eps);
         /* ---- MLP sublayer ---- */
         norm_rows(x, Bd, d, L->mlp_norm, s->eps, h);
         if (L->moe) {
@@ -203,7 +198,7 @@ int tm_decode_stack(const tm_stack *st, const tm_rows *rows, float *x, int nthre
                           L->act16));
         }
         if (st->allreduce) st->allreduce(proj, Bd * d, st->allreduce_ctx);
-        add_residual(x, proj, Bd, d, L, L->post_mlp_norm, s->eps);
+        add_residual(x, proj, Bd, d, L->residual_scale, L->post_mlp_norm, s->eps);
     }
 #undef TRY
     if (st->final_norm) norm_rows(x, Bd, d, st->final_norm, s->eps, x); /* NULL: a pipeline stage */
