@@ -28,6 +28,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -77,51 +78,42 @@ DEFAULT_GROUP_BLOCKS = 16  # the packing used when no library is loaded (any wou
 PREFILL_MIN_T = 80
 
 
+VP, I32, FLT = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float  # void *, int32_t, float
+
+
+def _of(ctype: Any, *names: str) -> list[tuple[str, Any]]:
+    """Fields of one C type, in tm.h's order: `_of(VP, "a", "b")` is `void *a, *b;`."""
+    return [(name, ctype) for name in names]
+
+
 class TmWeight(ctypes.Structure):
     """Mirror of `tm_weight` in tm.h: pointers into a packed weight's tensors."""
 
     _fields_ = [
-        ("codes", ctypes.c_void_p),
-        ("scales", ctypes.c_void_p),
-        ("mins", ctypes.c_void_p),
-        ("bits", ctypes.c_int32),
-        ("scale_f16", ctypes.c_int32),
-        ("n", ctypes.c_int32),
-        ("k", ctypes.c_int32),
-        ("dsup", ctypes.c_void_p),
-        ("msup", ctypes.c_void_p),
-        ("next", ctypes.c_void_p),  # the next rows' TmWeight (a segmented layer), or None
+        *_of(VP, "codes", "scales", "mins"),
+        *_of(I32, "bits", "scale_f16", "n", "k"),
+        *_of(VP, "dsup", "msup"),
+        ("next", VP),  # the next rows' TmWeight (a segmented layer), or None
     ]
 
 
 class TmShape(ctypes.Structure):
     """Mirror of `tm_shape` in tm.h: the model's shapes, shared by every layer."""
 
-    _fields_ = [
-        *((name, ctypes.c_int32) for name in ("n_layers", "d", "H", "Hkv", "hd", "f", "act")),
-        ("eps", ctypes.c_float),
-    ]
+    _fields_ = [*_of(I32, "n_layers", "d", "H", "Hkv", "hd", "f", "act"), ("eps", FLT)]
 
 
 class TmLayer(ctypes.Structure):
     """Mirror of `tm_layer` in tm.h: one block as both native decode paths see it."""
 
     _fields_ = [
-        *((name, ctypes.c_void_p) for name in ("qkv", "o", "up", "down")),
-        *((f"{n}_bias", ctypes.c_void_p) for n in ("qkv", "o", "up", "down")),
-        *(
-            (f"{n}_norm", ctypes.c_void_p)
-            for n in ("attn", "mlp", "post_attn", "post_mlp", "q", "k")
-        ),
-        *((name, ctypes.c_void_p) for name in ("rcos", "rsin", "k_cache", "v_cache")),
-        ("rot_dim", ctypes.c_int32),
-        ("window", ctypes.c_int32),
-        ("act16", ctypes.c_int32),
-        ("qk_full", ctypes.c_int32),
-        ("scale", ctypes.c_float),
-        ("softcap", ctypes.c_float),
-        ("residual_scale", ctypes.c_float),
-        ("moe", ctypes.c_void_p),  # a TmMoe, or None
+        *_of(VP, "qkv", "o", "up", "down"),
+        *_of(VP, "qkv_bias", "o_bias", "up_bias", "down_bias"),
+        *_of(VP, "attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm"),
+        *_of(VP, "rcos", "rsin", "k_cache", "v_cache"),
+        *_of(I32, "rot_dim", "window", "act16", "qk_full"),
+        *_of(FLT, "scale", "softcap", "residual_scale"),
+        ("moe", VP),  # a TmMoe, or None
     ]
 
 
@@ -129,14 +121,14 @@ class TmMoe(ctypes.Structure):
     """Mirror of `tm_moe` in tm.h: an MoE layer's router, experts and shared expert."""
 
     _fields_ = [
-        *((name, ctypes.c_int32) for name in ("E", "k", "fe", "fs", "softmax_first", "norm_topk")),
-        *((name, ctypes.c_void_p) for name in ("router", "router_bias", "up", "down")),
-        *((name, ctypes.c_void_p) for name in ("shared_up", "shared_down", "shared_gate")),
+        *_of(I32, "E", "k", "fe", "fs", "softmax_first", "norm_topk"),
+        *_of(VP, "router", "router_bias", "up", "down"),
+        *_of(VP, "shared_up", "shared_down", "shared_gate"),
     ]
 
 
 # tm_allreduce_fn: (float *buf, int32 n, void *ctx), called back from tm_decode_stack
-ALLREDUCE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p)
+ALLREDUCE_FN = ctypes.CFUNCTYPE(None, VP, I32, VP)
 
 
 class TmStack(ctypes.Structure):
@@ -144,22 +136,16 @@ class TmStack(ctypes.Structure):
     tensor-parallel all-reduce (NULL on one rank)."""
 
     _fields_ = [
-        ("shape", ctypes.c_void_p),
-        ("layers", ctypes.c_void_p),
-        ("final_norm", ctypes.c_void_p),
+        *_of(VP, "shape", "layers", "final_norm"),
         ("allreduce", ALLREDUCE_FN),
-        ("allreduce_ctx", ctypes.c_void_p),
+        ("allreduce_ctx", VP),
     ]
 
 
 class TmRows(ctypes.Structure):
     """Mirror of `tm_rows` in tm.h: the decode rows of one step."""
 
-    _fields_ = [
-        *((name, ctypes.c_void_p) for name in ("positions", "new_slots", "slots", "ctx_lens")),
-        ("Bd", ctypes.c_int32),
-        ("cmax", ctypes.c_int32),
-    ]
+    _fields_ = [*_of(VP, "positions", "new_slots", "slots", "ctx_lens"), *_of(I32, "Bd", "cmax")]
 
 
 STRUCTS = (TmWeight, TmLayer, TmStack, TmShape, TmRows, TmMoe)  # tm_struct_size(i) checks each

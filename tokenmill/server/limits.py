@@ -33,6 +33,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tokenmill.server.asgi import HTTPMiddleware
+
 if TYPE_CHECKING:
     import asyncio
 
@@ -81,20 +83,17 @@ async def send_error(
     await send({"type": "http.response.body", "body": body})
 
 
-class BodyLimit:
-    """ASGI middleware: read each HTTP request's body in full, within size and time limits."""
+class BodyLimit(HTTPMiddleware):
+    """Read each HTTP request's body in full, within size and time limits."""
 
     def __init__(self, app: ASGIApp, *, max_bytes: int, timeout_s: float):
-        self.app = app
+        super().__init__(app)
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         import asyncio  # here, not at the top: see the module's docstring
 
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
             await self._too_large(scope, send, declared)
@@ -176,8 +175,8 @@ def host_name(host: str) -> str:
     return host.rstrip(".")  # "localhost." is the same name, fully qualified
 
 
-class HostCheck:
-    """ASGI middleware: answer only requests whose Host header names an allowed host.
+class HostCheck(HTTPMiddleware):
+    """Answer only requests whose Host header names an allowed host.
 
     A browser sends the name it looked up, so a rebinding page's requests carry its own
     name ("attacker.example") and are refused here, while the web page served at
@@ -185,25 +184,24 @@ class HostCheck:
     Host header (HTTP/1.0) comes from no browser and passes."""
 
     def __init__(self, app: ASGIApp, *, allowed: Collection[str]):
-        self.app = app
+        super().__init__(app)
         self.allowed = frozenset(host_name(h) for h in allowed)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            host = next((v for k, v in scope["headers"] if k == b"host"), None)
-            if host is not None:
-                name = host_name(host.decode("latin-1"))
-                if name not in self.allowed:
-                    shown = name if len(name) <= 100 else name[:97] + "..."
-                    await send_error(
-                        scope,
-                        send,
-                        400,
-                        f"this server does not answer to the host {shown!r} (the request's "
-                        "Host header); its operator can add it with --allowed-hosts",
-                        "invalid_host",
-                    )
-                    return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        host = next((v for k, v in scope["headers"] if k == b"host"), None)
+        if host is not None:
+            name = host_name(host.decode("latin-1"))
+            if name not in self.allowed:
+                shown = name if len(name) <= 100 else name[:97] + "..."
+                await send_error(
+                    scope,
+                    send,
+                    400,
+                    f"this server does not answer to the host {shown!r} (the request's "
+                    "Host header); its operator can add it with --allowed-hosts",
+                    "invalid_host",
+                )
+                return
         await self.app(scope, receive, send)
 
 

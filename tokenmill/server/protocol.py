@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints
@@ -511,29 +512,27 @@ def _clamped(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
+@dataclass
 class _Format:
     """The response and stream chunks of one request, for one endpoint.
 
     decode: token id -> its text (tokenizer.decode([id])), for logprobs.
     want_logprobs: whether the request asked for logprobs.
-    Subclasses say how a choice's text and logprobs are laid out."""
+    Subclasses say how a choice's text and logprobs are laid out, and add their own
+    fields after these four."""
 
-    object_name: str
-    chunk_object_name: str
+    id_prefix: ClassVar[str]
+    object_name: ClassVar[str]
+    chunk_object_name: ClassVar[str]
 
-    def __init__(
-        self,
-        prefix: str,
-        request_id: str,
-        model: str,
-        decode: Callable[[int], str],
-        want_logprobs: bool,
-    ):
-        self.id = f"{prefix}-{request_id}"
+    request_id: str
+    model: str
+    decode: Callable[[int], str]
+    want_logprobs: bool
+
+    def __post_init__(self) -> None:
+        self.id = f"{self.id_prefix}-{self.request_id}"
         self.created = int(time.time())
-        self.model = model
-        self.decode = decode
-        self.want_logprobs = want_logprobs
 
     def _envelope(self, object_name: str, choices: list[dict], **extra: Any) -> dict[str, Any]:
         return {
@@ -569,27 +568,22 @@ class _Format:
         return bool(out.text or out.finished or (self.want_logprobs and out.logprobs))
 
 
+@dataclass
 class CompletionFormat(_Format):
     """/v1/completions: choices[i].text, logprobs {tokens, token_logprobs, top_logprobs,
     text_offset}. The sampled token is always among its top_logprobs, as OpenAI
     documents (so up to logprobs + 1 entries)."""
 
+    id_prefix = "cmpl"
     object_name = chunk_object_name = "text_completion"
 
-    def __init__(
-        self,
-        request_id: str,
-        model: str,
-        decode: Callable[[int], str],
-        want_logprobs: bool,
-        n: int,
-        echo: list[str] | None,
-    ):
-        """n: choices in all; echo: each choice's prompt text, when the request echoes."""
-        super().__init__("cmpl", request_id, model, decode, want_logprobs)
-        self.echo = echo
+    n: int  # choices in all
+    echo: list[str] | None  # each choice's prompt text, when the request echoes
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         # text offset of each choice's next token
-        self._offsets = [len(e) for e in echo] if echo else [0] * n
+        self._offsets = [len(e) for e in self.echo] if self.echo else [0] * self.n
 
     def logprobs(self, index: int, logprobs: list[TokenLogprob]) -> dict[str, list]:
         tokens = [self.decode(lp.token_id) for lp in logprobs]
@@ -634,6 +628,7 @@ class CompletionFormat(_Format):
         return self._envelope(self.chunk_object_name, [choice])
 
 
+@dataclass
 class ChatFormat(_Format):
     """/v1/chat/completions: choices[i].message, streamed as deltas after one role
     chunk per choice; logprobs {content: [{token, logprob, bytes, top_logprobs}]}.
@@ -647,20 +642,16 @@ class ChatFormat(_Format):
     delta.reasoning_content before the answer's delta.content; tool calls are parsed
     from the answer alone."""
 
+    id_prefix = "chatcmpl"
     object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
 
-    def __init__(
-        self,
-        request_id: str,
-        model: str,
-        decode: Callable[[int], str],
-        want_logprobs: bool,
-        tools: ToolRequest | None = None,
-        reasoning: bool = False,
-    ):
-        super().__init__("chatcmpl", request_id, model, decode, want_logprobs)
-        self.tools = tools if tools is not None and tools.parses_calls else None
-        self.reasoning = reasoning
+    tools: ToolRequest | None = None
+    reasoning: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tools is not None and not self.tools.parses_calls:
+            self.tools = None
         self._parsers: dict[int, ToolCallParser] = {}  # per choice, when streaming
 
     def logprobs(self, logprobs: list[TokenLogprob]) -> dict[str, list]:
