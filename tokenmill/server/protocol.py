@@ -81,11 +81,25 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
-    """Fields both endpoints share. Extra fields are kept for `check_extra_fields`."""
+class ExtraFieldsRequest(BaseModel):
+    """A request body whose unknown fields are kept (in `model_extra`) so that
+    `refuse_extra_fields` can name them: OpenAI's message for a field it does not know,
+    and a message of its own for one it knows but this server does not support
+    (`unsupported_fields`: name -> the values that mean "off", which pass)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    def refuse_extra_fields(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name not in self.unsupported_fields:
+                raise invalid(f"Unrecognized request argument supplied: {name}", name)
+            if value not in self.unsupported_fields[name]:
+                raise invalid(f"{name} is not supported by this server", name)
+
+
+class _GenerationRequest(ExtraFieldsRequest):
+    """Fields both endpoints share. Extra fields are kept for `check_extra_fields`."""
 
     model: Text | None = None
     max_tokens: int | None = None
@@ -118,11 +132,7 @@ class _GenerationRequest(BaseModel):
     structured_outputs: StructuredOutputs | None = None
 
     def check_extra_fields(self) -> None:
-        for name, value in (self.model_extra or {}).items():
-            if name not in self.unsupported_fields:
-                raise invalid(f"Unrecognized request argument supplied: {name}", name)
-            if value not in self.unsupported_fields[name]:
-                raise invalid(f"{name} is not supported by this server", name)
+        self.refuse_extra_fields()
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
         if self.n is not None and self.n > MAX_N:
