@@ -78,6 +78,28 @@ FAMILIES = {
         {"intermediate_size": 40, "num_local_experts": 5},
     ),
     "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", {"intermediate_size": 40, "num_experts": 5}),
+    # gpt-oss: sinks, alternating sliding (8) and full layers, YaRN, the clamped SwiGLU
+    "gpt_oss": (
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        {
+            "head_dim": 16,
+            "intermediate_size": 40,
+            "num_local_experts": 5,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 16,
+            },
+            "swiglu_limit": 1.5,  # low enough that random weights reach the clamps
+        },
+    ),
 }
 
 # GPT-2's names for the common sizes (it has no K/V heads, MLP width or pad token to set)
@@ -143,6 +165,8 @@ def build_hf_model(
         for name, p in model.named_parameters():
             if "norm" in name or "ln_" in name:
                 p.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.3)
+            elif arch == "gpt_oss" and (name.endswith("sinks") or name.endswith("bias")):
+                p.normal_(0.0, 1.5 if name.endswith("sinks") else 0.5)  # zero or tiny at init
     model.save_pretrained(folder, **(save or {}))
     save_word_tokenizer(folder, vocab)
     return model

@@ -170,6 +170,37 @@ def test_longrope_tables_match_transformers(tmp_path):
     assert rotary.rope.attention_factor == pytest.approx((1 + 3 / 6) ** 0.5)  # ln 8 / ln 64
 
 
+YARN_CASES = {
+    # gpt-oss's: the ramp's ends not rounded
+    "gpt-oss": dict(factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False),
+    # Qwen's long-context recipe: transformers' defaults for the betas, ends rounded
+    "defaults": dict(factor=4.0),
+    # DeepSeek's: the attention factor from mscale / mscale_all_dim
+    "mscale": dict(factor=40.0, mscale=1.0, mscale_all_dim=0.707),
+    "attention_factor": dict(factor=8.0, attention_factor=1.25, beta_fast=16.0),
+}
+
+
+@pytest.mark.parametrize("name", list(YARN_CASES))
+def test_yarn_frequencies_match_transformers(name):
+    """YaRN's frequencies and attention factor, as transformers computes them."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tokenmill.layers.rotary import inv_frequencies
+
+    params = {"rope_type": "yarn", "rope_theta": 150000.0, **YARN_CASES[name]}
+    params["original_max_position_embeddings"] = 4096
+    hf_cfg = tf.LlamaConfig(
+        hidden_size=256, num_attention_heads=4, max_position_embeddings=131072,
+        rope_parameters=dict(params),
+    )  # fmt: skip
+    ref, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
+    cfg = from_hf_config({**hf_cfg.to_dict(), "model_type": "llama", "vocab_size": 320})
+    assert cfg.rope.scaling == "yarn"
+    assert torch.equal(inv_frequencies(cfg.rope, 64), ref)
+    assert cfg.rope.attention_factor == pytest.approx(ref_factor, rel=1e-12)
+
+
 # F16: the odd sizes (72 columns) fit no 32-wide block format
 @pytest.mark.parametrize("qtype", [None, Q.F16])
 def test_smollm3_gguf_reads_back_as_the_folder(tmp_path, qtype):

@@ -1,4 +1,4 @@
-"""Mixture-of-experts families (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE) against transformers,
+"""Mixture-of-experts families (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, gpt-oss) against transformers,
 on tiny random-weight checkpoints of odd sizes (hidden 72, 5 experts, experts 40 wide).
 
 Prefill logits at every position and greedy tokens must match transformers; several
@@ -41,6 +41,9 @@ CASES = {
     "mixtral": dict(num_experts_per_tok=2),
     "olmoe": dict(num_experts_per_tok=3),  # Q/K norm over the whole projection
     "olmoe-norm": dict(num_experts_per_tok=2, norm_topk_prob=True),
+    # attention sinks, sliding and full layers, YaRN, router and expert biases, the clamped
+    # SwiGLU (helpers.FAMILIES)
+    "gpt_oss": dict(num_experts_per_tok=2),
 }
 
 
@@ -218,8 +221,18 @@ def test_hf_config_errors(tmp_path):
         from_hf_config({k: v for k, v in base.items() if k != "moe_intermediate_size"})
     with pytest.raises(ConfigError, match="clip_qkv"):
         from_hf_config({**base, "model_type": "olmoe", "clip_qkv": 8.0})
-    with pytest.raises(ConfigError, match="supported: .*qwen3_moe.*mixtral.*olmoe"):
+    with pytest.raises(ConfigError, match="supported: .*qwen3_moe.*mixtral.*olmoe.*gpt_oss"):
         from_hf_config({**base, "model_type": "deepseek_v3"})
+    oss = {**base, "model_type": "gpt_oss", "num_local_experts": 4, "sliding_window": 8}
+    del oss["num_experts"]
+    cfg = from_hf_config(oss)
+    assert (cfg.attn_sinks, cfg.swiglu_limit, cfg.router) == (True, 7.0, "topk_softmax")
+    assert cfg.layer_types == ["sliding", "full"] and cfg.qkv_bias and cfg.o_bias
+    with pytest.raises(ConfigError, match="swiglu_limit"):
+        from_hf_config({**oss, "swiglu_limit": -1.0})
+    with pytest.raises(ConfigError, match="beta_fast"):
+        yarn = {"rope_type": "yarn", "factor": 4.0, "beta_fast": "fast"}
+        from_hf_config({**oss, "rope_parameters": yarn})
 
 
 def test_missing_expert_tensor_is_one_clear_error(tmp_path):

@@ -41,7 +41,7 @@ _CHOICES = {
     "activation": ("silu", "gelu_tanh", "gelu"),
     "position": ("rope", "learned"),
 }
-_ROPE_SCALINGS = ("default", "linear", "llama3", "longrope")
+_ROPE_SCALINGS = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def check_int(name: str, value: Any, lo: int = 1, hi: int | None = None) -> int:
@@ -73,6 +73,13 @@ class RopeConfig:
     short_factor: list[float] = field(default_factory=list)
     long_factor: list[float] = field(default_factory=list)
     attention_factor: float = 1.0
+    # "yarn" (gpt-oss; YaRN): frequencies blended between interpolated (divided by
+    # `factor`) and the plain ones along a ramp between the dimensions that turn
+    # beta_fast and beta_slow times over original_max_position; `truncate` rounds the
+    # ramp's ends to whole dimensions. cos/sin times attention_factor, as for LongRoPE.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 @dataclass
@@ -137,6 +144,13 @@ class ModelConfig:
     # down weights could not take it folded in).
     residual_scale: float = 1.0
     logit_scale: float = 1.0  # Granite: logits times this (1 / logits_scaling)
+    # gpt-oss: a learned logit per query head that joins every softmax of attention as one
+    # more "key" with no value (an attention sink: a head can attend to nothing).
+    attn_sinks: bool = False
+    # gpt-oss's clamped SwiGLU: g = min(gate, limit), u = clamp(up, -limit, limit),
+    # act = (u + 1) * g * sigmoid(alpha * g). None: the plain gated activation.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     tie_embeddings: bool = True
 
     sliding_window: int | None = None
@@ -244,6 +258,10 @@ def _check_rope(name: str, rope: RopeConfig, head_dim: int, used: bool) -> None:
     rope.attention_factor = check_float(
         f"{name}.attention_factor", rope.attention_factor, 0.0, lo_open=True
     )
+    rope.beta_fast = check_float(f"{name}.beta_fast", rope.beta_fast, 0.0, lo_open=True)
+    rope.beta_slow = check_float(f"{name}.beta_slow", rope.beta_slow, 0.0, lo_open=True)
+    if not isinstance(rope.truncate, bool):
+        raise ConfigError(f"{name}.truncate must be true or false, got {short_repr(rope.truncate)}")
     if rope.scaling == "longrope":
         half = (rope.dim or head_dim) // 2
         for kind in ("short_factor", "long_factor"):
@@ -278,6 +296,13 @@ def _check_dense_switches(cfg: ModelConfig) -> None:
             f"rope_layers must be {cfg.num_layers} true/false entries, got {short_repr(cfg.rope_layers)}"
         )
     cfg.residual_scale = check_float("residual_scale", cfg.residual_scale, 0.0, lo_open=True)
+    if not isinstance(cfg.attn_sinks, bool):
+        raise ConfigError(f"attn_sinks must be true or false, got {short_repr(cfg.attn_sinks)}")
+    if cfg.swiglu_limit is not None:
+        cfg.swiglu_limit = check_float("swiglu_limit", cfg.swiglu_limit, 0.0, lo_open=True)
+        if cfg.mlp != "gated":
+            raise ConfigError("swiglu_limit needs a gated MLP")
+    cfg.swiglu_alpha = check_float("swiglu_alpha", cfg.swiglu_alpha, 0.0, lo_open=True)
     cfg.logit_scale = check_float("logit_scale", cfg.logit_scale, 0.0, lo_open=True)
 
 

@@ -69,7 +69,7 @@ __all__ = [
 ]
 
 
-ABI = 12  # tm_info() // 1000 of the sources this module binds
+ABI = 13  # tm_info() // 1000 of the sources this module binds
 F16, BF16, F32 = 16, 17, 32  # tm_weight.bits of float weights (4 and 8: packed blocks)
 DEFAULT_GROUP_BLOCKS = 16  # the packing used when no library is loaded (any would do)
 # The most rows of x the GEMV takes before float32 tiles beat it (float weights, and
@@ -100,7 +100,10 @@ class TmWeight(ctypes.Structure):
 class TmShape(ctypes.Structure):
     """Mirror of `tm_shape` in tm.h: the model's shapes, shared by every layer."""
 
-    _fields_ = [*_of(I32, "n_layers", "d", "H", "Hkv", "hd", "f", "act"), ("eps", FLT)]
+    _fields_ = [
+        *_of(I32, "n_layers", "d", "H", "Hkv", "hd", "f", "act"),
+        *_of(FLT, "eps", "swiglu_limit", "swiglu_alpha"),
+    ]
 
 
 class TmLayer(ctypes.Structure):
@@ -114,6 +117,7 @@ class TmLayer(ctypes.Structure):
         *_of(I32, "rot_dim", "window", "act16", "qk_full"),
         *_of(FLT, "scale", "softcap", "residual_scale"),
         ("moe", VP),  # a TmMoe, or None
+        ("sinks", VP),  # [H] float, or None
     ]
 
 
@@ -124,6 +128,7 @@ class TmMoe(ctypes.Structure):
         *_of(I32, "E", "k", "fe", "fs", "softmax_first", "norm_topk"),
         *_of(VP, "router", "router_bias", "up", "down"),
         *_of(VP, "shared_up", "shared_down", "shared_gate"),
+        *_of(VP, "up_bias", "down_bias"),  # [E] pointers each, or None
     ]
 
 

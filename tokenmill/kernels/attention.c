@@ -73,14 +73,16 @@ static void attn_values(const float *p, int m, int rep, const float *base, const
     }
 }
 
-/* s [n] = exp(s - max(s)); returns the sum. */
-static inline float softmax_exp(float *s, int n) {
-    float mx = -INFINITY;
+/* s [n] = exp(s - m), m = max(max(s), sink); returns the sum, exp(sink - m) included (an
+ * attention sink: a softmax term with no value; -INFINITY for none). */
+static inline float softmax_exp(float *s, int n, float sink) {
+    float mx = sink;
     int j = 0;
     if (n >= TM_W) {
         vf vmx = vf_load(s);
         for (j = TM_W; j + TM_W <= n; j += TM_W) vmx = vf_max(vmx, vf_load(s + j));
-        mx = vf_hmax(vmx);
+        const float vm = vf_hmax(vmx);
+        mx = vm > mx ? vm : mx;
     }
     for (; j < n; j++) mx = s[j] > mx ? s[j] : mx;
     j = 0;
@@ -97,7 +99,7 @@ static inline float softmax_exp(float *s, int n) {
         s[j] = expf(s[j] - mx);
         sum += s[j];
     }
-    return sum;
+    return sum + expf(sink - mx);
 }
 
 /* Attention of Bd decode rows (one new token each) over a paged KV cache, whole layer
@@ -107,8 +109,9 @@ static inline float softmax_exp(float *s, int n) {
  * the row's whole q [H hd] and k [Hkv hd]: each task computes the row's two RMS factors
  * itself, H + Hkv dot products of hd, so tasks stay independent), the rotary tables
  * [P, rot_dim], the cache [num_slots, Hkv, hd], the sliding window (> 0: only the last
- * `window` keys are seen), the score scale and the soft-cap (> 0: each scaled score s
- * becomes softcap * tanh(s / softcap) before the softmax); `rows` the step's decode rows
+ * `window` keys are seen), the score scale, the soft-cap (> 0: each scaled score s
+ * becomes softcap * tanh(s / softcap) before the softmax) and the sinks (a logit per head
+ * in the softmax's sum, with no value: gpt-oss); `rows` the step's decode rows
  * (see tm_rows).
  *
  *   qkv        [Bd, (H + 2 Hkv) hd]  fused projection output (q heads, k heads, v heads)
@@ -119,7 +122,7 @@ int tm_decode_attention(const tm_shape *sh, const tm_layer *L, const tm_rows *ro
     const int H = sh->H, Hkv = sh->Hkv, hd = sh->hd, Bd = rows->Bd, cmax = rows->cmax;
     const int rot_dim = L->rot_dim, window = L->window;
     const float eps = sh->eps, scale = L->scale, *q_norm = L->q_norm, *k_norm = L->k_norm;
-    const float softcap = L->softcap;
+    const float softcap = L->softcap, *sinks = L->sinks;
     const int qk_full = L->qk_full;
     const float *rcos = L->rcos, *rsin = L->rsin;
     float *k_cache = L->k_cache, *v_cache = L->v_cache;
@@ -177,7 +180,10 @@ int tm_decode_attention(const tm_shape *sh, const tm_layer *L, const tm_rows *ro
                 for (size_t j = 0; j < (size_t)rep * m; j++) sc[j] = softcap * tanhf(sc[j] / softcap);
             /* ---- softmax, then the weighted sum of values ---- */
             float inv[rep];
-            for (int r = 0; r < rep; r++) inv[r] = 1.f / softmax_exp(sc + (size_t)r * m, m);
+            for (int r = 0; r < rep; r++) {
+                const float sink = sinks ? sinks[g * rep + r] : -INFINITY;
+                inv[r] = 1.f / softmax_exp(sc + (size_t)r * m, m, sink);
+            }
             attn_values(sc, m, rep, v_cache + (size_t)g * hd, sl, stride, hd, acc);
             for (int r = 0; r < rep; r++) {
                 float *o = out + (size_t)b * H * hd + (size_t)(g * rep + r) * hd;

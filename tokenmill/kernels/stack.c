@@ -5,9 +5,20 @@
 #include "tm.h"
 
 /* out [f] = act(g [f]) * u [f]; act(x) = x * sigmoid(x) (SiLU) or the tanh-GELU
- * 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), both through exp(-|.|) <= 1. */
-static void gated_act(const float *g, const float *u, int f, int act, float *out) {
+ * 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), both through exp(-|.|) <= 1; or
+ * gpt-oss's clamped SwiGLU (s->act 2, see tm_shape). */
+static void gated_act(const float *g, const float *u, int f, const tm_shape *s, float *out) {
+    const int act = s->act;
     int i = 0;
+    if (act == 2) { /* gpt-oss's clamped SwiGLU: element by element (a few k per expert) */
+        const float limit = s->swiglu_limit, alpha = s->swiglu_alpha;
+        for (; i < f; i++) {
+            const float x = g[i] < limit ? g[i] : limit;
+            const float v = u[i] < -limit ? -limit : u[i] > limit ? limit : u[i];
+            out[i] = (v + 1.f) * x / (1.f + expf(-alpha * x));
+        }
+        return;
+    }
     const vf one = vf_set1(1.f), half = vf_set1(0.5f);
     for (; i + TM_W <= f; i += TM_W) {
         const vf x = vf_load(g + i);
@@ -81,7 +92,7 @@ static int gated_mlp(const tm_shape *s, const tm_weight *wu, const tm_weight *wd
     if (rc != 1) return rc;
     for (int b = 0; b < n; b++) {
         const float *u = up + (size_t)b * 2 * f;
-        gated_act(u, u + f, f, s->act, mid + (size_t)b * f);
+        gated_act(u, u + f, f, s, mid + (size_t)b * f);
     }
     return tm_linear(wd, mid, n, out, db, nthreads, act16);
 }
@@ -140,7 +151,9 @@ static int moe_mlp(const tm_shape *s, const tm_moe *m, const float *h, int Bd, f
                     n++;
                 }
         if (!n) continue;
-        if ((rc = gated_mlp(s, m->up[e], m->down[e], NULL, NULL, m->fe, x, n, up, mid, y, nthreads,
+        const float *ub = m->up_bias ? m->up_bias[e] : NULL;
+        const float *db = m->down_bias ? m->down_bias[e] : NULL;
+        if ((rc = gated_mlp(s, m->up[e], m->down[e], ub, db, m->fe, x, n, up, mid, y, nthreads,
                             act16)) != 1)
             return rc;
         for (int i = 0; i < n; i++) {

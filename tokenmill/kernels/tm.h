@@ -29,7 +29,7 @@
 
 #define TM_GB TM_W /* blocks per lane-order group: one vector of 32-bit lanes */
 
-#define TM_ABI 12 /* tm_info() / 1000: bumped when a struct or signature changes */
+#define TM_ABI 13 /* tm_info() / 1000: bumped when a struct or signature changes */
 
 #define QK 32            /* values per block */
 #define GW (TM_GB * QK)  /* values per full lane-order group */
@@ -71,8 +71,11 @@ typedef struct tm_weight {
 /* The model's shapes, shared by every layer (ctypes mirror: TmShape). */
 typedef struct {
     int32_t n_layers, d, H, Hkv, hd, f; /* f: the MLP's intermediate size */
-    int32_t act; /* MLP activation of the gate: 0 SiLU, 1 GELU (tanh approximation) */
-    float eps;   /* RMSNorm epsilon (also the q/k norms') */
+    /* MLP activation of the gate: 0 SiLU, 1 GELU (tanh approximation), 2 gpt-oss's
+     * clamped SwiGLU: (clamp(u, -limit, limit) + 1) * g' sigmoid(alpha g'), g' = min(g, limit) */
+    int32_t act;
+    float eps;                        /* RMSNorm epsilon (also the q/k norms') */
+    float swiglu_limit, swiglu_alpha; /* act 2 only */
 } tm_shape;
 
 /* A Mixture-of-Experts MLP (ctypes mirror: TmMoe), layers/moe.py's in the fused stack:
@@ -87,6 +90,7 @@ typedef struct {
     const tm_weight *const *up, *const *down; /* [E] each: up [2fe, d] (gate; up), down [d, fe] */
     const tm_weight *shared_up, *shared_down; /* [2fs, d], [d, fs], or NULL */
     const float *shared_gate;                 /* [d], or NULL */
+    const float *const *up_bias, *const *down_bias; /* [E] each: [2fe], [d] (gpt-oss), or NULL */
 } tm_moe;
 
 /* One transformer block as the native decode paths see it (ctypes mirror: TmLayer),
@@ -108,6 +112,7 @@ typedef struct {
     float softcap;    /* > 0: scores -> softcap * tanh(scores / softcap) (Gemma 2); 0: none */
     float residual_scale; /* x += residual_scale * sublayer (Granite; 1 elsewhere) */
     const tm_moe *moe;    /* an MoE layer's MLP (up, down and up_bias unused then), or NULL */
+    const float *sinks;   /* [H]: each head's sink logit, one more softmax term (gpt-oss), or NULL */
 } tm_layer;
 
 /* Tensor parallelism: called with a row-parallel projection's partial sums [n] (the

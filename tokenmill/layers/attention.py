@@ -167,6 +167,12 @@ class Attention(nn.Module):
         )
         self.scale = cfg.attn_scale
         self.softcap = cfg.attn_logit_softcap  # Gemma 2: scores -> cap * tanh(scores / cap)
+        # gpt-oss: [H] one more logit in each head's softmax, a key without a value
+        self.sinks = (
+            nn.Parameter(torch.zeros(cfg.num_heads), requires_grad=False)
+            if cfg.attn_sinks
+            else None
+        )
         self.window = cfg.sliding_window if cfg.layer_types[layer_idx] == "sliding" else None
         d = cfg.hidden_size
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
@@ -265,8 +271,8 @@ class Attention(nn.Module):
     def _sdpa(self, q, k, v, mask, causal: bool) -> torch.Tensor:
         # q [B, H, L, hd], k/v [B, Hkv, C, hd]
         rep = self.num_heads // self.num_kv_heads
-        if self.softcap is not None:
-            return self._softcapped(q, k, v, mask, causal, rep)
+        if self.softcap is not None or self.sinks is not None:
+            return self._explicit(q, k, v, mask, causal, rep)
         if rep > 1 and q.shape[2] == 1 and not causal:
             # GQA/MQA decode: the `rep` query heads sharing a K/V head become `rep` queries
             # of that head ([B, Hkv, rep, hd]); the mask [B, 1, 1, C] broadcasts over them.
@@ -279,16 +285,25 @@ class Attention(nn.Module):
             q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=rep > 1
         )
 
-    def _softcapped(self, q, k, v, mask, causal: bool, rep: int) -> torch.Tensor:
-        """Attention with soft-capped scores (Gemma 2), which SDPA cannot do: q [B, H, L,
-        hd], k/v [B, Hkv, C, hd], mask [.., L, C] bool or None -> [B, H, L, hd]."""
+    def _explicit(self, q, k, v, mask, causal: bool, rep: int) -> torch.Tensor:
+        """Attention written out, for what SDPA cannot do: soft-capped scores (Gemma 2) and
+        sink logits (gpt-oss). q [B, H, L, hd], k/v [B, Hkv, C, hd], mask [.., L, C] bool
+        or None -> [B, H, L, hd]."""
         if rep > 1:  # each K/V head serves `rep` query heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         scores = (q @ k.transpose(-1, -2)) * self.scale  # [B, H, L, C]
-        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         if causal:  # the chunk is the whole context: query i sees keys 0..i
             L, C = scores.shape[-2:]
             mask = torch.ones(L, C, dtype=torch.bool, device=q.device).tril(C - L)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+        scores = scores.float()
+        if self.sinks is None:
+            return torch.softmax(scores, dim=-1).to(q.dtype) @ v
+        # the sink joins the softmax's denominator and is dropped from its output
+        B, H, L, _ = scores.shape
+        sink = self.sinks.float().view(1, H, 1, 1).expand(B, H, L, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        return probs.to(q.dtype) @ v

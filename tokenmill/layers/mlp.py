@@ -1,6 +1,8 @@
 """The feed-forward network applied to every token after attention.
 
 gated (Llama SwiGLU, Gemma GeGLU): down(act(gate(x)) * up(x))
+clamped (gpt-oss's SwiGLU):        down((u + 1) * g * sigmoid(alpha g)), with
+                                   g = min(gate(x), limit), u = clamp(up(x), -limit, limit)
 plain (GPT-2):                     down(act(up(x)))
 For gated MLPs `up` holds [gate; up] stacked: [2f, d].
 """
@@ -32,10 +34,15 @@ class MLP(nn.Module):
         self.up = Linear(d, 2 * f if self.gated else f, bias=cfg.mlp_bias)
         self.down = Linear(f, d, bias=cfg.mlp_bias)
         self.act = ACTIVATIONS[cfg.activation]
+        self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, d] -> [T, f] -> [T, d]
         h = self.up(x)
+        if self.limit is not None:  # gpt-oss
+            g = h[:, : self.f].clamp(max=self.limit)
+            u = h[:, self.f :].clamp(-self.limit, self.limit)
+            return self.down((u + 1) * (g * torch.sigmoid(g * self.alpha)))
         if self.gated:
             return self.down(self.act(h[:, : self.f]) * h[:, self.f :])
         return self.down(self.act(h))

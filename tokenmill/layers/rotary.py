@@ -16,7 +16,7 @@ from tokenmill.config import RopeConfig
 
 
 def inv_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:
-    """[dim/2] angular frequencies, with linear or llama3 scaling applied."""
+    """[dim/2] angular frequencies, with linear, llama3 or YaRN scaling applied."""
     # float32 throughout, as the HF reference computes it.
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if rope.scaling == "linear":
@@ -35,7 +35,32 @@ def inv_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:
         inv_freq = torch.where(
             mid, (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq, scaled
         )
+    elif rope.scaling == "yarn":
+        inv_freq = _yarn(rope, dim, inv_freq)
     return inv_freq
+
+
+def _yarn(rope: RopeConfig, dim: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """[dim/2] YaRN frequencies: dimensions that turn more than beta_fast times over the
+    original context keep their frequency (extrapolation), those that turn fewer than
+    beta_slow times are divided by `factor` (interpolation), and a linear ramp blends the
+    ones between, as transformers' _compute_yarn_parameters does."""
+
+    def dim_turning(turns: float) -> float:  # the dimension that turns `turns` times
+        return (dim * math.log(rope.original_max_position / (turns * 2 * math.pi))) / (
+            2 * math.log(rope.theta)
+        )
+
+    low, high = dim_turning(rope.beta_fast), dim_turning(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # [dim/2]: 1 where the plain frequency stays
+    base = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    return 1.0 / (rope.factor * base) * (1 - keep) + inv_freq * keep  # rounded as HF rounds
 
 
 def _longrope_inv(rope: RopeConfig, dim: int, factors: list[float]) -> torch.Tensor:
@@ -73,7 +98,7 @@ class Rotary(nn.Module):
         if long is not None:  # LongRoPE: positions >= switch use the long frequencies
             freqs[switch:] = torch.outer(pos[switch:], long)
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, dim]
-        scale = self.rope.attention_factor  # LongRoPE's magnitude correction, else 1
+        scale = self.rope.attention_factor  # LongRoPE's and YaRN's magnitude correction, else 1
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         # rotate_half(x) * sin == roll(x, dim/2) * [-sin, sin]: the sign is baked in here so
         # applying RoPE is roll, mul, fused multiply-add.

@@ -19,7 +19,7 @@ from tokenmill.config import (
 )
 
 # Mixture-of-experts families (layers/moe.py), read by _moe_config.
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 # the newer dense families, each read by _dense_family below
 DENSE_FAMILIES = ("phi3", "gemma2", "olmo2", "smollm3", "granite")
 HF_FAMILIES = (
@@ -121,9 +121,36 @@ def _rope_from_params(p: dict[str, Any], default_theta: float, max_pos: int) -> 
         return rope
     if kind in ("longrope", "su"):  # Phi-3 / Phi-4 ("su" is its first name)
         return _longrope(f, rope, max_pos)
+    if kind == "yarn":
+        return _yarn(f, rope, max_pos)
     raise ConfigError(
-        f"unsupported rope scaling type {short_repr(kind)} (supported: default, linear, llama3, longrope)"
+        f"unsupported rope scaling type {short_repr(kind)} "
+        "(supported: default, linear, llama3, longrope, yarn)"
     )
+
+
+def _yarn(f: ConfigFields, rope: RopeConfig, max_pos: int) -> RopeConfig:
+    """YaRN's fields, with transformers' defaults: the factor max_position /
+    original_max_position, beta_fast 32 and beta_slow 1, truncate true, and the attention
+    factor 0.1 ln(factor) + 1 (DeepSeek's mscale / mscale_all_dim ratio when both are set;
+    1 when the factor is at most 1)."""
+    rope.scaling = "yarn"
+    orig = f.int("original_max_position_embeddings", max_pos, hi=MAX_SIZES["max_position"])
+    rope.original_max_position = orig
+    rope.factor = f.float("factor", None, lo_open=True) or max_pos / orig
+    rope.beta_fast = f.float("beta_fast", None, lo_open=True) or 32.0
+    rope.beta_slow = f.float("beta_slow", None, lo_open=True) or 1.0
+    rope.truncate = f.bool("truncate", True)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = f.float("mscale", None), f.float("mscale_all_dim", None)
+    default = mscale(rope.factor, m) / mscale(rope.factor, m_all) if m and m_all else None
+    rope.attention_factor = f.float(
+        "attention_factor", default or mscale(rope.factor), lo_open=True
+    )
+    return rope
 
 
 def _longrope(f: ConfigFields, rope: RopeConfig, max_pos: int) -> RopeConfig:
@@ -370,6 +397,19 @@ def _gpt2_config(f: ConfigFields) -> ModelConfig:
     )
 
 
+def _gpt_oss(f: ConfigFields) -> dict[str, Any]:
+    """gpt-oss's switches: the router's top k logits then a softmax over them (with a
+    bias), experts with biases and the clamped SwiGLU, and a sink logit per head."""
+    return dict(
+        router="topk_softmax",
+        router_bias=True,
+        mlp_bias=True,
+        swiglu_limit=f.float("swiglu_limit", 7.0, lo_open=True),
+        swiglu_alpha=f.float("swiglu_alpha", 1.702, lo_open=True),
+        attn_sinks=True,
+    )
+
+
 def _moe_config(f: ConfigFields, model_type: str, common: dict[str, Any]) -> ModelConfig:
     """Qwen2-MoE, Qwen3-MoE, Mixtral and OLMoE: a Llama-style block whose MLP is the MoE
     of layers/moe.py (softmax over all experts, then the top k) in the sparse layers."""
@@ -377,7 +417,7 @@ def _moe_config(f: ConfigFields, model_type: str, common: dict[str, Any]) -> Mod
     # transformers writes either spelling (its attribute_map aliases them), per version
     key = "num_experts" if f.raw("num_experts", None) is not None else "num_local_experts"
     experts = f.int(key, hi=MAX_EXPERTS)
-    if model_type in ("mixtral", "olmoe"):
+    if model_type in ("mixtral", "olmoe", "gpt_oss"):
         # every layer sparse; the experts' width is intermediate_size
         moe_layers = [True] * layers
         moe_size = common["intermediate_size"]
@@ -412,11 +452,18 @@ def _moe_config(f: ConfigFields, model_type: str, common: dict[str, Any]) -> Mod
         layer_types = ["sliding" if sliding else "full"] * layers
     elif model_type == "mixtral":
         layer_types = ["sliding" if f.raw("sliding_window", None) else "full"] * layers
+    elif model_type == "gpt_oss":  # alternating, sliding first, unless the config lists them
+        layer_types = _layer_types(
+            f,
+            layers,
+            ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        )
+        moe.update(_gpt_oss(f))
     else:
         layer_types = ["full"] * layers
     window = f.int("sliding_window", None) if "sliding" in layer_types else None
-    # attention_bias: q, k, v and o (Qwen3-MoE, OLMoE); Qwen2-MoE: qkv_bias, no o bias
-    bias = model_type != "mixtral" and f.bool("attention_bias", False)
+    # attention_bias: q, k, v and o (Qwen3-MoE, OLMoE, gpt-oss); Qwen2-MoE: qkv_bias, no o bias
+    bias = model_type != "mixtral" and f.bool("attention_bias", model_type == "gpt_oss")
     return ModelConfig(
         arch=model_type,
         qkv_bias=f.bool("qkv_bias", True) if model_type == "qwen2_moe" else bias,

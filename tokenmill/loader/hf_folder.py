@@ -127,8 +127,10 @@ def _map_name(
         if stem == "attn.c_attn":  # fused QKV, split by the caller's slices
             return [(f"layers.{idx}.attn.{p}.{kind}", p) for p in ("q", "k", "v")]
         mapped = _GPT2_LAYER_NAMES.get(stem)
-    elif num_experts and (moe := _moe_name(rest, num_experts)) is not None:
+    elif num_experts and (moe := _moe_name(rest, num_experts, arch)) is not None:
         return [(f"layers.{idx}.mlp.{target}", part) for target, part in moe]
+    elif rest == "self_attn.sinks":  # gpt-oss: one logit per query head [H]
+        return [(f"layers.{idx}.attn.sinks", None)]
     elif arch == "phi3" and stem in _PHI3_FUSED:
         return [(f"layers.{idx}.{p}.{kind}", p) for p in _PHI3_FUSED[stem]]
     elif stem == "post_attention_layernorm":
@@ -139,7 +141,7 @@ def _map_name(
     return [(f"layers.{idx}.{mapped}.{kind}", None)] if mapped else []
 
 
-def _moe_name(rest: str, num_experts: int) -> list[tuple[str, tuple | None]] | None:
+def _moe_name(rest: str, num_experts: int, arch: str) -> list[tuple[str, tuple | None]] | None:
     """A sparse layer's tensor (`rest`: the name after `layers.i.`) -> [(suffix after
     `mlp.`, part)], or None when `rest` is not one (a dense layer's MLP, attention)."""
     for prefix in ("mlp.", "block_sparse_moe."):
@@ -148,6 +150,8 @@ def _moe_name(rest: str, num_experts: int) -> list[tuple[str, tuple | None]] | N
             break
     else:
         return None
+    if arch == "gpt_oss":
+        return _gpt_oss_moe_name(rest, num_experts)
     if rest in ("experts.gate_up_proj", "experts.down_proj"):
         # transformers 5 in memory (save_original_format=False): [E, 2fe, d] rows [gate; up]
         # per expert, and [E, d, fe]
@@ -169,8 +173,35 @@ def _moe_name(rest: str, num_experts: int) -> list[tuple[str, tuple | None]] | N
     return None
 
 
+def _gpt_oss_moe_name(rest: str, num_experts: int) -> list[tuple[str, tuple | None]] | None:
+    """gpt-oss's experts, all in 3-D tensors stored [in, out] with gate and up interleaved
+    along `out`: gate_up_proj [E, d, 2fe] (gate in the even columns, up in the odd ones),
+    its bias [E, 2fe], down_proj [E, fe, d] and its bias [E, d]. Each expert's part is
+    (j, half, "oss"): transposed to [out, in] and deinterleaved at load (_loader)."""
+    if rest in ("router.weight", "router.bias"):
+        return [(rest, None)]
+    kind = "bias" if rest.endswith("_bias") else "weight"
+    stem = rest.removesuffix("_bias")
+    if stem == "experts.down_proj":
+        return [(f"experts.{j}.down.{kind}", (j, None, "oss")) for j in range(num_experts)]
+    if stem == "experts.gate_up_proj":
+        return [
+            (f"experts.{j}.{p}.{kind}", (j, h, "oss"))
+            for j in range(num_experts)
+            for h, p in enumerate(("gate", "up"))
+        ]
+    return None
+
+
 def _expert_shape(path: Path, key: str, shape: tuple[int, ...], part: tuple):
-    """The shape of expert j's slice (of half h: 0 gate, 1 up) of a 3-D expert tensor."""
+    """The shape of expert j's slice (of half h: 0 gate, 1 up) of a 3-D expert tensor
+    (a 2-D bias tensor [E, n] for gpt-oss)."""
+    if len(part) == 3:  # gpt-oss: [E, in, out] or [E, out] (bias), halves interleaved
+        j, half, _ = part
+        if len(shape) not in (2, 3) or j >= shape[0] or (half is not None and shape[-1] % 2):
+            raise LoadError(path, f"tensor {key}: shape {shape} is not [experts, in, out]")
+        out = shape[-1] if half is None else shape[-1] // 2
+        return (out,) if len(shape) == 2 else (out, shape[1])
     j, half = part
     if len(shape) != 3 or j >= shape[0] or (half is not None and shape[1] % 2):
         raise LoadError(path, f"tensor {key}: shape {shape} is not [experts, rows, cols]")
@@ -253,6 +284,11 @@ def _loader(handle, file: Path, key: str, config, part):
 
     def load() -> torch.Tensor:
         try:
+            if isinstance(part, tuple) and len(part) == 3:  # gpt-oss: [in, out], interleaved
+                j, half, _ = part
+                t = handle.get_slice(key)[j : j + 1][0]  # [in, out] or a bias [out]
+                t = t if half is None else t[..., half::2]
+                return t.t().contiguous() if t.dim() == 2 else t.contiguous()
             if isinstance(part, tuple):  # one expert of a 3-D tensor: read only its rows
                 j, half = part
                 t = handle.get_slice(key)[j : j + 1][0]

@@ -33,6 +33,8 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(linear(f"{layer}attn.k", cfg.kv_size, d, cfg.qkv_bias))
         shapes.update(linear(f"{layer}attn.v", cfg.kv_size, d, cfg.qkv_bias))
         shapes.update(linear(f"{layer}attn.o", d, cfg.q_size, cfg.o_bias))
+        if cfg.attn_sinks:
+            shapes[f"{layer}attn.sinks"] = (cfg.num_heads,)
         if cfg.qk_norm:
             q_dim, k_dim = (cfg.q_size, cfg.kv_size) if cfg.qk_norm == "full" else (hd, hd)
             shapes.update(
@@ -53,7 +55,8 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def moe_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
     """One sparse layer's tensors (layers/moe.py): the router [E, d], each expert's gated
-    MLP (gate, up [fe, d], down [d, fe]), and Qwen2-MoE's shared expert with its gate [1, d]."""
+    MLP (gate, up [fe, d], down [d, fe], with biases for gpt-oss), and Qwen2-MoE's shared
+    expert with its gate [1, d]."""
     d, fe, fs = cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     shapes = {f"{prefix}router.weight": (cfg.num_experts, d)}
     if cfg.router_bias:
@@ -66,4 +69,7 @@ def moe_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
         shapes[f"{prefix}{name}.gate.weight"] = (f, d)
         shapes[f"{prefix}{name}.up.weight"] = (f, d)
         shapes[f"{prefix}{name}.down.weight"] = (d, f)
+        if cfg.mlp_bias:  # gpt-oss's experts
+            shapes.update({f"{prefix}{name}.{p}.bias": (f,) for p in ("gate", "up")})
+            shapes[f"{prefix}{name}.down.bias"] = (d,)
     return shapes

@@ -39,6 +39,7 @@ from tokenmill.layers.native_linear import NativeLinear
 from tokenmill.layers.norm import RMSNorm
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+CLAMPED_SWIGLU = 2  # tm_shape.act of gpt-oss's MLP (ModelConfig.swiglu_limit set)
 
 
 class NativeModel:
@@ -49,9 +50,10 @@ class NativeModel:
         cfg = model.cfg
         self._keep: list = []  # tensors and structs the C side points into
         self.stack_blocker: str | None = None  # why tm_decode_stack cannot run, or None
+        act = CLAMPED_SWIGLU if cfg.swiglu_limit else ACTIVATIONS.get(cfg.activation, -1)
         self.shape = kernels.TmShape(
             cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.intermediate_size, ACTIVATIONS.get(cfg.activation, -1), cfg.norm_eps,
+            cfg.intermediate_size, act, cfg.norm_eps, cfg.swiglu_limit or 0.0, cfg.swiglu_alpha,
         )  # fmt: skip
         self.layers = (kernels.TmLayer * cfg.num_layers)()
         for desc, block in zip(self.layers, model.layers, strict=True):
@@ -124,14 +126,15 @@ class NativeModel:
         desc.scale = a.scale
         desc.qk_full = int(a.qk_norm_full)  # OLMo 2: norms [H hd] and [Hkv hd]
         desc.softcap = a.softcap or 0.0  # Gemma 2
+        desc.sinks = self._ptr(a.sinks)  # gpt-oss
         desc.residual_scale = block.residual_scale  # Granite
 
     def _moe(self, desc: kernels.TmLayer, m: MoE, i: int) -> list[nn.Module]:
         """desc.moe for MoE layer i (a TmMoe: router, experts, shared expert); returns
         the layer's expert projections, for the activation-precision check."""
         mlps = [*m.experts, *([m.shared] if m.shared is not None else [])]
-        if any(lin.bias is not None for mlp in mlps for lin in (mlp.up, mlp.down)):
-            self._block(f"layer {i}'s experts have biases, which the fused stack's MoE lacks")
+        if m.shared is not None and m.shared.up.bias is not None:
+            self._block(f"layer {i}'s shared expert has biases, which the fused stack lacks")
         moe = kernels.TmMoe()
         moe.E, moe.k, moe.fe = m.num_experts, m.top_k, m.experts[0].f
         moe.fs = m.shared.f if m.shared is not None else 0
@@ -147,6 +150,12 @@ class NativeModel:
             )
             self._keep.append(ptrs)
             setattr(moe, name, ctypes.addressof(ptrs))
+            if m.experts[0].up.bias is not None:  # gpt-oss: [E] pointers to each one's bias
+                biases = (ctypes.c_void_p * m.num_experts)(
+                    *(self._ptr(getattr(x, name).bias) for x in m.experts)
+                )
+                self._keep.append(biases)
+                setattr(moe, f"{name}_bias", ctypes.addressof(biases))
         if m.shared is not None:
             moe.shared_up = self._weight(f"layer {i} shared up", m.shared.up)
             moe.shared_down = self._weight(f"layer {i} shared down", m.shared.down)
