@@ -311,6 +311,43 @@ def finish_gguf(w) -> None:
     w.close()
 
 
+_IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def quantize_iq4(data, qtype):
+    """A plain IQ4_NL / IQ4_XS encoder (gguf-py decodes these types but cannot encode them):
+    per 32 values a scale max|x| / 127 (IQ4_XS: a 6-bit multiple of its 256-block's d) and
+    each value's nearest entry of the 16-value table, laid out as llama.cpp lays them (low
+    nibbles values 0-15 of a 32-block, high nibbles 16-31). data [rows, cols] float32 ->
+    raw blocks uint8 [rows, cols / 32 * 18] (IQ4_NL) or [rows, cols / 256 * 136]."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    rows = data.shape[0]
+    x = data.reshape(rows, -1, 32).astype(np.float32)  # [rows, n32, 32]
+    table = np.array(_IQ4_VALUES, dtype=np.float32)
+    scale = np.abs(x).max(axis=-1, keepdims=True) / 127  # [rows, n32, 1]
+    if qtype == Q.IQ4_XS:  # 6-bit sub-block scales (ls - 32) * d, d per 256 values
+        sub = scale.reshape(rows, -1, 8)  # [rows, n256, 8]
+        d = (sub.max(axis=-1, keepdims=True) / 31).astype(np.float16)
+        ls = np.clip(np.rint(sub / np.maximum(d.astype(np.float32), 1e-30)), 0, 31) + 32
+        ls = ls.astype(np.uint8)  # [rows, n256, 8]
+        scale = (d.astype(np.float32) * (ls.astype(np.float32) - 32)).reshape(rows, -1, 1)
+    codes = np.abs(x[..., None] - scale[..., None] * table).argmin(axis=-1).astype(np.uint8)
+    qs = codes[..., :16] | (codes[..., 16:] << 4)  # [rows, n32, 16]
+    if qtype == Q.IQ4_NL:
+        d16 = scale.astype(np.float16).view(np.uint8)  # [rows, n32, 2]
+        return np.concatenate([d16, qs], axis=-1).reshape(rows, -1)
+    n256 = ls.shape[1]
+    low = (ls & 15).reshape(rows, n256, 4, 2)
+    scales_l = low[..., 0] | (low[..., 1] << 4)  # [rows, n256, 4]
+    high = (ls >> 4).astype(np.uint16) << (2 * np.arange(8, dtype=np.uint16))
+    scales_h = high.sum(axis=-1, dtype=np.uint16)[..., None].view(np.uint8)  # [rows, n256, 2]
+    d8 = d.view(np.uint8)  # [rows, n256, 2]
+    qs = qs.reshape(rows, n256, 128)
+    return np.concatenate([d8, scales_h, scales_l, qs], axis=-1).reshape(rows, -1)
+
+
 def write_llama_gguf(
     model, path: Path, qtype=None, arch: str = "llama", drop=(), reshape=(), metadata=None
 ):
@@ -353,7 +390,8 @@ def write_llama_gguf(
         if name in reshape:
             data = data[:-1]
         if qtype is not None and data.ndim == 2:
-            q = quantize(data, qtype)
+            iq4 = qtype.name in ("IQ4_NL", "IQ4_XS")
+            q = quantize_iq4(data, qtype) if iq4 else quantize(data, qtype)
             w.add_tensor(name, q, raw_dtype=qtype)
             back = torch.from_numpy(dequantize(q, qtype).reshape(data.shape).copy())
             if name.endswith("attn_q.weight") or name.endswith("attn_k.weight"):

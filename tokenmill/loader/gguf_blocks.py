@@ -4,8 +4,9 @@ Parses a tensor's raw blocks ([rows, blocks, type_size] bytes, as the file store
 into the packed format's pieces: unsigned codes per value, a scale (and min) per block
 of 32, and for K-quants the super-block scales they multiply. Exact for the types in
 EXACT_GGUF_TYPES, and for Q6_K as 6-bit codes with a scale per 16 values (parse_q6_k);
-the 16-value sub-block types (Q6_K where 6-bit codes cannot run, Q2_K, Q3_K) are
-requantized by QuantLinear instead (REQUANT_GGUF_TYPES).
+the 16-value sub-block types (Q6_K where 6-bit codes cannot run, Q2_K, Q3_K) and the
+table-coded 4-bit ones (IQ4_NL, IQ4_XS, MXFP4) are requantized by QuantLinear instead
+(REQUANT_GGUF_TYPES).
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import numpy as np
 from gguf import GGMLQuantizationType as GT
 
 EXACT_GGUF_TYPES = frozenset({GT.Q4_0, GT.Q4_1, GT.Q4_K, GT.Q8_0, GT.Q5_0, GT.Q5_1, GT.Q5_K})
-REQUANT_GGUF_TYPES = frozenset({GT.Q6_K, GT.Q2_K, GT.Q3_K})
+# ... and the non-linear 4-bit types (a 16-entry table per value: IQ4_NL, IQ4_XS; gpt-oss's
+# MXFP4, e2m1 values under a power-of-two scale), which the integer kernels have no code
+# for: dequantized by gguf-py, then packed as 8-bit Q8_0-like blocks (2x their bytes).
+REQUANT_GGUF_TYPES = frozenset({GT.Q6_K, GT.Q2_K, GT.Q3_K, GT.IQ4_NL, GT.IQ4_XS, GT.MXFP4})
 
 
 def _f16(b: np.ndarray) -> np.ndarray:

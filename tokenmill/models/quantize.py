@@ -2,7 +2,8 @@
 
 Decode reads every weight once per token, so bytes per weight set its speed. The ways in:
   "gguf"      keep the GGUF file's own blocks (Q4_0/Q4_1/Q8_0/Q5_x/Q4_K/Q6_K exactly;
-              the 2/3-bit K types, and Q6_K on AVX-512 builds, requantized to 8 bits)
+              the 2/3-bit K types, IQ4_NL/IQ4_XS/MXFP4, and Q6_K on AVX-512 builds,
+              requantized to 8 bits)
               as QuantLinear, never making a float32 copy, and its F16/BF16/F32
               tensors as FloatLinear;
   "float"     keep a checkpoint's float tensors in their own dtype (FloatLinear): a
