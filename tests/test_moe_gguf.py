@@ -158,7 +158,7 @@ def test_bad_moe_files_are_one_clear_error(tmp_path):
         LoadError, match=r"blk\.0\.ffn_up_exps\.weight: shape \(4, 32, 64\) is not \[5 experts"
     ):
         open_checkpoint(bad)
-    # IQ4_NL experts (common in MoE GGUFs) have no dequantizer or kernel here yet
-    _rewrite(path, bad, experts_type=Q.IQ4_NL)
-    with pytest.raises(LoadError, match="ffn_.*_exps.weight: unsupported quantization type IQ4_NL"):
+    # Q8_1 (llama.cpp's activation format, never a weight's) is not read
+    _rewrite(path, bad, experts_type=Q.Q8_1)
+    with pytest.raises(LoadError, match="ffn_.*_exps.weight: unsupported quantization type Q8_1"):
         open_checkpoint(bad)
