@@ -178,15 +178,44 @@ static void float_cases(void) {
         }
 }
 
+/* A cache of n floats stored as kv_bits (TM_F32, or TM_F16 / TM_BF16 by truncation; f16:
+ * values below 2^-14 become 0, so no subnormal needs the conversion's rounding). */
+static void *as_cache(float *x, size_t n, int kv_bits) {
+    if (kv_bits == TM_F32) return x;
+    uint16_t *h = malloc(n * 2);
+    for (size_t i = 0; i < n; i++) {
+        uint32_t b;
+        memcpy(&b, &x[i], 4);
+        h[i] = kv_bits == TM_BF16 ? (uint16_t)(b >> 16) : fabsf(x[i]) < 6.2e-5f ? 0 : to_half(x[i]);
+    }
+    free(x);
+    return h;
+}
+
+/* The cache back as float32, to emit. */
+static float *cache_floats(const void *c, size_t n, int kv_bits) {
+    float *f = malloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++)
+        f[i] = kv_bits == TM_F32    ? ((const float *)c)[i]
+               : kv_bits == TM_BF16 ? tm_bf16_to_float(((const uint16_t *)c)[i])
+                                    : tm_half_to_float(((const uint16_t *)c)[i]);
+    return f;
+}
+
 static void attention_cases(void) {
     /* Bd rows decoding over a paged cache, each row over its own slots (a row writes its
-     * new k/v while the others read theirs); GQA 4/2, MHA 2/2 and MQA 6/1, hd 16 and 64 */
-    const int cfg[][3] = {{4, 2, 16}, {2, 2, 64}, {6, 1, 64}};
+     * new k/v while the others read theirs); GQA 4/2, MHA 2/2 and MQA 6/1, hd 16 and 64;
+     * float32, float16 and bfloat16 caches; with and without attention sinks */
+    const int cfg[][3] = {{4, 2, 16}, {2, 2, 64}, {6, 1, 64}}, kvs[3] = {TM_F32, TM_F16, TM_BF16};
     for (int c = 0; c < 3; c++)
+        for (int kv = 0; kv < 3; kv++)
         for (int window = 0; window <= 8; window += 8) {
             const int H = cfg[c][0], Hkv = cfg[c][1], hd = cfg[c][2], Bd = 3, slots_n = 128, cmax = 40, rot = hd;
             float *qkv = fill_floats((size_t)Bd * (H + 2 * Hkv) * hd, 1.f);
-            float *kc = fill_floats((size_t)slots_n * Hkv * hd, 1.f), *vc = fill_floats((size_t)slots_n * Hkv * hd, 1.f);
+            const int bits = kvs[kv];
+            const size_t nc = (size_t)slots_n * Hkv * hd;
+            void *kc = as_cache(fill_floats(nc, 1.f), nc, bits), *vc = as_cache(fill_floats(nc, 1.f), nc, bits);
+            float *sinks = window ? fill_floats(H, 2.f) : NULL;
             float *qn = fill_floats(hd, 1.f), *kn = fill_floats(hd, 1.f);
             float *rc = fill_floats((size_t)64 * rot, 1.f), *rs = fill_floats((size_t)64 * rot, 1.f);
             int64_t pos[3] = {5, 39, 17}, lens[3] = {6, 40, 18}, newslot[3], slots[3 * 40];
@@ -200,14 +229,16 @@ static void attention_cases(void) {
             layer.q_norm = c ? qn : NULL, layer.k_norm = c ? kn : NULL, layer.rcos = rc, layer.rsin = rs;
             layer.k_cache = kc, layer.v_cache = vc, layer.rot_dim = rot, layer.window = window;
             layer.scale = 1.f / sqrtf((float)hd);
+            layer.kv_bits = bits, layer.sinks = sinks;
             const tm_rows rows = {pos, newslot, slots, lens, Bd, cmax};
             tm_decode_attention(&shape, &layer, &rows, qkv, o, 2);
             char name[64];
-            snprintf(name, sizeof name, "attention c%d w%d", c, window);
+            snprintf(name, sizeof name, "attention c%d kv%d w%d", c, bits, window);
             emit(name, o, Bd * H * hd);
-            snprintf(name, sizeof name, "kcache c%d w%d", c, window);
-            emit(name, kc, slots_n * Hkv * hd);
-            free(qkv), free(kc), free(vc), free(qn), free(kn), free(rc), free(rs), free(o);
+            snprintf(name, sizeof name, "kcache c%d kv%d w%d", c, bits, window);
+            float *kf = cache_floats(kc, nc, bits);
+            emit(name, kf, (int)nc);
+            free(qkv), free(kc), free(vc), free(qn), free(kn), free(rc), free(rs), free(o), free(kf), free(sinks);
         }
 }
 

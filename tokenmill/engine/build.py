@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.checks import ParamError
 from tokenmill.config import ModelConfig
 from tokenmill.dtypes import DTYPES
 from tokenmill.engine.kv_cache import KVCache
@@ -106,6 +107,18 @@ def register_parallel(builder: ParallelBuilder) -> None:
     _parallel_builder = builder
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def kv_cache_torch_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's torch dtype for kv_cache_dtype `name` ("auto": the activations')."""
+    if name not in KV_CACHE_DTYPES:
+        raise ParamError.named(
+            "kv_cache_dtype", f" must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}"
+        )
+    return dtype if name == "auto" else DTYPES[name]
+
+
 def build(
     model: str | Path | None,
     *,
@@ -113,6 +126,7 @@ def build(
     device: str,
     kv_cache_memory: int | str | None,
     block_size: int,
+    kv_cache_dtype: str = "auto",
     threads: int | None,
     quantization: str,
     progress: Callable[[int, int], None] | None,
@@ -127,12 +141,17 @@ def build(
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         dtype = DTYPES[dtype]
+    kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
     path = resolve_model(model)
     ckpt = open_checkpoint(path)
     config = ckpt.config
     tokenizer = load_tokenizer(path)
     scheme = pick_scheme(quantization, ckpt.format, dtype, torch_device)
     if tensor_parallel_size * pipeline_parallel_size > 1:
+        if kv_dtype != dtype:
+            raise ParamError.named(
+                "kv_cache_dtype", " other than the activations' is not supported in parallel runs"
+            )
         if _parallel_builder is None:
             raise RuntimeError(
                 "tensor_parallel_size/pipeline_parallel_size need the parallel runtime: "
@@ -147,7 +166,7 @@ def build(
         net = Transformer(config)
         net.load_weights(ckpt, dtype, progress, scheme)
         net.to(torch_device).eval()
-        cache = KVCache(config, block_size, dtype, torch_device, kv_cache_memory)
+        cache = KVCache(config, block_size, kv_dtype, torch_device, kv_cache_memory)
         parts = ModelParts(net, cache, ModelRunner(net, cache, torch_device))
     return EngineParts(
         path, torch_device, dtype, config, tokenizer, model_eos_ids(tokenizer, config), scheme,

@@ -113,6 +113,7 @@ class KVCache:
         """num_blocks: the pool's size in blocks, overriding `memory` (the ranks of a
         parallel run size their part of the pool from the whole model's)."""
         self.block_size = block_size
+        self.dtype = dtype  # what it stores: the activations' dtype, or kv_cache_dtype's
         self.bytes_per_token = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
         if num_blocks is None:
             num_blocks = kv_blocks(cfg, block_size, dtype, device, memory)

@@ -138,6 +138,7 @@ class LLMEngine:
         dtype: str | torch.dtype = "float32",
         device: str = "cpu",
         kv_cache_memory: int | str | None = None,
+        kv_cache_dtype: str = "auto",
         block_size: int = BLOCK_SIZE,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
@@ -153,11 +154,14 @@ class LLMEngine:
         "none" loads torch Linears in `dtype` (exact, what the oracle tests compare);
         "gguf", "float", "q8", "q4" force a scheme (see models/quantize.py).
         progress(done, total) is called while weights load.
+        kv_cache_dtype: "auto" (the activations' dtype), "float32", "float16" or "bfloat16":
+        what the KV cache stores (16 bits hold twice the tokens in the same memory).
         tensor_parallel_size / pipeline_parallel_size: run the model over that many
         processes (tokenmill/distributed: spawned on this machine, or torchrun's)."""
         parts = build.build(
             model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory,
-            block_size=block_size, threads=threads, quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype, block_size=block_size, threads=threads,
+            quantization=quantization,
             progress=progress, tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
         )  # fmt: skip

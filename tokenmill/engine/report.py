@@ -67,5 +67,6 @@ def describe(
         f"heads {c.num_heads}/{c.num_kv_heads}, vocab {c.vocab_size}, {dtype}, "
         f"weights {quantization or 'torch'}, kernels {kernels.isa()}; {ranks}"
         f"KV cache {cache.capacity_tokens} tokens in {cache.num_blocks} blocks "
-        f"({cache.nbytes / 2**20:.0f} MiB)"
+        f"({cache.nbytes / 2**20:.0f} MiB, {str(cache.dtype).removeprefix('torch.')}, "
+        f"{cache.bytes_per_token} bytes per token)"
     )

@@ -1,7 +1,70 @@
-/* Decode attention over the paged KV cache, float32: one call per layer does, for every
- * decode row and K/V head, the q/k RMSNorm, RoPE, the cache write of the new k/v and
- * softmax(q K^T * scale) V. The inner loops are written once over simd.h. */
+/* Decode attention over the paged KV cache: one call per layer does, for every decode row
+ * and K/V head, the q/k RMSNorm, RoPE, the cache write of the new k/v and
+ * softmax(q K^T * scale) V. The cache holds float32, float16 or bfloat16 (tm_layer.kv_bits);
+ * scores, softmax and the value sums are float32 whatever it holds. The inner loops are
+ * written once over simd.h, and once for every cache type: `bits` is a constant at each
+ * call of the always-inline loops, so each type gets loops of its own with no test inside. */
 #include "tm.h"
+
+#define TM_INLINE static inline __attribute__((always_inline))
+
+/* TM_W cache floats from element idx of base, as float32. */
+TM_INLINE vf kv_load(const void *base, size_t idx, int bits) {
+    if (bits == TM_F16) return vf_load_f16((const uint16_t *)base + idx);
+    if (bits == TM_BF16) return vf_load_bf16((const uint16_t *)base + idx);
+    return vf_load((const float *)base + idx);
+}
+
+/* One cache float, as float32. */
+TM_INLINE float kv_at(const void *base, size_t idx, int bits) {
+    if (bits == TM_F16) return tm_half_to_float(((const uint16_t *)base)[idx]);
+    if (bits == TM_BF16) return tm_bf16_to_float(((const uint16_t *)base)[idx]);
+    return ((const float *)base)[idx];
+}
+
+/* float32 -> IEEE half, rounded to nearest even as torch's .to(float16) rounds (so a K/V
+ * row written here equals one the torch path writes): one instruction where the CPU has
+ * it, else the bit manipulation (overflow to inf, subnormals, NaN kept a NaN). */
+static inline uint16_t tm_float_to_half(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, 0); /* 0: _MM_FROUND_TO_NEAREST_INT */
+#elif defined(__aarch64__)
+    __fp16 h = (__fp16)f;
+    uint16_t u;
+    memcpy(&u, &h, 2);
+    return u;
+#else
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0));
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds past 65504: inf */
+    if (ax < 0x38800000u) {                                      /* below 2^-14: subnormal */
+        const float a = fabsf(f) * 16777216.f; /* units of 2^-24, rounded to nearest even */
+        return (uint16_t)(sign | (uint32_t)nearbyintf(a));
+    }
+    const uint32_t r = ax + 0xfffu + ((ax >> 13) & 1u); /* to nearest even at bit 13 */
+    return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
+#endif
+}
+
+/* float32 -> bfloat16, rounded to nearest even (a NaN stays a NaN). */
+static inline uint16_t tm_float_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+/* Store x [n] float32 as the cache's floats at element idx of base. */
+static inline void kv_store(void *base, size_t idx, const float *x, int n, int bits) {
+    if (bits == TM_F32) {
+        memcpy((float *)base + idx, x, n * sizeof(float));
+        return;
+    }
+    uint16_t *d = (uint16_t *)base + idx;
+    for (int i = 0; i < n; i++) d[i] = bits == TM_F16 ? tm_float_to_half(x[i]) : tm_float_to_bf16(x[i]);
+}
 
 /* RoPE ("rotate half") of the first `dim` features of x [hd] in place, with the cos/sin
  * row of the token's position (sin's first half carries the minus sign, rotary.py). */
@@ -14,22 +77,31 @@ static inline void rope_inplace(float *x, int dim, const float *c, const float *
     }
 }
 
-/* sc [m] = scale * (q . K_j), K_j = base + sl[j] * stride: float32 [hd] each. */
-static void attn_scores(const float *q, const float *base, const int64_t *sl, size_t stride, int m,
-                        int hd, float scale, float *sc) {
+/* sc [m] = scale * (q . K_j), K_j = the hd cache floats from element sl[j] * stride of base. */
+TM_INLINE void attn_scores(const float *q, const void *base, const int64_t *sl, size_t stride,
+                           int m, int hd, float scale, float *sc, int bits) {
     int j = 0;
     if (hd % TM_W == 0)
         for (; j + TM_W <= m; j += TM_W) { /* TM_W keys at a time: one horizontal-sum tree */
             vf v[TM_W];
             for (int u = 0; u < TM_W; u++) {
-                const float *k = base + (size_t)sl[j + u] * stride;
-                vf a = vf_mul(vf_load(q), vf_load(k));
-                for (int i = TM_W; i < hd; i += TM_W) a = vf_fma(vf_load(q + i), vf_load(k + i), a);
+                const size_t k = (size_t)sl[j + u] * stride;
+                vf a = vf_mul(vf_load(q), kv_load(base, k, bits));
+                for (int i = TM_W; i < hd; i += TM_W) a = vf_fma(vf_load(q + i), kv_load(base, k + i, bits), a);
                 v[u] = a;
             }
             vf_store(sc + j, vf_mul(vf_hsums(v), vf_set1(scale)));
         }
-    for (; j < m; j++) sc[j] = vf_dot(q, base + (size_t)sl[j] * stride, hd) * scale;
+    for (; j < m; j++) {
+        const size_t k = (size_t)sl[j] * stride;
+        if (bits == TM_F32) {
+            sc[j] = vf_dot(q, (const float *)base + k, hd) * scale;
+            continue;
+        }
+        float dot = 0.f;
+        for (int i = 0; i < hd; i++) dot += q[i] * kv_at(base, k + i, bits);
+        sc[j] = dot * scale;
+    }
 }
 
 /* acc [rep, hd] = sum_j p[r * m + j] * V_j for each of the rep rows of p, V_j as in
@@ -38,8 +110,8 @@ static void attn_scores(const float *q, const float *base, const int64_t *sl, si
 /* rows per register block: 4 x 4 accumulators where there are 32 vector registers
  * (AVX-512, NEON; the scalar build's are arrays), 2 x 4 on AVX2's 16 */
 #define VROWS (TM_W == 8 ? 2 : 4)
-static void attn_values(const float *p, int m, int rep, const float *base, const int64_t *sl,
-                        size_t stride, int hd, float *acc) {
+TM_INLINE void attn_values(const float *p, int m, int rep, const void *base, const int64_t *sl,
+                           size_t stride, int hd, float *acc, int bits) {
     if (hd % TM_W == 0) {
         for (int r0 = 0; r0 < rep; r0 += VROWS) {
             const int nr = rep - r0 < VROWS ? rep - r0 : VROWS;
@@ -49,9 +121,9 @@ static void attn_values(const float *p, int m, int rep, const float *base, const
                 for (int r = 0; r < VROWS; r++)
                     for (int i = 0; i < 4; i++) a[r][i] = vf_zero();
                 for (int j = 0; j < m; j++) {
-                    const float *v = base + (size_t)sl[j] * stride + d0;
+                    const size_t v = (size_t)sl[j] * stride + d0;
                     for (int i = 0; i < 4; i++)
-                        if (i < nv) vv[i] = vf_load(v + TM_W * i);
+                        if (i < nv) vv[i] = kv_load(base, v + TM_W * i, bits);
                     for (int r = 0; r < VROWS; r++)
                         if (r < nr) {
                             const vf pr = vf_set1(p[(size_t)(r0 + r) * m + j]);
@@ -68,8 +140,41 @@ static void attn_values(const float *p, int m, int rep, const float *base, const
     }
     memset(acc, 0, (size_t)rep * hd * sizeof(float));
     for (int j = 0; j < m; j++) {
-        const float *vj = base + (size_t)sl[j] * stride;
-        for (int r = 0; r < rep; r++) vf_axpy(acc + (size_t)r * hd, p[(size_t)r * m + j], vj, hd);
+        const size_t v = (size_t)sl[j] * stride;
+        for (int r = 0; r < rep; r++) {
+            float *a = acc + (size_t)r * hd;
+            const float pr = p[(size_t)r * m + j];
+            if (bits == TM_F32)
+                vf_axpy(a, pr, (const float *)base + v, hd);
+            else
+                for (int i = 0; i < hd; i++) a[i] += pr * kv_at(base, v + i, bits);
+        }
+    }
+}
+
+/* Scores (phase 0) or values (phase 1) of one (row, K/V head) task, the loops specialized
+ * to the cache's type; kc, vc: the caches from this K/V head's first float (element off). */
+static void attend(const float *q, const void *kc, const void *vc, size_t off, const int64_t *sl,
+                   size_t stride, int m, int rep, int hd, float scale, float *sc, float *acc, int bits,
+                   int phase) {
+    const size_t size = bits == TM_F32 ? 4 : 2;
+    kc = (const char *)kc + off * size;
+    vc = (const char *)vc + off * size;
+    if (phase == 0) {
+        for (int r = 0; r < rep; r++) {
+            if (bits == TM_F16)
+                attn_scores(q + (size_t)r * hd, kc, sl, stride, m, hd, scale, sc + (size_t)r * m, TM_F16);
+            else if (bits == TM_BF16)
+                attn_scores(q + (size_t)r * hd, kc, sl, stride, m, hd, scale, sc + (size_t)r * m, TM_BF16);
+            else
+                attn_scores(q + (size_t)r * hd, kc, sl, stride, m, hd, scale, sc + (size_t)r * m, TM_F32);
+        }
+    } else if (bits == TM_F16) {
+        attn_values(sc, m, rep, vc, sl, stride, hd, acc, TM_F16);
+    } else if (bits == TM_BF16) {
+        attn_values(sc, m, rep, vc, sl, stride, hd, acc, TM_BF16);
+    } else {
+        attn_values(sc, m, rep, vc, sl, stride, hd, acc, TM_F32);
     }
 }
 
@@ -123,9 +228,11 @@ int tm_decode_attention(const tm_shape *sh, const tm_layer *L, const tm_rows *ro
     const int rot_dim = L->rot_dim, window = L->window;
     const float eps = sh->eps, scale = L->scale, *q_norm = L->q_norm, *k_norm = L->k_norm;
     const float softcap = L->softcap, *sinks = L->sinks;
+    /* anything but a 16-bit type is float32 (a zeroed tm_layer included) */
+    const int bits = L->kv_bits == TM_F16 || L->kv_bits == TM_BF16 ? L->kv_bits : TM_F32;
     const int qk_full = L->qk_full;
     const float *rcos = L->rcos, *rsin = L->rsin;
-    float *k_cache = L->k_cache, *v_cache = L->v_cache;
+    void *k_cache = L->k_cache, *v_cache = L->v_cache;
     const int64_t *positions = rows->positions, *new_slots = rows->new_slots;
     const int64_t *slots = rows->slots, *ctx_lens = rows->ctx_lens;
     const int rep = H / Hkv, stride = (H + 2 * Hkv) * hd, ntask = Bd * Hkv;
@@ -134,14 +241,15 @@ int tm_decode_attention(const tm_shape *sh, const tm_layer *L, const tm_rows *ro
     int64_t start = tm_now(), done = start;
 #pragma omp parallel num_threads(nt) if (nt > 1) reduction(& : ok)
     {
-        /* per thread: q [rep, hd], accumulators [rep, hd], scores [rep, cmax] */
-        float *q = tm_scratch(((size_t)2 * rep * hd + (size_t)rep * cmax) * sizeof(float));
+        /* per thread: q [rep, hd], accumulators [rep, hd], scores [rep, cmax], new k [hd] */
+        float *q = tm_scratch(((size_t)2 * rep * hd + (size_t)rep * cmax + hd) * sizeof(float));
         if (!q) ok = 0;
 #pragma omp for schedule(static) nowait
         for (int task = 0; task < ntask; task++) {
             if (!q) continue;
             const int b = task / Hkv, g = task % Hkv;
             float *acc = q + (size_t)rep * hd, *sc = acc + (size_t)rep * hd;
+            float *kd = sc + (size_t)rep * cmax; /* the new k [hd], normed and rotated */
             const float *row = qkv + (size_t)b * stride;
             const float *c = rcos ? rcos + positions[b] * rot_dim : NULL;
             const float *s = rsin ? rsin + positions[b] * rot_dim : NULL;
@@ -149,15 +257,15 @@ int tm_decode_attention(const tm_shape *sh, const tm_layer *L, const tm_rows *ro
             /* qk_full: the RMS factors of the row's whole q and k projections */
             const float q_inv = qk_full ? tm_rms_inv(row, H * hd, eps) : 0.f;
             const float k_inv = qk_full ? tm_rms_inv(row + (size_t)H * hd, Hkv * hd, eps) : 0.f;
-            float *kd = k_cache + ((size_t)new_slots[b] * Hkv + g) * hd;
             memcpy(kd, row + (size_t)(H + g) * hd, hd * sizeof(float));
             if (k_norm && qk_full)
                 for (int i = 0; i < hd; i++) kd[i] = kd[i] * k_inv * k_norm[(size_t)g * hd + i];
             else if (k_norm)
                 tm_rms_norm(kd, hd, k_norm, eps, kd);
             if (c) rope_inplace(kd, rot_dim, c, s);
-            memcpy(v_cache + ((size_t)new_slots[b] * Hkv + g) * hd, row + (size_t)(H + Hkv + g) * hd,
-                   hd * sizeof(float));
+            const size_t at = ((size_t)new_slots[b] * Hkv + g) * hd;
+            kv_store(k_cache, at, kd, hd, bits);
+            kv_store(v_cache, at, row + (size_t)(H + Hkv + g) * hd, hd, bits);
             /* ---- the rep query heads of this group ---- */
             for (int r = 0; r < rep; r++) {
                 float *qr = q + (size_t)r * hd;
@@ -173,9 +281,7 @@ int tm_decode_attention(const tm_shape *sh, const tm_layer *L, const tm_rows *ro
             const int n = (int)ctx_lens[b], j0 = window > 0 && n > window ? n - window : 0, m = n - j0;
             const int64_t *sl = slots + (size_t)b * cmax + j0;
             const size_t stride = (size_t)Hkv * hd; /* floats from one slot to the next */
-            for (int r = 0; r < rep; r++)
-                attn_scores(q + (size_t)r * hd, k_cache + (size_t)g * hd, sl, stride, m, hd, scale,
-                            sc + (size_t)r * m);
+            attend(q, k_cache, v_cache, (size_t)g * hd, sl, stride, m, rep, hd, scale, sc, acc, bits, 0);
             if (softcap > 0.f)
                 for (size_t j = 0; j < (size_t)rep * m; j++) sc[j] = softcap * tanhf(sc[j] / softcap);
             /* ---- softmax, then the weighted sum of values ---- */
@@ -184,7 +290,7 @@ int tm_decode_attention(const tm_shape *sh, const tm_layer *L, const tm_rows *ro
                 const float sink = sinks ? sinks[g * rep + r] : -INFINITY;
                 inv[r] = 1.f / softmax_exp(sc + (size_t)r * m, m, sink);
             }
-            attn_values(sc, m, rep, v_cache + (size_t)g * hd, sl, stride, hd, acc);
+            attend(q, k_cache, v_cache, (size_t)g * hd, sl, stride, m, rep, hd, scale, sc, acc, bits, 1);
             for (int r = 0; r < rep; r++) {
                 float *o = out + (size_t)b * H * hd + (size_t)(g * rep + r) * hd;
                 for (int i = 0; i < hd; i++) o[i] = acc[(size_t)r * hd + i] * inv[r];

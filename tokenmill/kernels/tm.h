@@ -29,7 +29,7 @@
 
 #define TM_GB TM_W /* blocks per lane-order group: one vector of 32-bit lanes */
 
-#define TM_ABI 13 /* tm_info() / 1000: bumped when a struct or signature changes */
+#define TM_ABI 14 /* tm_info() / 1000: bumped when a struct or signature changes */
 
 #define QK 32            /* values per block */
 #define GW (TM_GB * QK)  /* values per full lane-order group */
@@ -105,7 +105,7 @@ typedef struct {
     const float *post_attn_norm, *post_mlp_norm;  /* Gemma's sandwich norms [d] or NULL */
     const float *q_norm, *k_norm;                 /* [hd], or [H hd] and [Hkv hd] (qk_full) */
     const float *rcos, *rsin;                     /* [P, rot_dim] or NULL */
-    float *k_cache, *v_cache;                     /* [num_slots, Hkv, hd] */
+    void *k_cache, *v_cache;                      /* [num_slots, Hkv, hd] of kv_bits floats */
     int32_t rot_dim, window, act16;               /* act16: activation bits of the linears */
     int32_t qk_full;  /* 1: q/k norms over the whole projection (OLMo 2), 0: each head apart */
     float scale;      /* attention score scale */
@@ -113,6 +113,7 @@ typedef struct {
     float residual_scale; /* x += residual_scale * sublayer (Granite; 1 elsewhere) */
     const tm_moe *moe;    /* an MoE layer's MLP (up, down and up_bias unused then), or NULL */
     const float *sinks;   /* [H]: each head's sink logit, one more softmax term (gpt-oss), or NULL */
+    int32_t kv_bits;      /* the cache's floats: TM_F32, TM_F16 or TM_BF16 (tm_weight's codes) */
 } tm_layer;
 
 /* Tensor parallelism: called with a row-parallel projection's partial sums [n] (the

@@ -234,15 +234,16 @@ class Attention(nn.Module):
             out[s:e] = self.prefill_attention(q[s:e], k[s:e], v[s:e], meta, i)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """The KV cache write: every new token's k, v [T, Hkv, hd] to its slot [T]."""
-        self.k_cache.index_copy_(0, slot_mapping, k)
-        self.v_cache.index_copy_(0, slot_mapping, v)
+        """The KV cache write: every new token's k, v [T, Hkv, hd] to its slot [T], in the
+        cache's dtype (a 16-bit cache rounds to nearest even, as the native path does)."""
+        self.k_cache.index_copy_(0, slot_mapping, k.to(self.k_cache.dtype))
+        self.v_cache.index_copy_(0, slot_mapping, v.to(self.v_cache.dtype))
 
     def decode_attention(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Decode rows: one query each, q [Bd, H, hd], over its cached context (the new
         token's K/V already written) -> [Bd, H, hd]."""
-        keys = self.k_cache[meta.decode_slots].transpose(1, 2)  # [Bd, Hkv, Cmax, hd]
-        values = self.v_cache[meta.decode_slots].transpose(1, 2)
+        keys = self.k_cache[meta.decode_slots].transpose(1, 2).to(q.dtype)  # [Bd, Hkv, Cmax, hd]
+        values = self.v_cache[meta.decode_slots].transpose(1, 2).to(q.dtype)
         mask = meta.decode_mask(self.window)  # [Bd, 1, 1, Cmax]
         qd = q.unsqueeze(2)  # [Bd, H, 1, hd]
         if meta.trace is not None:
@@ -258,7 +259,8 @@ class Attention(nn.Module):
         if span.slots is None:
             keys, values = k, v  # the whole context is new
         else:
-            keys, values = self.k_cache[span.slots], self.v_cache[span.slots]
+            keys = self.k_cache[span.slots].to(q.dtype)
+            values = self.v_cache[span.slots].to(q.dtype)
         keys = keys.transpose(0, 1).unsqueeze(0)  # [1, Hkv, C, hd]
         values = values.transpose(0, 1).unsqueeze(0)
         qp = q.transpose(0, 1).unsqueeze(0)  # [1, H, L, hd]

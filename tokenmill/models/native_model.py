@@ -39,6 +39,8 @@ from tokenmill.layers.native_linear import NativeLinear
 from tokenmill.layers.norm import RMSNorm
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+# the KV cache's dtype -> tm_layer.kv_bits (paths.native_blocker refuses any other)
+KV_BITS = {torch.float32: kernels.F32, torch.float16: kernels.F16, torch.bfloat16: kernels.BF16}
 CLAMPED_SWIGLU = 2  # tm_shape.act of gpt-oss's MLP (ModelConfig.swiglu_limit set)
 
 
@@ -118,6 +120,7 @@ class NativeModel:
         desc.rsin = None if rot is None else self._ptr(rot.sin)
         desc.rot_dim = 0 if rot is None else rot.cos.shape[1]
         desc.k_cache, desc.v_cache = a.k_cache.data_ptr(), a.v_cache.data_ptr()
+        desc.kv_bits = KV_BITS[a.k_cache.dtype]
         desc.window = a.window or 0
         act_bits = {getattr(lin, "act_bits", 16) for lin in [*linears.values(), *experts]}
         if len(act_bits) != 1:

@@ -25,6 +25,7 @@ from tokenmill import kernels
 log = logging.getLogger(__name__)
 
 STACK, NATIVE_ATTENTION, TORCH = "stack", "native-attention", "torch"
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the native attention reads these
 # TOKENMILL_FUSED_DECODE=0 keeps every step on the torch path (the reference).
 NATIVE_DECODE = os.environ.get("TOKENMILL_FUSED_DECODE", "1") != "0"
 
@@ -46,8 +47,8 @@ def native_blocker(model) -> str | None:
     cache = model.layers[0].attn.k_cache
     if cache is None:
         return "no KV cache attached"
-    if cache.device.type != "cpu" or cache.dtype is not torch.float32:
-        return f"the KV cache is {cache.dtype} on {cache.device.type}, not float32 on cpu"
+    if cache.device.type != "cpu" or cache.dtype not in KV_DTYPES:
+        return f"the KV cache is {cache.dtype} on {cache.device.type}, not a 32/16-bit float on cpu"
     return None
 
 
