@@ -78,7 +78,16 @@ def _tweak(model: Transformer, tweaks: dict) -> None:
             )
 
 
-def _run(folder, fused: bool, monkeypatch, tweaks: dict, quantize=None, n=3, kv=torch.float32):
+def _run(
+    folder,
+    fused: bool,
+    monkeypatch,
+    tweaks: dict,
+    quantize=None,
+    n=3,
+    kv=torch.float32,
+    lengths=None,
+):
     """Prefill n sequences, 6 batched decode steps, then one mixed decode + prefill step,
     over a KV cache of dtype kv. Returns per step (logits [T, vocab], [attention outputs
     [T, q_size] per layer])."""
@@ -90,7 +99,8 @@ def _run(folder, fused: bool, monkeypatch, tweaks: dict, quantize=None, n=3, kv=
     attn_out: list[torch.Tensor] = []
     for layer in model.layers:
         layer.attn.o.register_forward_pre_hook(lambda _m, args: attn_out.append(args[0].clone()))
-    cache = KVCache(ckpt.config, 16, kv, torch.device("cpu"), "1024tok")
+    lengths = lengths or (5, 23, 40) + tuple(range(2, n - 1))  # 1, 2, 3 blocks, then short ones
+    cache = KVCache(ckpt.config, 16, kv, torch.device("cpu"), f"{max(1024, 2 * sum(lengths))}tok")
     blocks = BlockManager(cache.num_blocks, 16)
     runner = ModelRunner(model, cache, torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
@@ -106,7 +116,6 @@ def _run(folder, fused: bool, monkeypatch, tweaks: dict, quantize=None, n=3, kv=
 
     seqs = [Sequence(f"s{i}", [], None, None) for i in range(n + 1)]
     results = []
-    lengths = (5, 23, 40) + tuple(range(2, n - 1))  # 1, 2 and 3 blocks, then short ones
     for seq, length in zip(seqs[:n], lengths, strict=True):
         seq.prompt_ids = torch.randint(2, 300, (length,), generator=gen).tolist()
         results.append(step([ScheduledChunk(seq, length)]))
@@ -145,6 +154,29 @@ def kbuild(request, monkeypatch):
     """Runs the test once per kernel build (native, AVX2, scalar), each the active library."""
     use_build(monkeypatch, request.param)
     return request.param
+
+
+@pytest.mark.parametrize("kv", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("case", ["llama-gqa", "llama-sinks"])
+def test_long_context_split_across_threads_matches_torch(kbuild, tmp_path, monkeypatch, case, kv):
+    """One sequence of 1,100 tokens and a 700-token one: too few (row, K/V head) tasks for
+    4 threads, so tm_decode_attention splits each context into parts and merges their
+    softmax sums (flash-decoding); it must still equal the torch path."""
+    arch, overrides = CASES[case]
+    tweaks = {k: v for k, v in overrides.items() if k in TWEAKS}
+    build_hf_model(arch, tmp_path, max_position_embeddings=2048)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # the split depends on the threads asked for, not the cores
+    try:
+        args = (monkeypatch, tweaks, None, 2, kv, (1100, 700))
+        ref, got = _run(tmp_path, False, *args), _run(tmp_path, True, *args)
+    finally:
+        torch.set_num_threads(threads)
+    step = 1.0 if kv == torch.float32 else 2.0**-11 / 1e-5
+    for (ref_logits, ref_attn), (got_logits, got_attn) in zip(ref, got, strict=True):
+        for a, b in zip(ref_attn, got_attn, strict=True):
+            assert (a - b).abs().max().item() < 1e-5 * step * max(1.0, a.abs().max().item())
+        assert (ref_logits - got_logits).abs().max().item() < 1e-4 * step
 
 
 KV_CASES = [

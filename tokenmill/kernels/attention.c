@@ -179,8 +179,8 @@ static void attend(const float *q, const void *kc, const void *vc, size_t off, c
 }
 
 /* s [n] = exp(s - m), m = max(max(s), sink); returns the sum, exp(sink - m) included (an
- * attention sink: a softmax term with no value; -INFINITY for none). */
-static inline float softmax_exp(float *s, int n, float sink) {
+ * attention sink: a softmax term with no value; -INFINITY for none), and m in *mx_out. */
+static inline float softmax_exp(float *s, int n, float sink, float *mx_out) {
     float mx = sink;
     int j = 0;
     if (n >= TM_W) {
@@ -204,7 +204,90 @@ static inline float softmax_exp(float *s, int n, float sink) {
         s[j] = expf(s[j] - mx);
         sum += s[j];
     }
+    *mx_out = mx;
     return sum + expf(sink - mx);
+}
+
+/* What every task of one call reads: the layer, the rows and the shapes, unpacked once. */
+typedef struct {
+    int H, Hkv, hd, rep, cmax, rot_dim, window, qk_full, bits, stride;
+    float eps, scale, softcap;
+    const float *q_norm, *k_norm, *sinks, *rcos, *rsin, *qkv;
+    void *k_cache, *v_cache;
+    const int64_t *positions, *new_slots, *slots, *ctx_lens;
+} attn_job;
+
+/* Row b, K/V head g: norm, rotate and write the new k and v to the cache; the rep query
+ * heads of the group, normed and rotated, into q [rep, hd]; kd [hd] scratch. */
+static void prepare(const attn_job *J, int b, int g, float *q, float *kd) {
+    const int H = J->H, Hkv = J->Hkv, hd = J->hd, rep = J->rep, rot_dim = J->rot_dim;
+    const float eps = J->eps, *q_norm = J->q_norm, *k_norm = J->k_norm;
+    const float *row = J->qkv + (size_t)b * J->stride;
+    const float *c = J->rcos ? J->rcos + J->positions[b] * rot_dim : NULL;
+    const float *s = J->rsin ? J->rsin + J->positions[b] * rot_dim : NULL;
+    /* qk_full: the RMS factors of the row's whole q and k projections */
+    const float q_inv = J->qk_full ? tm_rms_inv(row, H * hd, eps) : 0.f;
+    const float k_inv = J->qk_full ? tm_rms_inv(row + (size_t)H * hd, Hkv * hd, eps) : 0.f;
+    memcpy(kd, row + (size_t)(H + g) * hd, hd * sizeof(float));
+    if (k_norm && J->qk_full)
+        for (int i = 0; i < hd; i++) kd[i] = kd[i] * k_inv * k_norm[(size_t)g * hd + i];
+    else if (k_norm)
+        tm_rms_norm(kd, hd, k_norm, eps, kd);
+    if (c) rope_inplace(kd, rot_dim, c, s);
+    const size_t at = ((size_t)J->new_slots[b] * Hkv + g) * hd;
+    kv_store(J->k_cache, at, kd, hd, J->bits);
+    kv_store(J->v_cache, at, row + (size_t)(H + Hkv + g) * hd, hd, J->bits);
+    for (int r = 0; r < rep; r++) {
+        float *qr = q + (size_t)r * hd;
+        const size_t h0 = (size_t)(g * rep + r) * hd; /* this head's offset in q */
+        memcpy(qr, row + h0, hd * sizeof(float));
+        if (q_norm && J->qk_full)
+            for (int i = 0; i < hd; i++) qr[i] = qr[i] * q_inv * q_norm[h0 + i];
+        else if (q_norm)
+            tm_rms_norm(qr, hd, q_norm, eps, qr);
+        if (c) rope_inplace(qr, rot_dim, c, s);
+    }
+}
+
+/* Keys [k0, k1) of row b's visible context for K/V head g: scores sc [rep, k1 - k0], their
+ * softmax terms, and acc [rep, hd] = the sum of the terms times the values; mx [rep] and
+ * sum [rep] the max and the sum of each head's terms (sinks: the sink's term included,
+ * for a task that sees the whole context, else -INFINITY). */
+static void attend_range(const attn_job *J, int b, int g, int k0, int k1, const float *q, float *sc,
+                         float *acc, float *mx, float *sum, int with_sinks) {
+    const int hd = J->hd, rep = J->rep, m = k1 - k0;
+    const int64_t *sl = J->slots + (size_t)b * J->cmax + k0;
+    const size_t stride = (size_t)J->Hkv * hd; /* floats from one slot to the next */
+    const size_t off = (size_t)g * hd;
+    attend(q, J->k_cache, J->v_cache, off, sl, stride, m, rep, hd, J->scale, sc, acc, J->bits, 0);
+    if (J->softcap > 0.f)
+        for (size_t j = 0; j < (size_t)rep * m; j++) sc[j] = J->softcap * tanhf(sc[j] / J->softcap);
+    for (int r = 0; r < rep; r++) {
+        const float sink = with_sinks && J->sinks ? J->sinks[g * rep + r] : -INFINITY;
+        sum[r] = softmax_exp(sc + (size_t)r * m, m, sink, &mx[r]);
+    }
+    attend(q, J->k_cache, J->v_cache, off, sl, stride, m, rep, hd, J->scale, sc, acc, J->bits, 1);
+}
+
+/* The keys row b sees: [j0, n). */
+static inline void visible(const attn_job *J, int b, int *j0, int *n) {
+    *n = (int)J->ctx_lens[b];
+    *j0 = J->window > 0 && *n > J->window ? *n - J->window : 0;
+}
+
+static __thread tm_buf split_buf; /* the split path's shared q and partial results */
+
+/* Parts to split each row's context into (flash-decoding): 1 while the rows and K/V heads
+ * alone give every thread two tasks or the contexts are short; else enough that they do,
+ * each part at least SPLIT_MIN keys. One long sequence on 2 cores with 3 K/V heads (SmolLM2)
+ * otherwise keeps one core idle a third of the time. */
+#define SPLIT_MIN 256
+static int context_parts(int Bd, int Hkv, int cmax, int nthreads) {
+    const int tasks = Bd * Hkv;
+    if (nthreads < 2 || tasks >= 2 * nthreads || cmax < 2 * SPLIT_MIN) return 1;
+    int parts = (2 * nthreads + tasks - 1) / tasks;
+    if (parts > cmax / SPLIT_MIN) parts = cmax / SPLIT_MIN;
+    return parts < 16 ? parts : 16;
 }
 
 /* Attention of Bd decode rows (one new token each) over a paged KV cache, whole layer
@@ -219,81 +302,113 @@ static inline float softmax_exp(float *s, int n, float sink) {
  * in the softmax's sum, with no value: gpt-oss); `rows` the step's decode rows
  * (see tm_rows).
  *
+ * Tasks are (row, K/V head) pairs; where they are too few for the threads, each row's
+ * context is also split into parts (context_parts) whose partial softmax sums are merged
+ * with their maxima (flash-decoding): the new k/v are written first, then every part is
+ * scored, then the parts are merged.
+ *
  *   qkv        [Bd, (H + 2 Hkv) hd]  fused projection output (q heads, k heads, v heads)
  *   out        [Bd, H hd]
- * Returns 1, or 0 if per-thread scratch could not be allocated. */
+ * Returns 1, or 0 if scratch could not be allocated. */
 int tm_decode_attention(const tm_shape *sh, const tm_layer *L, const tm_rows *rows, const float *qkv,
                         float *out, int nthreads) {
     const int H = sh->H, Hkv = sh->Hkv, hd = sh->hd, Bd = rows->Bd, cmax = rows->cmax;
-    const int rot_dim = L->rot_dim, window = L->window;
-    const float eps = sh->eps, scale = L->scale, *q_norm = L->q_norm, *k_norm = L->k_norm;
-    const float softcap = L->softcap, *sinks = L->sinks;
-    /* anything but a 16-bit type is float32 (a zeroed tm_layer included) */
-    const int bits = L->kv_bits == TM_F16 || L->kv_bits == TM_BF16 ? L->kv_bits : TM_F32;
-    const int qk_full = L->qk_full;
-    const float *rcos = L->rcos, *rsin = L->rsin;
-    void *k_cache = L->k_cache, *v_cache = L->v_cache;
-    const int64_t *positions = rows->positions, *new_slots = rows->new_slots;
-    const int64_t *slots = rows->slots, *ctx_lens = rows->ctx_lens;
-    const int rep = H / Hkv, stride = (H + 2 * Hkv) * hd, ntask = Bd * Hkv;
-    const int nt = tm_team(nthreads, ntask);
+    const attn_job J = {
+        .H = H, .Hkv = Hkv, .hd = hd, .rep = H / Hkv, .cmax = cmax, .rot_dim = L->rot_dim,
+        .window = L->window, .qk_full = L->qk_full,
+        /* anything but a 16-bit type is float32 (a zeroed tm_layer included) */
+        .bits = L->kv_bits == TM_F16 || L->kv_bits == TM_BF16 ? L->kv_bits : TM_F32,
+        .stride = (H + 2 * Hkv) * hd, .eps = sh->eps, .scale = L->scale, .softcap = L->softcap,
+        .q_norm = L->q_norm, .k_norm = L->k_norm, .sinks = L->sinks, .rcos = L->rcos,
+        .rsin = L->rsin, .qkv = qkv, .k_cache = L->k_cache, .v_cache = L->v_cache,
+        .positions = rows->positions, .new_slots = rows->new_slots, .slots = rows->slots,
+        .ctx_lens = rows->ctx_lens,
+    };
+    const int rep = J.rep, groups = Bd * Hkv;
+    const int parts = context_parts(Bd, Hkv, cmax, nthreads);
+    const int nt = tm_team(nthreads, groups * parts);
+    /* the split path's shared buffers: q [groups, rep, hd]; per (group, part): mx [rep],
+     * sum [rep], acc [rep, hd] */
+    const size_t part_floats = (size_t)rep * (hd + 2);
+    float *shared = parts > 1 ? tm_buf_get(&split_buf, ((size_t)groups * rep * hd +
+                                                        (size_t)groups * parts * part_floats) *
+                                                           sizeof(float))
+                              : NULL;
+    if (parts > 1 && !shared) return 0;
     int ok = 1;
     int64_t start = tm_now(), done = start;
 #pragma omp parallel num_threads(nt) if (nt > 1) reduction(& : ok)
     {
-        /* per thread: q [rep, hd], accumulators [rep, hd], scores [rep, cmax], new k [hd] */
-        float *q = tm_scratch(((size_t)2 * rep * hd + (size_t)rep * cmax + hd) * sizeof(float));
+        /* per thread: q [rep, hd], accumulators [rep, hd], scores [rep, cmax], new k [hd],
+         * mx [rep], sum [rep] */
+        float *q = tm_scratch(((size_t)2 * rep * hd + (size_t)rep * cmax + hd + 2 * rep) * sizeof(float));
         if (!q) ok = 0;
+        float *acc = q ? q + (size_t)rep * hd : NULL, *sc = acc ? acc + (size_t)rep * hd : NULL;
+        float *kd = sc ? sc + (size_t)rep * cmax : NULL, *mx = kd ? kd + hd : NULL;
+        float *sum = mx ? mx + rep : NULL;
+        if (parts == 1) {
 #pragma omp for schedule(static) nowait
-        for (int task = 0; task < ntask; task++) {
-            if (!q) continue;
-            const int b = task / Hkv, g = task % Hkv;
-            float *acc = q + (size_t)rep * hd, *sc = acc + (size_t)rep * hd;
-            float *kd = sc + (size_t)rep * cmax; /* the new k [hd], normed and rotated */
-            const float *row = qkv + (size_t)b * stride;
-            const float *c = rcos ? rcos + positions[b] * rot_dim : NULL;
-            const float *s = rsin ? rsin + positions[b] * rot_dim : NULL;
-            /* ---- new k, v: norm, rotate, write to the cache ---- */
-            /* qk_full: the RMS factors of the row's whole q and k projections */
-            const float q_inv = qk_full ? tm_rms_inv(row, H * hd, eps) : 0.f;
-            const float k_inv = qk_full ? tm_rms_inv(row + (size_t)H * hd, Hkv * hd, eps) : 0.f;
-            memcpy(kd, row + (size_t)(H + g) * hd, hd * sizeof(float));
-            if (k_norm && qk_full)
-                for (int i = 0; i < hd; i++) kd[i] = kd[i] * k_inv * k_norm[(size_t)g * hd + i];
-            else if (k_norm)
-                tm_rms_norm(kd, hd, k_norm, eps, kd);
-            if (c) rope_inplace(kd, rot_dim, c, s);
-            const size_t at = ((size_t)new_slots[b] * Hkv + g) * hd;
-            kv_store(k_cache, at, kd, hd, bits);
-            kv_store(v_cache, at, row + (size_t)(H + Hkv + g) * hd, hd, bits);
-            /* ---- the rep query heads of this group ---- */
-            for (int r = 0; r < rep; r++) {
-                float *qr = q + (size_t)r * hd;
-                const size_t h0 = (size_t)(g * rep + r) * hd; /* this head's offset in q */
-                memcpy(qr, row + h0, hd * sizeof(float));
-                if (q_norm && qk_full)
-                    for (int i = 0; i < hd; i++) qr[i] = qr[i] * q_inv * q_norm[h0 + i];
-                else if (q_norm)
-                    tm_rms_norm(qr, hd, q_norm, eps, qr);
-                if (c) rope_inplace(qr, rot_dim, c, s);
+            for (int task = 0; task < groups; task++) {
+                if (!q) continue;
+                const int b = task / Hkv, g = task % Hkv;
+                int j0, n;
+                prepare(&J, b, g, q, kd);
+                visible(&J, b, &j0, &n);
+                attend_range(&J, b, g, j0, n, q, sc, acc, mx, sum, 1);
+                for (int r = 0; r < rep; r++) {
+                    float *o = out + (size_t)b * H * hd + (size_t)(g * rep + r) * hd;
+                    const float inv = 1.f / sum[r];
+                    for (int i = 0; i < hd; i++) o[i] = acc[(size_t)r * hd + i] * inv;
+                }
             }
-            /* ---- scores over the visible context [j0, n) ---- */
-            const int n = (int)ctx_lens[b], j0 = window > 0 && n > window ? n - window : 0, m = n - j0;
-            const int64_t *sl = slots + (size_t)b * cmax + j0;
-            const size_t stride = (size_t)Hkv * hd; /* floats from one slot to the next */
-            attend(q, k_cache, v_cache, (size_t)g * hd, sl, stride, m, rep, hd, scale, sc, acc, bits, 0);
-            if (softcap > 0.f)
-                for (size_t j = 0; j < (size_t)rep * m; j++) sc[j] = softcap * tanhf(sc[j] / softcap);
-            /* ---- softmax, then the weighted sum of values ---- */
-            float inv[rep];
-            for (int r = 0; r < rep; r++) {
-                const float sink = sinks ? sinks[g * rep + r] : -INFINITY;
-                inv[r] = 1.f / softmax_exp(sc + (size_t)r * m, m, sink);
+        } else {
+            float *qs = shared, *pr = shared + (size_t)groups * rep * hd;
+            /* ---- every new k/v written (and each group's q made) before any part reads ---- */
+#pragma omp for schedule(static)
+            for (int task = 0; task < groups; task++)
+                if (q) prepare(&J, task / Hkv, task % Hkv, qs + (size_t)task * rep * hd, kd);
+            /* ---- each part of each group's context: its partial softmax and value sums ---- */
+#pragma omp for schedule(static)
+            for (int task = 0; task < groups * parts; task++) {
+                if (!q) continue;
+                const int grp = task / parts, part = task % parts, b = grp / Hkv, g = grp % Hkv;
+                int j0, n;
+                visible(&J, b, &j0, &n);
+                const int k0 = j0 + (int)((int64_t)(n - j0) * part / parts);
+                const int k1 = j0 + (int)((int64_t)(n - j0) * (part + 1) / parts);
+                float *p = pr + (size_t)task * part_floats; /* mx [rep], sum [rep], acc [rep, hd] */
+                if (k1 == k0) {
+                    for (int r = 0; r < rep; r++) p[r] = -INFINITY, p[rep + r] = 0.f;
+                    memset(p + 2 * rep, 0, (size_t)rep * hd * sizeof(float));
+                    continue;
+                }
+                attend_range(&J, b, g, k0, k1, qs + (size_t)grp * rep * hd, sc, p + 2 * rep, p,
+                             p + rep, 0);
             }
-            attend(q, k_cache, v_cache, (size_t)g * hd, sl, stride, m, rep, hd, scale, sc, acc, bits, 1);
-            for (int r = 0; r < rep; r++) {
-                float *o = out + (size_t)b * H * hd + (size_t)(g * rep + r) * hd;
-                for (int i = 0; i < hd; i++) o[i] = acc[(size_t)r * hd + i] * inv[r];
+            /* ---- merge the parts: each rescaled to the largest maximum (and the sink) ---- */
+#pragma omp for schedule(static) nowait
+            for (int grp = 0; grp < groups; grp++) {
+                const int b = grp / Hkv, g = grp % Hkv;
+                for (int r = 0; r < rep; r++) {
+                    const float sink = J.sinks ? J.sinks[g * rep + r] : -INFINITY;
+                    float m = sink;
+                    for (int part = 0; part < parts; part++) {
+                        const float pm = pr[((size_t)grp * parts + part) * part_floats + r];
+                        m = pm > m ? pm : m;
+                    }
+                    float total = expf(sink - m);
+                    float *o = out + (size_t)b * H * hd + (size_t)(g * rep + r) * hd;
+                    memset(o, 0, hd * sizeof(float));
+                    for (int part = 0; part < parts; part++) {
+                        const float *p = pr + ((size_t)grp * parts + part) * part_floats;
+                        if (p[rep + r] == 0.f) continue; /* an empty part */
+                        const float w = expf(p[r] - m);
+                        total += p[rep + r] * w;
+                        vf_axpy(o, w, p + 2 * rep + (size_t)r * hd, hd);
+                    }
+                    const float inv = 1.f / total;
+                    for (int i = 0; i < hd; i++) o[i] *= inv;
+                }
             }
         }
         if (tm_thread_id() == 0) done = tm_now();
