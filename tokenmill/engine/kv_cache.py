@@ -118,8 +118,9 @@ class KVCache:
         if num_blocks is None:
             num_blocks = kv_blocks(cfg, block_size, dtype, device, memory)
         self.num_blocks = num_blocks
-        check_pool_fits(self.num_blocks * block_size, self.bytes_per_token, device, memory)
-        slots = self.num_blocks * block_size
+        self.capacity_tokens = slots = num_blocks * block_size  # fixed from here on
+        self.nbytes = slots * self.bytes_per_token
+        check_pool_fits(slots, self.bytes_per_token, device, memory)
         shape = (slots, cfg.num_kv_heads, cfg.head_dim)
         self.k = [_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
         self.v = [_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
@@ -140,11 +141,3 @@ class KVCache:
         for pool in (*self.k, *self.v):
             if not (can_populate() and _populate(pool)):
                 pool.view(-1).view(torch.uint8)[::PAGE].zero_()  # [bytes / PAGE]
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def nbytes(self) -> int:
-        return self.capacity_tokens * self.bytes_per_token
