@@ -94,6 +94,13 @@ class Report:
         median = statistics.median(quiet)
         return median, max(loud), max(loud) / median
 
+    def probe_p99(self) -> float | None:
+        """The 99th percentile of the probe's latency under attack, in seconds."""
+        loud = [lat for at, lat in self.probe if at >= self.quiet_s]
+        if len(loud) < 2:
+            return loud[0] if loud else None
+        return statistics.quantiles(loud, n=100, method="inclusive")[98]
+
     def slowest_probes(self, k: int = 5) -> list[tuple[float, float, list[str]]]:
         """The k slowest probes under attack: (at s, latency s, the attacks in flight)."""
         loud = sorted((p for p in self.probe if p[0] >= self.quiet_s), key=lambda p: -p[1])
@@ -143,6 +150,10 @@ class Report:
             "attacks": dict(self.attacks),
             "probe_quiet_median_worst_ratio": self.probe_ratio(),
             "slowest_probes": self.slowest_probes(),
+            "probe_p99_under_attack": self.probe_p99(),
+            "probes": [(round(at, 2), round(lat, 3)) for at, lat in self.probe],
+            "attack_spans": [(n, round(a, 2), round(b, 2)) for n, a, b in self.spans],
+            "rss_peak_mib": round(max(b for _, b in self.rss) / 2**20, 1) if self.rss else None,
             "rss_end_over_start_of_attacks": self.rss_ratio(),
             "rss_settled_over_start_of_attacks": self.settled_ratio(),
             "server_died": self.server_died,
@@ -562,7 +573,8 @@ def print_report(report: Report) -> None:
     if report.probe_ratio():
         median, worst, ratio = report.probe_ratio()
         print(f"probe chat: quiet median {median:.3f} s, worst under attack {worst:.3f} s "
-              f"({ratio:.1f}x)")  # fmt: skip
+              f"({ratio:.1f}x); p99 under attack {report.probe_p99():.3f} s "
+              f"({report.probe_p99() / median:.1f}x)")  # fmt: skip
         for at, lat, names in report.slowest_probes():
             print(f"  slow probe at {at:.0f} s: {lat:.2f} s, beside {', '.join(names) or '-'}")
     if report.rss_ratio():
