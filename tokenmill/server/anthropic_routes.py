@@ -69,6 +69,7 @@ from tokenmill.server.running import (
     check_model,
     collect_one,
     engine_of,
+    reasoning_of,
     shorter,
     start_request,
     unless_disconnected,
@@ -354,7 +355,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     model = check_model(request, body.model)
     body.check()
     tools, prompt_ids = await chat_prompt(request, body)
-    reasoning = request.app.state.reasoning  # the format answers are split by, or None
+    reasoning = reasoning_of(request)  # the format answers are split by, or None
     params = body.sampling_params(tools, reasoning)
     check_fits(
         len(prompt_ids),

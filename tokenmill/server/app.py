@@ -1,6 +1,7 @@
-"""The HTTP layer: OpenAI-compatible routes over one AsyncEngine.
+"""The HTTP layer: OpenAI-compatible routes over one AsyncEngine, or several models.
 
     create_app(engine, model_name=..., api_key=...) -> FastAPI
+    create_app(pool, api_key=...) -> FastAPI      several models (server/model_pool.py)
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streaming as
 Server-Sent Events when `stream` is true), GET /v1/models[/{model}], GET /health,
@@ -14,6 +15,12 @@ synchronous LLMEngine, for the tokenizer, config and max_model_len. The engine
 thread starts and stops with the app's lifespan. What every API's routes share (the prep
 threads, the model check, the prefix-cache scope, queueing a request, streaming with
 abort) is server/running.py; this module holds OpenAI's routes and the app's assembly.
+
+With a ModelPool, `app.state.pool` is it and `app.state.engine` is None: the model_pool
+module's ModelSelect middleware picks (and loads) each POST's model from its body, and
+running.engine_of hands the routes that model's engine. /v1/models lists every served
+model with `loaded`; /health is one answer for the server (every loaded engine healthy);
+/metrics labels each engine's series with model="NAME".
 
 Every error is OpenAI's JSON shape, {"error": {message, type, param, code}}:
 FastAPI's own 422 validation errors become 400s. With an API key, every /v1 path
@@ -54,8 +61,10 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
+from starlette.types import Scope
 
 from tokenmill.engine.llm_engine import LLMEngine, RequestError
 from tokenmill.sampling import SamplingParams
@@ -72,7 +81,15 @@ from tokenmill.server.async_engine import (
 )
 from tokenmill.server.errors import APIError, InternalError, to_api_error
 from tokenmill.server.limits import BodyLimit, HostCheck, ServerLimits, default_max_body_bytes
-from tokenmill.server.metrics import CLIENT_CLOSED_REQUEST, CONTENT_TYPE, CountRequests
+from tokenmill.server.metrics import (
+    CLIENT_CLOSED_REQUEST,
+    CONTENT_TYPE,
+    CountRequests,
+    HTTPRequests,
+    ModelSeries,
+    render_models,
+)
+from tokenmill.server.model_pool import ModelPool, ModelSelect
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
     ChatFormat,
@@ -90,6 +107,7 @@ from tokenmill.server.running import (
     engine_of,
     lower_priority,
     off_loop,
+    reasoning_of,
     shorter,
     start_request,
     unless_disconnected,
@@ -117,9 +135,9 @@ fallback_router = APIRouter()
 
 
 def create_app(
-    engine: AsyncEngine,
+    engine: AsyncEngine | ModelPool,
     *,
-    model_name: str,
+    model_name: str | None = None,
     api_key: str | Sequence[str] | None = None,
     aliases: Sequence[str] = (),
     limits: ServerLimits | None = None,
@@ -138,7 +156,16 @@ def create_app(
     and /v1/models always use `model_name`, as vLLM does with several served names.
 
     reasoning_parser: how chat answers split into reasoning_content and content: "auto"
-    (by the chat template: tokenizer/reasoning.py's detect), "none", or a format ("think")."""
+    (by the chat template: tokenizer/reasoning.py's detect), "none", or a format ("think").
+
+    With a ModelPool instead of an engine, the pool's models are served by their own names
+    (model_name, aliases and reasoning_parser are the pool's ServedModels'), the body
+    limit follows the longest context among the models loaded now."""
+    pool = engine if isinstance(engine, ModelPool) else None
+    if pool is None and model_name is None:
+        raise ValueError("create_app needs model_name for its engine")
+    if pool is not None and (model_name is not None or aliases):
+        raise ValueError("a ModelPool names its own models: pass no model_name or aliases")
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if api_key is not None and (not keys or not all(keys)):
         raise ValueError("api_key is empty: pass None to serve without a key")
@@ -150,7 +177,11 @@ def create_app(
             f"got {prefix_cache_scope!r}"
         )
     limits = limits or ServerLimits()
-    max_body = limits.max_body_bytes or default_max_body_bytes(engine.engine.max_model_len)
+    if pool is None:
+        context = engine.engine.max_model_len
+    else:
+        context = max((s.max_model_len or 0 for s in pool.loaded()), default=0)
+    max_body = limits.max_body_bytes or default_max_body_bytes(context)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -176,20 +207,33 @@ def create_app(
         redoc_url=None,
         openapi_url=None,
     )
-    app.state.engine = engine
-    app.state.model_name = model_name
-    app.state.model_names = {model_name, *aliases}
+    app.state.pool = pool
+    app.state.engine = engine if pool is None else None
+    app.state.model_name = model_name if pool is None else pool.default
+    app.state.model_names = {model_name, *aliases} if pool is None else set(pool.names)
     app.state.created = int(time.time())
     app.state.max_body_bytes = max_body
     app.state.prefix_cache_scope = prefix_cache_scope
     # the reasoning format chat answers are split by (None: not split)
-    app.state.reasoning = resolve_reasoning(reasoning_parser, engine.engine.tokenizer.chat_template)
+    app.state.reasoning = (
+        resolve_reasoning(reasoning_parser, engine.engine.tokenizer.chat_template)
+        if pool is None
+        else None  # each model's own: running.reasoning_of
+    )
     _add_error_handlers(app)
     # Added last = outermost: the counter sees every answer, the body limit's included.
     if limits.allowed_hosts is not None:  # inside the body limit: a bounded body first
         app.add_middleware(HostCheck, allowed=limits.allowed_hosts)
     app.add_middleware(BodyLimit, max_bytes=max_body, timeout_s=limits.body_timeout_s)
-    app.add_middleware(CountRequests, requests=engine.metrics.http)
+    app.state.http = engine.metrics.http if pool is None else HTTPRequests()
+    if pool is not None:  # innermost: the body is in memory, the Host checked
+        app.add_middleware(
+            ModelSelect,
+            pool=pool,
+            paths=lambda: app.state.post_paths,
+            authorized=lambda scope: not keys or _key_index(scope, keys) is not None,
+        )
+    app.add_middleware(CountRequests, requests=app.state.http)
     auth = [Depends(_api_key_check(keys))] if keys else []
     routers = [
         router,
@@ -201,6 +245,8 @@ def create_app(
         ops_router,
     ]
     app.state.api_routes = [r for included in filter(None, routers) for r in included.routes]
+    # the paths whose POST bodies name a model (all static: none has a path parameter)
+    app.state.post_paths = {r.path for r in app.state.api_routes if "POST" in r.methods}
     for route in app.state.api_routes:  # before include_router copies them into the app
         if "GET" in route.methods:
             route.methods.add("HEAD")  # as Starlette's own routes do; uvicorn drops the body
@@ -265,23 +311,28 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, unexpected)
 
 
-def _api_key_check(keys: list[str]) -> Callable[[Request], Awaitable[None]]:
-    expected = [f"Bearer {key}".encode() for key in keys]
+def _key_index(scope: Scope, keys: list[str]) -> int | None:
+    """Which of `keys` the request's `Authorization: Bearer` (or `x-api-key`) gives, or
+    None. Every key compared, in constant time each: which one matched stays hidden."""
+    headers = Headers(scope=scope)
+    given = headers.get("authorization", "").encode()
+    if not given and "x-api-key" in headers:  # Anthropic's clients send this
+        given = b"Bearer " + headers["x-api-key"].encode()
+    matches = [hmac.compare_digest(given, f"Bearer {key}".encode()) for key in keys]
+    return matches.index(True) if any(matches) else None
 
+
+def _api_key_check(keys: list[str]) -> Callable[[Request], Awaitable[None]]:
     async def check(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if not given and "x-api-key" in request.headers:  # Anthropic's clients send this
-            given = b"Bearer " + request.headers["x-api-key"].encode()
-        # Every key compared, in constant time each: which one matched stays hidden.
-        matches = [hmac.compare_digest(given, e) for e in expected]
-        if not any(matches):
+        index = _key_index(request.scope, keys)
+        if index is None:
             raise APIError(
                 401,
                 "Incorrect or missing API key: send 'Authorization: Bearer <key>' "
                 "or 'x-api-key: <key>'",
                 code="invalid_api_key",
             )
-        request.state.api_key_index = matches.index(True)
+        request.state.api_key_index = index
 
     return check
 
@@ -324,7 +375,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     body.check_extra_fields()
     tools, prompt_ids = await chat_prompt(request, body)
     max_model_len = engine.engine.max_model_len
-    reasoning = request.app.state.reasoning
+    reasoning = reasoning_of(request)
     params = body.sampling_params(
         default_max_tokens=max(1, max_model_len - len(prompt_ids)), reasoning=reasoning
     )
@@ -344,20 +395,24 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
-    return {"object": "list", "data": [_model_card(request)]}
+    pool: ModelPool | None = request.app.state.pool
+    names = [None] if pool is None else pool.names
+    return {"object": "list", "data": [_model_card(request, name) for name in names]}
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request) -> dict:
-    check_model(request, model)
-    return _model_card(request)
+    name = check_model(request, model)
+    return _model_card(request, None if request.app.state.pool is None else name)
 
 
 @ops_router.get("/health")
 async def health(request: Request) -> JSONResponse:
     # 503 with one line naming the problem: the loop is down or stalled on pending work,
-    # or a parallel rank died or is stuck (AsyncEngine.health reads, never waits)
-    ok, reason = engine_of(request).health()
+    # or a parallel rank died or is stuck (AsyncEngine.health reads, never waits); with
+    # several models, the first loaded one whose engine is not healthy
+    pool: ModelPool | None = request.app.state.pool
+    ok, reason = (engine_of(request) if pool is None else pool).health()
     if not ok:
         error = APIError(503, reason, type="server_error", code="unhealthy")
         return JSONResponse(error.body(), status_code=error.status)
@@ -366,8 +421,24 @@ async def health(request: Request) -> JSONResponse:
 
 @ops_router.get("/metrics")
 async def metrics(request: Request) -> PlainTextResponse:
-    engine = engine_of(request)
-    return PlainTextResponse(engine.metrics.render(engine.stats()), media_type=CONTENT_TYPE)
+    pool: ModelPool | None = request.app.state.pool
+    if pool is None:
+        engine = engine_of(request)
+        return PlainTextResponse(engine.metrics.render(engine.stats()), media_type=CONTENT_TYPE)
+    series = []
+    for slot in pool.slots.values():
+        live = slot.engine
+        series.append(
+            ModelSeries(
+                slot.name,
+                live is not None,
+                slot.loads,
+                slot.evictions,
+                None if live is None else live.metrics,
+                None if live is None else live.stats(),
+            )
+        )
+    return PlainTextResponse(render_models(request.app.state.http, series), media_type=CONTENT_TYPE)
 
 
 @fallback_router.api_route("/v1/{path:path}", methods=OTHER_METHODS, include_in_schema=False)
@@ -406,13 +477,25 @@ def _allowed_methods(request: Request) -> list[str]:
 # --------------------------------------------------------------------------- helpers
 
 
-def _model_card(request: Request) -> dict:
+def _model_card(request: Request, name: str | None = None) -> dict:
+    """The card of the one model (name None), or of the pool's model `name`: with
+    `loaded`, and max_model_len once it has loaded (null before its first load)."""
+    if name is None:
+        return {
+            "id": request.app.state.model_name,
+            "object": "model",
+            "created": request.app.state.created,
+            "owned_by": "tokenmill",
+            "max_model_len": engine_of(request).engine.max_model_len,
+        }
+    slot = request.app.state.pool.slots[name]
     return {
-        "id": request.app.state.model_name,
+        "id": name,
         "object": "model",
         "created": request.app.state.created,
         "owned_by": "tokenmill",
-        "max_model_len": engine_of(request).engine.max_model_len,
+        "max_model_len": slot.max_model_len,
+        "loaded": slot.engine is not None,
     }
 
 

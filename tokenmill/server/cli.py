@@ -9,6 +9,13 @@ The listening sockets are bound before the model loads (`bind_sockets`), so a ba
 after the seconds of loading; uvicorn starts listening on them once the model is in.
 Until then a connection is refused, as before the process started.
 
+Several models: `--model A --model B ...` (repeated) or `--models-dir DIR` (its
+sub-folders with a config.json and its .gguf files) serve each under its own names
+(server/model_pool.py). The first is loaded at start and is the default; the others load
+when a request names them, and the least recently used idle one is evicted when
+`--max-loaded-models` or `--models-memory` (weights + KV pool) would be passed. One
+`--model` serves exactly as before, with no pool.
+
 On SIGTERM (or Ctrl-C) the server stops admitting (the listening socket closes, and
 a request that still arrives gets 503), lets running requests finish for up to
 --shutdown-timeout seconds, cancels what is left, and exits with status 0.
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import functools
 import logging
 import os
 import signal
@@ -72,9 +80,50 @@ def _byte_size(text: str) -> int:
 
 def register(subparsers, add_model_args, add_sampling_args) -> None:
     p = subparsers.add_parser(
-        "serve", help="serve the OpenAI API (completions, chat, streaming) over HTTP"
+        "serve",
+        help="serve the OpenAI API (completions, chat, streaming) over HTTP",
+        conflict_handler="resolve",  # serve's --model below replaces the shared one
     )
     add_model_args(p)
+    p.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        metavar="M",
+        help=f"checkpoint folder, .gguf file or known model name ({', '.join(hub.KNOWN_MODELS)}); "
+        f"default: {hub.DEFAULT_MODEL}. Repeat it to serve several models, loaded when a "
+        "request names them; the first is loaded at start and is the default",
+    )
+    p.add_argument(
+        "--models-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="serve every model in DIR too: each sub-folder with a config.json, each .gguf file",
+    )
+    p.add_argument(
+        "--max-loaded-models",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with several models, most loaded at once; the least recently used idle one "
+        "is evicted to load another (default: no limit)",
+    )
+    p.add_argument(
+        "--models-memory",
+        type=_byte_size,
+        default=None,
+        metavar="SIZE",
+        help="with several models, most memory (weights + KV pools) loaded at once, e.g. "
+        "8GiB; the least recently used idle ones are evicted to stay within it",
+    )
+    p.add_argument(
+        "--model-wait-timeout",
+        type=_seconds,
+        default=60.0,
+        help="with several models, seconds a load waits for room while every loaded model "
+        "has requests running, before answering 503",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free one)")
     p.add_argument(
@@ -201,7 +250,69 @@ def allowed_hosts_from(args: argparse.Namespace, api_key: object) -> tuple[str, 
 
 def served_model_names(args: argparse.Namespace, path: Path) -> list[str]:
     """The names the server answers to, the one it reports first."""
-    return list(args.served_model_name or hub.names_for(args.model, path))
+    model = args.model[0] if isinstance(args.model, list) else args.model  # before check_models
+    return list(args.served_model_name or hub.names_for(model, path))
+
+
+def models_in(folder: Path) -> list[Path]:
+    """The models in a --models-dir: its sub-folders with a config.json and its .gguf
+    files, by name."""
+    if not folder.is_dir():
+        raise ArgumentError("--models-dir", f"{folder} is not a folder")
+    found = [
+        p
+        for p in sorted(folder.iterdir())
+        if (p.is_dir() and (p / "config.json").is_file())
+        or (p.is_file() and p.suffix.lower() == ".gguf")
+    ]
+    if not found:
+        raise ArgumentError(
+            "--models-dir", f"{folder} holds no model (sub-folders with a config.json, .gguf files)"
+        )
+    return found
+
+
+def check_models(args: argparse.Namespace) -> None:
+    """With several models (more than one --model, or --models-dir): every one resolved and
+    its file header checked now, each name given to one model only; kept in
+    args.served_models as [(the --model value, its path, its names)]. args.model becomes
+    the first one, which the shared checks then read and serve loads first. With one
+    model: args.model is that one (or None, the default), args.served_models None."""
+    from tokenmill.loader import LoadError, sniff_format
+
+    given: list[str | None] = list(args.model or [])
+    if args.models_dir is not None:
+        given += [str(p) for p in models_in(args.models_dir)]
+    args.model = given[0] if given else None
+    args.served_models = None
+    if len(given) <= 1 and args.models_dir is None:
+        return
+    if args.served_model_name is not None:
+        raise ArgumentError(
+            "--served-model-name", "names one model; with several, each is served by its own names"
+        )
+    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
+        raise ArgumentError(
+            "--tensor-parallel-size"
+            if args.tensor_parallel_size > 1
+            else "--pipeline-parallel-size",
+            "a parallel run serves one model; give one --model",
+        )
+    served, owner = [], {}
+    for model in given:
+        try:
+            path = hub.resolve_model(model)
+            sniff_format(path)
+        except (LoadError, hub.FetchError) as e:
+            raise ArgumentError("--model", str(e)) from None
+        names = hub.names_for(model, path)
+        for name in names:
+            if owner.setdefault(name, model) != model:
+                raise ArgumentError(
+                    "--model", f"{owner[name]} and {model} are both called {name!r}; serve one"
+                )
+        served.append((model, path, names))
+    args.served_models = served
 
 
 def api_key_from(args: argparse.Namespace) -> list[str] | None:
@@ -220,11 +331,13 @@ def api_key_from(args: argparse.Namespace) -> list[str] | None:
 
 def check_serve_args(args: argparse.Namespace) -> None:
     """The server's checks before the model loads (tokenmill.cli.check_before_loading): the
-    API keys and names, then the address, bound now and kept in args.sockets."""
+    API keys and names, then the address, bound now and kept in args.sockets, then the
+    models (check_models)."""
     api_key_from(args)
     if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
         raise ArgumentError("--served-model-name", "a name is empty; give names clients can send")
     args.sockets = bind_sockets(args.host, args.port)
+    check_models(args)  # after the address: its errors come first, as with one model
 
 
 def bind_sockets(host: str, port: int) -> list[socket.socket]:
@@ -282,9 +395,7 @@ def _bind_error(host: str, address: tuple, e: OSError) -> ArgumentError:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from tokenmill.cli.common import load_llm
     from tokenmill.server.app import create_app
-    from tokenmill.server.async_engine import AsyncEngine
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -295,15 +406,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
         log.warning(
             "serving on %s without an API key: anyone who can reach it can use it", args.host
         )
-    llm = load_llm(
-        args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
-    )
-    engine = AsyncEngine(
-        llm.engine, max_waiting=args.max_waiting, stall_timeout=args.health_stall_timeout
-    )
-    if llm.engine.parallel is not None:  # a dead rank ends the server (after its answers)
-        llm.engine.parallel.exit_on_failure = True
-    name, *aliases = served_model_names(args, llm.engine.path)
+    engine = load_engine(args, args.model_path)
+    if engine.engine.parallel is not None:  # a dead rank ends the server (after its answers)
+        engine.engine.parallel.exit_on_failure = True
     limits = ServerLimits(
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout,
@@ -312,9 +417,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
         shutdown_timeout_s=args.shutdown_timeout,
         allowed_hosts=allowed_hosts_from(args, api_key),
     )
+    if args.served_models is None:
+        name, *aliases = served_model_names(args, engine.engine.path)
+        served = engine
+    else:
+        served = model_pool(args, engine)
+        name, aliases = ", ".join(served.names), []
     app = create_app(
-        engine,
-        model_name=name,
+        served,
+        model_name=name if args.served_models is None else None,
         api_key=api_key,
         aliases=aliases,
         limits=limits,
@@ -330,7 +441,46 @@ def cmd_serve(args: argparse.Namespace) -> None:
         port,
         app.state.max_body_bytes,
     )
-    serve(app, engine, args.sockets, limits, args.log_level)
+    serve(app, served, args.sockets, limits, args.log_level)
+
+
+def load_engine(args: argparse.Namespace, path: Path):
+    """The model at `path` loaded with serve's options, in an AsyncEngine (not started)."""
+    from tokenmill.cli.common import load_llm
+    from tokenmill.server.async_engine import AsyncEngine
+
+    llm = load_llm(
+        argparse.Namespace(**{**vars(args), "model_path": path}),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    return AsyncEngine(
+        llm.engine, max_waiting=args.max_waiting, stall_timeout=args.health_stall_timeout
+    )
+
+
+def model_pool(args: argparse.Namespace, first):
+    """The ModelPool of args.served_models, the first already loaded (`first`)."""
+    from tokenmill.server.model_pool import ModelPool, ServedModel
+
+    models = [
+        ServedModel(
+            names[0],
+            functools.partial(load_engine, args, path),
+            tuple(names[1:]),
+            path,
+            args.reasoning_parser,
+        )
+        for _, path, names in args.served_models
+    ]
+    pool = ModelPool(
+        models,
+        max_loaded=args.max_loaded_models,
+        memory_budget=args.models_memory,
+        wait_timeout_s=args.model_wait_timeout,
+    )
+    pool.add_loaded(models[0].name, first)
+    return pool
 
 
 def serve(app, engine, sockets: list[socket.socket], limits, log_level: str) -> None:

@@ -56,7 +56,7 @@ from tokenmill.sampling.grammar import CompiledGrammar, GrammarError
 from tokenmill.server.async_engine import AsyncEngine, Generation
 from tokenmill.server.errors import APIError, invalid, to_api_error
 from tokenmill.server.protocol import ChatMessage, Text, check_fits, make_sampling_params
-from tokenmill.server.running import off_loop
+from tokenmill.server.running import check_model, engine_of, off_loop
 from tokenmill.server.sse import sse
 from tokenmill.units import format_bytes
 
@@ -71,6 +71,7 @@ MAX_TRACE_BYTES = 32 * 2**20  # the most JSON one trace may make (a 512-step tra
 class InspectRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    model: Text | None = None  # a served model's name (None: the default one)
     prompt: Text | None = None  # raw text, continued as is
     messages: list[ChatMessage] | None = None  # rendered with the model's chat template
     max_tokens: int = 64
@@ -119,7 +120,8 @@ class TraceTooLarge(Exception):
 
 @router.post("/v1/inspect")
 async def inspect(body: InspectRequest, request: Request) -> Response:
-    server: AsyncEngine = request.app.state.engine
+    server: AsyncEngine = engine_of(request)
+    check_model(request, body.model)
     engine = server.engine
     params = body.sampling_params()
     trace_args = _trace_args(engine, body)

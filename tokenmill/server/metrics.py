@@ -65,15 +65,23 @@ class Histogram:
             self._sum += value
 
     def render(self) -> str:
+        return "\n".join([*_header(self.name, self.help_text, "histogram"), *self.samples()])
+
+    def samples(self, labels: str = "") -> list[str]:
+        """The sample lines (no header); labels: 'model="a",' to put before le."""
         with self._lock:
             counts, total = list(self._counts), self._sum
-        lines = _header(self.name, self.help_text, "histogram")
+        lines = []
         cumulative = 0
         for bound, count in zip(self.bounds, counts, strict=True):
             cumulative += count
-            lines.append(f'{self.name}_bucket{{le="{_number(bound)}"}} {cumulative}')
-        lines += [f"{self.name}_sum {_number(total)}", f"{self.name}_count {cumulative}"]
-        return "\n".join(lines)
+            lines.append(f'{self.name}_bucket{{{labels}le="{_number(bound)}"}} {cumulative}')
+        tail = f"{{{labels.rstrip(',')}}}" if labels else ""
+        lines += [
+            f"{self.name}_sum{tail} {_number(total)}",
+            f"{self.name}_count{tail} {cumulative}",
+        ]
+        return lines
 
 
 @dataclass(frozen=True)
@@ -181,29 +189,101 @@ class ServerMetrics:
         )
 
     def render(self, stats: EngineStats) -> str:
-        samples = [
-            ("tokenmill_requests_running", "Sequences in the running batch.", "gauge",
-             stats.running),
-            ("tokenmill_requests_waiting", "Sequences waiting to be scheduled.", "gauge",
-             stats.waiting),
-            ("tokenmill_kv_blocks_used", "KV cache blocks not on the free list.", "gauge",
-             stats.blocks_used),
-            ("tokenmill_kv_blocks_free", "KV cache blocks on the free list.", "gauge",
-             stats.blocks_free),
-            ("tokenmill_kv_blocks_held_by_requests",
-             "KV cache blocks with a reference count above zero.", "gauge", stats.blocks_held),
-            ("tokenmill_prefix_cache_hit_rate",
-             "Prefix-cache block lookups that found the block, over all lookups.", "gauge",
-             stats.prefix_cache_hit_rate),
-            ("tokenmill_prompt_tokens_total", "Prompt tokens of all sequences added.", "counter",
-             stats.prompt_tokens),
-            ("tokenmill_generation_tokens_total", "Tokens generated.", "counter",
-             stats.generation_tokens),
-        ]  # fmt: skip
-        parts = [render_sample(*sample) for sample in samples]
+        parts = [render_sample(*sample) for sample in engine_samples(stats)]
         parts.append(self.http.render())
         if self.info:
             parts.append(render_info("tokenmill_build_info",
                                      "What this server runs: version, kernels, weights.", self.info))  # fmt: skip
-        parts += [h.render() for h in (self.ttft, self.itl, self.e2e)]
+        parts += [h.render() for h in self.histograms()]
         return "\n".join(parts) + "\n"
+
+    def histograms(self) -> tuple[Histogram, Histogram, Histogram]:
+        return self.ttft, self.itl, self.e2e
+
+
+def engine_samples(stats: EngineStats) -> list[tuple[str, str, str, float]]:
+    """(name, help, kind, value) of each gauge and counter one engine reports."""
+    return [
+        ("tokenmill_requests_running", "Sequences in the running batch.", "gauge",
+         stats.running),
+        ("tokenmill_requests_waiting", "Sequences waiting to be scheduled.", "gauge",
+         stats.waiting),
+        ("tokenmill_kv_blocks_used", "KV cache blocks not on the free list.", "gauge",
+         stats.blocks_used),
+        ("tokenmill_kv_blocks_free", "KV cache blocks on the free list.", "gauge",
+         stats.blocks_free),
+        ("tokenmill_kv_blocks_held_by_requests",
+         "KV cache blocks with a reference count above zero.", "gauge", stats.blocks_held),
+        ("tokenmill_prefix_cache_hit_rate",
+         "Prefix-cache block lookups that found the block, over all lookups.", "gauge",
+         stats.prefix_cache_hit_rate),
+        ("tokenmill_prompt_tokens_total", "Prompt tokens of all sequences added.", "counter",
+         stats.prompt_tokens),
+        ("tokenmill_generation_tokens_total", "Tokens generated.", "counter",
+         stats.generation_tokens),
+    ]  # fmt: skip
+
+
+def _label(value: str) -> str:
+    """A label value escaped for the exposition format (backslash, quote, newline)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+@dataclass(frozen=True)
+class ModelSeries:
+    """One served model's state for a several-model /metrics page (server/model_pool.py).
+    metrics and stats: its engine's, None while it is not loaded."""
+
+    name: str
+    loaded: bool
+    loads: int
+    evictions: int
+    metrics: ServerMetrics | None = None
+    stats: EngineStats | None = None
+
+
+def render_models(http: HTTPRequests, models: list[ModelSeries]) -> str:
+    """The /metrics page of a server with several models: the HTTP counters once, for the
+    server; every per-engine series once per loaded model, labelled model="NAME" (each
+    metric's HELP and TYPE once, as the format requires); and the pool's own series for
+    every served model, loaded or not. An evicted model's series go with it, and come
+    back from zero when it loads again (a counter reset, as after a restart)."""
+    loaded = [m for m in models if m.metrics is not None and m.stats is not None]
+    parts = []
+    per_model = [(m, engine_samples(m.stats)) for m in loaded]
+    if per_model:
+        for i, (name, help_text, kind, _) in enumerate(per_model[0][1]):
+            lines = _header(name, help_text, kind)
+            lines += [
+                f'{name}{{model="{_label(m.name)}"}} {_number(s[i][3])}' for m, s in per_model
+            ]
+            parts.append("\n".join(lines))
+    parts.append(http.render())
+    pool = [
+        ("tokenmill_model_loaded", "1 while the model is loaded, else 0.", "gauge",
+         lambda m: int(m.loaded)),
+        ("tokenmill_model_loads_total", "Times the model was loaded.", "counter",
+         lambda m: m.loads),
+        ("tokenmill_model_evictions_total",
+         "Times the model was evicted to make room for another.", "counter",
+         lambda m: m.evictions),
+    ]  # fmt: skip
+    for name, help_text, kind, value in pool:
+        lines = _header(name, help_text, kind)
+        lines += [f'{name}{{model="{_label(m.name)}"}} {value(m)}' for m in models]
+        parts.append("\n".join(lines))
+    if loaded:
+        info = "tokenmill_build_info"
+        lines = _header(info, "What this server runs: version, kernels, weights.", "gauge")
+        for m in loaded:
+            # the model label is the served name, as on every series; file: the weights'
+            labels = {**m.metrics.info, "model": m.name, "file": m.metrics.info.get("model", "")}
+            quoted = ",".join(f'{k}="{_label(str(v))}"' for k, v in labels.items())
+            lines.append(f"{info}{{{quoted}}} 1")
+        parts.append("\n".join(lines))
+        for i, histogram in enumerate(loaded[0].metrics.histograms()):
+            lines = _header(histogram.name, histogram.help_text, "histogram")
+            for m in loaded:
+                lines += m.metrics.histograms()[i].samples(f'model="{_label(m.name)}",')
+            parts.append("\n".join(lines))
+    return "\n".join(parts) + "\n"

@@ -6,7 +6,9 @@ it through the one shared engine the same way:
 
     off_loop(request, fn, ...)      tokenizing, templates, tool checks: on the prep threads
     chat_prompt(request, body)      a chat-like request's tools and prompt ids, off the loop
+    engine_of(request)              the engine of the model the request names
     check_model(request, name)      the model a request names, or a 404
+    reasoning_of(request)           the reasoning format its chat answers split by
     cache_salt_for(request, salt)   the prefix-cache scope (per API key, then cache_salt)
     start_request(...)              compile the grammar (a 400 naming its field), queue it
     EventStream(events, stream, id) a streamed answer that aborts its request however it ends
@@ -14,6 +16,12 @@ it through the one shared engine the same way:
     collect_one(stream)             a one-prompt request's answer and its last output
 
 How each API shapes its answers (chunks, events, error bodies) stays with that API.
+
+With several models (server/model_pool.py) the model is chosen once per request, before
+the route runs: ModelSelect reads the body's `model`, loads and pins that model, and
+leaves its choice in request.state.model_choice; engine_of, check_model and reasoning_of
+read it, so no route picks a model itself. With one model (app.state.pool is None) they
+read app.state as they always did.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from tokenmill.server.async_engine import (
     ShuttingDown,
 )
 from tokenmill.server.errors import APIError, invalid, to_api_error
+from tokenmill.server.model_pool import ModelPool, Slot, unknown_model
 from tokenmill.server.tools import ToolRequest
 from tokenmill.tokenizer.tokenizer import TextTooLong
 
@@ -68,7 +77,28 @@ PREP_NICE = 10
 
 
 def engine_of(request: Request) -> AsyncEngine:
-    return request.app.state.engine
+    """The engine of the model the request names (its choice's error when there is none:
+    an unknown name's 404, a model that could not load)."""
+    if request.app.state.pool is None:
+        return request.app.state.engine
+    return _chosen(request).engine
+
+
+def _chosen(request: Request) -> Slot:
+    """The pool's slot ModelSelect pinned for this request, or raise why there is none."""
+    choice = getattr(request.state, "model_choice", None)
+    if choice is None:  # not a POST through ModelSelect (a route that names no model)
+        raise APIError(400, "this request names no model", param="model", code="model_not_found")
+    if choice.slot is None:
+        raise choice.error
+    return choice.slot
+
+
+def reasoning_of(request: Request) -> str | None:
+    """The reasoning format the request's model splits chat answers by (None: not split)."""
+    if request.app.state.pool is None:
+        return request.app.state.reasoning
+    return _chosen(request).reasoning
 
 
 def shorter(text: str, limit: int = 100) -> str:
@@ -77,6 +107,16 @@ def shorter(text: str, limit: int = 100) -> str:
 
 
 def check_model(request: Request, model: str | None) -> str:
+    """The served name of the model a request names (None: the default one), or a 404."""
+    pool: ModelPool | None = request.app.state.pool
+    if pool is not None:
+        choice = getattr(request.state, "model_choice", None)
+        if choice is not None:  # the body's model, as ModelSelect resolved it
+            return _chosen(request).name
+        name = pool.resolve(model)  # a GET naming it in its path
+        if name is None:
+            raise unknown_model(pool, model)
+        return name
     served = request.app.state.model_name
     if model is not None and model not in request.app.state.model_names:
         raise APIError(
