@@ -538,3 +538,40 @@ def test_new_chat_during_an_answer_drops_it(browser, server: str) -> None:
     assert page.locator(".bubble").count() == 0
     assert_empty_inspector(page, model)
     assert not errors, errors
+
+
+def test_the_model_picker_lists_every_model_and_sends_the_chosen_one(
+    browser, smollm_path: Path, tmp_path: Path
+) -> None:
+    """A server with two models (serve --model A --model B): the page's picker lists both,
+    the one not loaded yet marked so, and a message sent with the second chosen is
+    answered by it (it loads on that message; /metrics counts its tokens by its name)."""
+    from helpers import build_hf_model
+    from server_fixture import metric_by_label, server_process
+
+    build_hf_model("llama", tmp_path / "tiny")  # the default, loaded at start
+    env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_API_KEY"}
+    args = ("--model", str(tmp_path / "tiny"), "--model", str(smollm_path))
+    with server_process(*args, "--kv-cache-memory", "128MiB", env=env) as served:
+        with urllib.request.urlopen(f"{served.base_url}/v1/models", timeout=10) as r:
+            ids = [card["id"] for card in json.loads(r.read())["data"]]
+        assert len(ids) == 2 and ids[0] == "tiny"
+        page, errors = open_inspector(browser, served.base_url)
+        page.wait_for_function(
+            "() => document.querySelectorAll('#model-picker option').length == 2"
+        )
+        options = page.locator("#model-picker option")
+        assert [options.nth(i).get_attribute("value") for i in range(2)] == ids
+        assert options.nth(1).inner_text() == f"{ids[1]} (not loaded)"
+        assert page.locator("#model-pick").is_visible()
+        page.select_option("#model-picker", ids[1])
+        assert ids[1] in page.locator("#model-name").inner_text()
+        page.fill("#max_tokens", "4")
+        page.fill("#prompt", "Hi")
+        page.click("#send")
+        page.locator(".bubble.assistant .tok").first.wait_for(timeout=180_000)
+        page.wait_for_selector("#send:not([disabled])", timeout=180_000)
+        with urllib.request.urlopen(f"{served.base_url}/metrics", timeout=10) as r:
+            generated = metric_by_label(r.read().decode(), "tokenmill_generation_tokens_total")
+        assert generated.get(ids[1], 0) > 0 and generated.get("tiny", 0) == 0
+        assert not errors, errors

@@ -812,6 +812,7 @@ function settings() {
     top_k: Number($("top_k").value),
     max_tokens: Number($("max_tokens").value),
     ...(layer === "" ? {} : { layer: Number(layer) }),
+    ...($("model-picker").value ? { model: $("model-picker").value } : {}),
   };
 }
 
@@ -863,14 +864,45 @@ async function showServedModel() {
       return;
     }
     if (!response.ok) throw new Error(await errorMessage(response));
-    const card = (await response.json()).data[0];
+    const cards = (await response.json()).data;
+    fillModelPicker(cards);
+    const card = cards.find((c) => c.id === $("model-picker").value) ?? cards[0];
     servedName = card.id;
-    if (!live.header && !run.header) {
-      line.textContent = `${card.id} · context ${plural(card.max_model_len, "token")}`;
-    }
+    if (!live.header && !run.header) showCard(card);
   } catch (err) {
     line.textContent = `model: unknown (GET /v1/models failed: ${err.message})`;
   }
+}
+
+/** The header's line for a model card: its context, or that it loads on first use. */
+function showCard(card) {
+  $("model-name").textContent =
+    card.max_model_len == null
+      ? `${card.id} · not loaded yet (it loads on its first message)`
+      : `${card.id} · context ${plural(card.max_model_len, "token")}`;
+}
+
+/** A server with several models (tokenmill serve --model A --model B): a picker of every one
+ *  GET /v1/models lists, keeping the choice; the chosen name goes in each request's `model`.
+ *  With one model the picker stays hidden and requests name none, as before. */
+function fillModelPicker(cards) {
+  const picker = $("model-picker");
+  const chosen = picker.value;
+  picker.replaceChildren(
+    ...cards.map((c) => {
+      const option = el("option", "", c.loaded === false ? `${c.id} (not loaded)` : c.id);
+      option.value = c.id;
+      return option;
+    }),
+  );
+  if (cards.some((c) => c.id === chosen)) picker.value = chosen;
+  $("model-pick").style.display = cards.length < 2 ? "none" : ""; // (a label's CSS display beats `hidden`)
+  if (cards.length < 2) picker.replaceChildren();
+  picker.onchange = () => {
+    const card = cards.find((c) => c.id === picker.value);
+    servedName = card.id;
+    if (!live.header && !run.header) showCard(card);
+  };
 }
 
 // What the inspector shows before the first answer, taken from index.html as the page loads,
