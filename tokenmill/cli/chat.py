@@ -34,6 +34,8 @@ COMMANDS = {
 
 
 def register(subparsers, add_model_args, add_sampling_args) -> None:
+    from tokenmill.cli.common import add_speculative_args
+
     p = subparsers.add_parser(
         "chat",
         help="interactive chat with the model's chat template",
@@ -41,6 +43,7 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         "Type /help in the chat for its commands; /exit or Ctrl-D leaves.",
     )
     add_model_args(p)
+    add_speculative_args(p)
     add_sampling_args(p, max_tokens=512)
     p.add_argument("--system", default=None, help="system message")
     p.set_defaults(func=cmd_chat, check_model=check_chat_template)

@@ -133,6 +133,35 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """--speculative and --num-speculative-tokens (engine/speculative.py); load_llm hands
+    them to the engine. generate and chat take them; serve may (server/cli.py)."""
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument(
+        "--speculative",
+        default=None,
+        choices=["ngram"],
+        help="guess the next tokens and verify them in one step; ngram: look the last "
+        "1-4 tokens up in the prompt and output (pays on text that repeats its input: "
+        "edits, quotes, answers from a passage)",
+    )
+    s.add_argument(
+        "--num-speculative-tokens",
+        type=positive_int,
+        default=4,
+        metavar="K",
+        help="most guesses per step (default: 4)",
+    )
+
+
+def speculative_option(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The engine's speculative= for parsed arguments (None: off, or not offered)."""
+    method = getattr(args, "speculative", None)
+    if method is None:
+        return None
+    return {"method": method, "k": args.num_speculative_tokens}
+
+
 def _add_sampling_args(
     p: argparse.ArgumentParser, max_tokens: int, seed: int | None = None
 ) -> None:
@@ -521,6 +550,8 @@ def load_llm(args: argparse.Namespace, **engine_kwargs: Any):
     from tokenmill.llm import LLM
 
     path = getattr(args, "model_path", None) or prepare_model(args)
+    if (speculative := speculative_option(args)) is not None:
+        engine_kwargs.setdefault("speculative", speculative)
     console = stderr_console()
     with Progress(
         TextColumn("loading {task.description}"),

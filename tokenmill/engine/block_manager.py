@@ -140,6 +140,20 @@ class BlockManager:
                 self.free[block_id] = None
         table.clear()
 
+    def truncate(self, table: list[int], num_tokens: int) -> int:
+        """Give back the blocks of `table` past its first `num_tokens` tokens (a
+        verification's rejected guesses, engine/speculative.py); returns how many. They
+        were taken for those guesses this step, so no one else holds them and none is
+        named: their tokens were never committed."""
+        keep = self.blocks_for(num_tokens)
+        dropped = table[keep:]
+        for block_id in dropped:
+            block = self.blocks[block_id]
+            assert block.ref_count == 1 and block.hash is None, block
+        self.release(dropped)
+        del table[keep:]
+        return len(dropped)
+
     def commit_full_blocks(self, seq) -> None:
         """Name a sequence's newly full, computed blocks so later prompts can reuse them.
 

@@ -5,6 +5,10 @@
              ModelRunner.run()           one forward pass -> logits of the rows that sample
              Sampler()                   next token per sequence (per-request params,
                                          grammar masks for constrained rows)
+             speculation (speculative=)  a sequence's guesses run as 1 + k rows; each
+                                         row sampled in turn, while it matches its guess
+                                         (engine/speculative.py); the rejected rows'
+                                         blocks given back
              detokenize + stop checks    text delta, finish_reason (a reasoning
                                          request: its reasoning apart, stops and
                                          grammar on the answer after it)
@@ -39,8 +43,9 @@ from tokenmill.engine.hooks import EngineView
 from tokenmill.engine.inputs import RequestError  # re-exported (the server, the tests)
 from tokenmill.engine.kv_cache import BLOCK_SIZE
 from tokenmill.engine.pooling import Pooling, PoolingError, PoolState, read_pooling
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.scheduler import ScheduledChunk, Scheduler
 from tokenmill.engine.sequence import Sequence, Status
+from tokenmill.engine.speculative import SpeculativeConfig, Speculator
 from tokenmill.hub import resolve_model  # re-exported (tokenmill bench)
 from tokenmill.sampling import (
     FinishReason,
@@ -148,6 +153,7 @@ class LLMEngine:
         progress=None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        speculative: str | dict | SpeculativeConfig | None = None,
     ):
         """quantization: "auto" keeps a GGUF file's weights as stored (packed blocks, 16-bit
         floats) and a float checkpoint's in its own dtype, for the native CPU kernels;
@@ -157,7 +163,10 @@ class LLMEngine:
         kv_cache_dtype: "auto" (the activations' dtype), "float32", "float16" or "bfloat16":
         what the KV cache stores (16 bits hold twice the tokens in the same memory).
         tensor_parallel_size / pipeline_parallel_size: run the model over that many
-        processes (tokenmill/distributed: spawned on this machine, or torchrun's)."""
+        processes (tokenmill/distributed: spawned on this machine, or torchrun's).
+        speculative: "ngram", or {"method": "ngram", "k": 4, "prompt_lookup_max": 4,
+        "prompt_lookup_min": 1, "max_running": 4} (engine/speculative.py); None: off."""
+        spec_config = SpeculativeConfig.parse(speculative)  # a bad value fails before loading
         parts = build.build(
             model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory,
             kv_cache_dtype=kv_cache_dtype, block_size=block_size, threads=threads,
@@ -184,6 +193,9 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens_computed": 0}
+        self.speculator = None if spec_config is None else Speculator(spec_config)
+        if self.speculator is not None:
+            self.scheduler.propose = self._propose
         self._pooling: Pooling | None = None
 
     def close(self) -> None:
@@ -386,6 +398,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
             return self._reject_unschedulable()
@@ -400,9 +413,13 @@ class LLMEngine:
             )
             seq.num_prefill_computed += in_prompt
             self.stats["prefill_tokens_computed"] += in_prompt
-            seq.num_computed += chunk.num_tokens
+            # a verification's guesses count as computed once accepted (_verify)
+            seq.num_computed += chunk.num_tokens - len(chunk.proposal)
             self.blocks.commit_full_blocks(seq)
-        seqs = [chunks[i].seq for i in sampled]
+        plain = [r for r, i in enumerate(sampled) if not chunks[i].proposal]
+        if len(plain) < len(sampled):
+            logits_all, logits = logits, logits[plain]
+        seqs = [chunks[sampled[r]].seq for r in plain]
         picks = self._sample(logits, seqs) if seqs else []
         now = time.perf_counter()
         outputs = [
@@ -422,9 +439,18 @@ class LLMEngine:
                 outputs.append(self._advance(seq, token, lp, now))
             except Exception as e:
                 outputs.append(self._fail(seq, e, now))
+        if len(plain) < len(sampled):
+            for i, chunk in enumerate(chunks):
+                if chunk.proposal:
+                    first = sampled.index(i)  # its 1 + k rows are consecutive
+                    rows = logits_all[first : first + chunk.num_tokens]
+                    outputs.append(self._verify(chunk, rows, now))
         for chunk in traced:
             if chunk.seq.finish_reason is not FinishReason.ERROR:
                 chunk.seq.trace.on_step_end(chunk.seq, self.view())
+        if self.speculator is not None and len(chunks) == 1 and not traced:
+            if chunks[0].proposal or chunks[0].is_decode:  # what a verification must beat
+                self.speculator.observe(bool(chunks[0].proposal), time.perf_counter() - start)
         return outputs
 
     def _sample(
@@ -456,6 +482,64 @@ class LLMEngine:
                 lp = TokenLogprob(token, result.logprobs[i], result.top_logprobs[i] or {})
             picks.append((token, lp))
         return picks
+
+    def _propose(self, seq: Sequence, limit: int) -> list[int]:
+        """The scheduler's speculation hook: guesses for a decoding sequence, at most
+        `limit` (its share of the step's budget) and no more than can be used: the last
+        guess's row must stay inside the context, and 1 + k tokens may come out, no more
+        than max_tokens leaves."""
+        spec = self.speculator
+        if len(self.scheduler.running) > spec.config.max_running or seq.pool is not None:
+            return []
+        room = min(
+            limit,
+            self.max_model_len - 1 - len(seq),
+            seq.params.max_tokens - len(seq.output_ids) - 1,
+        )
+        return spec.propose(seq, room) if room > 0 else []
+
+    def _verify(self, chunk: ScheduledChunk, logits: torch.Tensor, now: float) -> RequestOutput:
+        """Accept a verification's guesses (engine/speculative.py's rule). logits: [1 + k,
+        V], row j scoring what follows guess j (row 0: the sequence's last token). Row j is
+        sampled as a plain decode of the tokens so far would be, its token appended
+        (penalties, grammar, stops, max_tokens: _advance) and row j + 1 looked at only if
+        the token was guess j and the sequence goes on. Then the rejected guesses' blocks
+        go back and the accepted ones' are named for the prefix cache. One output for all
+        the tokens."""
+        seq, guesses = chunk.seq, chunk.proposal
+        out: RequestOutput | None = None
+        accepted = 0
+        # A plain greedy row's token does not depend on the tokens before it: all the rows
+        # in one call. (A grammar that starts inside the rows, after a reasoning block,
+        # ends that: plain_greedy is checked per row.)
+        batch = None
+        if seq.sampling.plain_greedy:
+            batch = self._sample(logits, [seq] * len(logits))
+            if any(isinstance(pick, Exception) for pick in batch):
+                batch = None
+        for j in range(len(guesses) + 1):
+            try:
+                if batch is not None and seq.sampling.plain_greedy:
+                    pick = batch[j]
+                else:
+                    pick = self._sample(logits[j : j + 1], [seq])[0]
+                if isinstance(pick, Exception):
+                    raise pick
+                token, lp = pick
+                matched = j < len(guesses) and token == guesses[j]
+                accepted += matched
+                step = self._advance(seq, token, lp, now)
+            except Exception as e:
+                step, matched = self._fail(seq, e, now), False
+            out = step if out is None else _merge(out, step)
+            if not matched or seq.status is Status.FINISHED:
+                break
+        self.speculator.record(seq, len(guesses), accepted)
+        if seq.status is not Status.FINISHED:
+            seq.num_computed += accepted
+            self.blocks.truncate(seq.block_table, seq.num_computed)
+            self.blocks.commit_full_blocks(seq)
+        return out
 
     def _embedded(self, seq: Sequence, now: float) -> RequestOutput:
         """Finish an embedding whose prompt has run: its vector, its blocks freed."""
@@ -593,3 +677,21 @@ class LLMEngine:
             "prefix_cache_hit_tokens": b.hit_tokens,
             "preemptions": self.scheduler.num_preemptions,
         }
+
+    def speculative_stats(self) -> dict[str, int | float | str]:
+        """Speculation's counters (engine/speculative.py's Speculator.stats: method,
+        verification steps, guesses proposed and accepted, acceptance rate); {} when off."""
+        return {} if self.speculator is None else self.speculator.stats()
+
+
+def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """One request's outputs of one step as one: b's tokens, text and logprobs after a's,
+    and b's state (finished, counts, times)."""
+    a.text += b.text
+    a.reasoning += b.reasoning
+    a.token_ids = a.token_ids + b.token_ids
+    a.logprobs = a.logprobs + b.logprobs
+    for name in ("finished", "finish_reason", "num_output_tokens", "first_token_time",
+                 "finish_time", "error", "stop_string"):  # fmt: skip
+        setattr(a, name, getattr(b, name))
+    return a

@@ -1,7 +1,9 @@
 """The model runner: turns one scheduled step into tensors, runs the model, returns logits.
 
 Layout of the packed batch: decode rows first (one token each, attending over
-their cached context), then prefill chunks (many tokens of one sequence each).
+their cached context), then prefill chunks (many tokens of one sequence each). A
+speculative verification (engine/speculative.py) is a chunk too: the sequence's last
+token and its k guesses over its cached context, all 1 + k rows un-embedded.
 
 An embedding sequence (seq.pool, engine/pooling.py) samples nothing: the step also takes
 the final-norm hidden states at the rows its pooling keeps and hands them to its PoolState.
@@ -38,8 +40,9 @@ class ModelRunner:
     def run(
         self, chunks: list[ScheduledChunk], all_logits: bool = False
     ) -> tuple[torch.Tensor, list[int]]:
-        """Run one step. Returns logits [S, vocab] for the S chunks that sample, and
-        the indices (into `chunks`) of those chunks, in the same order.
+        """Run one step. Returns logits [S, vocab] for the S rows that sample, and the
+        index (into `chunks`) of each row's chunk, in the same order: one row per chunk
+        that samples, but 1 + k consecutive rows for a chunk verifying k guesses.
         all_logits=True returns logits [T, vocab] for every packed row instead
         (tests and the inspector compare whole prompts)."""
         input_ids, meta, rows, sampled, pools = self._pack(chunks)
@@ -143,7 +146,7 @@ class ModelRunner:
             chunk = chunks[i]
             seq, n = chunk.seq, chunk.num_tokens
             start, end = seq.num_computed, seq.num_computed + n
-            ids.extend(seq.token_at(p) for p in range(start, end))
+            ids.extend(chunk.token_at(p) for p in range(start, end))
             positions.append(torch.arange(start, end))
             all_slots = self._slots(seq.block_table, 0, end)
             slot_maps.append(all_slots[start:end])
@@ -157,7 +160,10 @@ class ModelRunner:
                 kept = seq.pool.rows(start, end, len(seq))
                 pools.append((seq.pool, [row + p - start for p in kept], start == 0))
             row += n
-            if chunk.samples and seq.pool is None:
+            if chunk.proposal:  # a verification: every row samples (the last token's, a guess's)
+                logit_rows.extend(range(row - n, row))
+                sampled.extend([i] * n)
+            elif chunk.samples and seq.pool is None:
                 logit_rows.append(row - 1)
                 sampled.append(i)
 

@@ -32,6 +32,7 @@ its blocks are released and it returns to the waiting queue, to be recomputed la
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenmill.engine.block_manager import BlockManager
@@ -58,6 +59,10 @@ def is_decode(seq: Sequence, num_tokens: int) -> bool:
 class ScheduledChunk:
     seq: Sequence
     num_tokens: int  # tokens computed for this sequence in this step
+    # Speculative guesses (engine/speculative.py) after the sequence's last token: the
+    # chunk runs that token and these, num_tokens = 1 + len(proposal), and every row
+    # samples; () for a plain chunk.
+    proposal: tuple[int, ...] = ()
 
     @property
     def is_decode(self) -> bool:
@@ -68,7 +73,12 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """Does this chunk reach the sequence's end, so its last row yields a token?"""
-        return self.seq.num_computed + self.num_tokens == len(self.seq)
+        return self.seq.num_computed + self.num_tokens == len(self.seq) + len(self.proposal)
+
+    def token_at(self, i: int) -> int:
+        """Token at position i of the sequence, its guesses following its last token."""
+        n = len(self.seq)
+        return self.seq.token_at(i) if i < n else self.proposal[i - n]
 
 
 class Scheduler:
@@ -81,6 +91,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0
         self.last_traced_step = -TRACE_EVERY  # the last step that carried a trace
+        # propose(seq, limit) -> up to `limit` guesses for a decoding sequence (the
+        # engine's speculation, engine/speculative.py); None: never speculate.
+        self.propose: Callable[[Sequence, int], list[int]] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -117,6 +130,13 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget, continuing_left if prefill else 1)
             if seq.trace is not None:
                 n = min(n, trace_chunk)
+            proposal: list[int] = []
+            if not prefill and self.propose is not None and seq.trace is None:
+                proposal = self.propose(seq, budget - n)
+                # guesses never cost anyone their blocks: short of room, a plain row
+                if not self.blocks.can_grow(seq.block_table, seq.num_computed + n + len(proposal)):
+                    proposal = []
+                n += len(proposal)
             while not self.blocks.can_grow(seq.block_table, seq.num_computed + n):
                 victim = self._victim(i)  # only among those not scheduled yet
                 self._preempt(victim)
@@ -125,7 +145,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue  # preempted itself: running[i] is now the next one
             self.blocks.grow(seq.block_table, seq.num_computed + n)
-            chunks.append(ScheduledChunk(seq, n))
+            chunks.append(ScheduledChunk(seq, n, tuple(proposal)))
             seq.last_step = self.num_steps
             traced |= seq.trace is not None
             budget -= n

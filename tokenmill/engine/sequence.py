@@ -53,6 +53,9 @@ class Sequence:
     # An embedding request's pooling (engine/pooling.py): its prompt runs, nothing is
     # sampled, and the model runner hands it the rows' final-norm hidden states.
     pool: PoolState | None = None
+    # Its speculation (engine/speculative.py's SpecState: n-gram index, k, acceptance),
+    # made at its first proposal; None without speculation.
+    spec: object | None = None
 
     def __post_init__(self) -> None:
         self.last_hash = self.cache_salt
