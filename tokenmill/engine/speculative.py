@@ -143,10 +143,17 @@ class Speculator:
         # moving averages of the seconds of a step running one sequence alone
         self.plain_seconds: float | None = None  # a decode row
         self.verify_seconds: float | None = None  # a verification
+        self.gain: float | None = None  # tokens per verification, all sequences (average)
 
     def state(self, seq) -> SpecState:
         if seq.spec is None:
-            seq.spec = SpecState(k=self.config.k)
+            # a new sequence starts from what verifications have been worth so far: where
+            # they have not paid, it rests at once (and tries again after MAX_REST steps)
+            seq.spec = SpecState(k=self.config.k, gain=self.gain)
+            cost = self.cost
+            if self.config.adaptive and cost is not None and self.gain is not None:
+                if self.gain < cost:
+                    seq.spec.rest, seq.spec.misses = MAX_REST, MAX_REST.bit_length()
         return seq.spec
 
     def propose(self, seq, limit: int) -> list[int]:
@@ -192,6 +199,7 @@ class Speculator:
             st.k = max(st.k - 1, 1)
         tokens = accepted + 1
         st.gain = tokens if st.gain is None else (1 - EMA) * st.gain + EMA * tokens
+        self.gain = tokens if self.gain is None else (1 - EMA) * self.gain + EMA * tokens
         cost = self.cost
         pays = not self.config.adaptive or cost is None or st.gain >= cost
         if accepted == 0 or not pays:
