@@ -156,7 +156,7 @@ def create_app(
     and /v1/models always use `model_name`, as vLLM does with several served names.
 
     reasoning_parser: how chat answers split into reasoning_content and content: "auto"
-    (by the chat template: tokenizer/reasoning.py's detect), "none", or a format ("think").
+    (by the chat template: tokenizer/reasoning.py's detect), "none", or a format ("think" or "harmony").
 
     With a ModelPool instead of an engine, the pool's models are served by their own names
     (model_name, aliases and reasoning_parser are the pool's ServedModels'), the body

@@ -1,8 +1,8 @@
 """OpenAI's Responses API, stateless: POST /v1/responses.
 
-    ResponsesRequest            the body: `input` (a string, or message, function_call and
-                                function_call_output items), `instructions`, `tools`,
-                                `text.format`, `max_output_tokens`, ...
+    ResponsesRequest            the body: `input` (a string, or message, function_call,
+                                function_call_output and reasoning items), `instructions`,
+                                `tools`, `text.format`, `max_output_tokens`, `reasoning`...
     ResponseShape               the `response` object and, streamed, its `response.*` events
 
 A request becomes the OpenAI-style chat messages that the chat route prepares
@@ -16,18 +16,27 @@ as the chat route's `response_format` is.
 Stateless: nothing is stored, so `previous_response_id` is refused (the client sends the
 whole conversation in `input`), and `store` is accepted and answered as false.
 
+A reasoning model's thinking (split off by the engine, as for the chat route's
+reasoning_content: SamplingParams.reasoning, the server's --reasoning-parser) is a
+reasoning item before the message, its text one reasoning_text part, as OpenAI's
+reasoning models and gpt-oss answer; usage.output_tokens_details.reasoning_tokens counts
+the tokens generated before the answer's first text (the closing tag included).
+`reasoning.effort` reaches the template as the chat route's reasoning_effort (see
+template_vars). Reasoning items sent back in `input` are the reasoning_content of the
+assistant turn that follows them, the field Qwen3's and DeepSeek-R1's templates read.
+
 Streamed, the answer is the event sequence the openai SDK reads (`client.responses.create(
 stream=True)` and `client.responses.stream`): response.created, response.in_progress, then
-per output item output_item.added, for a message content_part.added, output_text.delta...,
-output_text.done, content_part.done, for a function call function_call_arguments.delta...,
-function_call_arguments.done, then output_item.done; last response.completed (or
-response.incomplete when max_output_tokens cut the answer, response.failed when the engine
-failed). Every event carries `sequence_number`, from 0.
+per output item output_item.added, for reasoning content_part.added,
+reasoning_text.delta..., reasoning_text.done, content_part.done, for a message
+content_part.added, output_text.delta..., output_text.done, content_part.done, for a
+function call function_call_arguments.delta..., function_call_arguments.done, then
+output_item.done; last response.completed (or response.incomplete when max_output_tokens
+cut the answer, response.failed when the engine failed). Every event carries
+`sequence_number`, from 0.
 
 Errors are OpenAI's shape (the Responses API shares it): unknown fields are a 400 naming
-the field, as on the other routes. Reasoning items are not produced (the answer is all
-`output_text`), and reasoning items sent back in `input` are dropped, as chat templates
-drop earlier turns' thinking.
+the field, as on the other routes.
 """
 
 from __future__ import annotations
@@ -161,47 +170,67 @@ def _text_or(items: Any) -> Any:
 Content = _text_or(ContentPart)
 
 
-class MessageItem(StrictModel):
+class _SentBackItem(StrictModel):
+    """The fields every item of an earlier response carries when it is sent back."""
+
+    id: Text | None = None
+    status: Text | None = None
+
+
+class MessageItem(_SentBackItem):
     """A turn: EasyInputMessage (no type, content a string or parts) or a message item."""
 
     type: Literal["message"] | None = None
     role: Literal["user", "assistant", "system", "developer"]
     content: Content
-    id: Text | None = None
-    status: Text | None = None
     phase: Text | None = None
 
 
-class FunctionCallItem(StrictModel):
+class _CallPart(_SentBackItem):
+    """A function call's half, tied to the other half by its call_id."""
+
+    call_id: Text
+
+
+class FunctionCallItem(_CallPart):
     """A call the model made, sent back in the history."""
 
     type: Literal["function_call"]
-    call_id: Text
     name: Text
     arguments: Text  # JSON text
-    id: Text | None = None
-    status: Text | None = None
 
 
-class FunctionCallOutputItem(StrictModel):
+class FunctionCallOutputItem(_CallPart):
     """The result of a call, for the model's next turn."""
 
     type: Literal["function_call_output"]
-    call_id: Text
     output: Content
-    id: Text | None = None
-    status: Text | None = None
 
 
-class ReasoningItem(StrictModel):
-    """An earlier turn's reasoning: accepted, and dropped (see the module docstring)."""
+class ReasoningText(StrictModel):
+    type: Literal["reasoning_text"]
+    text: Text
+
+
+class SummaryText(StrictModel):
+    type: Literal["summary_text"]
+    text: Text
+
+
+class ReasoningItem(_SentBackItem):
+    """An earlier answer's reasoning: its reasoning_text parts reach the template as the
+    reasoning_content of the assistant turn it led to (see template_messages). The
+    summary and encrypted_content (OpenAI's, which no other server can read) are not
+    used."""
 
     type: Literal["reasoning"]
-    id: Text | None = None
-    summary: list[dict[str, Any]] | None = None
-    content: list[dict[str, Any]] | None = None
+    summary: list[SummaryText] | None = None
+    content: list[ReasoningText] | None = None
     encrypted_content: Text | None = None
-    status: Text | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or [])
 
 
 InputItem = Annotated[
@@ -255,6 +284,10 @@ class TextFormat(StrictModel):
 
 class TextConfig(StrictModel):
     format: TextFormat | None = None
+
+
+# reasoning.effort -> the reasoning_effort a template reads (low, medium or high)
+_EFFORTS = {"none": "low", "minimal": "low", "xhigh": "high"}
 
 
 class ReasoningConfig(StrictModel):
@@ -348,7 +381,8 @@ class ResponsesRequest(BaseModel):
         """The conversation as the OpenAI-style messages the chat template reads: the
         instructions a system turn, each run of function_call items the tool_calls of one
         assistant turn (the one their text came in, if it comes right before), each
-        function_call_output a tool turn. Arguments go as a dict, as chat's do."""
+        function_call_output a tool turn. Arguments go as a dict, as chat's do. Reasoning
+        items are the reasoning_content of the assistant turn right after them."""
         messages: list[dict[str, Any]] = []
         if self.instructions is not None:
             messages.append({"role": "system", "content": self.instructions})
@@ -357,7 +391,11 @@ class ResponsesRequest(BaseModel):
             if isinstance(self.input, str)
             else self.input
         )
+        reasoning = ""  # reasoning items' text, for the assistant turn they led to
         for i, item in enumerate(items):
+            if isinstance(item, ReasoningItem):
+                reasoning += item.text
+                continue
             if isinstance(item, MessageItem):
                 role = "system" if item.role == "developer" else item.role
                 messages.append({"role": role, "content": _text(item.content)})
@@ -379,15 +417,29 @@ class ResponsesRequest(BaseModel):
                 messages.append(
                     {"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)}
                 )
-            # ReasoningItem: dropped (see the module docstring)
+            # Qwen3's and DeepSeek-R1's templates read an assistant turn's reasoning_content
+            # (and show it for the turns after the last user message); a template that does
+            # not read it renders the turn without it. Reasoning that no assistant turn
+            # followed is dropped.
+            last = messages[-1]
+            if reasoning and last["role"] == "assistant":
+                last["reasoning_content"] = last.get("reasoning_content", "") + reasoning
+            reasoning = ""
         return messages
 
     @property
     def template_vars(self) -> dict[str, Any] | None:
-        """reasoning.effort, for a template that reads it (gpt-oss's reasoning_effort)."""
-        if self.reasoning is None or self.reasoning.effort is None:
+        """reasoning.effort as the chat route's reasoning_effort, for a template that reads
+        it (gpt-oss's): the levels templates know are low, medium and high, so "minimal"
+        is "low" and "xhigh" "high"; "none" also switches thinking off where the template
+        has a switch (Qwen3's enable_thinking)."""
+        effort = self.reasoning.effort if self.reasoning is not None else None
+        if effort is None:
             return None
-        return {"reasoning_effort": self.reasoning.effort}
+        found: dict[str, Any] = {"reasoning_effort": _EFFORTS.get(effort, effort)}
+        if effort == "none":
+            found["enable_thinking"] = False
+        return found
 
     # ---- sampling ----
     def _constraint(self) -> dict[str, Any]:
@@ -404,7 +456,10 @@ class ResponsesRequest(BaseModel):
             return "tools"
         return "text" if self._constraint() else None
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(
+        self, default_max_tokens: int, reasoning: str | None = None
+    ) -> SamplingParams:
+        """reasoning: the reasoning format the answer is split by (None: not split)."""
         constraint, renames = self._constraint(), {"json_schema": "text"}
         if self._tools is not None and self._tools.grammar() is not None:  # a forced call
             constraint, renames = {"grammar": self._tools.grammar()}, {"grammar": "tools"}
@@ -414,6 +469,7 @@ class ResponsesRequest(BaseModel):
             if self.max_output_tokens is None
             else self.max_output_tokens,
             renames={"max_tokens": "max_output_tokens", **renames},
+            reasoning=reasoning,
             **{k: v for k, v in sampling.items() if v is not None},
             **constraint,
         )
@@ -459,7 +515,13 @@ class ResponseShape:
 
     whole(generation, ...) -> the response; opening() / feed(out) / closing(...) -> the
     events of a stream, numbered in order; failed(error) -> the event of a stream that
-    broke off. A streamed answer's final response holds the items as they were streamed."""
+    broke off. A streamed answer's final response holds the items as they were streamed.
+
+    With reasoning (the engine split the output: SamplingParams.reasoning) the thinking is
+    a reasoning item before the answer's: {"type": "reasoning", "summary": [], "content":
+    [{"type": "reasoning_text", "text"}]}, streamed as output_item.added,
+    content_part.added, reasoning_text.delta..., reasoning_text.done, content_part.done
+    and output_item.done. `tally(out)`, fed every output, counts its tokens."""
 
     def __init__(
         self,
@@ -475,11 +537,13 @@ class ResponseShape:
         self.body = body
         self.params = params
         self.tools = tools if tools is not None and tools.parses_calls else None
+        # reasoning tokens: those generated before the answer's first text, once a
+        # reasoning delta came (the tags and the whitespace around them included)
+        self._before_answer, self._reasoned, self._answered = 0, False, False
         # streaming state
         self._sequence = 0
         self._output: list[dict[str, Any]] = []  # closed items
-        self._message: dict[str, Any] | None = None  # the open message item
-        self._call: dict[str, Any] | None = None  # the open function_call item
+        self._open: dict[str, Any] | None = None  # the open item: reasoning, message or call
         self._parser: ToolCallParser | None = self.tools.parser() if self.tools else None
 
     # ---- the envelope ----
@@ -530,8 +594,14 @@ class ResponseShape:
             "user": body.user,
         }
 
-    @staticmethod
-    def usage(num_input: int, num_output: int, num_cached: int) -> dict[str, Any]:
+    def tally(self, out: RequestOutput) -> None:
+        """Count one output's tokens: reasoning until the answer's first text."""
+        self._reasoned = self._reasoned or bool(out.reasoning)
+        self._answered = self._answered or bool(out.text)
+        if not self._answered:
+            self._before_answer += len(out.token_ids)
+
+    def usage(self, num_input: int, num_output: int, num_cached: int) -> dict[str, Any]:
         return {
             "input_tokens": num_input,
             # the prompt tokens computed here went into the KV cache (its full blocks stay
@@ -541,7 +611,9 @@ class ResponseShape:
                 "cache_write_tokens": num_input - num_cached,
             },
             "output_tokens": num_output,
-            "output_tokens_details": {"reasoning_tokens": 0},  # no reasoning is split out
+            "output_tokens_details": {
+                "reasoning_tokens": self._before_answer if self._reasoned else 0
+            },
             "total_tokens": num_input + num_output,
         }
 
@@ -561,6 +633,16 @@ class ResponseShape:
         }
 
     @staticmethod
+    def _reasoning_item(text: str, status: str) -> dict[str, Any]:
+        return {
+            "id": f"rs_{_hex()}",
+            "type": "reasoning",
+            "summary": [],
+            "content": [_reasoning_part(text)] if status != "in_progress" else [],
+            "status": status,
+        }
+
+    @staticmethod
     def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
         return {
             "id": f"fc_{_hex()}",
@@ -573,13 +655,20 @@ class ResponseShape:
 
     # ---- whole ----
     def whole(self, generation: Generation, num_input: int, num_cached: int) -> dict[str, Any]:
-        """The response for a whole answer: a message item with its text, then a
-        function_call item per call (the chat route's parse of the same text)."""
+        """The response for a whole answer: a reasoning item with its thinking (if any), a
+        message item with its text, then a function_call item per call (the chat route's
+        parse of the same text). The items' statuses are the stream's: the reasoning is
+        completed once an answer followed it."""
         status = self.status(generation.finish_reason)
         content, calls = generation.text, []
         if self.tools is not None:
             content, calls = parse_tool_calls(self.tools.fmt, generation.text)
         output = []
+        if generation.reasoning:
+            answered = bool(content or calls)
+            output.append(
+                self._reasoning_item(generation.reasoning, "completed" if answered else status)
+            )
         if content is not None or not calls:
             output.append(self._message_item(content or "", status))
         for call in calls:
@@ -601,13 +690,17 @@ class ResponseShape:
         ]
 
     def feed(self, out: RequestOutput) -> list[dict[str, Any]]:
-        """The events for one engine output: text deltas, calls opened, argument deltas."""
+        """The events for one engine output: reasoning deltas, text deltas, calls opened,
+        argument deltas."""
+        self.tally(out)
+        events = self._part_text("reasoning", out.reasoning) if out.reasoning else []
         if self._parser is None:
-            return self._text(out.text) if out.text else []
+            return events + (self._part_text("message", out.text) if out.text else [])
         delta = self._parser.feed(out.text)
         if out.finished:
             delta.add(self._parser.finish())
-        events = self._text(delta.content) if delta.content else []
+        if delta.content:
+            events += self._part_text("message", delta.content)
         for entry in delta.tool_calls:  # id and name first, then argument fragments
             if "id" in entry:
                 events += self._close("completed")
@@ -623,8 +716,8 @@ class ResponseShape:
         text and no call still has its (empty) message, as the whole response does."""
         status = self.status(reason)
         events = self._close(status)
-        if not self._output:
-            events += self._open_message() + self._close(status)
+        if all(item["type"] == "reasoning" for item in self._output):
+            events += self._open_part("message") + self._close(status)
         usage = self.usage(num_input, num_output, num_cached)
         done = self.response(status, list(self._output), usage)
         return [*events, self._event(f"response.{status}", response=done)]
@@ -635,67 +728,69 @@ class ResponseShape:
         error = {"code": "server_error", "message": clean_message(message, internal=True)}
         return self._event("response.failed", response=self.response("failed", [], error=error))
 
-    def _text(self, text: str) -> list[dict[str, Any]]:
-        events = self._close("completed") if self._call is not None else []
-        if self._message is None:
-            events += self._open_message()
-        item = self._message
+    def _part_text(self, kind: str, text: str) -> list[dict[str, Any]]:
+        """Text for the open item of `kind` ("reasoning" or "message"), opening one (and
+        closing the item before it) if another is open."""
+        events = []
+        if self._open is None or self._open["type"] != kind:
+            events += self._close("completed") + self._open_part(kind)
+        item = self._open
         item["content"][0]["text"] += text
+        name = "reasoning_text" if kind == "reasoning" else "output_text"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
         return [
             *events,
             self._event(
-                "response.output_text.delta",
+                f"response.{name}.delta",
                 item_id=item["id"],
                 output_index=len(self._output),
                 content_index=0,
                 delta=text,
-                logprobs=[],
+                **extra,
             ),
         ]
 
-    def _open_message(self) -> list[dict[str, Any]]:
-        item = self._message_item("", "in_progress")
+    def _open_part(self, kind: str) -> list[dict[str, Any]]:
+        """A reasoning or message item opened, with its one content part."""
+        if kind == "reasoning":
+            item, part = self._reasoning_item("", "in_progress"), _reasoning_part
+        else:
+            item, part = self._message_item("", "in_progress"), _text_part
         where = {"item_id": item["id"], "output_index": len(self._output)}
         events = [
             self._event("response.output_item.added", output_index=len(self._output), item=item),
-            self._event(
-                "response.content_part.added", **where, content_index=0, part=_text_part("")
-            ),
+            self._event("response.content_part.added", **where, content_index=0, part=part("")),
         ]
-        self._message = {**item, "content": [_text_part("")]}
+        self._open = {**item, "content": [part("")]}
         return events
 
     def _open_call(self, call_id: str, name: str) -> list[dict[str, Any]]:
         item = self._call_item(call_id, name, "", "in_progress")
-        self._call = dict(item)
+        self._open = dict(item)
         return [
             self._event("response.output_item.added", output_index=len(self._output), item=item)
         ]
 
     def _arguments(self, fragment: str) -> list[dict[str, Any]]:
-        self._call["arguments"] += fragment
+        self._open["arguments"] += fragment
         return [
             self._event(
                 "response.function_call_arguments.delta",
-                item_id=self._call["id"],
+                item_id=self._open["id"],
                 output_index=len(self._output),
                 delta=fragment,
             )
         ]
 
     def _close(self, status: str) -> list[dict[str, Any]]:
-        """The open item's done events; it joins the output."""
+        """The open item's done events; it joins the output. A call is always completed
+        (a cut one is not parsed as a call); reasoning and a message take `status`."""
+        if self._open is None:
+            return []
         index = len(self._output)
-        if self._message is not None:
-            item, self._message = {**self._message, "status": status}, None
-            part = item["content"][0]
-            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            events = [
-                self._event("response.output_text.done", **where, text=part["text"], logprobs=[]),
-                self._event("response.content_part.done", **where, part=part),
-            ]
-        elif self._call is not None:
-            item, self._call = {**self._call, "status": "completed"}, None
+        item, self._open = self._open, None
+        if item["type"] == "function_call":
+            item["status"] = "completed"
             events = [
                 self._event(
                     "response.function_call_arguments.done",
@@ -706,9 +801,22 @@ class ResponseShape:
                 )
             ]
         else:
-            return []
+            item["status"] = status
+            part = item["content"][0]
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            if item["type"] == "reasoning":
+                done = self._event("response.reasoning_text.done", **where, text=part["text"])
+            else:
+                done = self._event(
+                    "response.output_text.done", **where, text=part["text"], logprobs=[]
+                )
+            events = [done, self._event("response.content_part.done", **where, part=part)]
         self._output.append(item)
         return [*events, self._event("response.output_item.done", output_index=index, item=item)]
+
+
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -731,7 +839,10 @@ async def create_response(request: Request) -> Response:
     body.check()
     tools, prompt_ids = await running.chat_prompt(request, body, param="input")
     max_model_len = engine.engine.max_model_len
-    params = body.sampling_params(default_max_tokens=max(1, max_model_len - len(prompt_ids)))
+    params = body.sampling_params(
+        default_max_tokens=max(1, max_model_len - len(prompt_ids)),
+        reasoning=request.app.state.reasoning,  # the format answers are split by, or None
+    )
     check_fits(
         len(prompt_ids),
         params.max_tokens,
@@ -761,13 +872,28 @@ async def create_response(request: Request) -> Response:
         return running.EventStream(
             _events(request, shape, stream, len(prompt_ids)), stream, shape.id
         )
-    answer = await running.unless_disconnected(request, running.collect_one(stream))
+    answer = await running.unless_disconnected(request, _collect(shape, stream))
     if answer is None:
         log.info("%s: client disconnected; aborted", shape.id)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     generation, last = answer
     num_cached = last.num_cached_tokens if last else 0  # the prompt tokens the cache held
     return JSONResponse(shape.whole(generation, len(prompt_ids), num_cached))
+
+
+async def _collect(
+    shape: ResponseShape, stream: RequestStream
+) -> tuple[Generation, RequestOutput | None]:
+    """running.collect_one, with each output counted by the shape (its reasoning tokens)."""
+    generation, last = Generation(), None
+    try:
+        async for _, out in stream:
+            shape.tally(out)
+            generation.add(out)
+            last = out
+    finally:
+        stream.abort()
+    return generation, last
 
 
 def _validate(raw: bytes) -> ResponsesRequest:
