@@ -139,8 +139,9 @@ TEMPLATE = (
 )
 
 
-def build_thinking_model(folder: Path) -> None:
-    """A tiny random Qwen3 whose words are t0..t316, <think>, </think> and EOS."""
+def build_thinking_model(folder: Path, template: str = TEMPLATE) -> None:
+    """A tiny random Qwen3 whose words are t0..t316, <think>, </think> and EOS, with
+    `template` as its chat template."""
     from helpers import build_hf_model
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -151,19 +152,23 @@ def build_thinking_model(folder: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # words joined by spaces
     tok.save(str(folder / "tokenizer.json"))
-    config = {"eos_token": f"t{EOS}", "chat_template": TEMPLATE}
+    config = {"eos_token": f"t{EOS}", "chat_template": template}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def serve_tiny(folder: Path):
+    """`tokenmill serve` of a model built here, as "tiny", on one thread (a context)."""
+    from server_fixture import running_server
+
+    args = ("--model", str(folder), "--served-model-name", "tiny", "--kv-cache-memory", "512tok")
+    return running_server(*args, "--threads", "1")
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from server_fixture import running_server
-
     folder = tmp_path_factory.mktemp("thinking")
     build_thinking_model(folder)
-    args = ("--model", str(folder), "--served-model-name", "tiny", "--kv-cache-memory", "512tok")
-    args += ("--threads", "1")
-    with running_server(*args) as url:
+    with serve_tiny(folder) as url:
         yield url
 
 

@@ -15,13 +15,11 @@ reasoning.effort "none", and sent back as input (the template reads reasoning_co
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 
 import httpx
 import pytest
-from server_fixture import running_server
-from test_reasoning import END_ID, EOS, THINK_ID, build_thinking_model
+from test_reasoning import END_ID, EOS, THINK_ID, build_thinking_model, serve_tiny
 
 openai = pytest.importorskip("openai")
 from openai.types.responses import (  # noqa: E402
@@ -58,7 +56,7 @@ def build_answering_model(folder: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    build_thinking_model(folder)
+    build_thinking_model(folder, TEMPLATE)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     assert not model.config.tie_word_embeddings  # the output projection is its own
     with torch.no_grad():
@@ -73,16 +71,13 @@ def build_answering_model(folder: Path) -> None:
             embed[token, dim] = 1.0
             head[following, dim] = 10.0
     model.save_pretrained(folder)
-    config = {"eos_token": f"t{EOS}", "chat_template": TEMPLATE}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("answering")
     build_answering_model(folder)
-    args = ("--model", str(folder), "--served-model-name", "tiny", "--kv-cache-memory", "512tok")
-    with running_server(*args, "--threads", "1") as url:  # the reasoning parser: auto
+    with serve_tiny(folder) as url:  # the reasoning parser: auto
         yield url
 
 

@@ -1,5 +1,6 @@
 """The base of tokenmill's ASGI middlewares (limits.py's BodyLimit and HostCheck,
-metrics.py's CountRequests). A leaf: it imports nothing of tokenmill, so any server
+metrics.py's CountRequests, model_pool.py's ModelSelect), and the replay of a body read
+in full. A leaf: it imports nothing of tokenmill, so any server
 module can build on it without an import loop."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from starlette.types import ASGIApp, Receive, Scope, Send
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 class HTTPMiddleware:
@@ -27,3 +28,18 @@ class HTTPMiddleware:
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         raise NotImplementedError
+
+
+def replay_body(body: bytes, receive: Receive) -> Receive:
+    """A receive channel that gives `body` (read in full before) once, then the real
+    connection's messages (an http.disconnect, when the client goes)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

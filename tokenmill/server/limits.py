@@ -33,12 +33,12 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tokenmill.server.asgi import HTTPMiddleware
+from tokenmill.server.asgi import HTTPMiddleware, replay_body
 
 if TYPE_CHECKING:
     import asyncio
 
-    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+    from starlette.types import ASGIApp, Receive, Scope, Send
 
 MIN_BODY_BYTES = 1 << 20
 BODY_BYTES_PER_TOKEN = 64
@@ -125,7 +125,7 @@ class BodyLimit(HTTPMiddleware):
                 break
         # request.state.body_bytes: the app picks a worker lane by it
         scope.setdefault("state", {})["body_bytes"] = size
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
+        await self.app(scope, replay_body(b"".join(chunks), receive), send)
 
     async def _too_large(self, scope: Scope, send: Send, size: int) -> None:
         await send_error(
@@ -147,21 +147,6 @@ def _content_length(scope: Scope) -> int | None:
             except ValueError:
                 return None  # h11 refuses a malformed length before we see it
     return None
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A receive channel that gives `body` once, then the real connection's messages
-    (an http.disconnect, when the client goes)."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
 
 
 def host_name(host: str) -> str:

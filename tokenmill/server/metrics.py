@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tokenmill.server.asgi import HTTPMiddleware
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"
 
@@ -121,17 +123,14 @@ class HTTPRequests:
         return "\n".join(lines) + "\n" + gauge
 
 
-class CountRequests:
-    """ASGI middleware: count each HTTP request under the status code its client got."""
+class CountRequests(HTTPMiddleware):
+    """Count each HTTP request under the status code its client got."""
 
     def __init__(self, app: ASGIApp, *, requests: HTTPRequests):
-        self.app = app
+        super().__init__(app)
         self.requests = requests
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         status: int | None = None
         finished = False
 

@@ -41,9 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.heap import give_back_memory
+from tokenmill.server.asgi import HTTPMiddleware, replay_body
 from tokenmill.server.async_engine import AsyncEngine, ShuttingDown
 from tokenmill.server.errors import APIError, invalid
 from tokenmill.tokenizer.reasoning import resolve as resolve_reasoning
@@ -378,7 +379,7 @@ class _Choice:
     error: APIError | None = field(default=None)  # why none is (raised by the route)
 
 
-class ModelSelect:
+class ModelSelect(HTTPMiddleware):
     """ASGI middleware (inside BodyLimit, so the body is in memory): for a POST to an API
     route, read the JSON body's `model`, acquire that model (loading it if needed) and keep
     it pinned until the answer's last byte is sent. The route reads the choice through
@@ -396,15 +397,14 @@ class ModelSelect:
         paths: Callable[[], set[str]],
         authorized: Callable[[Scope], bool],
     ):
-        self.app = app
+        super().__init__(app)
         self.pool = pool
         self.paths = paths
         self.authorized = authorized
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
-            scope["type"] != "http"
-            or scope["method"] != "POST"
+            scope["method"] != "POST"
             or scope["path"] not in self.paths()
             or not self.authorized(scope)
         ):
@@ -430,7 +430,7 @@ class ModelSelect:
                                       headers={"Retry-After": "1"})
                     )  # fmt: skip
         try:
-            await self.app(scope, _replay(message, receive), send)
+            await self.app(scope, replay_body(body, receive), send)
         finally:
             if choice.slot is not None:
                 self.pool.release(choice.slot)
@@ -463,17 +463,3 @@ def unknown_model(pool: ModelPool, name: object) -> APIError:
         param="model",
         code="model_not_found",
     )
-
-
-def _replay(message: Message, receive: Receive) -> Receive:
-    """A receive channel that gives the body's message once more, then the connection's."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return message
-        return await receive()
-
-    return replay

@@ -65,6 +65,7 @@ from tokenmill.server.errors import (
 )
 from tokenmill.server.metrics import CLIENT_CLOSED_REQUEST
 from tokenmill.server.protocol import (
+    ExtraFieldsRequest,
     Tool,
     ToolName,
     check_fits,
@@ -296,10 +297,9 @@ class ReasoningConfig(StrictModel):
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(ExtraFieldsRequest):
     """POST /v1/responses. Extra fields are kept for `check`, which refuses them."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = _UNSUPPORTED
 
     model: Text | None = None
@@ -325,11 +325,7 @@ class ResponsesRequest(BaseModel):
     # ---- checks ----
     def check(self) -> None:
         """What the types cannot say; a 400 naming the field."""
-        for name, value in (self.model_extra or {}).items():
-            if name not in self.unsupported_fields:
-                raise invalid(f"Unrecognized request argument supplied: {name}", name)
-            if value not in self.unsupported_fields[name]:
-                raise invalid(f"{name} is not supported by this server", name)
+        self.refuse_extra_fields()
         if self.previous_response_id is not None:
             raise invalid(
                 "previous_response_id is not supported: this server is stateless and stores "
