@@ -497,3 +497,26 @@ def write_gguf(
     for name, t in (extra or {}).items():
         w.add_tensor(name, t)
     finish_gguf(w)
+
+
+# Granite-MoE (tests/test_moe.py): Granite's multipliers over top-k experts stored fused
+# (block_sparse_moe.input_linear [E, 2fe, d], output_linear [E, d, fe]); the "shared"
+# variant adds an ungated shared expert (shared_mlp.input_linear [2fs, d]).
+_GRANITE_MOE = {
+    "intermediate_size": 40,
+    "num_local_experts": 5,
+    "embedding_multiplier": 3.0,
+    "attention_multiplier": 0.09,
+    "residual_multiplier": 0.5,
+    "logits_scaling": 2.5,
+}
+FAMILIES.update(
+    {
+        "granitemoe": ("GraniteMoeForCausalLM", "GraniteMoeConfig", _GRANITE_MOE),
+        "granitemoeshared": (
+            "GraniteMoeSharedForCausalLM",
+            "GraniteMoeSharedConfig",
+            {**_GRANITE_MOE, "shared_intermediate_size": 24},
+        ),
+    }
+)

@@ -44,7 +44,15 @@ CASES = {
     # attention sinks, sliding and full layers, YaRN, router and expert biases, the clamped
     # SwiGLU (helpers.FAMILIES)
     "gpt_oss": dict(num_experts_per_tok=2),
+    # Granite's embedding, attention, residual and logit multipliers (helpers.FAMILIES), the
+    # top-k logits then a softmax, experts stored fused (input_linear, output_linear)
+    "granitemoe": dict(num_experts_per_tok=2),
+    "granitemoe-bias-top3": dict(num_experts_per_tok=3, attention_bias=True),
+    # and an ungated shared expert
+    "granitemoeshared": dict(num_experts_per_tok=2),
 }
+# cases the fused stack cannot decode, and why (they decode on the per-layer path)
+PER_LAYER_ONLY = {"granitemoeshared": "shared expert is ungated"}
 
 
 def build_moe_model(arch: str, folder, seed: int = 0, **overrides):
@@ -70,8 +78,11 @@ def test_logits_and_greedy_match_transformers(tmp_path, name):
     # ---- greedy through the engine, as loaded by default (native float experts): every
     # decode step in the fused stack (router, top-k, the chosen experts, shared expert) ----
     llm = LLM(tmp_path, kv_cache_memory="1024tok")
-    assert llm.engine.model.decode_path().name == paths.STACK
-    assert llm.generate([prompt], GREEDY)[0].token_ids == hf_greedy(hf, prompt, 12)
+    if name in PER_LAYER_ONLY:
+        assert PER_LAYER_ONLY[name] in llm.engine.model.decode_path().reason
+    else:
+        assert llm.engine.model.decode_path().name == paths.STACK
+        assert llm.generate([prompt], GREEDY)[0].token_ids == hf_greedy(hf, prompt, 12)
     # the per-layer path (native attention, torch experts) gives the same tokens
     llm.engine.model.native_model().stack_blocker = "test: the per-layer path"
     assert llm.engine.model.decode_path().name == paths.NATIVE_ATTENTION
@@ -94,20 +105,28 @@ def test_config_reads_each_family(tmp_path):
     build_moe_model("olmoe", tmp_path / "ol", num_experts_per_tok=2)
     cfg = open_checkpoint(tmp_path / "ol").config
     assert cfg.qk_norm == "full" and not cfg.norm_topk_prob
+    build_moe_model("granitemoeshared", tmp_path / "gr", num_experts_per_tok=2)
+    cfg = open_checkpoint(tmp_path / "gr").config
+    assert (cfg.router, cfg.moe_intermediate_size, cfg.num_experts) == ("topk_softmax", 40, 5)
+    assert (cfg.embed_scale, cfg.attn_scale, cfg.residual_scale) == (3.0, 0.09, 0.5)
+    assert cfg.logit_scale == 1 / 2.5 and all(cfg.moe_layers)
+    assert cfg.shared_expert_intermediate_size == 24 and not cfg.shared_expert_gate
 
 
-def test_fused_expert_tensors_load_like_per_expert_ones(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen2_moe", "granitemoe"])
+def test_fused_expert_tensors_load_like_per_expert_ones(tmp_path, arch):
     """transformers 5 keeps experts as 3-D tensors in memory ([E, 2fe, d] gate_up, [E, d,
-    fe] down); save_original_format=False writes those instead of one tensor per expert."""
-    build_moe_model("qwen2_moe", tmp_path / "per", **CASES["qwen2_moe"])
+    fe] down); save_original_format=False writes those instead of the file's own names
+    (one tensor per expert; Granite-MoE's input_linear, output_linear, router.layer)."""
+    build_moe_model(arch, tmp_path / "per", **CASES[arch])
     hf = build_moe_model(
-        "qwen2_moe", tmp_path / "fused", save={"save_original_format": False}, **CASES["qwen2_moe"]
+        arch, tmp_path / "fused", save={"save_original_format": False}, **CASES[arch]
     )
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "fused" / "model.safetensors"), "pt") as f:
         keys = list(f.keys())
-    assert any(k.endswith("mlp.experts.gate_up_proj") for k in keys), keys
+    assert any(k.endswith("experts.gate_up_proj") for k in keys), keys
     prompt = list(range(2, 30))
     a, b = Single(tmp_path / "per").feed(prompt), Single(tmp_path / "fused").feed(prompt)
     assert torch.equal(a, b)

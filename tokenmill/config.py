@@ -125,6 +125,7 @@ class ModelConfig:
     # Qwen2-MoE: one shared expert every token passes through, scaled by a sigmoid gate
     # (a [1, d] linear); 0 means none.
     shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = True  # False: the shared expert is added ungated (Granite)
     # Per layer: True where the layer is sparse. Empty means every layer when num_experts
     # > 0 (dense layers mixed in: Qwen's mlp_only_layers / decoder_sparse_step).
     moe_layers: list[bool] = field(default_factory=list)
@@ -333,7 +334,7 @@ def _check_moe(cfg: ModelConfig) -> None:
         raise ConfigError(
             f"router must be one of {', '.join(_ROUTERS)}, got {short_repr(cfg.router)}"
         )
-    for name in ("norm_topk_prob", "router_bias"):
+    for name in ("norm_topk_prob", "router_bias", "shared_expert_gate"):
         if not isinstance(getattr(cfg, name), bool):
             raise ConfigError(f"{name} must be true or false, got {short_repr(getattr(cfg, name))}")
     if not isinstance(cfg.moe_layers, list):

@@ -1,4 +1,5 @@
-"""The Mixture-of-Experts feed-forward network (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE).
+"""The Mixture-of-Experts feed-forward network (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE,
+gpt-oss, Granite-MoE).
 
 Per token x [d]:
     logits = router(x)                                   [E]
@@ -6,6 +7,7 @@ Per token x [d]:
              renormalized to sum to 1 (norm_topk_prob)   [k], [k]
     y      = sum_j w_j * expert_{e_j}(x)                 each expert a gated MLP (mlp.py)
            + sigmoid(shared_gate(x)) * shared(x)         Qwen2-MoE's shared expert only
+             (Granite-MoE-shared: + shared(x), no gate)
 
 A step's tokens are grouped by expert: one matmul per active expert over the rows that
 chose it (so rows that picked the same expert share one read of its weights), added back
@@ -59,7 +61,7 @@ class MoE(nn.Module):
         )
         fs = cfg.shared_expert_intermediate_size
         self.shared = MLP(cfg, fs) if fs else None
-        self.shared_gate = Gate(d, 1) if fs else None
+        self.shared_gate = Gate(d, 1) if fs and cfg.shared_expert_gate else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, d] -> (weights [T, k] in x's dtype, expert ids [T, k] int64)."""
@@ -94,7 +96,9 @@ class MoE(nn.Module):
             rows = pairs // self.top_k  # [n] token rows, each at most once (top-k ids differ)
             h = self.experts[e](x[rows])  # [n, d]: one matmul over the expert's rows
             out.index_add_(0, rows, h * pair_weights[pairs, None])
-        if self.shared is not None:
+        if self.shared is not None and self.shared_gate is None:  # Granite: ungated
+            out = out + self.shared(x)
+        elif self.shared is not None:
             gate = torch.sigmoid(self.shared_gate(x))  # [T, 1]
             out = out + gate * self.shared(x)
         return out

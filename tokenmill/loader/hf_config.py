@@ -19,7 +19,10 @@ from tokenmill.config import (
 )
 
 # Mixture-of-experts families (layers/moe.py), read by _moe_config.
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss")
+MOE_FAMILIES = (
+    *("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss"),
+    *("granitemoe", "granitemoeshared"),
+)
 # the newer dense families, each read by _dense_family below
 DENSE_FAMILIES = ("phi3", "gemma2", "olmo2", "smollm3", "granite")
 HF_FAMILIES = (
@@ -356,15 +359,22 @@ def _dense_family(f: ConfigFields, model_type: str, params: dict, common: dict) 
     # Granite 3
     return ModelConfig(
         arch="granite",
+        **_granite_scales(f),
+        qkv_bias=bias,
+        o_bias=bias,
+        mlp_bias=f.bool("mlp_bias", False),
+        **common,
+    )
+
+
+def _granite_scales(f: ConfigFields) -> dict[str, float]:
+    """Granite's four multipliers (Granite 3 and Granite-MoE) as ModelConfig's scales."""
+    return dict(
         embed_scale=f.float("embedding_multiplier", 1.0, lo_open=True),
         # transformers' GraniteConfig defaults the multiplier to 1.0, not 1/sqrt(head_dim)
         attn_scale=f.float("attention_multiplier", 1.0, lo_open=True),
         residual_scale=f.float("residual_multiplier", 1.0, lo_open=True),
         logit_scale=1.0 / f.float("logits_scaling", 1.0, lo_open=True),
-        qkv_bias=bias,
-        o_bias=bias,
-        mlp_bias=f.bool("mlp_bias", False),
-        **common,
     )
 
 
@@ -411,13 +421,13 @@ def _gpt_oss(f: ConfigFields) -> dict[str, Any]:
 
 
 def _moe_config(f: ConfigFields, model_type: str, common: dict[str, Any]) -> ModelConfig:
-    """Qwen2-MoE, Qwen3-MoE, Mixtral and OLMoE: a Llama-style block whose MLP is the MoE
-    of layers/moe.py (softmax over all experts, then the top k) in the sparse layers."""
+    """Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, gpt-oss and Granite-MoE: a Llama-style block
+    whose MLP is the MoE of layers/moe.py in the sparse layers."""
     layers = common["num_layers"]
     # transformers writes either spelling (its attribute_map aliases them), per version
     key = "num_experts" if f.raw("num_experts", None) is not None else "num_local_experts"
     experts = f.int(key, hi=MAX_EXPERTS)
-    if model_type in ("mixtral", "olmoe", "gpt_oss"):
+    if model_type in ("mixtral", "olmoe", "gpt_oss", "granitemoe", "granitemoeshared"):
         # every layer sparse; the experts' width is intermediate_size
         moe_layers = [True] * layers
         moe_size = common["intermediate_size"]
@@ -442,6 +452,14 @@ def _moe_config(f: ConfigFields, model_type: str, common: dict[str, Any]) -> Mod
         moe["shared_expert_intermediate_size"] = f.int(
             "shared_expert_intermediate_size", 0, lo=0, hi=MAX_SIZES["intermediate_size"]
         )
+    granite = model_type.startswith("granitemoe")
+    if granite:  # Granite's multipliers; the top k logits then a softmax over them
+        moe.update(_granite_scales(f), router="topk_softmax")
+    if model_type == "granitemoeshared":  # a shared expert added without a gate
+        moe["shared_expert_intermediate_size"] = f.int(
+            "shared_intermediate_size", 0, lo=0, hi=MAX_SIZES["intermediate_size"]
+        )
+        moe["shared_expert_gate"] = False
     if model_type == "olmoe" and f.raw("clip_qkv", None) is not None:
         raise ConfigError("clip_qkv is not supported (OLMoE checkpoints released without it)")
     if model_type == "qwen2_moe":

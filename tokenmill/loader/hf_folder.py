@@ -144,6 +144,11 @@ def _map_name(
 def _moe_name(rest: str, num_experts: int, arch: str) -> list[tuple[str, tuple | None]] | None:
     """A sparse layer's tensor (`rest`: the name after `layers.i.`) -> [(suffix after
     `mlp.`, part)], or None when `rest` is not one (a dense layer's MLP, attention)."""
+    if rest in ("shared_mlp.input_linear.weight", "shared_mlp.output_linear.weight"):
+        # Granite-MoE-shared: [2fs, d] rows [gate; up], and [d, fs]
+        if rest.endswith("output_linear.weight"):
+            return [("shared.down.weight", None)]
+        return [(f"shared.{p}.weight", (None, h)) for h, p in enumerate(("gate", "up"))]
     for prefix in ("mlp.", "block_sparse_moe."):
         if rest.startswith(prefix):
             rest = rest[len(prefix) :]
@@ -152,6 +157,14 @@ def _moe_name(rest: str, num_experts: int, arch: str) -> list[tuple[str, tuple |
         return None
     if arch == "gpt_oss":
         return _gpt_oss_moe_name(rest, num_experts)
+    # Granite-MoE's names for the same tensors: input_linear [E, 2fe, d] rows [gate; up] per
+    # expert, output_linear [E, d, fe], and the router's router.layer [E, d]
+    rest = {
+        "input_linear.weight": "experts.gate_up_proj",
+        "output_linear.weight": "experts.down_proj",
+        "router.layer.weight": "gate.weight",
+        "router.weight": "gate.weight",
+    }.get(rest, rest)
     if rest in ("experts.gate_up_proj", "experts.down_proj"):
         # transformers 5 in memory (save_original_format=False): [E, 2fe, d] rows [gate; up]
         # per expert, and [E, d, fe]
@@ -195,7 +208,11 @@ def _gpt_oss_moe_name(rest: str, num_experts: int) -> list[tuple[str, tuple | No
 
 def _expert_shape(path: Path, key: str, shape: tuple[int, ...], part: tuple):
     """The shape of expert j's slice (of half h: 0 gate, 1 up) of a 3-D expert tensor
-    (a 2-D bias tensor [E, n] for gpt-oss)."""
+    (a 2-D bias tensor [E, n] for gpt-oss); j None: half h of a 2-D [gate; up] tensor."""
+    if part[0] is None:
+        if len(shape) != 2 or shape[0] % 2:
+            raise LoadError(path, f"tensor {key}: shape {shape} is not [2 rows, cols]")
+        return (shape[0] // 2, shape[1])
     if len(part) == 3:  # gpt-oss: [E, in, out] or [E, out] (bias), halves interleaved
         j, half, _ = part
         if len(shape) not in (2, 3) or j >= shape[0] or (half is not None and shape[-1] % 2):
@@ -289,6 +306,8 @@ def _loader(handle, file: Path, key: str, config, part):
                 t = handle.get_slice(key)[j : j + 1][0]  # [in, out] or a bias [out]
                 t = t if half is None else t[..., half::2]
                 return t.t().contiguous() if t.dim() == 2 else t.contiguous()
+            if isinstance(part, tuple) and part[0] is None:  # half of [gate; up] [2f, d]
+                return handle.get_tensor(key).chunk(2, dim=0)[part[1]].contiguous()
             if isinstance(part, tuple):  # one expert of a 3-D tensor: read only its rows
                 j, half = part
                 t = handle.get_slice(key)[j : j + 1][0]

@@ -64,7 +64,8 @@ def moe_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
     mlps = [(f"experts.{j}", fe) for j in range(cfg.num_experts)]
     if fs:
         mlps.append(("shared", fs))
-        shapes[f"{prefix}shared_gate.weight"] = (1, d)
+        if cfg.shared_expert_gate:  # Granite's shared expert has none
+            shapes[f"{prefix}shared_gate.weight"] = (1, d)
     for name, f in mlps:
         shapes[f"{prefix}{name}.gate.weight"] = (f, d)
         shapes[f"{prefix}{name}.up.weight"] = (f, d)

@@ -136,6 +136,8 @@ class NativeModel:
         """desc.moe for MoE layer i (a TmMoe: router, experts, shared expert); returns
         the layer's expert projections, for the activation-precision check."""
         mlps = [*m.experts, *([m.shared] if m.shared is not None else [])]
+        if m.shared is not None and m.shared_gate is None:  # tm_moe's shared expert is gated
+            self._block(f"layer {i}'s shared expert is ungated, which the fused stack lacks")
         if m.shared is not None and m.shared.up.bias is not None:
             self._block(f"layer {i}'s shared expert has biases, which the fused stack lacks")
         moe = kernels.TmMoe()
@@ -162,7 +164,7 @@ class NativeModel:
         if m.shared is not None:
             moe.shared_up = self._weight(f"layer {i} shared up", m.shared.up)
             moe.shared_down = self._weight(f"layer {i} shared down", m.shared.down)
-            moe.shared_gate = self._ptr(m.shared_gate.weight)
+            moe.shared_gate = self._ptr(None if m.shared_gate is None else m.shared_gate.weight)
         self._keep.append(moe)
         desc.moe = ctypes.addressof(moe)
         return [lin for mlp in mlps for lin in (mlp.up, mlp.down)]
