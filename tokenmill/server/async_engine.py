@@ -201,7 +201,9 @@ class AsyncEngine:
         self.stall_timeout = stall_timeout
         self._beat = time.monotonic()  # the engine loop's last round (see health())
         self._idle = True  # the engine loop is blocked waiting for a command
-        self.metrics = ServerMetrics(engine.info())
+        # build info, plus what the KV cache stores (--kv-cache-dtype: a torch dtype or q8_0)
+        kv_dtype = str(engine.cache.dtype).removeprefix("torch.")
+        self.metrics = ServerMetrics({**engine.info(), "kv_cache_dtype": kv_dtype})
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._pending = 0  # engine requests submitted, not yet added (guarded by _lock)
@@ -337,6 +339,8 @@ class AsyncEngine:
             prefix_cache_hit_rate=kv["prefix_cache_hit_tokens"] / queries if queries else 0.0,
             prompt_tokens=self.engine.stats["prompt_tokens"],
             generation_tokens=self.engine.stats["generation_tokens"],
+            kv_bytes_per_token=self.engine.cache.bytes_per_token,
+            speculative=self.engine.speculative_stats(),
         )
 
     # ---- the engine thread ----

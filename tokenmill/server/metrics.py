@@ -6,6 +6,14 @@ dependency. Histograms are observed by the engine thread and rendered by the
 event loop, so each guards its counts with a lock. Gauges and counters are read
 fresh from the engine at every scrape (see AsyncEngine.stats).
 
+Speculative decoding (engine/speculative.py, `serve --speculative`) adds, labelled by
+method, vLLM's spec_decode series under tokenmill's prefix:
+`tokenmill_spec_decode_num_drafts_total` (verification steps),
+`..._num_draft_tokens_total` (guesses verified), `..._num_accepted_tokens_total` and the
+gauge `tokenmill_spec_decode_draft_acceptance_rate` (accepted / draft tokens). They are
+absent while speculation is off. `tokenmill_kv_cache_bytes_per_token` is what one token's
+K and V take in the cache over all layers, at the cache's dtype (`--kv-cache-dtype`).
+
 HTTP requests are counted by `CountRequests`, the outermost middleware, by the status
 code the client got: `tokenmill_http_requests_total{code="..."}`, where 499 (nginx's
 "client closed request") counts every response the client left before its end, a
@@ -21,7 +29,7 @@ import bisect
 import math
 import threading
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -48,9 +56,12 @@ def _header(name: str, help_text: str, kind: str) -> list[str]:
     return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
 
 
-def render_sample(name: str, help_text: str, kind: str, value: float) -> str:
+def render_sample(
+    name: str, help_text: str, kind: str, value: float, labels: dict[str, str] | None = None
+) -> str:
     """One gauge or counter as exposition text."""
-    return "\n".join([*_header(name, help_text, kind), f"{name} {_number(value)}"])
+    sample = f"{name}{_labels(labels or {})} {_number(value)}"
+    return "\n".join([*_header(name, help_text, kind), sample])
 
 
 class Histogram:
@@ -96,6 +107,9 @@ class EngineStats:
     prefix_cache_hit_rate: float  # prompt tokens served from the prefix cache / prompt tokens
     prompt_tokens: int  # prompt tokens of every sequence added
     generation_tokens: int  # tokens generated
+    kv_bytes_per_token: int = 0  # K and V of one token, all layers, at the cache's dtype
+    # LLMEngine.speculative_stats(): {} while speculation is off
+    speculative: dict[str, int | float | str] = field(default_factory=dict)
 
 
 class HTTPRequests:
@@ -200,9 +214,12 @@ class ServerMetrics:
         return self.ttft, self.itl, self.e2e
 
 
-def engine_samples(stats: EngineStats) -> list[tuple[str, str, str, float]]:
-    """(name, help, kind, value) of each gauge and counter one engine reports."""
-    return [
+Sample = tuple[str, str, str, float, dict[str, str]]  # name, help, kind, value, labels
+
+
+def engine_samples(stats: EngineStats) -> list[Sample]:
+    """(name, help, kind, value, labels) of each gauge and counter one engine reports."""
+    plain = [
         ("tokenmill_requests_running", "Sequences in the running batch.", "gauge",
          stats.running),
         ("tokenmill_requests_waiting", "Sequences waiting to be scheduled.", "gauge",
@@ -220,12 +237,41 @@ def engine_samples(stats: EngineStats) -> list[tuple[str, str, str, float]]:
          stats.prompt_tokens),
         ("tokenmill_generation_tokens_total", "Tokens generated.", "counter",
          stats.generation_tokens),
+        ("tokenmill_kv_cache_bytes_per_token",
+         "Bytes one token's K and V take in the KV cache, over all layers.", "gauge",
+         stats.kv_bytes_per_token),
     ]  # fmt: skip
+    samples: list[Sample] = [(*sample, {}) for sample in plain]
+    spec = stats.speculative
+    if spec:
+        method = {"method": str(spec["speculative_method"])}
+        samples += [
+            ("tokenmill_spec_decode_num_drafts_total",
+             "Speculative verification steps (a sequence's guesses scored in one pass).",
+             "counter", spec["speculative_steps"], method),
+            ("tokenmill_spec_decode_num_draft_tokens_total",
+             "Speculative tokens proposed and verified.", "counter",
+             spec["speculative_proposed_tokens"], method),
+            ("tokenmill_spec_decode_num_accepted_tokens_total",
+             "Speculative tokens accepted (each one a token that cost no step of its own).",
+             "counter", spec["speculative_accepted_tokens"], method),
+            ("tokenmill_spec_decode_draft_acceptance_rate",
+             "Accepted over proposed speculative tokens (0 before any was proposed).",
+             "gauge", spec["speculative_acceptance_rate"], method),
+        ]  # fmt: skip
+    return samples
 
 
 def _label(value: str) -> str:
     """A label value escaped for the exposition format (backslash, quote, newline)."""
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _labels(labels: dict[str, str]) -> str:
+    """{k="v",...} for a sample's labels, escaped; "" for none."""
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{_label(str(v))}"' for k, v in labels.items()) + "}"
 
 
 @dataclass(frozen=True)
@@ -249,14 +295,15 @@ def render_models(http: HTTPRequests, models: list[ModelSeries]) -> str:
     back from zero when it loads again (a counter reset, as after a restart)."""
     loaded = [m for m in models if m.metrics is not None and m.stats is not None]
     parts = []
-    per_model = [(m, engine_samples(m.stats)) for m in loaded]
-    if per_model:
-        for i, (name, help_text, kind, _) in enumerate(per_model[0][1]):
-            lines = _header(name, help_text, kind)
-            lines += [
-                f'{name}{{model="{_label(m.name)}"}} {_number(s[i][3])}' for m, s in per_model
-            ]
-            parts.append("\n".join(lines))
+    # each metric's samples together under one header, in the order they first appear
+    # (a model's engine may report series another lacks: speculation's, while it is off)
+    grouped: dict[str, tuple[str, str, list[str]]] = {}
+    for m in loaded:
+        for name, help_text, kind, value, labels in engine_samples(m.stats):
+            entry = grouped.setdefault(name, (help_text, kind, []))
+            entry[2].append(f"{name}{_labels({'model': m.name, **labels})} {_number(value)}")
+    for name, (help_text, kind, samples) in grouped.items():
+        parts.append("\n".join([*_header(name, help_text, kind), *samples]))
     parts.append(http.render())
     pool = [
         ("tokenmill_model_loaded", "1 while the model is loaded, else 0.", "gauge",
