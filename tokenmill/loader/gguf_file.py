@@ -6,10 +6,12 @@ Q and K projections of llama-family models (its rotary kernel pairs adjacent
 dimensions, HF's pairs the two halves); we undo that so one rotary implementation
 serves both formats.
 
-Mixture-of-experts files (qwen2moe, qwen3moe, olmoe, and llama with experts: Mixtral)
-keep each sparse layer's experts as 3-D tensors blk.N.ffn_{gate,up,down}_exps,
-[n_expert, rows, cols] in numpy order; each expert's slice becomes its own tensor
-(layers.N.mlp.experts.j.*), so it loads, and packs as stored, like any projection.
+Mixture-of-experts files (qwen2moe, qwen3moe, olmoe, gpt-oss, and llama with experts:
+Mixtral) keep each sparse layer's experts as 3-D tensors blk.N.ffn_{gate,up,down}_exps,
+[n_expert, rows, cols] in numpy order (gpt-oss: or gate and up fused, ffn_gate_up_exps
+[n_expert, 2 fe, d], and a bias [n_expert, rows] beside each); each expert's slice becomes
+its own tensor (layers.N.mlp.experts.j.*), so it loads, and packs as stored, like any
+projection.
 """
 
 from __future__ import annotations
@@ -58,10 +60,10 @@ SUPPORTED_TYPES = {
 SUPPORTED_ARCHS = (
     *("llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt2"),
     *("smollm3", "gemma2", "olmo2", "phi3", "granite"),
-    *("qwen2moe", "qwen3moe", "olmoe"),
+    *("qwen2moe", "qwen3moe", "olmoe", "gpt-oss"),
 )
 # Mixture-of-experts families (layers/moe.py); llama is one too when it has experts.
-_MOE_ARCHS = ("qwen2moe", "qwen3moe", "olmoe")
+_MOE_ARCHS = ("qwen2moe", "qwen3moe", "olmoe", "gpt-oss")
 # llama.cpp's rule per family (build_moe_ffn's norm_w): softmax over all experts, the top
 # k, then rescale those k to sum to 1 or not. It is fixed per architecture, not read from
 # the file: Mixtral and Qwen3-MoE renormalize, Qwen2-MoE and OLMoE do not.
@@ -74,7 +76,16 @@ _MOE_NAMES = {
     "ffn_up_shexp": "shared.up",
     "ffn_down_shexp": "shared.down",
 }
-_EXPERT_NAMES = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+# llama.cpp expert tensor -> the expert projections it holds, stacked along its rows
+# (gpt-oss's fused ffn_gate_up_exps: [E, 2fe, d], each expert's gate rows then its up rows)
+_EXPERT_NAMES = {
+    "ffn_gate_exps": ("gate",),
+    "ffn_up_exps": ("up",),
+    "ffn_down_exps": ("down",),
+    "ffn_gate_up_exps": ("gate", "up"),
+}
+# gpt-oss: llama.cpp's swiglu_oai has its alpha and limit built in (no header keys)
+_GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 # Families whose Q/K rows llama.cpp's converter permuted.
 _PERMUTED_QK = ("llama", "mistral", "smollm3", "granite")
 # SmolLM3: llama.cpp has no key for its NoPE layers; it hard-codes every 4th layer.
@@ -142,6 +153,8 @@ def _config(reader: GGUFFile, path: Path) -> ModelConfig:
     scaling = raw(f"{arch}.rope.scaling.type", None)
     if scaling == "linear":
         rope.scaling, rope.factor = "linear", meta_float("rope.scaling.factor", lo_open=True)
+    if scaling == "yarn":
+        _yarn(rope, arch, meta_int, meta_float)
     eos = raw("tokenizer.ggml.eos_token_id", None)
     bos = raw("tokenizer.ggml.bos_token_id", None)
     names = {t.name for t in reader.tensors}
@@ -253,6 +266,22 @@ def _config(reader: GGUFFile, path: Path) -> ModelConfig:
         )
     nope = arch == "smollm3"
     moe = _moe_fields(arch, raw, meta_int, names, layers, common["intermediate_size"])
+    if arch == "gpt-oss":
+        # llama.cpp: the even layers slide (layer 0 first), every odd one is full; a sink
+        # logit per head (blk.N.attn_sinks); the router's bias and the experts' biases
+        return ModelConfig(
+            arch=arch,
+            norm_eps=rms_eps,
+            qkv_bias="blk.0.attn_q.bias" in names,
+            o_bias="blk.0.attn_output.bias" in names,
+            mlp_bias=True,
+            attn_sinks=True,
+            sliding_window=window,
+            layer_types=["sliding" if window and i % 2 == 0 else "full" for i in range(layers)],
+            **_GPT_OSS_SWIGLU,
+            **moe,
+            **common,
+        )
     qk_norm = "blk.0.attn_q_norm.weight" in names
     return ModelConfig(
         arch=arch,
@@ -277,6 +306,7 @@ def _moe_fields(arch: str, raw, meta_int, names: set[str], layers: int, n_ff: in
     layer; a dense layer mixed in reads as the dense MLP)."""
     if arch not in (*_MOE_ARCHS, "llama"):
         return {}
+    gpt_oss = arch == "gpt-oss"
     key = f"{arch}.expert_count"
     experts = raw(key, REQUIRED if arch in _MOE_ARCHS else None)
     if arch == "llama" and not experts:
@@ -292,14 +322,35 @@ def _moe_fields(arch: str, raw, meta_int, names: set[str], layers: int, n_ff: in
         num_experts=experts,
         num_experts_per_tok=used,
         moe_intermediate_size=width or fallback,
-        router="softmax_topk",
-        norm_topk_prob=_NORM_TOPK[arch],
+        # gpt-oss: the top k logits, then a softmax over them (llama.cpp's SOFTMAX_WEIGHT)
+        router="topk_softmax" if gpt_oss else "softmax_topk",
+        norm_topk_prob=_NORM_TOPK.get(arch, False),
+        router_bias="blk.0.ffn_gate_inp.bias" in names,
         moe_layers=[f"blk.{i}.ffn_gate_inp.weight" in names for i in range(layers)],
     )
     if arch == "qwen2moe":  # its shared expert (sigmoid-gated) is in every sparse layer
         shared = meta_int("expert_shared_feed_forward_length", None, size="intermediate_size")
         fields["shared_expert_intermediate_size"] = shared or n_ff
     return fields
+
+
+def _yarn(rope: RopeConfig, arch: str, meta_int, meta_float) -> None:
+    """YaRN from llama.cpp's rope.scaling.* keys: the factor, the original context, the
+    ramp's beta_fast / beta_slow (32 and 1 when absent) and the attention factor, which the
+    converter writes only when the HF config sets one (yarn_attn_factor); otherwise
+    0.1 ln(factor) + 1 (1 for a factor at most 1), as transformers computes it. llama.cpp
+    always rounds the ramp's ends to whole dimensions; gpt-oss was trained without that
+    rounding (its config's "truncate": false), and its file has no key to say so."""
+    rope.scaling = "yarn"
+    rope.factor = meta_float("rope.scaling.factor", lo_open=True)
+    rope.original_max_position = meta_int(
+        "rope.scaling.original_context_length", size="max_position"
+    )
+    rope.beta_fast = meta_float("rope.scaling.yarn_beta_fast", 32.0, lo_open=True)
+    rope.beta_slow = meta_float("rope.scaling.yarn_beta_slow", 1.0, lo_open=True)
+    default = 1.0 if rope.factor <= 1 else 0.1 * math.log(rope.factor) + 1.0
+    rope.attention_factor = meta_float("rope.scaling.yarn_attn_factor", default, lo_open=True)
+    rope.truncate = arch != "gpt-oss"
 
 
 def _phi3_rope(reader: GGUFFile, path: Path, rope: RopeConfig, meta_int, meta_float) -> None:
@@ -336,6 +387,10 @@ def _target_name(name: str, arch: str = "") -> list[tuple[str, str | None]]:
     if not stem.startswith("blk.") or stem.count(".") < 2:
         return []
     _, idx, part = stem.split(".", 2)
+    if part == "attn_sinks":  # gpt-oss: one logit per query head [H]
+        return [(f"layers.{idx}.attn.sinks", None)]
+    if part == "post_attention_norm" and arch == "gpt-oss":  # the norm before the MoE
+        return [(f"layers.{idx}.mlp_norm.{kind}", None)]
     if part == "attn_qkv" and arch == "phi3":  # fused [q; k; v] of unequal sizes (GQA)
         return [(f"layers.{idx}.attn.{p}.{kind}", f"attn.{p}") for p in ("q", "k", "v")]
     if part == "ffn_up" and arch == "phi3":  # fused [gate; up]
@@ -363,27 +418,36 @@ def _moe_targets(t: GGUFTensor, config: ModelConfig, path: Path):
         return [(f"layers.{idx}.mlp.{_MOE_NAMES[part]}.{kind}", t)]
     if part not in _EXPERT_NAMES:
         return None
-    experts = config.num_experts
-    if len(t.shape) != 3 or t.shape[0] != experts:
+    experts, projections = config.num_experts, _EXPERT_NAMES[part]
+    # a weight [E, rows, cols]; a bias (gpt-oss) [E, rows]; rows: the projections stacked
+    dims = "rows" if kind == "bias" else "rows, cols"
+    if (
+        len(t.shape) != (2 if kind == "bias" else 3)
+        or t.shape[0] != experts
+        or t.shape[1] % len(projections)
+    ):
         raise LoadError(
             path,
-            f"tensor {t.name}: shape {t.shape} is not [{experts} experts, rows, cols] "
+            f"tensor {t.name}: shape {t.shape} is not [{experts} experts, {dims}] "
             f"({config.arch}.expert_count is {experts})",
         )
-    n_bytes = t.n_bytes // experts
+    rows = t.shape[1] // len(projections)
+    n_bytes = t.n_bytes // experts // len(projections)  # one projection of one expert
     return [
         (
-            f"layers.{idx}.mlp.experts.{j}.{_EXPERT_NAMES[part]}.{kind}",
+            f"layers.{idx}.mlp.experts.{j}.{p}.{kind}",
             GGUFTensor(
-                f"{t.name}[expert {j}]",
-                t.shape[1:],
+                f"{t.name}[expert {j}]" + (f"[{p}]" if len(projections) > 1 else ""),
+                (rows, *t.shape[2:]),
                 t.tensor_type,
-                t.data_offset + j * n_bytes,
+                t.data_offset + (j * len(projections) + h) * n_bytes,
                 n_bytes,
-                t.data[j],  # [rows, cols] floats, or [rows, bytes per row] blocks
+                # [rows, cols] floats, [rows, bytes per row] blocks, or [rows] (a bias)
+                t.data[j][h * rows : (h + 1) * rows],
             ),
         )
         for j in range(experts)
+        for h, p in enumerate(projections)
     ]
 
 
