@@ -139,6 +139,46 @@ def test_regex_grammar_and_choice_walks_match(compiler, tokenizer, seed):
     assert tokenizer.decode(walk(compiler.compile("choice", choices), rng)) in choices
 
 
+CHOICE_TEXT = st.text(
+    st.sampled_from([*"abc xyz09", *".+*?()|[]{}^$#&-~/\\\"'", "\n", "ü", "✓"]), max_size=8
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(choices=st.lists(CHOICE_TEXT, min_size=1, max_size=5, unique=True), data=st.data())
+def test_every_choice_and_nothing_else_is_accepted(compiler, tokenizer, choices, data):
+    """Every character that means something to a regex or to Lark is taken literally:
+    forcing a choice's own tokens is accepted, and a text that is none of them is not."""
+    target = data.draw(st.sampled_from(choices))
+    matcher = compiler.compile("choice", choices).matcher()
+    for token in tokenizer.encode(target, add_special_tokens=False):
+        assert matcher.allowed()[token], (choices, target)
+        matcher.consume(token)
+    assert matcher.error is None and any(matcher.allowed()[EOS])
+    rng = random.Random(data.draw(st.integers(0, 2**32)))
+    assert tokenizer.decode(walk(compiler.compile("choice", choices), rng)) in choices
+    if "z" not in "".join(choices):
+        matcher = compiler.compile("choice", choices).matcher()
+        first = tokenizer.encode("z", add_special_tokens=False)[0]
+        assert not matcher.allowed()[first]
+
+
+def test_twenty_thousand_choices_with_one_first_token(compiler, tokenizer):
+    """Issue 21: as Lark alternatives, 2,000+ choices that share their first token failed
+    at the first token inside llguidance ("Current row has 20001 items; max is 2000"),
+    and the request ended early with a 200 and a truncated text."""
+    choices = [f"option {i} word{i * 7}" for i in range(20_000)]
+    compiled = compiler.compile("choice", choices)
+    text = tokenizer.decode(walk(compiled, random.Random(7), max_steps=40))
+    assert text in choices
+    matcher = compiled.matcher()
+    for token in tokenizer.encode(choices[12_345], add_special_tokens=False):
+        assert matcher.allowed()[token]
+        matcher.consume(token)
+        assert matcher.error is None
+    assert matcher.finished
+
+
 def test_first_mask_is_exactly_the_prefixes_of_the_choices(compiler, tokenizer):
     choices = ["yes", "no", "maybe so"]
     allowed = compiler.compile("choice", choices).matcher().allowed()

@@ -180,6 +180,46 @@ def test_a_grammar_engine_panic_is_one_clean_line(url):
 
 
 @pytest.mark.slow
+def test_twenty_thousand_choices_and_a_grammar_that_fails_mid_way(url):
+    """20,000 guided_choice entries sharing a first token failed inside llguidance at the
+    first token ("max is 2000") and came back as a 200 with a truncated text. Now a
+    choice is one regex lexeme and completes; a Lark grammar of 2,500 alternatives still
+    trips that limit, and the request fails alone with a one-line 400 (whole) or an error
+    event and [DONE] (streamed), while another request in the same steps completes."""
+    choices = [f"option {i} word{i * 7}" for i in range(20_000)]
+    body = {"prompt": "Pick one:", "max_tokens": 20, "temperature": 0, "guided_choice": choices}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["text"] in choices and choice["finish_reason"] == "stop"
+
+    grammar = "start: " + " | ".join(f'"option {i}"' for i in range(2_500))
+    bad = {"prompt": "Pick one:", "max_tokens": 8, "guided_grammar": grammar}
+    plain = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
+
+    def streamed() -> list:
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json={**bad, "stream": True}, timeout=300
+        ) as r:
+            assert r.status_code == 200
+            return list(sse_events(r))
+
+    with ThreadPoolExecutor(3) as pool:
+        whole = pool.submit(httpx.post, f"{url}/v1/completions", json=bad, timeout=300)
+        events = pool.submit(streamed)
+        other = pool.submit(httpx.post, f"{url}/v1/completions", json=plain, timeout=300)
+        whole, events, other = whole.result(), events.result(), other.result()
+    error = _error(whole, 400)
+    _assert_clean(whole.text)
+    assert error["param"] == "guided_grammar"
+    assert error["message"].startswith("the grammar constraint failed after 0 tokens: ")
+    assert "max is 2000" in error["message"] and "\n" not in error["message"]
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["message"] == error["message"]
+    assert other.status_code == 200 and other.json()["usage"]["completion_tokens"] == 24
+
+
+@pytest.mark.slow
 def test_deep_json_in_a_request_is_400(url):
     """Item 8: nested arguments or parameters made the template's preparation recurse
     past Python's stack: a 500 with a RecursionError traceback in the log."""

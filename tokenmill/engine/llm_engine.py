@@ -56,7 +56,7 @@ from tokenmill.sampling import (
     finish_reason,
     is_stop_token,
 )
-from tokenmill.sampling.grammar import CompiledGrammar, GrammarCompiler
+from tokenmill.sampling.grammar import CompiledGrammar, GrammarCompiler, GrammarError
 from tokenmill.tokenizer import IncrementalDetokenizer
 from tokenmill.tokenizer.chat import ToolOffer, encode_chat
 from tokenmill.tokenizer.reasoning import ReasoningParser, start_parser
@@ -105,6 +105,9 @@ class RequestOutput:
     # Set (with finish_reason ERROR) when this request alone failed in a step, e.g. its
     # sampling or its grammar raised: one line for the client; the rest of the step ran.
     error: str | None = None
+    # ... and when the request's own constraint failed (GrammarLimitError): its kind, so
+    # that the server answers 400 naming it rather than 500.
+    error_param: str | None = None
     # With params.reasoning: the reasoning's delta (text holds the answer's alone).
     reasoning: str = ""
     # An embedding request's pooled vector [hidden_size] (add_request(embed=True)); it
@@ -554,16 +557,22 @@ class LLMEngine:
     def _fail(self, seq: Sequence, error: Exception, now: float) -> RequestOutput:
         """End one request whose step failed: free its blocks, tell its client in one line
         (the traceback goes to the log only)."""
-        log.error(
-            "request %s failed in a step; the others in it carry on",
-            seq.request_id,
-            exc_info=error,
-        )
+        if isinstance(error, GrammarError):  # its constraint: the request's fault, not ours
+            log.warning("request %s failed in a step: %s", seq.request_id, error)
+        else:
+            log.error(
+                "request %s failed in a step; the others in it carry on",
+                seq.request_id,
+                exc_info=error,
+            )
         self.requests.pop(seq.request_id, None)
         seq.finish_reason, seq.finish_time = FinishReason.ERROR, now
         self.scheduler.finish(seq)
         out = self._output(seq, "", [], [])
         first_line = (str(error).strip().splitlines() or [""])[0][:200]
+        if isinstance(error, GrammarError):  # the request's constraint: say it as it is
+            out.error, out.error_param = first_line, error.kind
+            return out
         out.error = f"this request failed while sampling ({type(error).__name__}: {first_line})"
         return out
 

@@ -87,6 +87,11 @@ class GrammarError(ValueError):
         self.kind = kind
 
 
+class GrammarLimitError(GrammarError):
+    """A compiled constraint that llguidance could not follow past some token (one of its
+    parser limits, e.g. 2,000 Earley items in a row): that request fails, alone."""
+
+
 # --------------------------------------------------------------------------- sources
 
 
@@ -102,9 +107,12 @@ def grammar_source(kind: str, value: Any) -> str:
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(value)
     if kind == "choice":
-        # Lark string literals use JSON's escapes; non-ASCII text stays as it is.
-        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
-        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+        # One regex alternation: a single lexeme, which llguidance's lazy lexer walks as a
+        # trie. As Lark alternatives ("a" | "b" | ...) every choice was an Earley item, and
+        # past 2,000 of them sharing a first token the parser failed at the first token
+        # ("Current row has 2001 items; max is 2000", issue 21); a 20,000-entry list also
+        # compiled 6x slower.
+        return llguidance.LLMatcher.grammar_from_regex("|".join(map(_regex_literal, value)))
     if kind == "grammar":
         try:
             return llguidance.grammar_from("grammar", value)  # GBNF is converted to Lark
@@ -114,6 +122,15 @@ def grammar_source(kind: str, value: Any) -> str:
     raise ValueError(f"unknown constraint kind {kind!r}")
 
 
+_REGEX_META = frozenset('\\.+*?()|[]{}^$#&-~/"')
+
+
+def _regex_literal(text: str) -> str:
+    """`text` as a regex that matches exactly it (Rust regex syntax: any ASCII
+    punctuation may be escaped; everything else stands for itself)."""
+    return "".join("\\" + ch if ch in _REGEX_META else ch for ch in text)
+
+
 def _one_line(message: str) -> str:
     """llguidance's messages can span lines (a caret under the source); keep the words."""
     kept = []
@@ -121,6 +138,7 @@ def _one_line(message: str) -> str:
         line = line.strip()
         if line.startswith(("<state>", "<grammar>")):
             break
+        line = line.replace("<non-verbose/>", "").strip()
         if line and not set(line) <= {"^", " "} and not re.match(r"\d+ \|", line):
             kept.append(line)
     return " ".join(kept)
@@ -309,20 +327,24 @@ class GrammarMatcher:
         self.eos_token_ids = list(eos_token_ids)
         self._matcher = matcher  # llguidance.LLMatcher
         self._allowed: Tensor | None = None  # [V] bool, for the current position
-        self._warned = False
+        self._consumed = 0  # tokens consumed so far
 
     def allowed(self) -> Tensor:
         """[V] bool: the tokens the grammar allows next."""
         return allowed_tokens([self])[0]
 
     def consume(self, token_id: int) -> None:
-        """Advance past a sampled token (always an allowed one)."""
+        """Advance past a sampled token (always an allowed one). Raises GrammarLimitError
+        when llguidance fails on it: the request fails with a one-line 400 rather than
+        end early with a truncated text and a 200 (the matcher would allow only EOS)."""
         self._allowed = None
-        if not self._matcher.consume_token(token_id) and not self._warned:
-            # Only possible when llguidance hit an internal limit; the matcher then allows
-            # only EOS, so the sequence ends instead of going on unconstrained.
-            log.warning("grammar matcher failed: %s", _one_line(self._matcher.get_error()))
-            self._warned = True
+        if not self._matcher.consume_token(token_id):
+            raise GrammarLimitError(
+                self.kind,
+                f"the {self.kind} constraint failed after {self._consumed} tokens: "
+                f"{_one_line(self._matcher.get_error())}; simplify it",
+            )
+        self._consumed += 1
 
     @property
     def finished(self) -> bool:

@@ -50,7 +50,7 @@ from tokenmill.engine.kv_cache import can_populate
 from tokenmill.engine.llm_engine import LLMEngine, RequestError, RequestOutput, TokenLogprob
 from tokenmill.heap import give_back_memory
 from tokenmill.sampling import FinishReason, SamplingParams
-from tokenmill.sampling.grammar import CompiledGrammar
+from tokenmill.sampling.grammar import CompiledGrammar, GrammarError
 from tokenmill.server.metrics import EngineStats, ServerMetrics
 
 log = logging.getLogger("tokenmill.server")
@@ -65,6 +65,11 @@ class QueueFull(Exception):
 
 class EngineFailure(Exception):
     """The engine failed while running a request, or is not running (HTTP 500)."""
+
+
+class ConstraintFailure(EngineFailure, GrammarError):
+    """The request's own constraint failed while generating (llguidance hit one of its
+    limits): a 400 naming the constraint, or the stream's error event."""
 
 
 class ShuttingDown(Exception):
@@ -107,6 +112,9 @@ class RequestStream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._unfinished = set(range(len(request_ids)))
         self._aborted = False
+        # the request field that carried its constraint ("guided_grammar",
+        # "response_format"), named by a ConstraintFailure; None: the constraint's kind
+        self.constraint_param: str | None = None
 
     # ---- engine thread side ----
     def post(self, item: object) -> None:
@@ -267,17 +275,19 @@ class AsyncEngine:
         grammar: CompiledGrammar | None = None,
         cache_salt: int | None = None,
         embed: bool = False,
+        constraint_param: str | None = None,
     ) -> RequestStream:
         """Queue a request (params.n engine requests per prompt) and wait until the engine
         has taken it. embed: each prompt's pooled embedding (RequestOutput.embedding, one
-        finished output each) instead of generated text. Raises QueueFull, ShuttingDown, EngineFailure, or RequestError for
-        one that could never be queued or that the engine refuses.
+        finished output each) instead of generated text. Raises QueueFull, ShuttingDown,
+        EngineFailure, or RequestError for one that could never be queued or that the engine refuses.
 
         cache_salt: the request's prefix-cache scope (block_manager.salt_root).
 
         grammar: params' constraint, compiled (LLMEngine.compile_grammar, off the engine
         thread); a constrained request must bring it, so no compilation runs on the
-        engine thread."""
+        engine thread. constraint_param: the request field that carried it, which a
+        ConstraintFailure names."""
         if (grammar is None) != (params.constraint is None):
             raise ValueError("a constrained request must be submitted with its compiled grammar")
         if not self.alive:
@@ -301,6 +311,7 @@ class AsyncEngine:
             self._pending += count
         request_ids = [f"{request_id}-{i}" for i in range(count)]
         stream = RequestStream(request_ids, lambda ids: self._commands.put(_Abort(ids)))
+        stream.constraint_param = constraint_param
         per_choice = [prompt for prompt in prompts for _ in range(params.n)]
         self._commands.put(_Add(stream, per_choice, params, trace, grammar, cache_salt, embed))
         await stream.admitted()
@@ -433,7 +444,11 @@ class AsyncEngine:
             for request_id in live.stream.request_ids:
                 if self._live.pop(request_id, None) is not None and request_id != out.request_id:
                     self.engine.abort(request_id)
-            live.stream.post(EngineFailure(out.error))
+            if out.error_param is not None:
+                param = live.stream.constraint_param or out.error_param
+                live.stream.post(ConstraintFailure(param, out.error))
+            else:
+                live.stream.post(EngineFailure(out.error))
             return
         if out.token_ids:
             since = live.stream.submitted if live.last_token is None else live.last_token

@@ -242,7 +242,14 @@ async def start_request(
         raise to_api_error(e, param=constraint_param) from None
     try:
         salt = cache_salt_for(request, cache_salt)
-        return await engine.generate(request_id, prompts, params, grammar=grammar, cache_salt=salt)
+        return await engine.generate(
+            request_id,
+            prompts,
+            params,
+            grammar=grammar,
+            cache_salt=salt,
+            constraint_param=constraint_param,
+        )
     except (QueueFull, ShuttingDown, RequestError) as e:
         raise to_api_error(e, fields=fields) from None
 
