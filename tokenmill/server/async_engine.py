@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.kv_cache import can_populate
 from tokenmill.engine.llm_engine import LLMEngine, RequestError, RequestOutput, TokenLogprob
-from tokenmill.heap import give_back_memory
+from tokenmill.heap import give_back_memory, give_back_now_and_then, tune_allocator
 from tokenmill.sampling import FinishReason, SamplingParams
 from tokenmill.sampling.grammar import CompiledGrammar, GrammarError
 from tokenmill.server.metrics import EngineStats, ServerMetrics
@@ -206,6 +206,7 @@ class AsyncEngine:
     ):
         self.engine = engine
         self.max_waiting = max_waiting
+        tune_allocator()  # before the server's threads open their arenas (tokenmill/heap)
         self.stall_timeout = stall_timeout
         self._beat = time.monotonic()  # the engine loop's last round (see health())
         self._idle = True  # the engine loop is blocked waiting for a command
@@ -367,6 +368,7 @@ class AsyncEngine:
                     log.exception("engine command %s failed", type(command).__name__)
             if self.engine.has_unfinished():
                 self._step()
+                give_back_now_and_then()  # steady load never idles: trim now and then
 
     def _next_commands(self, block: bool) -> list[_Add | _Abort | None]:
         self._beat = time.monotonic()  # the heartbeat: one round (a step) done
