@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -193,6 +194,19 @@ def _gpt_oss_moe_name(rest: str, num_experts: int) -> list[tuple[str, tuple | No
     (j, half, "oss"): transposed to [out, in] and deinterleaved at load (_loader)."""
     if rest in ("router.weight", "router.bias"):
         return [(rest, None)]
+    if rest.endswith("_scales"):  # MXFP4: read with its _blocks (_mxfp4_blocks)
+        return []
+    if rest.endswith("_blocks"):  # MXFP4 (the released checkpoints): [E, out, in / 32, 16]
+        stem = rest.removesuffix("_blocks")
+        if stem == "experts.down_proj":
+            return [(f"experts.{j}.down.weight", (j, None, "mxfp4")) for j in range(num_experts)]
+        if stem == "experts.gate_up_proj":  # out: gate and up rows interleaved
+            return [
+                (f"experts.{j}.{p}.weight", (j, h, "mxfp4"))
+                for j in range(num_experts)
+                for h, p in enumerate(("gate", "up"))
+            ]
+        return None
     kind = "bias" if rest.endswith("_bias") else "weight"
     stem = rest.removesuffix("_bias")
     if stem == "experts.down_proj":
@@ -213,6 +227,16 @@ def _expert_shape(path: Path, key: str, shape: tuple[int, ...], part: tuple):
         if len(shape) != 2 or shape[0] % 2:
             raise LoadError(path, f"tensor {key}: shape {shape} is not [2 rows, cols]")
         return (shape[0] // 2, shape[1])
+    if len(part) == 3 and part[2] == "mxfp4":  # [E, out, in / 32, 16], halves interleaved
+        j, half, _ = part
+        if (
+            len(shape) != 4
+            or shape[3] != 16
+            or j >= shape[0]
+            or (half is not None and shape[1] % 2)
+        ):
+            raise LoadError(path, f"tensor {key}: shape {shape} is not [experts, out, in/32, 16]")
+        return (shape[1] if half is None else shape[1] // 2, shape[2] * 32)
     if len(part) == 3:  # gpt-oss: [E, in, out] or [E, out] (bias), halves interleaved
         j, half, _ = part
         if len(shape) not in (2, 3) or j >= shape[0] or (half is not None and shape[-1] % 2):
@@ -244,7 +268,8 @@ def open_folder(folder: Path) -> Checkpoint:
     if eos:
         config.eos_token_ids = eos
 
-    tensors, shapes = {}, {}
+    tensors, shapes, raw_tensors = {}, {}, {}
+    handles: dict[str, Any] = {}  # every tensor's file (an MXFP4 _blocks reads its _scales)
     for file in _safetensors_files(folder):
         try:
             handle = safe_open(str(file), framework="pt")
@@ -253,9 +278,14 @@ def open_folder(folder: Path) -> Checkpoint:
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise LoadError(file, f"unreadable safetensors file ({e})") from None
         for key in keys:
+            handles[key] = handle
             names = _map_name(key, config.arch, config.sandwich_norm, config.num_experts)
             for target, part in names:
                 tensors[target] = _loader(handle, file, key, config, part)
+                if isinstance(part, tuple) and part[-1] == "mxfp4":
+                    tensors[target], raw_tensors[target] = _mxfp4_loaders(
+                        handles, file, key, part, header[key]
+                    )
                 if isinstance(part, tuple):
                     shapes[target] = _expert_shape(file, key, header[key], part)
                     continue
@@ -265,7 +295,7 @@ def open_folder(folder: Path) -> Checkpoint:
                     shapes[target] = (stop - start, *shape[1:])
                 else:
                     shapes[target] = part_shape(file, key, shape, part)
-    ckpt = Checkpoint(folder, "hf", config, tensors, generation, shapes=shapes)
+    ckpt = Checkpoint(folder, "hf", config, tensors, generation, raw=raw_tensors, shapes=shapes)
     check_checkpoint(ckpt, layer_key="n_layer" if config.arch == "gpt2" else "num_hidden_layers")
     return ckpt
 
@@ -294,6 +324,51 @@ def phi3_rows(file: Path, key: str, shape: tuple[int, ...], config, part: str) -
     if rows != total:
         raise LoadError(file, f"tensor {key}: fused with {rows} rows, expected {total}")
     return start, stop
+
+
+def _mxfp4_loaders(handles: dict, file: Path, key: str, part: tuple, shape: tuple):
+    """(float loader, raw loader) of one expert projection stored MXFP4 as gpt-oss's
+    released checkpoints store it (config quantization_config.quant_method "mxfp4"):
+    `key` (..._blocks) uint8 [E, out, in / 32, 16], two e2m1 codes a byte (value 2i in
+    the low nibble of byte i), and its ..._scales uint8 [E, out, in / 32], e8m0 exponents
+    (2^(s - 127)). Both give GGUF's MXFP4 blocks: the raw loader (GGUF MXFP4, [rows,
+    in / 32 * 17]) packs as a GGUF file's MXFP4 tensors do, the float one dequantizes
+    them with gguf-py; rows are expert j's (of half h: gate = even rows, up = odd)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    j, half, _ = part
+    scales_key = key.removesuffix("_blocks") + "_scales"
+
+    def blocks() -> np.ndarray:
+        if scales_key not in handles:
+            raise LoadError(file, f"tensor {key!r} has no {scales_key!r} beside it")
+        try:
+            codes = handles[key].get_slice(key)[j : j + 1][0]  # [out, G, 16] uint8
+            scales = handles[scales_key].get_slice(scales_key)[j : j + 1][0]  # [out, G]
+        except Exception as e:
+            raise LoadError(file, f"cannot read tensor {key!r} ({e})") from None
+        if codes.dtype != torch.uint8 or scales.dtype != torch.uint8:
+            raise LoadError(file, f"tensor {key!r}: MXFP4 blocks and scales must be uint8")
+        if tuple(scales.shape) != tuple(codes.shape[:2]):
+            raise LoadError(
+                file, f"tensor {scales_key!r}: shape {tuple(scales.shape)} does not match "
+                f"{key!r}'s {tuple(codes.shape)}"
+            )  # fmt: skip
+        if half is not None:
+            codes, scales = codes[half::2], scales[half::2]
+        codes = codes.numpy()
+        # values in order [rows, G, 32]; GGUF's byte i holds value i (low) and i + 16 (high)
+        values = np.stack([codes & 15, codes >> 4], axis=-1).reshape(*codes.shape[:2], 32)
+        qs = values[..., :16] | (values[..., 16:] << 4)  # [rows, G, 16]
+        packed = np.concatenate([scales.numpy()[..., None], qs], axis=-1)  # [rows, G, 17]
+        return packed.reshape(packed.shape[0], -1)
+
+    def load_float() -> torch.Tensor:
+        rows = dequantize(blocks(), GGMLQuantizationType.MXFP4)
+        return torch.from_numpy(np.ascontiguousarray(rows.reshape(rows.shape[0], -1)))
+
+    return load_float, lambda: (GGMLQuantizationType.MXFP4, blocks())
 
 
 def _loader(handle, file: Path, key: str, config, part):

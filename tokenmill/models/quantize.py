@@ -94,6 +94,9 @@ def _pack(ckpt: Checkpoint, parts: list[str], scheme: str) -> NativeLinear | Non
         layers = [_from_gguf(qtype, data) for qtype, data in raws]
         for p in parts:
             ckpt.release(p)  # packed: the file's pages need not stay resident
+    elif scheme == "float" and all(p in ckpt.raw for p in parts):
+        # a float checkpoint's block-coded tensors (gpt-oss's MXFP4 experts) pack as GGUF's
+        return _pack(ckpt, parts, "gguf")
     elif scheme == "float":
         tensors = [ckpt.tensors[p]() for p in parts]
         if any(t.dim() != 2 or t.dtype not in FLOAT_GGUF.values() for t in tensors):
