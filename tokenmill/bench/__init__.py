@@ -49,6 +49,8 @@ The package, a module per part:
     progress.py  the progress bar
     report.py    figures, the table, the notes, the plot
     command.py   `tokenmill bench`'s arguments, --quick and the whole run
+    embeddings.py  --embeddings: inputs/s of LLM.embed beside llama.cpp's embedding mode
+                 (its own workers, driven as engines.Worker drives the others)
 """
 
 from tokenmill.bench.command import build_workload, cmd_bench, register

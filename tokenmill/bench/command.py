@@ -153,6 +153,12 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
     )
     _add_preset_option(p, "--bandwidth-mib", int_at_least(1), "buffer size of the bandwidth test")
     _add_preset_option(p, "--gemm-size", int_at_least(1), "N of the N x N x N GEMM test")
+    p.add_argument(
+        "--embeddings",
+        action="store_true",
+        help="measure embedding throughput instead (inputs/s at 32 and 512 tokens, beside "
+        "llama.cpp's embedding mode on the same GGUF; bench/embeddings.py)",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write the full report as JSON")
     p.add_argument(
         "--plot", default=None, metavar="PATH", help="write a PNG bar chart (needs matplotlib)"
@@ -191,6 +197,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
         raise ValueError(
             "--runs, --num-requests and --peer-batch-size must be >= 1, --gen-len >= 2"
         )
+    if args.embeddings:
+        from tokenmill.bench.embeddings import cmd_embeddings
+
+        return cmd_embeddings(args)
     if args.plot:
         require_matplotlib()
     path = resolve_model(args.model)
