@@ -520,3 +520,17 @@ FAMILIES.update(
         ),
     }
 )
+
+
+def llama_cpp_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
+    """llama.cpp's (llama-cpp-python's) greedy continuation of prompt on GGUF `path`: n
+    token ids, EOS not stopping it (tests skip where llama_cpp is not importable)."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=len(prompt) + n + 8, n_threads=2, verbose=False)
+    out: list[int] = []
+    for token in llm.generate(list(prompt), temp=0.0, reset=True):
+        out.append(token)
+        if len(out) == n:
+            break
+    return out

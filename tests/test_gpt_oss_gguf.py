@@ -18,6 +18,7 @@ large enough that the clamps bite.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import numpy as np
@@ -26,7 +27,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, RopeScalingType
 from gguf.quants import dequantize, quantize
-from helpers import Single, finish_gguf, hf_greedy, hf_logits
+from helpers import Single, finish_gguf, hf_greedy, hf_logits, llama_cpp_greedy
 from test_moe import GREEDY, build_moe_model
 
 from tokenmill.llm import LLM
@@ -215,3 +216,19 @@ def test_bad_gpt_oss_files_are_one_clear_error(tmp_path):
     _rewrite(path, bad, drop_key="gpt-oss.expert_count")
     with pytest.raises(LoadError, match="missing metadata key gpt-oss.expert_count"):
         open_checkpoint(bad)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed"
+)
+def test_llama_cpp_reads_the_same_file_to_the_same_tokens(tmp_path):
+    """llama.cpp (llama-cpp-python) on the same gpt-oss GGUF gives tokenmill's and
+    transformers' greedy tokens. Gate and up split: llama-cpp-python 0.3.16's llama.cpp
+    does not read the fused ffn_gate_up_exps."""
+    hf = build_gpt_oss(tmp_path / "hf")
+    path = tmp_path / "oss.gguf"
+    write_gpt_oss_gguf(hf, path, fused=False)
+    prompt = _prompt()
+    ours = LLM(path, kv_cache_memory="1024tok").generate([prompt], GREEDY)[0].token_ids
+    assert ours == hf_greedy(hf, prompt, 12)
+    assert ours == llama_cpp_greedy(path, prompt, 12)

@@ -11,13 +11,14 @@ and Qwen3-MoE yes, Qwen2-MoE and OLMoE no), so the HF configs below follow it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from helpers import Single, finish_gguf, hf_greedy, hf_logits, write_gguf
+from helpers import Single, finish_gguf, hf_greedy, hf_logits, llama_cpp_greedy, write_gguf
 from test_moe import GREEDY, build_moe_model
 
 from tokenmill.layers.moe import MoE
@@ -162,3 +163,29 @@ def test_bad_moe_files_are_one_clear_error(tmp_path):
     _rewrite(path, bad, experts_type=Q.Q8_1)
     with pytest.raises(LoadError, match="ffn_.*_exps.weight: unsupported quantization type Q8_1"):
         open_checkpoint(bad)
+
+
+HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+
+
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed")
+@pytest.mark.parametrize(
+    "name, qtype",
+    [("qwen3moe", None), ("qwen2moe", None), ("mixtral", None), ("olmoe", None)]
+    + [("qwen3moe", Q.Q8_0), ("mixtral", Q.Q8_0)],
+)
+def test_llama_cpp_reads_the_same_file_to_the_same_tokens(tmp_path, name, qtype):
+    """llama.cpp (llama-cpp-python) on the same GGUF gives tokenmill's greedy tokens (as
+    loaded by default: the fused stack, Q8_0 experts packed as stored), and transformers'
+    where the file holds float weights. (llama.cpp reads no dense layer among experts,
+    and OLMoE only without grouped K/V heads: its K norm is [d].)"""
+    more = {"num_key_value_heads": 4} if name == "olmoe" else {}
+    if qtype is not None:  # Q8_0 blocks are 32 wide along the input
+        more.update(hidden_size=64, intermediate_size=64, moe_intermediate_size=32)
+        more.update(initializer_range=0.1)
+    hf, path = _build(tmp_path, name, qtype, **more)
+    prompt = torch.randint(2, 300, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = LLM(path, kv_cache_memory="1024tok").generate([prompt], GREEDY)[0].token_ids
+    assert ours == llama_cpp_greedy(path, prompt, 12)
+    if qtype is None:
+        assert ours == hf_greedy(hf, prompt, 12)
