@@ -1,5 +1,5 @@
 """Mixture-of-experts GGUF files, as llama.cpp's converter writes them: qwen2moe, qwen3moe,
-olmoe, and llama with experts (Mixtral), written with the `gguf` package from the same
+olmoe, granitemoe, and llama with experts (Mixtral), written with the `gguf` package from the same
 random weights as a Hugging Face folder (tests/test_moe.py's) and read back.
 
 Each sparse layer holds its router blk.N.ffn_gate_inp [E, d] and its experts as 3-D
@@ -44,14 +44,68 @@ CASES = {
     ),
     "mixtral": ("llama", "mixtral", dict(num_experts_per_tok=2)),
     "olmoe": ("olmoe", "olmoe", dict(num_experts_per_tok=3, norm_topk_prob=False)),
+    # Granite's multipliers as granite.*_scale keys, Q/K rows permuted as for llama
+    "granitemoe": ("granitemoe", "granitemoe", dict(num_experts_per_tok=2)),
+    # and an ungated shared expert (expert_shared_feed_forward_length, ffn_*_shexp)
+    "granitemoeshared": ("granitemoe", "granitemoeshared", dict(num_experts_per_tok=3)),
 }
+
+
+class _GraniteAsMixtral:
+    """A Granite-MoE model's tensors under the names helpers.write_gguf knows, as
+    llama.cpp's converter splits them: the experts' [E, 2fe, d] gate_up (gate rows
+    first), the router, the shared expert's input_linear [2fs, d] into gate and up; Q/K
+    rows permuted (the converter permutes Granite's, as Llama's)."""
+
+    def __init__(self, hf):
+        self.hf, self.config = hf, hf.config
+
+    def parameters(self):
+        return self.hf.parameters()
+
+    def state_dict(self) -> dict:
+        from helpers import _permute_qk
+
+        out = {}
+        cfg = self.config
+        for name, t in self.hf.state_dict().items():
+            name = name.replace("block_sparse_moe.experts.", "mlp.experts.")
+            name = name.replace("block_sparse_moe.router.", "mlp.gate.")
+            if name.endswith("shared_mlp.input_linear.weight"):
+                gate, up = t.chunk(2, dim=0)
+                stem = name.removesuffix("shared_mlp.input_linear.weight")
+                out[f"{stem}mlp.shared_expert.gate_proj.weight"] = gate
+                out[f"{stem}mlp.shared_expert.up_proj.weight"] = up
+                continue
+            name = name.replace("shared_mlp.output_linear.", "mlp.shared_expert.down_proj.")
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+                t = torch.from_numpy(_permute_qk(t.numpy(), heads).copy())
+            out[name] = t
+        return out
+
+
+def _write(hf, path, arch: str, qtype=None) -> None:
+    """hf as llama.cpp's converter writes a GGUF of `arch` (helpers.write_gguf)."""
+    if arch != "granitemoe":
+        return write_gguf(hf, path, arch, qtype)
+    cfg = hf.config
+    metadata = dict(
+        embedding_scale=cfg.embedding_multiplier,
+        attention_scale=cfg.attention_multiplier,
+        residual_scale=cfg.residual_multiplier,
+        logit_scale=cfg.logits_scaling,
+    )
+    if getattr(cfg, "shared_intermediate_size", 0):
+        metadata["expert_shared_feed_forward_length"] = cfg.shared_intermediate_size
+    write_gguf(_GraniteAsMixtral(hf), path, arch, qtype, metadata=metadata)
 
 
 def _build(tmp_path, name: str, qtype=None, **more):
     arch, model_type, overrides = CASES[name]
     hf = build_moe_model(model_type, tmp_path / "hf", **{**overrides, **more})
     path = tmp_path / f"{name}.gguf"
-    write_gguf(hf, path, arch, qtype)
+    _write(hf, path, arch, qtype)
     return hf, path
 
 
@@ -62,6 +116,7 @@ _MOE_FIELDS = (
     "router",
     "norm_topk_prob",
     "shared_expert_intermediate_size",
+    "shared_expert_gate",
     "moe_layers",
     "qk_norm",
     "qkv_bias",
@@ -70,7 +125,8 @@ _MOE_FIELDS = (
 
 @pytest.mark.parametrize(
     "name, qtype",
-    [(name, None) for name in CASES] + [("qwen2moe", Q.F16), ("mixtral", Q.F16)],
+    [(name, None) for name in CASES]
+    + [("qwen2moe", Q.F16), ("mixtral", Q.F16), ("granitemoeshared", Q.F16)],
 )
 def test_gguf_reads_back_as_the_folder(tmp_path, name, qtype):
     """The file reads to the folder's MoE config, the folder's prefill logits (every
@@ -171,8 +227,8 @@ HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 @pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed")
 @pytest.mark.parametrize(
     "name, qtype",
-    [("qwen3moe", None), ("qwen2moe", None), ("mixtral", None), ("olmoe", None)]
-    + [("qwen3moe", Q.Q8_0), ("mixtral", Q.Q8_0)],
+    [(name, None) for name in ("qwen3moe", "qwen2moe", "mixtral", "olmoe", "granitemoe")]
+    + [("granitemoeshared", None), ("qwen3moe", Q.Q8_0), ("mixtral", Q.Q8_0)],
 )
 def test_llama_cpp_reads_the_same_file_to_the_same_tokens(tmp_path, name, qtype):
     """llama.cpp (llama-cpp-python) on the same GGUF gives tokenmill's greedy tokens (as

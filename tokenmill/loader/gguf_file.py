@@ -6,7 +6,7 @@ Q and K projections of llama-family models (its rotary kernel pairs adjacent
 dimensions, HF's pairs the two halves); we undo that so one rotary implementation
 serves both formats.
 
-Mixture-of-experts files (qwen2moe, qwen3moe, olmoe, gpt-oss, and llama with experts:
+Mixture-of-experts files (qwen2moe, qwen3moe, olmoe, gpt-oss, granitemoe, and llama with experts:
 Mixtral) keep each sparse layer's experts as 3-D tensors blk.N.ffn_{gate,up,down}_exps,
 [n_expert, rows, cols] in numpy order (gpt-oss: or gate and up fused, ffn_gate_up_exps
 [n_expert, 2 fe, d], and a bias [n_expert, rows] beside each); each expert's slice becomes
@@ -60,10 +60,10 @@ SUPPORTED_TYPES = {
 SUPPORTED_ARCHS = (
     *("llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt2"),
     *("smollm3", "gemma2", "olmo2", "phi3", "granite"),
-    *("qwen2moe", "qwen3moe", "olmoe", "gpt-oss"),
+    *("qwen2moe", "qwen3moe", "olmoe", "gpt-oss", "granitemoe"),
 )
 # Mixture-of-experts families (layers/moe.py); llama is one too when it has experts.
-_MOE_ARCHS = ("qwen2moe", "qwen3moe", "olmoe", "gpt-oss")
+_MOE_ARCHS = ("qwen2moe", "qwen3moe", "olmoe", "gpt-oss", "granitemoe")
 # llama.cpp's rule per family (build_moe_ffn's norm_w): softmax over all experts, the top
 # k, then rescale those k to sum to 1 or not. It is fixed per architecture, not read from
 # the file: Mixtral and Qwen3-MoE renormalize, Qwen2-MoE and OLMoE do not.
@@ -87,7 +87,7 @@ _EXPERT_NAMES = {
 # gpt-oss: llama.cpp's swiglu_oai has its alpha and limit built in (no header keys)
 _GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 # Families whose Q/K rows llama.cpp's converter permuted.
-_PERMUTED_QK = ("llama", "mistral", "smollm3", "granite")
+_PERMUTED_QK = ("llama", "mistral", "smollm3", "granite", "granitemoe")
 # SmolLM3: llama.cpp has no key for its NoPE layers; it hard-codes every 4th layer.
 _SMOLLM3_NOPE_STEP = 4
 
@@ -243,15 +243,16 @@ def _config(reader: GGUFFile, path: Path) -> ModelConfig:
             layer_types=["sliding" if window and i % 4 < 3 else "full" for i in range(layers)],
             **common,
         )
-    if arch == "granite":
+    if arch in ("granite", "granitemoe"):
         # llama.cpp's converter writes each multiplier as a *_scale key, and only when it is
         # set (not 0); absent, llama.cpp takes none (1), and 1/sqrt(head_dim) for attention.
         # logit_scale is transformers' logits_scaling: the logits are divided by it.
         def scale(key: str, default: float) -> float:
             return meta_float(key, 0.0) or default
 
+        moe = _moe_fields(arch, raw, meta_int, names, layers, common["intermediate_size"])
         return ModelConfig(
-            arch="granite",
+            arch=arch,
             norm_eps=rms_eps,
             embed_scale=scale("embedding_scale", 1.0),
             attn_scale=scale("attention.scale", head_dim**-0.5),
@@ -262,6 +263,7 @@ def _config(reader: GGUFFile, path: Path) -> ModelConfig:
             mlp_bias="blk.0.ffn_up.bias" in names,
             sliding_window=window,
             layer_types=["sliding" if window else "full"] * layers,
+            **moe,
             **common,
         )
     nope = arch == "smollm3"
@@ -306,7 +308,9 @@ def _moe_fields(arch: str, raw, meta_int, names: set[str], layers: int, n_ff: in
     layer; a dense layer mixed in reads as the dense MLP)."""
     if arch not in (*_MOE_ARCHS, "llama"):
         return {}
-    gpt_oss = arch == "gpt-oss"
+    # gpt-oss and Granite-MoE: the top k logits, then a softmax over them (llama.cpp's
+    # SOFTMAX_WEIGHT; Granite's softmax over all, top k, renormalized, is the same)
+    topk_first = arch in ("gpt-oss", "granitemoe")
     key = f"{arch}.expert_count"
     experts = raw(key, REQUIRED if arch in _MOE_ARCHS else None)
     if arch == "llama" and not experts:
@@ -322,8 +326,7 @@ def _moe_fields(arch: str, raw, meta_int, names: set[str], layers: int, n_ff: in
         num_experts=experts,
         num_experts_per_tok=used,
         moe_intermediate_size=width or fallback,
-        # gpt-oss: the top k logits, then a softmax over them (llama.cpp's SOFTMAX_WEIGHT)
-        router="topk_softmax" if gpt_oss else "softmax_topk",
+        router="topk_softmax" if topk_first else "softmax_topk",
         norm_topk_prob=_NORM_TOPK.get(arch, False),
         router_bias="blk.0.ffn_gate_inp.bias" in names,
         moe_layers=[f"blk.{i}.ffn_gate_inp.weight" in names for i in range(layers)],
@@ -331,6 +334,9 @@ def _moe_fields(arch: str, raw, meta_int, names: set[str], layers: int, n_ff: in
     if arch == "qwen2moe":  # its shared expert (sigmoid-gated) is in every sparse layer
         shared = meta_int("expert_shared_feed_forward_length", None, size="intermediate_size")
         fields["shared_expert_intermediate_size"] = shared or n_ff
+    if arch == "granitemoe":  # Granite-MoE-shared: an ungated shared expert, if the key is set
+        shared = meta_int("expert_shared_feed_forward_length", 0, lo=0, size="intermediate_size")
+        fields.update(shared_expert_intermediate_size=shared, shared_expert_gate=False)
     return fields
 
 

@@ -454,12 +454,11 @@ def _moe_config(f: ConfigFields, model_type: str, common: dict[str, Any]) -> Mod
         )
     granite = model_type.startswith("granitemoe")
     if granite:  # Granite's multipliers; the top k logits then a softmax over them
-        moe.update(_granite_scales(f), router="topk_softmax")
+        moe.update(_granite_scales(f), router="topk_softmax", shared_expert_gate=False)
     if model_type == "granitemoeshared":  # a shared expert added without a gate
         moe["shared_expert_intermediate_size"] = f.int(
             "shared_intermediate_size", 0, lo=0, hi=MAX_SIZES["intermediate_size"]
         )
-        moe["shared_expert_gate"] = False
     if model_type == "olmoe" and f.raw("clip_qkv", None) is not None:
         raise ConfigError("clip_qkv is not supported (OLMoE checkpoints released without it)")
     if model_type == "qwen2_moe":
