@@ -29,7 +29,7 @@ import torch
 
 from tokenmill.checks import ParamError
 from tokenmill.config import ModelConfig
-from tokenmill.dtypes import DTYPES
+from tokenmill.dtypes import DTYPES, Q8_0
 from tokenmill.engine.kv_cache import KVCache
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.hub import resolve_model
@@ -107,15 +107,18 @@ def register_parallel(builder: ParallelBuilder) -> None:
     _parallel_builder = builder
 
 
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", Q8_0)
 
 
-def kv_cache_torch_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's torch dtype for kv_cache_dtype `name` ("auto": the activations')."""
+def kv_cache_torch_dtype(name: str, dtype: torch.dtype) -> torch.dtype | str:
+    """The KV cache's torch dtype for kv_cache_dtype `name` ("auto": the activations'), or
+    Q8_0 for the 8-bit blocks (KVCache stores those as bytes)."""
     if name not in KV_CACHE_DTYPES:
         raise ParamError.named(
             "kv_cache_dtype", f" must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}"
         )
+    if name == Q8_0:
+        return Q8_0
     return dtype if name == "auto" else DTYPES[name]
 
 

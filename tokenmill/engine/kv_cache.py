@@ -2,6 +2,10 @@
 
     k[layer], v[layer]: [num_blocks * block_size, Hkv, hd]  (a flat array of token slots)
 
+in float32, float16 or bfloat16; or, for kv_cache_dtype "q8_0", uint8
+[num_blocks * block_size, Hkv, hd / 32 * 34]: each 32 values of a head's row one q8_0
+block (tokenmill/dtypes.py), so a token takes 34/128 of its float32 bytes.
+
 Its size is the user's choice in bytes (`kv_cache_memory`) or tokens; the default
 takes a modest share of the machine's memory. Capacity is reported at start-up.
 """
@@ -16,6 +20,7 @@ import torch
 
 from tokenmill.checks import ParamError
 from tokenmill.config import ModelConfig
+from tokenmill.dtypes import Q8_0, Q8_0_BLOCK, kv_value_bytes
 from tokenmill.loader.checks import physical_memory_bytes
 from tokenmill.units import parse_memory
 
@@ -87,12 +92,27 @@ def check_pool_fits(tokens: int, bytes_per_token: int, device: torch.device, mem
         )
 
 
+KVDtype = torch.dtype | str  # a torch float dtype, or Q8_0
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: KVDtype) -> int:
+    """Bytes the KV cache of `dtype` holds per token, over all layers (K and V). A q8_0
+    cache needs a head_dim that is a multiple of 32 (its blocks never straddle heads)."""
+    if dtype == Q8_0 and cfg.head_dim % Q8_0_BLOCK:
+        raise ParamError.named(
+            "kv_cache_dtype",
+            f" q8_0 needs a head_dim that is a multiple of {Q8_0_BLOCK}; "
+            f"this model's is {cfg.head_dim}",
+        )
+    return 2 * cfg.num_layers * cfg.num_kv_heads * kv_value_bytes(dtype, cfg.head_dim)
+
+
 def kv_blocks(
-    cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device, memory
+    cfg: ModelConfig, block_size: int, dtype: KVDtype, device: torch.device, memory
 ) -> int:
     """Blocks of a pool of `memory` (bytes, "512MiB", "8192tok"; None: the default) for
-    the model `cfg`."""
-    per_token = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+    the model `cfg`, its cache in `dtype`: the pool holds memory / bytes per token tokens."""
+    per_token = kv_bytes_per_token(cfg, dtype)
     amount = parse_memory(memory)
     if amount is None:
         amount = default_kv_bytes(device)
@@ -105,7 +125,7 @@ class KVCache:
         self,
         cfg: ModelConfig,
         block_size: int,
-        dtype: torch.dtype,
+        dtype: KVDtype,
         device: torch.device,
         memory: int | str | None = None,
         num_blocks: int | None = None,
@@ -113,17 +133,24 @@ class KVCache:
         """num_blocks: the pool's size in blocks, overriding `memory` (the ranks of a
         parallel run size their part of the pool from the whole model's)."""
         self.block_size = block_size
-        self.dtype = dtype  # what it stores: the activations' dtype, or kv_cache_dtype's
-        self.bytes_per_token = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+        # what it stores: the activations' dtype, or kv_cache_dtype's (a torch dtype or Q8_0)
+        self.dtype = dtype
+        self.bytes_per_token = kv_bytes_per_token(cfg, dtype)
         if num_blocks is None:
             num_blocks = kv_blocks(cfg, block_size, dtype, device, memory)
         self.num_blocks = num_blocks
         self.capacity_tokens = slots = num_blocks * block_size  # fixed from here on
         self.nbytes = slots * self.bytes_per_token
         check_pool_fits(slots, self.bytes_per_token, device, memory)
-        shape = (slots, cfg.num_kv_heads, cfg.head_dim)
-        self.k = [_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
-        self.v = [_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
+        if dtype == Q8_0:  # [slots, Hkv, hd / 32 * 34] bytes
+            shape, store = (
+                (slots, cfg.num_kv_heads, kv_value_bytes(Q8_0, cfg.head_dim)),
+                torch.uint8,
+            )
+        else:
+            shape, store = (slots, cfg.num_kv_heads, cfg.head_dim), dtype
+        self.k = [_zeros(shape, store, device) for _ in range(cfg.num_layers)]
+        self.v = [_zeros(shape, store, device) for _ in range(cfg.num_layers)]
 
     def make_resident(self) -> None:
         """Back the whole pool with memory now. A server does this at start, as llama.cpp

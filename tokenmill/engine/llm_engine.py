@@ -163,8 +163,9 @@ class LLMEngine:
         "none" loads torch Linears in `dtype` (exact, what the oracle tests compare);
         "gguf", "float", "q8", "q4" force a scheme (see models/quantize.py).
         progress(done, total) is called while weights load.
-        kv_cache_dtype: "auto" (the activations' dtype), "float32", "float16" or "bfloat16":
-        what the KV cache stores (16 bits hold twice the tokens in the same memory).
+        kv_cache_dtype: "auto" (the activations' dtype), "float32", "float16", "bfloat16"
+        or "q8_0" (llama.cpp's 8-bit blocks, 34 bytes per 32 values): what the KV cache
+        stores (16 bits hold twice the tokens in the same memory, q8_0 3.76 times).
         tensor_parallel_size / pipeline_parallel_size: run the model over that many
         processes (tokenmill/distributed: spawned on this machine, or torchrun's).
         speculative: "ngram", or {"method": "ngram", "k": 4, "prompt_lookup_max": 4,
@@ -685,6 +686,9 @@ class LLMEngine:
             "prefix_cache_query_tokens": b.query_tokens,
             "prefix_cache_hit_tokens": b.hit_tokens,
             "preemptions": self.scheduler.num_preemptions,
+            # what a token costs in the pool: K and V of every layer, in the cache's dtype
+            "kv_cache_dtype": str(self.cache.dtype).removeprefix("torch."),
+            "kv_bytes_per_token": self.cache.bytes_per_token,
         }
 
     def speculative_stats(self) -> dict[str, int | float | str]:

@@ -71,6 +71,7 @@ __all__ = [
 
 ABI = 14  # tm_info() // 1000 of the sources this module binds
 F16, BF16, F32 = 16, 17, 32  # tm_weight.bits of float weights (4 and 8: packed blocks)
+Q8_0 = 8  # tm_layer.kv_bits of a KV cache of q8_0 blocks (tokenmill/dtypes.py)
 DEFAULT_GROUP_BLOCKS = 16  # the packing used when no library is loaded (any would do)
 # The most rows of x the GEMV takes before float32 tiles beat it (float weights, and
 # packed ones where the integer GEMM is no faster): GEMV_MAX_ROWS of linear.c, which
@@ -118,7 +119,7 @@ class TmLayer(ctypes.Structure):
         *_of(FLT, "scale", "softcap", "residual_scale"),
         ("moe", VP),  # a TmMoe, or None
         ("sinks", VP),  # [H] float, or None
-        ("kv_bits", I32),  # the cache's floats: F32, F16 or BF16
+        ("kv_bits", I32),  # the cache's values: F32, F16, BF16 or Q8_0
     ]
 
 

@@ -1,15 +1,38 @@
 /* Decode attention over the paged KV cache: one call per layer does, for every decode row
  * and K/V head, the q/k RMSNorm, RoPE, the cache write of the new k/v and
- * softmax(q K^T * scale) V. The cache holds float32, float16 or bfloat16 (tm_layer.kv_bits);
- * scores, softmax and the value sums are float32 whatever it holds. The inner loops are
+ * softmax(q K^T * scale) V. The cache holds float32, float16, bfloat16 or q8_0 blocks
+ * (tm_layer.kv_bits); scores, softmax and the value sums are float32 whatever it holds.
+ * q8_0 (llama.cpp's layout): each 32 values of a head's row are 34 bytes, a float16 scale d
+ * then 32 int8 q, the value q * d, dequantized as it is read; a cache "element" index idx
+ * (a multiple of 32 at each block) lives in block idx / 32, at byte (idx / 32) * 34. The inner loops are
  * written once over simd.h, and once for every cache type: `bits` is a constant at each
  * call of the always-inline loops, so each type gets loops of its own with no test inside. */
 #include "tm.h"
 
 #define TM_INLINE static inline __attribute__((always_inline))
 
-/* TM_W cache floats from element idx of base, as float32. */
+#define Q8_BLOCK 32
+#define Q8_BYTES 34
+
+/* The q8_0 block holding element idx of base. */
+TM_INLINE const uint8_t *q8_block(const void *base, size_t idx) {
+    return (const uint8_t *)base + idx / Q8_BLOCK * Q8_BYTES;
+}
+
+/* A q8_0 block's scale d, as float32 (it may sit at any byte: copied out). */
+TM_INLINE float q8_scale(const uint8_t *blk) {
+    uint16_t h;
+    memcpy(&h, blk, 2);
+    return tm_half_to_float(h);
+}
+
+/* TM_W cache floats from element idx of base, as float32 (q8_0: TM_W divides 32, so the
+ * TM_W values share one block). */
 TM_INLINE vf kv_load(const void *base, size_t idx, int bits) {
+    if (bits == TM_Q8_0) {
+        const uint8_t *blk = q8_block(base, idx);
+        return vf_mul(vf_load_i8((const int8_t *)blk + 2 + idx % Q8_BLOCK), vf_set1(q8_scale(blk)));
+    }
     if (bits == TM_F16) return vf_load_f16((const uint16_t *)base + idx);
     if (bits == TM_BF16) return vf_load_bf16((const uint16_t *)base + idx);
     return vf_load((const float *)base + idx);
@@ -17,6 +40,10 @@ TM_INLINE vf kv_load(const void *base, size_t idx, int bits) {
 
 /* One cache float, as float32. */
 TM_INLINE float kv_at(const void *base, size_t idx, int bits) {
+    if (bits == TM_Q8_0) {
+        const uint8_t *blk = q8_block(base, idx);
+        return (float)((const int8_t *)blk)[2 + idx % Q8_BLOCK] * q8_scale(blk);
+    }
     if (bits == TM_F16) return tm_half_to_float(((const uint16_t *)base)[idx]);
     if (bits == TM_BF16) return tm_bf16_to_float(((const uint16_t *)base)[idx]);
     return ((const float *)base)[idx];
@@ -56,8 +83,28 @@ static inline uint16_t tm_float_to_bf16(float f) {
     return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
-/* Store x [n] float32 as the cache's floats at element idx of base. */
+/* Store x [n] float32 as the cache's values at element idx of base (q8_0: idx and n
+ * multiples of 32). A q8_0 block: d = max|x| / 127, q = x * (1 / d) rounded to nearest
+ * even (nearbyintf in the default rounding mode), d stored as float16: the same float32
+ * operations as dtypes.quantize_q8_0, so both paths write the same bytes for the same x. */
 static inline void kv_store(void *base, size_t idx, const float *x, int n, int bits) {
+    if (bits == TM_Q8_0) {
+        uint8_t *blk = (uint8_t *)base + idx / Q8_BLOCK * Q8_BYTES;
+        for (int b = 0; b < n; b += Q8_BLOCK, blk += Q8_BYTES) {
+            float amax = 0.f;
+            for (int i = 0; i < Q8_BLOCK; i++) amax = fmaxf(amax, fabsf(x[b + i]));
+            const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+            const uint16_t h = tm_float_to_half(d);
+            memcpy(blk, &h, 2);
+            int8_t *q = (int8_t *)blk + 2;
+            for (int i = 0; i < Q8_BLOCK; i++) {
+                float r = nearbyintf(x[b + i] * inv);
+                r = r > 127.f ? 127.f : r < -127.f ? -127.f : r;
+                q[i] = (int8_t)r;
+            }
+        }
+        return;
+    }
     if (bits == TM_F32) {
         memcpy((float *)base + idx, x, n * sizeof(float));
         return;
@@ -78,9 +125,32 @@ static inline void rope_inplace(float *x, int dim, const float *c, const float *
 }
 
 /* sc [m] = scale * (q . K_j), K_j = the hd cache floats from element sl[j] * stride of base. */
+/* q . K_j as TM_W partial sums, K_j the hd (a multiple of 32) q8_0 values from element k of
+ * base: each block's int8 dot in float32, then scaled by its d once. */
+TM_INLINE vf q8_dot(const float *q, const void *base, size_t k, int hd) {
+    const uint8_t *blk = q8_block(base, k);
+    vf a = vf_zero();
+    for (int b = 0; b < hd; b += Q8_BLOCK, blk += Q8_BYTES) {
+        const int8_t *x = (const int8_t *)blk + 2;
+        vf s = vf_mul(vf_load(q + b), vf_load_i8(x));
+        for (int i = TM_W; i < Q8_BLOCK; i += TM_W) s = vf_fma(vf_load(q + b + i), vf_load_i8(x + i), s);
+        a = vf_fma(s, vf_set1(q8_scale(blk)), a);
+    }
+    return a;
+}
+
 TM_INLINE void attn_scores(const float *q, const void *base, const int64_t *sl, size_t stride,
                            int m, int hd, float scale, float *sc, int bits) {
     int j = 0;
+    if (bits == TM_Q8_0) { /* hd % 32 == 0 (KVCache refuses others) */
+        for (; j + TM_W <= m; j += TM_W) {
+            vf v[TM_W];
+            for (int u = 0; u < TM_W; u++) v[u] = q8_dot(q, base, (size_t)sl[j + u] * stride, hd);
+            vf_store(sc + j, vf_mul(vf_hsums(v), vf_set1(scale)));
+        }
+        for (; j < m; j++) sc[j] = vf_sum(q8_dot(q, base, (size_t)sl[j] * stride, hd)) * scale;
+        return;
+    }
     if (hd % TM_W == 0)
         for (; j + TM_W <= m; j += TM_W) { /* TM_W keys at a time: one horizontal-sum tree */
             vf v[TM_W];
@@ -157,18 +227,23 @@ TM_INLINE void attn_values(const float *p, int m, int rep, const void *base, con
 static void attend(const float *q, const void *kc, const void *vc, size_t off, const int64_t *sl,
                    size_t stride, int m, int rep, int hd, float scale, float *sc, float *acc, int bits,
                    int phase) {
-    const size_t size = bits == TM_F32 ? 4 : 2;
-    kc = (const char *)kc + off * size;
-    vc = (const char *)vc + off * size;
+    /* off: a multiple of hd, so of 32 for q8_0 (whole blocks) */
+    const size_t bytes = bits == TM_Q8_0 ? off / Q8_BLOCK * Q8_BYTES : off * (bits == TM_F32 ? 4 : 2);
+    kc = (const char *)kc + bytes;
+    vc = (const char *)vc + bytes;
     if (phase == 0) {
         for (int r = 0; r < rep; r++) {
-            if (bits == TM_F16)
+            if (bits == TM_Q8_0)
+                attn_scores(q + (size_t)r * hd, kc, sl, stride, m, hd, scale, sc + (size_t)r * m, TM_Q8_0);
+            else if (bits == TM_F16)
                 attn_scores(q + (size_t)r * hd, kc, sl, stride, m, hd, scale, sc + (size_t)r * m, TM_F16);
             else if (bits == TM_BF16)
                 attn_scores(q + (size_t)r * hd, kc, sl, stride, m, hd, scale, sc + (size_t)r * m, TM_BF16);
             else
                 attn_scores(q + (size_t)r * hd, kc, sl, stride, m, hd, scale, sc + (size_t)r * m, TM_F32);
         }
+    } else if (bits == TM_Q8_0) {
+        attn_values(sc, m, rep, vc, sl, stride, hd, acc, TM_Q8_0);
     } else if (bits == TM_F16) {
         attn_values(sc, m, rep, vc, sl, stride, hd, acc, TM_F16);
     } else if (bits == TM_BF16) {
@@ -316,8 +391,9 @@ int tm_decode_attention(const tm_shape *sh, const tm_layer *L, const tm_rows *ro
     const attn_job J = {
         .H = H, .Hkv = Hkv, .hd = hd, .rep = H / Hkv, .cmax = cmax, .rot_dim = L->rot_dim,
         .window = L->window, .qk_full = L->qk_full,
-        /* anything but a 16-bit type is float32 (a zeroed tm_layer included) */
-        .bits = L->kv_bits == TM_F16 || L->kv_bits == TM_BF16 ? L->kv_bits : TM_F32,
+        /* anything but a 16-bit type or q8_0 is float32 (a zeroed tm_layer included) */
+        .bits = L->kv_bits == TM_F16 || L->kv_bits == TM_BF16 || L->kv_bits == TM_Q8_0 ? L->kv_bits
+                                                                                       : TM_F32,
         .stride = (H + 2 * Hkv) * hd, .eps = sh->eps, .scale = L->scale, .softcap = L->softcap,
         .q_norm = L->q_norm, .k_norm = L->k_norm, .sinks = L->sinks, .rcos = L->rcos,
         .rsin = L->rsin, .qkv = qkv, .k_cache = L->k_cache, .v_cache = L->v_cache,

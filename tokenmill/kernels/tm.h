@@ -44,6 +44,7 @@
 /* Weight kinds (tm_weight.bits). */
 #define TM_F16 16  /* float16 [n, k], natural order, no scales */
 #define TM_BF16 17 /* bfloat16 [n, k], natural order, no scales */
+#define TM_Q8_0 8  /* tm_layer.kv_bits only: a KV cache of q8_0 blocks (attention.c) */
 #define TM_F32 32  /* float32 [n, k], natural order, no scales */
 
 /* One weight, filled once per layer from Python (ctypes.Structure mirror: TmWeight).
@@ -105,7 +106,7 @@ typedef struct {
     const float *post_attn_norm, *post_mlp_norm;  /* Gemma's sandwich norms [d] or NULL */
     const float *q_norm, *k_norm;                 /* [hd], or [H hd] and [Hkv hd] (qk_full) */
     const float *rcos, *rsin;                     /* [P, rot_dim] or NULL */
-    void *k_cache, *v_cache;                      /* [num_slots, Hkv, hd] of kv_bits floats */
+    void *k_cache, *v_cache;                      /* [num_slots, Hkv, hd] of kv_bits values */
     int32_t rot_dim, window, act16;               /* act16: activation bits of the linears */
     int32_t qk_full;  /* 1: q/k norms over the whole projection (OLMo 2), 0: each head apart */
     float scale;      /* attention score scale */
@@ -113,7 +114,7 @@ typedef struct {
     float residual_scale; /* x += residual_scale * sublayer (Granite; 1 elsewhere) */
     const tm_moe *moe;    /* an MoE layer's MLP (up, down and up_bias unused then), or NULL */
     const float *sinks;   /* [H]: each head's sink logit, one more softmax term (gpt-oss), or NULL */
-    int32_t kv_bits;      /* the cache's floats: TM_F32, TM_F16 or TM_BF16 (tm_weight's codes) */
+    int32_t kv_bits;      /* the cache's values: TM_F32, TM_F16, TM_BF16 (tm_weight's codes) or TM_Q8_0 */
 } tm_layer;
 
 /* Tensor parallelism: called with a row-parallel projection's partial sums [n] (the

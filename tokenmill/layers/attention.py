@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.dtypes import dequantize_q8_0, quantize_q8_0
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import Rotary
@@ -236,14 +237,29 @@ class Attention(nn.Module):
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """The KV cache write: every new token's k, v [T, Hkv, hd] to its slot [T], in the
         cache's dtype (a 16-bit cache rounds to nearest even, as the native path does)."""
-        self.k_cache.index_copy_(0, slot_mapping, k.to(self.k_cache.dtype))
-        self.v_cache.index_copy_(0, slot_mapping, v.to(self.v_cache.dtype))
+        self.k_cache.index_copy_(0, slot_mapping, self._to_cache(k))
+        self.v_cache.index_copy_(0, slot_mapping, self._to_cache(v))
+
+    def _to_cache(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, Hkv, hd] as the cache stores it: its dtype, or (a uint8 cache: q8_0) the
+        8-bit blocks [T, Hkv, hd / 32 * 34], the bytes the native kv_store writes."""
+        if self.k_cache.dtype == torch.uint8:
+            return quantize_q8_0(x)
+        return x.to(self.k_cache.dtype)
+
+    def _from_cache(self, cache: torch.Tensor, slots: torch.Tensor, dtype) -> torch.Tensor:
+        """The cached rows at `slots` (any shape S) -> [*S, Hkv, hd] in dtype."""
+        rows = cache[slots]
+        if cache.dtype == torch.uint8:  # q8_0 blocks: q * d, multiplied in float32
+            return dequantize_q8_0(rows, dtype)
+        return rows.to(dtype)
 
     def decode_attention(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Decode rows: one query each, q [Bd, H, hd], over its cached context (the new
         token's K/V already written) -> [Bd, H, hd]."""
-        keys = self.k_cache[meta.decode_slots].transpose(1, 2).to(q.dtype)  # [Bd, Hkv, Cmax, hd]
-        values = self.v_cache[meta.decode_slots].transpose(1, 2).to(q.dtype)
+        keys = self._from_cache(self.k_cache, meta.decode_slots, q.dtype).transpose(1, 2)
+        values = self._from_cache(self.v_cache, meta.decode_slots, q.dtype).transpose(1, 2)
+        # keys, values [Bd, Hkv, Cmax, hd]
         mask = meta.decode_mask(self.window)  # [Bd, 1, 1, Cmax]
         qd = q.unsqueeze(2)  # [Bd, H, 1, hd]
         if meta.trace is not None:
@@ -256,11 +272,16 @@ class Attention(nn.Module):
         """Prefill chunk i: all its queries q [L, H, hd] at once, causally masked, over its
         whole context (k, v [L, Hkv, hd] are the chunk's own) -> [L, H, hd]."""
         span = meta.prefills[i]
-        if span.slots is None:
+        if span.slots is None and self.k_cache.dtype == torch.uint8:
+            # q8_0: the chunk's own K/V as the cache holds them (what a later chunk, a decode
+            # step or a recompute after preemption reads), not the float32 ones
+            keys = dequantize_q8_0(quantize_q8_0(k), q.dtype)
+            values = dequantize_q8_0(quantize_q8_0(v), q.dtype)
+        elif span.slots is None:
             keys, values = k, v  # the whole context is new
         else:
-            keys = self.k_cache[span.slots].to(q.dtype)
-            values = self.v_cache[span.slots].to(q.dtype)
+            keys = self._from_cache(self.k_cache, span.slots, q.dtype)  # [C, Hkv, hd]
+            values = self._from_cache(self.v_cache, span.slots, q.dtype)
         keys = keys.transpose(0, 1).unsqueeze(0)  # [1, Hkv, C, hd]
         values = values.transpose(0, 1).unsqueeze(0)
         qp = q.transpose(0, 1).unsqueeze(0)  # [1, H, L, hd]

@@ -40,7 +40,12 @@ from tokenmill.layers.norm import RMSNorm
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 # the KV cache's dtype -> tm_layer.kv_bits (paths.native_blocker refuses any other)
-KV_BITS = {torch.float32: kernels.F32, torch.float16: kernels.F16, torch.bfloat16: kernels.BF16}
+KV_BITS = {
+    torch.float32: kernels.F32,
+    torch.float16: kernels.F16,
+    torch.bfloat16: kernels.BF16,
+    torch.uint8: kernels.Q8_0,  # a uint8 cache holds q8_0 blocks (engine/kv_cache.py)
+}
 CLAMPED_SWIGLU = 2  # tm_shape.act of gpt-oss's MLP (ModelConfig.swiglu_limit set)
 
 

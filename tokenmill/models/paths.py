@@ -25,7 +25,8 @@ from tokenmill import kernels
 log = logging.getLogger(__name__)
 
 STACK, NATIVE_ATTENTION, TORCH = "stack", "native-attention", "torch"
-KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the native attention reads these
+# the native attention reads these (uint8: q8_0 blocks)
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
 # TOKENMILL_FUSED_DECODE=0 keeps every step on the torch path (the reference).
 NATIVE_DECODE = os.environ.get("TOKENMILL_FUSED_DECODE", "1") != "0"
 
@@ -48,7 +49,7 @@ def native_blocker(model) -> str | None:
     if cache is None:
         return "no KV cache attached"
     if cache.device.type != "cpu" or cache.dtype not in KV_DTYPES:
-        return f"the KV cache is {cache.dtype} on {cache.device.type}, not a 32/16-bit float on cpu"
+        return f"the KV cache is {cache.dtype} on {cache.device.type}, not a 32/16-bit float or q8_0 on cpu"
     return None
 
 
