@@ -24,6 +24,7 @@ from tokenmill.dtypes import dequantize_q8_0, quantize_q8_0
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import Rotary
+from tokenmill.layers.tiled_attention import tiled_attention
 
 
 @dataclass
@@ -309,24 +310,17 @@ class Attention(nn.Module):
         )
 
     def _explicit(self, q, k, v, mask, causal: bool, rep: int) -> torch.Tensor:
-        """Attention written out, for what SDPA cannot do: soft-capped scores (Gemma 2) and
-        sink logits (gpt-oss). q [B, H, L, hd], k/v [B, Hkv, C, hd], mask [.., L, C] bool
-        or None -> [B, H, L, hd]."""
-        if rep > 1:  # each K/V head serves `rep` query heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scores = (q @ k.transpose(-1, -2)) * self.scale  # [B, H, L, C]
-        if self.softcap is not None:
-            scores = torch.tanh(scores / self.softcap) * self.softcap
-        if causal:  # the chunk is the whole context: query i sees keys 0..i
-            L, C = scores.shape[-2:]
-            mask = torch.ones(L, C, dtype=torch.bool, device=q.device).tril(C - L)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        scores = scores.float()
-        if self.sinks is None:
-            return torch.softmax(scores, dim=-1).to(q.dtype) @ v
-        # the sink joins the softmax's denominator and is dropped from its output
-        B, H, L, _ = scores.shape
-        sink = self.sinks.float().view(1, H, 1, 1).expand(B, H, L, 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-        return probs.to(q.dtype) @ v
+        """Attention for what SDPA cannot do: soft-capped scores (Gemma 2) and sink logits
+        (gpt-oss), over key tiles with an online softmax, so a long prompt's scores never
+        exist whole (layers/tiled_attention). q [B, H, L, hd], k/v [B, Hkv, C, hd], mask
+        [.., L, C] bool or None -> [B, H, L, hd]."""
+        return tiled_attention(
+            q,
+            k,
+            v,
+            scale=self.scale,
+            mask=mask,
+            causal=causal,
+            softcap=self.softcap,
+            sinks=self.sinks,
+        )
