@@ -278,3 +278,39 @@ def test_default_model_q8_0_logits_and_greedy_tokens(smollm_path):
             assert abs(la.logprob - lb.logprob) < 0.25, (prompt, la, lb)
             for tok in la.top.keys() & lb.top.keys():
                 assert abs(la.top[tok] - lb.top[tok]) < 0.75, (prompt, tok)
+
+
+# ---- the CLI ----
+
+
+def test_generate_takes_kv_cache_dtype_and_prints_bytes_per_token(tiny, capsys):
+    from tokenmill.cli import main
+
+    main(["generate", "t5 t6 t7", "--model", str(tiny), "--max-tokens", "4"])
+    main(["generate", "t5 t6 t7", "--model", str(tiny), "--max-tokens", "4", "--kv-cache-dtype", "q8_0"])  # fmt: skip
+    err = capsys.readouterr().err
+    full = LLM(tiny, kv_cache_memory="64tok").engine.cache.bytes_per_token
+    assert f"float32, {full} bytes per token" in err
+    assert f"q8_0, {full * 34 // 128} bytes per token" in err
+
+
+@pytest.mark.parametrize(
+    "command,value,words",
+    [
+        ("generate", "int4", "must be one of auto, float32, float16, bfloat16, q8_0, got 'int4'"),
+        ("chat", "q8_0", "q8_0 needs a head_dim that is a multiple of 32; this model's is 16"),
+    ],
+)
+def test_a_kv_cache_dtype_that_cannot_work_is_one_line_before_loading(
+    tmp_path, capsys, command, value, words
+):
+    from tokenmill.cli import main
+
+    build_hf_model("llama", tmp_path)  # head_dim 16
+    capsys.readouterr()  # the build's progress bar
+    args = [command, *(["hi"] if command == "generate" else []), "--model", str(tmp_path)]
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--kv-cache-dtype", value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --kv-cache-dtype: {words}" in err and err.count("\n") == 1

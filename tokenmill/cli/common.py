@@ -154,6 +154,20 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
+    """--kv-cache-dtype (LLMEngine's kv_cache_dtype); checked against the engine's list by
+    model_facts before loading, and handed to the engine by load_llm. generate, chat and
+    bench take it (serve has its own, server/cli.py)."""
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        metavar="DTYPE",
+        help="what the KV cache stores: auto (the activations' dtype, --dtype), float32, "
+        "float16, bfloat16 or q8_0 (llama.cpp's 8-bit blocks); 16 bits hold twice the "
+        "tokens of float32 in the same --kv-cache-memory, q8_0 3.76 times",
+    )
+
+
 def speculative_option(args: argparse.Namespace) -> dict[str, Any] | None:
     """The engine's speculative= for parsed arguments (None: off, or not offered)."""
     method = getattr(args, "speculative", None)
@@ -388,14 +402,19 @@ def model_facts(args: argparse.Namespace) -> ModelFacts:
     import torch
 
     from tokenmill.dtypes import DTYPES
-    from tokenmill.engine.kv_cache import BLOCK_SIZE, check_pool_fits, kv_blocks
+    from tokenmill.engine.build import kv_cache_torch_dtype
+    from tokenmill.engine.kv_cache import BLOCK_SIZE, check_pool_fits, kv_blocks, kv_bytes_per_token
     from tokenmill.loader import open_checkpoint
 
     config = open_checkpoint(args.model_path).config
     dtype, device = DTYPES[args.dtype], torch.device(args.device)
+    try:  # the engine's own checks: a known name, a head_dim q8_0 can cut into blocks
+        kv_dtype = kv_cache_torch_dtype(getattr(args, "kv_cache_dtype", "auto"), dtype)
+        per_token = kv_bytes_per_token(config, kv_dtype)
+    except ParamError as e:
+        raise ArgumentError("--kv-cache-dtype", e.problem or str(e)) from None
     # the CLI never sets block_size: the engine's default is the one it will use
-    tokens = kv_blocks(config, BLOCK_SIZE, dtype, device, args.kv_cache_memory) * BLOCK_SIZE
-    per_token = config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+    tokens = kv_blocks(config, BLOCK_SIZE, kv_dtype, device, args.kv_cache_memory) * BLOCK_SIZE
     try:
         check_pool_fits(tokens, per_token, device, args.kv_cache_memory)
     except ParamError as e:
@@ -552,6 +571,8 @@ def load_llm(args: argparse.Namespace, **engine_kwargs: Any):
     path = getattr(args, "model_path", None) or prepare_model(args)
     if (speculative := speculative_option(args)) is not None:
         engine_kwargs.setdefault("speculative", speculative)
+    if (kv_cache_dtype := getattr(args, "kv_cache_dtype", None)) is not None:
+        engine_kwargs.setdefault("kv_cache_dtype", kv_cache_dtype)
     console = stderr_console()
     with Progress(
         TextColumn("loading {task.description}"),
