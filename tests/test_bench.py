@@ -126,3 +126,54 @@ def test_decode_bytes_gguf_matches_torch(tmp_path):
     tied = torch.nn.Embedding(4, 2)
     assert bench.torch_decode_bytes(tied, tied) == 4 * 2 * 4
     assert bench.torch_decode_bytes(tied) == 2 * 4
+
+
+# ---- --context (bench/context.py) ----
+
+
+def run_context(model, tmp_path, *extra: str) -> dict:
+    out = tmp_path / "context.json"
+    cli.main(
+        [
+            "bench", "--model", str(model), "--context", "16,40,600", "--runs", "2",
+            "--gen-len", "4", "--threads", "2", "--json", str(out), *extra,
+        ]
+    )  # fmt: skip
+    return json.loads(out.read_text())
+
+
+def test_context_rows_tokenmill_alone(tiny_model, tmp_path, capsys):
+    """One row per context length, with the pool's own KV bytes per token; a context past
+    the model's window (512) is cut to leave room for the generated tokens."""
+    from tokenmill import LLM
+
+    report = run_context(tiny_model, tmp_path, "--peers", "none")
+    rows = report["context"]
+    assert [r["context"] for r in rows] == [16, 40, 600]
+    assert [r["prompt_tokens"] for r in rows] == [16, 40, 512 - 4]
+    per_token = LLM(tiny_model, kv_cache_memory="64tok").engine.cache.bytes_per_token
+    for r in rows:
+        assert r["engine"] == "tokenmill" and r["kv"] == "float32"
+        assert r["kv_bytes_per_token"] == per_token
+        assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
+    table = capsys.readouterr().out
+    assert "| 600 (508 + gen) | tokenmill | float32 | " in table
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="needs llama-cpp-python")
+def test_context_beside_llama_cpp_at_q8_0(tmp_path, capsys):
+    """On a GGUF file with --kv-cache-dtype q8_0: llama.cpp runs beside tokenmill with a
+    q8_0 cache, and both caches take the same bytes per token (llama.cpp's layout)."""
+    model = build_hf_model("llama", tmp_path / "hf", hidden_size=128)  # head_dim 32
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(model, path)
+    rows = run_context(path, tmp_path, "--kv-cache-dtype", "q8_0")["context"]
+    assert [(r["engine"], r["kv"]) for r in rows] == [
+        ("tokenmill", "q8_0"),
+        ("llama.cpp", "q8_0"),
+    ] * 3
+    for tm, peer in zip(rows[::2], rows[1::2], strict=True):
+        assert tm["kv_bytes_per_token"] == peer["kv_bytes_per_token"]
+        assert tm["context"] == peer["context"] and tm["prompt_tokens"] == peer["prompt_tokens"]
+        assert peer["prefill_tok_s"] > 0 and peer["decode_tok_s"] > 0
+    assert "x / " in capsys.readouterr().out  # tokenmill's ratios to llama.cpp

@@ -51,6 +51,10 @@ The package, a module per part:
     command.py   `tokenmill bench`'s arguments, --quick and the whole run
     embeddings.py  --embeddings: inputs/s of LLM.embed beside llama.cpp's embedding mode
                  (its own workers, driven as engines.Worker drives the others)
+    context.py   --context: prefill and decode tok/s after each context length beside
+                 llama.cpp (flash attention, the same KV type), KV bytes per token; in
+                 this process, the engines taking turns run by run (benchmarks/context.py
+                 runs it for several KV dtypes)
 """
 
 from tokenmill.bench.command import build_workload, cmd_bench, register

@@ -25,6 +25,7 @@ from tokenmill.bench.protocol import (
 )
 from tokenmill.bench.report import build_report, render, require_matplotlib, write_plot
 from tokenmill.checks import int_at_least
+from tokenmill.cli.common import add_kv_cache_dtype_arg
 
 
 def build_workload(args: argparse.Namespace, path: Path, threads: int) -> Workload:
@@ -118,6 +119,17 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         "after each engine's first runs. --quick takes a few minutes.",
     )
     add_model_args(p)
+    add_kv_cache_dtype_arg(p)
+    p.add_argument(
+        "--context",
+        type=_int_list,
+        default=None,
+        metavar="N,N,...",
+        help="measure prefill and decode tok/s after each context length instead "
+        "(e.g. 512,2048,8192), beside llama.cpp with flash attention at the nearest KV "
+        "type (q8_0 for --kv-cache-dtype q8_0), and each engine's KV bytes per token "
+        "(bench/context.py); uses --runs, --gen-len, --threads",
+    )
     p.add_argument(
         "--quick",
         action="store_true",
@@ -201,6 +213,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         from tokenmill.bench.embeddings import cmd_embeddings
 
         return cmd_embeddings(args)
+    if args.context:
+        return _cmd_context(args)
     if args.plot:
         require_matplotlib()
     path = resolve_model(args.model)
@@ -256,6 +270,20 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.plot:
         write_plot(report, args.plot)
         log(f"chart written to {args.plot}")
+
+
+def _cmd_context(args: argparse.Namespace) -> None:
+    """--context: bench/context.py's rows and table, and --json's report of them."""
+    from tokenmill.bench.context import cmd_context
+    from tokenmill.engine.llm_engine import resolve_model
+
+    if args.plot:
+        raise ValueError("--plot draws the latency and throughput run, not --context")
+    path = resolve_model(args.model)
+    report = cmd_context(args, path, args.threads or os.cpu_count() or 1, log)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        log(f"report written to {args.json}")
 
 
 # ---------------------------------------------------------------------- the time estimate
