@@ -76,8 +76,8 @@ def test_config_parsing_and_errors():
     assert SpeculativeConfig.parse("ngram") == SpeculativeConfig()
     cfg = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 6})
     assert cfg.k == 6
-    with pytest.raises(ValueError, match="method 'draft' is not one of ngram"):
-        SpeculativeConfig.parse("draft")
+    with pytest.raises(ValueError, match="method 'lookahead' is not one of ngram, draft"):
+        SpeculativeConfig.parse("lookahead")
     with pytest.raises(ValueError, match="k must be an integer >= 1, got 0"):
         SpeculativeConfig.parse({"k": 0})
     with pytest.raises(ValueError, match="no option 'kk'"):

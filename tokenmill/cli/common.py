@@ -133,6 +133,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def speculative_method(text: str) -> str:
+    """--speculative's value: "ngram" or "draft:PATH" (a path or a model name)."""
+    if text == "ngram" or (text.startswith("draft:") and len(text) > len("draft:")):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not ngram or draft:PATH")
+
+
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
     """--speculative and --num-speculative-tokens (engine/speculative.py); load_llm hands
     them to the engine. generate and chat take them; serve may (server/cli.py)."""
@@ -140,10 +147,12 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--speculative",
         default=None,
-        choices=["ngram"],
+        type=speculative_method,
+        metavar="ngram|draft:PATH",
         help="guess the next tokens and verify them in one step; ngram: look the last "
         "1-4 tokens up in the prompt and output (pays on text that repeats its input: "
-        "edits, quotes, answers from a passage)",
+        "edits, quotes, answers from a passage); draft:PATH: a smaller model with the "
+        "same tokenizer proposes them",
     )
     s.add_argument(
         "--num-speculative-tokens",

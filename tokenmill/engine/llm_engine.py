@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.checks import ParamError
 from tokenmill.engine import build, inputs, report
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.build import load_tokenizer, model_eos_ids  # re-exported (the CLI)
@@ -168,8 +169,11 @@ class LLMEngine:
         stores (16 bits hold twice the tokens in the same memory, q8_0 3.76 times).
         tensor_parallel_size / pipeline_parallel_size: run the model over that many
         processes (tokenmill/distributed: spawned on this machine, or torchrun's).
-        speculative: "ngram", or {"method": "ngram", "k": 4, "prompt_lookup_max": 4,
-        "prompt_lookup_min": 1, "max_running": 4} (engine/speculative.py); None: off."""
+        speculative: "ngram", "draft:PATH", or {"method": "ngram", "k": 4,
+        "prompt_lookup_max": 4, "prompt_lookup_min": 1, "max_running": 4} or {"draft":
+        PATH, "k": 4, "draft_kv_cache_memory": "128MiB"} (engine/speculative.py); None:
+        off. A draft model must have this model's tokenizer; it runs as an engine of its
+        own, on the same device, dtype, threads and quantization."""
         spec_config = SpeculativeConfig.parse(speculative)  # a bad value fails before loading
         parts = build.build(
             model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory,
@@ -197,8 +201,23 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens_computed": 0}
-        self.speculator = None if spec_config is None else Speculator(spec_config)
-        if self.speculator is not None:
+        self.speculator = None
+        if spec_config is not None:
+            draft = None
+            if spec_config.method == "draft":
+                draft = LLMEngine(
+                    spec_config.draft, dtype=dtype, device=device,
+                    kv_cache_memory=spec_config.draft_kv_cache_memory, block_size=block_size,
+                    max_num_seqs=1, max_num_batched_tokens=max_num_batched_tokens,
+                    threads=threads, quantization=quantization,
+                )  # fmt: skip
+                if draft.tokenizer.token_bytes() != self.tokenizer.token_bytes():
+                    raise ParamError.named(
+                        "speculative",
+                        f" draft {spec_config.draft} has another tokenizer than the model: "
+                        "its guesses would be other tokens",
+                    )
+            self.speculator = Speculator(spec_config, draft)
             self.scheduler.propose = self._propose
         self._pooling: Pooling | None = None
 

@@ -11,6 +11,15 @@
         Speculator.record(seq, proposed, accepted), and the rejected rows' K/V slots are
         given back (BlockManager.truncate).
 
+Proposals, `draft` (a second, smaller model with the same tokenizer; LLMEngine builds it as
+an engine of its own, with its own KV pool and prefix cache): the sequence's tokens are
+queued on the draft engine as a prompt and it decodes k greedy tokens, which are the
+guesses; the request then ends there, so the draft holds no block between steps. Its
+prefix cache keeps the full blocks it computed last time, so each proposal recomputes
+only the tokens past the last full block (under one block plus the tokens accepted
+since) before its k decode steps. The proposal's time counts in the verification step's,
+so the adaptive rule below weighs the draft's cost too.
+
 Proposals, `ngram` (prompt lookup; vLLM's names: num_speculative_tokens, prompt_lookup_max,
 prompt_lookup_min): for n from prompt_lookup_max down to prompt_lookup_min, the sequence's
 last n tokens are looked up earlier in its prompt + output; the most recent earlier
@@ -50,8 +59,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tokenmill.checks import ParamError
+from tokenmill.sampling import SamplingParams
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
+DRAFT_KV_CACHE_MEMORY = "128MiB"  # the draft engine's own KV pool, by default
 MAX_REST = 64  # most decode steps a sequence waits after a fruitless verification
 EMA = 0.3  # weight of the newest value in the moving averages (gain, step times)
 
@@ -61,7 +72,9 @@ class SpeculativeConfig:
     """How the engine speculates. k: most guesses per step (num_speculative_tokens);
     prompt_lookup_max/min: the n-gram lengths tried, longest first; max_running: no
     speculation while more sequences than this run; adaptive: rest a sequence whose
-    verifications do not pay for their time (measured), not only one that accepts none."""
+    verifications do not pay for their time (measured), not only one that accepts none.
+    draft (method "draft"): the draft model's path or name; draft_kv_cache_memory: its
+    KV pool."""
 
     method: str = "ngram"
     k: int = 4
@@ -69,6 +82,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     max_running: int = 4
     adaptive: bool = True
+    draft: str | None = None
+    draft_kv_cache_memory: str = DRAFT_KV_CACHE_MEMORY
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -91,22 +106,37 @@ class SpeculativeConfig:
             raise ParamError.named(
                 "speculative", f" adaptive must be a bool, got {self.adaptive!r}"
             )
+        if self.method == "draft" and not (isinstance(self.draft, str) and self.draft):
+            raise ParamError.named(
+                "speculative",
+                " method 'draft' needs the draft model: draft:PATH or {'draft': PATH}",
+            )
+        if self.method != "draft" and self.draft is not None:
+            raise ParamError.named(
+                "speculative", f" a draft model is for method 'draft', not {self.method!r}"
+            )
 
     @classmethod
     def parse(
         cls, value: str | dict[str, Any] | SpeculativeConfig | None
     ) -> SpeculativeConfig | None:
-        """None (no speculation), a method name ("ngram"), a dict of the fields (vLLM's
-        num_speculative_tokens is another name for k), or a config."""
+        """None (no speculation), a method name ("ngram", "draft:PATH"), a dict of the
+        fields (vLLM's num_speculative_tokens is another name for k; {"draft": PATH} alone
+        means method "draft"), or a config."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
-            return cls(method=value)
+            value = {"method": value}
         if not isinstance(value, dict):
             raise ParamError.named("speculative", " must be a method name or a dict")
         value = dict(value)
         if "num_speculative_tokens" in value:
             value["k"] = value.pop("num_speculative_tokens")
+        method = value.get("method")
+        if isinstance(method, str) and method.startswith("draft:"):  # the CLI's form
+            value["method"], value["draft"] = "draft", method.removeprefix("draft:")
+        elif "method" not in value and "draft" in value:
+            value["method"] = "draft"
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
@@ -135,8 +165,10 @@ class SpecState:
 class Speculator:
     """Proposes guesses for sequences and learns from what was accepted."""
 
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, draft=None):
+        """draft: for method "draft", the draft model's LLMEngine (LLMEngine builds it)."""
         self.config = config
+        self.draft = draft
         self.proposed = 0  # guesses verified, all sequences
         self.accepted = 0  # guesses accepted
         self.steps = 0  # verification steps (sequence-rows with guesses)
@@ -165,6 +197,8 @@ class Speculator:
         k = min(st.k, limit)
         if k <= 0:
             return []
+        if self.draft is not None:
+            return self._draft_guesses(seq, k)
         tokens = seq.token_ids
         self._update_index(st, tokens)
         cfg = self.config
@@ -173,6 +207,30 @@ class Speculator:
             if start is not None:
                 return tokens[start + n : start + n + k]
         return []
+
+    def _draft_guesses(self, seq, k: int) -> list[int]:
+        """k greedy tokens of the draft model after `seq`'s tokens (fewer where its
+        context ends). The request runs to its end on the draft engine, nothing else does."""
+        draft, tokens = self.draft, list(seq.token_ids)
+        k = min(k, draft.max_model_len - 1 - len(tokens))
+        if k <= 0:
+            return []
+        request_id = f"draft-{seq.request_id}"
+        params = SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True)
+        # under the sequence's own prefix-cache scope: the draft's cache must not tell one
+        # user's timing about another's prompt either (issue 21)
+        draft.add_request(request_id, tokens, params, cache_salt=seq.cache_salt)
+        guesses: list[int] = []
+        try:
+            while draft.has_unfinished():
+                for out in draft.step():
+                    if out.error is not None:  # the draft failed: no guesses this time
+                        return []
+                    guesses.extend(out.token_ids)
+        finally:
+            if request_id in draft.requests:
+                draft.abort(request_id)
+        return guesses[:k]
 
     def _update_index(self, st: SpecState, tokens: list[int]) -> None:
         """Index every n-gram that has a continuation: starts i with i + n < len(tokens).
