@@ -41,7 +41,7 @@ def test_texts_are_distinct_and_exactly_their_length_in_tokens(smollm_path):
 def test_report_shape(tiny_model, tmp_path):
     out = tmp_path / "embeddings.json"
     cli.main(
-        ["bench", "--embeddings", "--model", str(tiny_model), "--peers", "none", "--runs", "2",
+        ["bench", "--embeddings", "--model", str(tiny_model), "--peers", "none", "--quick", "--runs", "2",
          "--threads", "1", "--json", str(out)]
     )  # fmt: skip
     report = json.loads(out.read_text())
@@ -50,7 +50,7 @@ def test_report_shape(tiny_model, tmp_path):
     assert report["engines"]["tokenmill"]["peak_rss_bytes"] > 0
     assert list(report["lengths"]) == ["32", "512"]
     for n, row in report["lengths"].items():
-        assert row["inputs"] == embeddings.INPUTS[int(n)]
+        assert row["inputs"] == embeddings.QUICK_INPUTS[int(n)]  # --quick
         tm = row["tokenmill"]
         assert len(tm["runs_s"]) == 2 and tm["inputs_per_s"] > 0
         assert tm["tokens_per_input"] == int(n)  # every token computed: no prefix cache

@@ -4,7 +4,8 @@ Inputs per second at 32 and 512 tokens an input (issue 25's target): tokenmill's
 `LLM.embed` and llama-cpp-python's embedding mode (`Llama(..., embedding=True).embed`) on
 the same GGUF file, the same texts and the same number of threads, as a ratio of medians.
 
-    texts     N distinct texts per length (N = INPUTS[L]: 64 of 32 tokens, 16 of 512),
+    texts     N distinct texts per length (N = INPUTS[L]: 64 of 32 tokens, 16 of 512;
+              with --quick 16 and 4),
               random common words, each exactly L tokens under the model's tokenizer
               (special tokens included, as LLM.embed counts them); llama.cpp tokenizes the
               same text from the GGUF's vocabulary, and the tokens it saw are reported.
@@ -45,6 +46,7 @@ from tokenmill.bench.protocol import peak_rss_bytes, reply
 
 LENGTHS = (32, 512)  # tokens an input
 INPUTS = {32: 64, 512: 16}  # inputs embedded by one timed run, per length
+QUICK_INPUTS = {32: 16, 512: 4}  # with --quick
 BATCH_TOKENS = 512  # both engines' default batch: tokenmill's step budget, llama.cpp's n_batch
 PEER = "llamacpp"  # the one peer with an embedding mode here
 
@@ -256,7 +258,7 @@ def measure(
                         engines[name].setdefault("runs", {}).setdefault(n, []).append(sample)
                         log(
                             f"{name} {n} tokens run {r}/{runs}: "
-                            f"{len(texts[n]) / sample['seconds']:.1f} inputs/s"
+                            f"{len(texts[n]) / sample['seconds']:.3g} inputs/s"
                         )
             for name in list(workers):
                 if (done := _ask(workers, engines, name, "exit")) is not None:
@@ -334,7 +336,7 @@ def render(report: dict):
         cells = [n, str(row["inputs"])]
         for name in ("tokenmill", PEER):
             r = row.get(name)
-            cells.append(f"{r['inputs_per_s']:.1f} ({r['tokens_per_s']:.0f} tok/s)" if r else "-")
+            cells.append(f"{r['inputs_per_s']:.3g} ({r['tokens_per_s']:.0f} tok/s)" if r else "-")
         cells.append(f"{row['ratio']:.2f}x" if "ratio" in row else "-")
         cells.append(f"{row['cosine']:.4f}" if "cosine" in row else "-")
         table.add_row(*cells)
@@ -354,8 +356,10 @@ def cmd_embeddings(args: argparse.Namespace) -> None:
     threads = args.threads or os.cpu_count() or 1
     wanted = [PEER] if PEER in args.peers else []
     peers, skipped = resolve_peers(wanted, args.install_peers, path)
-    report = measure(path, threads, args.runs, peers)
+    load_before = os.getloadavg()  # others' work on a shared machine, as the full run notes
+    report = measure(path, threads, args.runs, peers, inputs=QUICK_INPUTS if args.quick else None)
     report["engines"].update(skipped)
+    report["load_average_before"], report["load_average_after"] = load_before, os.getloadavg()
     Console(width=max(Console().width, 120)).print(render(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
