@@ -130,3 +130,26 @@ def test_the_draft_runs_under_the_sequence_cache_salt(pair, monkeypatch):
     while spec.has_unfinished():
         spec.step()
     assert salts and set(salts) == {1234}
+
+
+def test_a_traced_request_is_not_speculated(pair):
+    """The inspector records one sampled token per decode step: the scheduler proposes
+    nothing for a traced sequence, which decodes plainly (the same tokens), while an
+    untraced one beside it speculates."""
+    from tokenmill.inspect.trace import Trace
+
+    target, _ = pair
+    forced = {"method": "ngram", "adaptive": False, "max_running": 64}
+    spec = LLMEngine(target, kv_cache_memory="2048tok", speculative=forced)
+    plain = LLMEngine(target, kv_cache_memory="2048tok")
+    trace = Trace()
+    spec.add_request("traced", PROMPTS[0], GREEDY, trace=trace)
+    spec.add_request("other", PROMPTS[1], GREEDY)
+    got: dict[str, list[int]] = {"traced": [], "other": []}
+    while spec.has_unfinished():
+        for out in spec.step():
+            got[out.request_id].extend(out.token_ids)
+    assert [got["traced"], got["other"]] == _drive(plain, PROMPTS[:2], GREEDY)
+    decodes = [s for s in trace.steps if s["phase"] == "decode"]
+    assert len(decodes) == GREEDY.max_tokens - 1 and all("sample" in s for s in decodes)
+    assert spec.speculative_stats()["speculative_accepted_tokens"] > 0  # the other one
