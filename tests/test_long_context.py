@@ -10,7 +10,7 @@ import pytest
 from helpers import Single, build_hf_model, hf_greedy, hf_logits
 
 from tokenmill.engine.llm_engine import LLMEngine, RequestError
-from tokenmill.loader.checkpoint import open_checkpoint
+from tokenmill.loader import open_checkpoint
 from tokenmill.sampling import SamplingParams
 
 ORIGINAL, WINDOW = 128, 1024  # YaRN factor 8: the window is 8x the trained context
