@@ -228,6 +228,32 @@ def test_decode_kernel_matches_reference(kbuild, qtype, act_bits):
             assert (err <= 1e-5 * dot_error_scale(layer, x)).all(), (n, k, t)
 
 
+@pytest.mark.parametrize("act_bits", [8, 16])
+@pytest.mark.parametrize("qtype", [GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.Q4_K, GT.Q6_K])
+def test_small_t_rows_equal_one_row_at_a_time(kbuild, qtype, act_bits):
+    """The GEMV multiplies each weight block into T <= 16 rows of x while it is in
+    registers (a speculative verification's rows): every row's output equals, bit for
+    bit, the one-row product of that row alone, tails included (576 columns: a pair of
+    tail blocks on AVX-512, 544: a lone one). Where T rows take the integer GEMM instead
+    (16 on AVX2: kernels.gemm_min_rows), the same integers summed in another order: within
+    the float rounding of the dot products."""
+    torch.manual_seed(2)
+    shapes = K_SHAPES if qtype in (GT.Q4_K, GT.Q6_K) else [(33, 576), (17, 544), (9, 1536)]
+    for n, k in shapes:
+        layer = QuantLinear.from_gguf(gguf_bytes(qtype, n, k), qtype, n, k, bias=torch.randn(n))
+        layer.act_bits = act_bits
+        for t in [2, 3, 5, 8, 9, 16]:
+            x = torch.randn(t, k)
+            x[0, :32] = 0  # an all-zero block (scale 0)
+            y = layer(x)
+            rows = torch.cat([layer(x[r : r + 1]) for r in range(t)])
+            if layer.path(t).name == kernels.GEMV:
+                assert torch.equal(y, rows), (n, k, t)
+            else:
+                err = (y.double() - rows.double()).abs()
+                assert (err <= 1e-5 * dot_error_scale(layer, x)).all(), (n, k, t)
+
+
 @pytest.mark.parametrize("act_bits,rel", [(8, 2e-2), (16, 2e-4)])
 @pytest.mark.parametrize("scheme", ["q4", "q8"])
 def test_decode_kernel_close_to_float(kbuild, scheme, act_bits, rel):

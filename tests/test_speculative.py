@@ -11,7 +11,9 @@ import pytest
 import torch
 from helpers import build_hf_model
 
+from tokenmill import kernels
 from tokenmill.engine.llm_engine import LLMEngine, RequestOutput
+from tokenmill.engine.scheduler import ScheduledChunk
 from tokenmill.engine.speculative import SpeculativeConfig, Speculator
 from tokenmill.sampling import FinishReason, SamplingParams
 from tokenmill.sampling.sampler import SamplingState, process_logits
@@ -206,6 +208,60 @@ def test_a_guess_the_grammar_forbids_is_rejected(smol):
         del spec.speculator.propose
     assert proposed and spec.speculative_stats()["speculative_accepted_tokens"] == before
     assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", _text(got[0]))
+
+
+def _verify_logits(engine: LLMEngine, seq, proposal: tuple[int, ...]) -> torch.Tensor:
+    """Logits [1 + k, vocab] of one verification step of `seq`'s last token and `proposal`
+    (nothing committed). The step's cache slots are filled with NaN first: a row that read
+    one before the row it belongs to wrote it would turn to NaN, not to an earlier step's
+    K/V of the same tokens."""
+    chunk = ScheduledChunk(seq, 1 + len(proposal), proposal)
+    start = seq.num_computed
+    engine.blocks.grow(seq.block_table, start + chunk.num_tokens)
+    slots = engine.runner._slots(seq.block_table, start, start + chunk.num_tokens)
+    for cache in (*engine.runner.cache.k, *engine.runner.cache.v):
+        cache[slots] = float("nan")
+    logits, sampled = engine.runner.run([chunk])
+    assert sampled == [0] * chunk.num_tokens
+    return logits
+
+
+@pytest.mark.parametrize("context", [40, 700])
+def test_verification_rows_in_the_fused_stack_equal_plain_decode(smol, context):
+    """A verification of k guesses runs as 1 + k decode rows of the fused stack, row j
+    attending over the cache up to its own position (stack.c's chained attention): each
+    row's logits equal, bit for bit, those of the last row of a verification of j guesses
+    (row 0: a plain decode step), and the chunked-prefill path's within its rounding.
+    2 threads: a row reading an earlier row's K/V before it is written would differ; 700
+    tokens of context: tm_decode_attention splits a row's context between the threads."""
+    _, spec = smol
+    prompt = list(range(1000, 1000 + context))
+    spec.add_request("v", prompt, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
+    # a fixed team: a shrunk one (team.c, on a loaded machine) lowers the thread count the
+    # stack is called with, and with it how tm_decode_attention splits a long context,
+    # which moves the last bits of a plain decode step as much as of a verification's
+    adaptive = kernels.adaptive_threads(False)
+    try:
+        seq = spec.requests["v"].seq
+        while seq.num_computed < context:  # the prompt (in chunks), one token sampled
+            spec.step()
+        guesses = tuple(range(2000, 2008))  # 8 guesses: 9 rows
+        assert spec.runner._verify_as_decode([ScheduledChunk(seq, 9, guesses)], 0) == [0]
+        full = _verify_logits(spec, seq, guesses)
+        for j in range(len(guesses)):  # row j alone, as the last row of a shorter chunk
+            assert torch.equal(full[j], _verify_logits(spec, seq, guesses[:j])[j]), j
+        # the chunked-prefill path (torch attention over the gathered cache)
+        spec.runner._verify_as_decode = lambda chunks, num_decode: []
+        try:
+            prefill = _verify_logits(spec, seq, guesses)
+        finally:
+            del spec.runner._verify_as_decode
+        # a plain decode step and the prefill path part by ~4e-3 in SmolLM2's logits (up to
+        # ~27): float sums in another order, through 30 layers of 16-bit activations
+        assert (full - prefill).abs().max().item() < 5e-4 * full.abs().max().item()
+    finally:
+        spec.abort("v")
+        kernels.adaptive_threads(adaptive)
 
 
 # --------------------------------------------------------------------------- random weights

@@ -2,8 +2,10 @@
 
 Layout of the packed batch: decode rows first (one token each, attending over
 their cached context), then prefill chunks (many tokens of one sequence each). A
-speculative verification (engine/speculative.py) is a chunk too: the sequence's last
-token and its k guesses over its cached context, all 1 + k rows un-embedded.
+speculative verification (engine/speculative.py) is the sequence's last token and its k
+guesses over its cached context, all 1 + k rows un-embedded: 1 + k decode rows after the
+plain ones where the step takes the fused decode stack (one pass over the weights for
+them all), else a chunk like a prefill's.
 
 An embedding sequence (seq.pool, engine/pooling.py) samples nothing: the step also takes
 the final-norm hidden states at the rows its pooling keeps and hands them to its PoolState.
@@ -17,6 +19,7 @@ from tokenmill.engine.kv_cache import KVCache
 from tokenmill.engine.pooling import PoolState
 from tokenmill.engine.scheduler import ScheduledChunk
 from tokenmill.layers.attention import AttentionMetadata, AttentionSite, PrefillSpan, TracedRows
+from tokenmill.models import paths
 from tokenmill.models.transformer import Transformer
 
 
@@ -87,6 +90,19 @@ class ModelRunner:
         input_ids, meta, rows, sampled, _ = self._pack(chunks)
         return input_ids, meta, rows, sampled
 
+    def _verify_as_decode(self, chunks: list[ScheduledChunk], num_decode: int) -> list[int]:
+        """The verification chunks to pack as decode rows, one row per token (their
+        indices into `chunks`): all of them where the step then takes the fused decode
+        stack (models/paths.py: untraced, decode rows only, a model the stack runs),
+        which runs a sequence's 1 + k rows in one pass like a batch's decode rows (stack.c
+        chains their attention); else none, and they run as chunked prefill."""
+        verify = [i for i, c in enumerate(chunks) if c.proposal]
+        if not verify or num_decode + len(verify) < len(chunks):  # a prefill chunk too
+            return []
+        if any(c.seq.trace is not None for c in chunks):  # traced: the torch path
+            return []
+        return verify if self.model.decode_path().name == paths.STACK else []
+
     def _pack(
         self, chunks: list[ScheduledChunk]
     ) -> tuple[
@@ -99,7 +115,8 @@ class ModelRunner:
         """pack(), and for each embedding chunk: its PoolState, the packed rows its
         pooling keeps, and whether the chunk starts the prompt over (position 0)."""
         decode = [i for i, c in enumerate(chunks) if c.is_decode]
-        is_decode = set(decode)
+        verify = self._verify_as_decode(chunks, len(decode))
+        is_decode = set(decode) | set(verify)
         prefill = [i for i in range(len(chunks)) if i not in is_decode]
         ids: list[int] = []
         positions: list[torch.Tensor] = []
@@ -109,24 +126,30 @@ class ModelRunner:
         pools: list[tuple[PoolState, list[int], bool]] = []
         meta = AttentionMetadata(positions=None, slot_mapping=None)
 
-        if decode:
+        if decode or verify:
             # Few tensor constructions: each torch op costs microseconds, and a batch-1
             # decode step's whole budget is a few milliseconds.
             bs = self.block_size
             seqs = [chunks[i].seq for i in decode]
             ctx = [s.num_computed + 1 for s in seqs]  # context length incl. the new token
+            toks = [s.token_at(s.num_computed) for s in seqs]
+            for i in verify:  # its 1 + k rows: row j sees the context up to its own token
+                c = chunks[i]
+                seqs.extend([c.seq] * c.num_tokens)
+                ctx.extend(range(c.seq.num_computed + 1, c.seq.num_computed + c.num_tokens + 1))
+                toks.extend(c.token_at(p - 1) for p in ctx[-c.num_tokens :])
             width = -(-max(ctx) // bs)
             tables = [s.block_table[:width] for s in seqs]
             table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
             # slot of context position j: table[j // bs] * bs + j % bs  -> [Bd, Cmax]
             slots = (table[:, :, None] * bs + self._offsets).view(len(seqs), -1)[:, : max(ctx)]
             slots = slots.contiguous()  # the native attention reads rows of length Cmax
-            ids.extend(s.token_at(s.num_computed) for s in seqs)
+            ids.extend(toks)
             positions.append(torch.tensor([c - 1 for c in ctx], dtype=torch.long))
             new = [t[(c - 1) // bs] * bs + (c - 1) % bs for t, c in zip(tables, ctx, strict=True)]
             slot_maps.append(torch.tensor(new, dtype=torch.long))
             ctx_t = torch.tensor(ctx, dtype=torch.long)
-            meta.num_decode = len(decode)
+            meta.num_decode = len(seqs)
             meta.decode_slots = slots.to(self.device)
             meta.decode_context_lens = ctx_t.to(self.device)
             for row, i in enumerate(decode):
@@ -140,8 +163,13 @@ class ModelRunner:
                 if chunks[i].seq.trace is not None and meta.trace is None:
                     site = AttentionSite("decode", row)
                     meta.trace = TracedRows(chunks[i].seq.trace, slice(row, row + 1), site)
+            row = len(decode)
+            for i in verify:  # every row samples (the last token's, each guess's)
+                logit_rows.extend(range(row, row + chunks[i].num_tokens))
+                sampled.extend([i] * chunks[i].num_tokens)
+                row += chunks[i].num_tokens
 
-        row = len(decode)
+        row = meta.num_decode
         for i in prefill:
             chunk = chunks[i]
             seq, n = chunk.seq, chunk.num_tokens

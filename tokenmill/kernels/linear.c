@@ -68,7 +68,12 @@ typedef struct {
     int32_t *zc; /* [T][gpad] Z * sum(q) per block */
     int32_t *zh; /* [T][2 gpad] 32 * sum(q) per 16-value half, per group [h][k]: the
                     zero point of 6-bit codes, whose scales are per half */
-    int kpad, gpad;
+    /* Wide layers (AVX-512) only, per pair p of tail blocks (b, b + 1), as tail_dot adds
+     * them lane by lane: [T][npair][TM_W] each, lanes 0-7 block b's, 8-15 block b + 1's */
+    int32_t *tz; /* zc of b spread over lanes 0-7 (each lane its 4 values' share), of b + 1 over 8-15 */
+    float *tdx;  /* dx of b in lanes 0-7, of b + 1 in lanes 8-15 */
+    float *tsx;  /* sx of b in lane 0, of b + 1 in lane 8, zero elsewhere */
+    int kpad, gpad, npair;
 } xq_t;
 
 /* Quantizes x [T, K] float32 per 32-block for a weight with zero point z: q = round(x /
@@ -81,10 +86,16 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
     xq->kpad = xq->gpad * QK;
     const size_t fbytes = ((size_t)T * xq->gpad * 4 + 63) & ~(size_t)63;
     const size_t qbytes = ((size_t)T * xq->kpad + 63) & ~(size_t)63;
-    const size_t total = (bits == 6 ? 5 : 3) * fbytes + 2 * qbytes; /* zh: 6-bit only */
+    const size_t base = (bits == 6 ? 5 : 3) * fbytes + 2 * qbytes; /* zh: 6-bit only */
+    xq->npair = 4 * TM_GB > QK ? (nb - full) / 2 : 0; /* whole pairs of tail blocks */
+    const size_t pbytes = (size_t)T * xq->npair * TM_W * 4;
+    const size_t total = base + 3 * pbytes;
     char *buf = tm_scratch(total);
     if (!buf) return 0;
     memset(buf, 0, total);
+    xq->tz = (int32_t *)(buf + base);
+    xq->tdx = (float *)(buf + base + pbytes);
+    xq->tsx = (float *)(buf + base + 2 * pbytes);
     xq->zh = bits == 6 ? (int32_t *)(buf + 3 * fbytes + 2 * qbytes) : NULL; /* 2 per block */
     xq->dx = (float *)buf;
     xq->sx = (float *)(buf + fbytes);
@@ -126,6 +137,22 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
             xq->dx[xi] = dxb;
             xq->sx[xi] = sum;
             xq->zc[xi] = z * qsum + left_out;
+            if (b >= full && (b - full) / 2 < xq->npair) { /* a pair's lanes (tail_dot) */
+                const int h = (b - full) % 2; /* its half */
+                const size_t pi = ((size_t)r * xq->npair + (b - full) / 2) * TM_W + h * (TM_W / 2);
+                xq->tsx[pi] = sum;
+                /* lane l holds values 4l..4l+3 of the block: its share of the zero point
+                 * (z * q plus what group_dot adds), so that each lane's integer is the
+                 * exact sum of (c - Z) q over its four values, small like the result
+                 * (the whole zc in one lane would cancel against the others in float) */
+                for (int l = 0; l < TM_W / 2; l++) {
+                    int32_t qs = 0, hs = 0, ls = 0;
+                    for (int j = 4 * l; j < 4 * l + 4; j++) qs += qv[j], hs += hv[j], ls += lv[j];
+                    xq->tz[pi + l] = z * qs + (bits == 8 ? TM_A16_LEFT_OUT8(hs, ls) : 0);
+                    xq->tdx[pi + l] = dxb;
+                    (void)hs, (void)ls;
+                }
+            }
             if (bits == 6) { /* the zero point per 16-value half (6-bit scales are per half) */
                 int32_t half0 = 0;
                 for (int j = 0; j < QK / 2; j++) half0 += qv[j];
@@ -143,18 +170,23 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
 /* ------------------------------------------------------------------------------ */
 
 /* The nb % TM_GB tail blocks of row r (codes at `tc`, natural order in chunks of two
- * blocks) against T activation rows from t0, into tail[t], through group_dot too.
- * Up to 8 lanes (a block fills 32 / (4 TM_W) code vectors): each block's dot is the sum
- * of the lanes; a chunk of two 4-bit blocks is one nibble split (low nibbles block 2q,
- * high nibbles block 2q+1). 16 lanes (AVX-512: a vector holds 64 codes): two blocks per
- * vector, their codes side by side like their activations (natural order), block u's
- * dot the sum of lanes 0-7 and block u + 1's of lanes 8-15. A lone last block leaves
- * lanes 8-15 zero codes against zero activations (the padding of quantize_x). */
+ * blocks) against T activation rows from t0, into tail[t] (and acc[t]), through
+ * group_dot too. Up to 8 lanes (a block fills 32 / (4 TM_W) code vectors): each block's
+ * dot is the sum of the lanes; a chunk of two 4-bit blocks is one nibble split (low
+ * nibbles block 2q, high nibbles block 2q+1). 16 lanes (AVX-512: a vector holds 64
+ * codes): two blocks per vector, their codes side by side like their activations
+ * (natural order), block u's dot the sum of lanes 0-7 and block u + 1's of lanes 8-15.
+ * A pair goes into acc[t] lane by lane, each half scaled by its block's d * dx, each
+ * lane less its share of the zero point (xq's tz): no horizontal sums or scalar scaling
+ * per activation row, rows_dot's one vf_sum adds the lanes (the tail costs ~a third of a
+ * 576-column GEMV, SmolLM2's qkv, o and up; this took 10-15% off those at T = 2-4 on
+ * Zen 4). A lone last block leaves lanes 8-15 zero codes
+ * against zero activations (the padding of quantize_x). */
 enum { TAIL_NV = QK / (4 * TM_GB) > 0 ? QK / (4 * TM_GB) : 1 }; /* vectors per block */
 
 static inline __attribute__((always_inline)) void tail_dot(const tm_weight *w, const xq_t *xq, int r,
                                                            int t0, int T, int bits,
-                                                           const uint8_t *tc, float *tail) {
+                                                           const uint8_t *tc, float *tail, vf *acc) {
     const int nb = w->k / QK, nfull = nb / TM_GB, nbt = nb % TM_GB;
 #if 4 * TM_GB > QK
     for (int u = 0; u < nbt; u += 2) {
@@ -169,6 +201,17 @@ static inline __attribute__((always_inline)) void tail_dot(const tm_weight *w, c
         }
         float d[2], m[2];
         for (int h = 0; h < n; h++) d[h] = tm_block_scale(w, r, b + h), m[h] = tm_block_min(w, r, b + h);
+        if (n == 2) { /* the pair's lanes into acc (xq's tz, tdx, tsx: quantize_x) */
+            const vf dv = vf_set_halves(d[0], d[1]), mv = vf_set_halves(m[0], m[1]);
+            for (int t = 0; t < T; t++) {
+                const size_t tt = (size_t)(t0 + t), pi = (tt * xq->npair + u / 2) * TM_W;
+                const size_t xo = tt * xq->kpad + (size_t)b * QK;
+                const vi s = vi_sub(group_dot(&c, 1, xq->q + xo, xq->ql + xo, bits), vi_load(xq->tz + pi));
+                acc[t] = vf_fma(vf_mul(vf_from_vi(s), vf_load(xq->tdx + pi)), dv, acc[t]);
+                if (w->mins) acc[t] = vf_fma(mv, vf_load(xq->tsx + pi), acc[t]);
+            }
+            continue;
+        }
         for (int t = 0; t < T; t++) {
             const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + b;
             const size_t xo = tt * xq->kpad + (size_t)b * QK;
@@ -204,6 +247,7 @@ static inline __attribute__((always_inline)) void tail_dot(const tm_weight *w, c
         }
         u += n;
     }
+    (void)acc;
 #endif
 }
 
@@ -298,7 +342,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
         float tail[TCHUNK] = {0};
         if (nbt && bits != 6) /* the tail blocks, natural order, through group_dot too
                                  (tail_dot); 6-bit rows are whole groups */
-            tail_dot(w, xq, r, t0, T, bits, row + (size_t)nfull * GW * bits / 8, tail);
+            tail_dot(w, xq, r, t0, T, bits, row + (size_t)nfull * GW * bits / 8, tail, acc);
         const float bv = bias ? bias[r] : 0.f;
         for (int t = 0; t < T; t++) y[(size_t)(t0 + t) * w->n + r] = vf_sum(acc[t]) + tail[t] + bv;
     }

@@ -177,7 +177,75 @@ static int moe_mlp(const tm_shape *s, const tm_moe *m, const float *h, int Bd, f
     return 1;
 }
 
-/* x [Bd, d]: the embedded decode rows in, the final norm of the residual stream out.
+/* Rows of one sequence in one step: a speculative verification runs a sequence's last
+ * token and its k guesses as k + 1 consecutive decode rows (engine/model_runner.py), row
+ * j attending over the cache up to its own position, the chunk's earlier rows included.
+ * tm_decode_attention writes each row's k/v and reads the context in the same task, in
+ * parallel over (row, K/V head) tasks: a row could read an earlier row's slot before
+ * another thread has written it. So such rows go in waves: wave w holds the w-th row of
+ * every chain (the plain decode rows of other sequences in wave 0), each wave one call
+ * whose rows are independent, after the waves before it have written their k/v.
+ *
+ * Row b continues row b - 1's chain when its context's last slot but one (the previous
+ * position) is the slot row b - 1 writes: a new slot belongs to one sequence, so no other
+ * row's context holds it. depth [Bd]: each row's wave. Returns the number of waves. */
+static int chain_depths(const tm_rows *r, int *depth) {
+    int waves = 1;
+    for (int b = 0; b < r->Bd; b++) {
+        const int64_t n = r->ctx_lens[b];
+        const int chained = b > 0 && n >= 2 && r->slots[(size_t)b * r->cmax + n - 2] == r->new_slots[b - 1];
+        depth[b] = chained ? depth[b - 1] + 1 : 0;
+        if (depth[b] + 1 > waves) waves = depth[b] + 1;
+    }
+    return waves;
+}
+
+/* tm_decode_attention's rows gathered for one wave (grow-only, per thread). */
+static __thread tm_buf wave_buf;
+
+/* Decode attention of Bd rows (qkv [Bd, qkvdim] -> out [Bd, qdim]) where some rows may
+ * follow others of the same sequence (chain_depths): one call when none do, else one
+ * call per wave on the wave's rows gathered (their positions, slots, context lengths
+ * and qkv rows; cmax the wave's longest context, as a plain decode of those rows would
+ * have), the outputs scattered back. depth [Bd] scratch. Returns tm_decode_attention's
+ * status. */
+static int chained_attention(const tm_shape *s, const tm_layer *L, const tm_rows *rows, const int *depth,
+                             int waves, const float *qkv, float *out, int nthreads) {
+    if (waves == 1) return tm_decode_attention(s, L, rows, qkv, out, nthreads);
+    const int Bd = rows->Bd, cmax = rows->cmax;
+    const int qkvdim = (s->H + 2 * s->Hkv) * s->hd, qdim = s->H * s->hd;
+    /* int64: positions, new_slots, ctx_lens [Bd] each, slots [Bd, cmax]; then floats:
+     * qkv [Bd, qkvdim], out [Bd, qdim]; then the rows' indices [Bd] */
+    const size_t ni = (size_t)Bd * (3 + (size_t)cmax), nf = (size_t)Bd * (qkvdim + qdim);
+    int64_t *pos = tm_buf_get(&wave_buf, ni * 8 + nf * 4 + (size_t)Bd * sizeof(int));
+    if (!pos) return 0;
+    int64_t *nsl = pos + Bd, *ctx = nsl + Bd, *sl = ctx + Bd;
+    float *wq = (float *)(sl + (size_t)Bd * cmax), *wo = wq + (size_t)Bd * qkvdim;
+    int *idx = (int *)(wo + (size_t)Bd * qdim);
+    for (int w = 0; w < waves; w++) {
+        int n = 0, wmax = 1;
+        for (int b = 0; b < Bd; b++)
+            if (depth[b] == w) {
+                idx[n++] = b;
+                if (rows->ctx_lens[b] > wmax) wmax = (int)rows->ctx_lens[b];
+            }
+        for (int i = 0; i < n; i++) {
+            const int b = idx[i];
+            pos[i] = rows->positions[b], nsl[i] = rows->new_slots[b], ctx[i] = rows->ctx_lens[b];
+            memcpy(sl + (size_t)i * wmax, rows->slots + (size_t)b * cmax, (size_t)wmax * sizeof(int64_t));
+            memcpy(wq + (size_t)i * qkvdim, qkv + (size_t)b * qkvdim, (size_t)qkvdim * sizeof(float));
+        }
+        const tm_rows wr = {pos, nsl, sl, ctx, n, wmax};
+        const int rc = tm_decode_attention(s, L, &wr, wq, wo, nthreads);
+        if (rc != 1) return rc;
+        for (int i = 0; i < n; i++)
+            memcpy(out + (size_t)idx[i] * qdim, wo + (size_t)i * qdim, (size_t)qdim * sizeof(float));
+    }
+    return 1;
+}
+
+/* x [Bd, d]: the embedded decode rows in (a verification's rows of one sequence among
+ * them, consecutive: chained_attention), the final norm of the residual stream out.
  * Per layer, for the Bd rows together ([rmsnorm]: none where the family has no pre-norm):
  *     h = [rmsnorm](x); qkv = h Wqkv^T; attention over the paged cache (writes k/v);
  *     x += [post_norm](attn Wo^T); h = [rmsnorm](x); x += [post_norm](down(act(gate) * up))
@@ -186,10 +254,12 @@ int tm_decode_stack(const tm_stack *st, const tm_rows *rows, float *x, int nthre
     const tm_shape *s = st->shape;
     const int Bd = rows->Bd, d = s->d, f = s->f, qdim = s->H * s->hd, qkvdim = (s->H + 2 * s->Hkv) * s->hd;
     const size_t need = (size_t)Bd * (d + qkvdim + qdim + d + 2 * f + f);
-    float *h = tm_buf_get(&stack_buf, need * sizeof(float));
+    float *h = tm_buf_get(&stack_buf, need * sizeof(float) + (size_t)Bd * sizeof(int));
     if (!h) return 0;
     float *qkv = h + (size_t)Bd * d, *att = qkv + (size_t)Bd * qkvdim;
     float *proj = att + (size_t)Bd * qdim, *up = proj + (size_t)Bd * d, *mid = up + (size_t)Bd * 2 * f;
+    int *depth = (int *)(mid + (size_t)Bd * f); /* [Bd] each row's attention wave */
+    const int waves = chain_depths(rows, depth);
     int rc;
 #define TRY(call) \
     if ((rc = (call)) != 1) return rc
@@ -198,7 +268,7 @@ int tm_decode_stack(const tm_stack *st, const tm_rows *rows, float *x, int nthre
         /* ---- attention sublayer ---- */
         norm_rows(x, Bd, d, L->attn_norm, s->eps, h);
         TRY(tm_linear(L->qkv, h, Bd, qkv, L->qkv_bias, nthreads, L->act16));
-        TRY(tm_decode_attention(s, L, rows, qkv, att, nthreads));
+        TRY(chained_attention(s, L, rows, depth, waves, qkv, att, nthreads));
         TRY(tm_linear(L->o, att, Bd, proj, L->o_bias, nthreads, L->act16));
         if (st->allreduce) st->allreduce(proj, Bd * d, st->allreduce_ctx); /* sum over ranks */
         add_residual(x, proj, Bd, d, L->residual_scale, L->post_attn_norm, s->eps);
