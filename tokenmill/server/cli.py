@@ -40,7 +40,7 @@ from pathlib import Path
 
 from tokenmill import hub
 from tokenmill.checks import ArgumentError
-from tokenmill.cli.common import add_speculative_args, positive_int
+from tokenmill.cli.common import add_kv_cache_dtype_arg, add_speculative_args, positive_int
 from tokenmill.server.limits import ServerLimits
 
 # tokenizer/reasoning.py's PARSER_CHOICES, spelled out so that parsing the command line
@@ -224,14 +224,7 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         "gpt-oss's channels; 'auto' (the default) by the chat template (<think> or "
         "<|channel|>); 'none' leaves the thinking in content",
     )
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        metavar="DTYPE",
-        help="what the KV cache stores: auto (the activations' dtype, --dtype), float32, "
-        "float16, bfloat16, or another the engine offers, such as q8_0 (checked before "
-        "loading); 16 bits hold twice the tokens of float32 in the same --kv-cache-memory",
-    )
+    add_kv_cache_dtype_arg(p)  # checked before loading by cli/common.model_facts
     add_speculative_args(p)
     p.add_argument(
         "--log-level",
@@ -347,23 +340,10 @@ def check_serve_args(args: argparse.Namespace) -> None:
     API keys and names, then the address, bound now and kept in args.sockets, then the
     models (check_models)."""
     api_key_from(args)
-    check_kv_cache_dtype(args.kv_cache_dtype)
     if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
         raise ArgumentError("--served-model-name", "a name is empty; give names clients can send")
     args.sockets = bind_sockets(args.host, args.port)
     check_models(args)  # after the address: its errors come first, as with one model
-
-
-def check_kv_cache_dtype(name: str) -> None:
-    """--kv-cache-dtype against the engine's own list (engine/build.py's KV_CACHE_DTYPES),
-    read here rather than copied, so a dtype the engine gains is served at once. Imported
-    at check time, not when the parser is built: engine/build imports torch."""
-    from tokenmill.engine.build import KV_CACHE_DTYPES
-
-    if name not in KV_CACHE_DTYPES:
-        raise ArgumentError(
-            "--kv-cache-dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}"
-        )
 
 
 def bind_sockets(host: str, port: int) -> list[socket.socket]:
@@ -475,13 +455,12 @@ def load_engine(args: argparse.Namespace, path: Path):
     from tokenmill.cli.common import load_llm
     from tokenmill.server.async_engine import AsyncEngine
 
-    # --speculative / --num-speculative-tokens reach the engine through load_llm
-    # (cli/common.speculative_option); --kv-cache-dtype is serve's, handed over here
+    # --kv-cache-dtype, --speculative and --num-speculative-tokens reach the engine
+    # through load_llm, as generate's do
     llm = load_llm(
         argparse.Namespace(**{**vars(args), "model_path": path}),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_dtype=args.kv_cache_dtype,
     )
     return AsyncEngine(
         llm.engine, max_waiting=args.max_waiting, stall_timeout=args.health_stall_timeout
