@@ -3,8 +3,9 @@ grows, tokenmill beside llama.cpp, at a KV cache dtype (--kv-cache-dtype).
 
 For each context length C: one prompt of C tokens (fewer where C plus the generated tokens
 would pass the model's window: then window - gen, and the row says so) is prefilled, then
-`gen` tokens are decoded greedily. Figures are the medians over `runs` runs, each prompt of
-other token ids and no prefix cache, so every run computes its whole prompt. The engines
+`gen` tokens are decoded greedily. Figures are the medians over `runs` runs after a short
+warm-up run, each prompt of other token ids and no prefix cache, so every run computes its
+whole prompt. The engines
 take turns run by run (tokenmill, llama.cpp, tokenmill, ...), so a burst of load from other
 processes hits both alike. llama.cpp (llama-cpp-python, when installed) runs the same GGUF
 file with flash attention on and the KV type nearest tokenmill's (LLAMA_KV: q8_0 for q8_0,
@@ -60,6 +61,9 @@ class TokenmillContext:
             kv_cache_dtype=kv,
         )
         self.params = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True)
+        # the pool resident up front, as llama.cpp clears its KV buffer at load: no first
+        # touch of its pages in a timed run
+        self.llm.engine.cache.make_resident()
         self.kv_name = str(self.llm.engine.cache.dtype).removeprefix("torch.")
         self.kv_bytes_per_token = self.llm.engine.cache.bytes_per_token
 
@@ -149,14 +153,16 @@ def context_rows(
                 log(f"context {ctx}: loading llama.cpp, {name} KV cache, flash attention")
                 engines.append(("llama.cpp", LlamaCppContext(path, ctx, gen, threads, kv)))
         rates: list[list[tuple[float, float]]] = [[] for _ in engines]
-        prompts = [
-            prompt_for(ctx, gen, config.max_position, i, config.vocab_size) for i in range(runs + 1)
-        ]
-        for i, prompt in enumerate(prompts):  # run 0: the warm-up, not counted
+        window, vocab = config.max_position, config.vocab_size
+        prompts = [prompt_for(ctx, gen, window, i, vocab) for i in range(1, runs + 1)]
+        # the warm-up, not counted: a short prompt runs every code path once (a whole
+        # 8,192-token one would cost as much as a timed run)
+        warm = prompt_for(min(ctx, 128), gen, window, 0, vocab)
+        for _, engine in engines:
+            engine.run(warm)
+        for prompt in prompts:
             for j, (_, engine) in enumerate(engines):
-                rate = engine.run(prompt)
-                if i:
-                    rates[j].append(rate)
+                rates[j].append(engine.run(prompt))
         for (name, engine), got in zip(engines, rates, strict=True):
             rows.append(
                 {
