@@ -162,13 +162,16 @@ static int moe_mlp(const tm_shape *s, const tm_moe *m, const float *h, int Bd, f
             for (int c = 0; c < d; c++) o[c] += yi[c] * rw[i];
         }
     }
-    /* ---- the shared expert, gated per row ---- */
+    /* ---- the shared expert, gated per row (Qwen2-MoE), or not at all (Granite-MoE-shared:
+     * no gate vector) ---- */
     if (m->shared_up) {
         if ((rc = gated_mlp(s, m->shared_up, m->shared_down, NULL, NULL, m->fs, h, Bd, up, mid, y,
                             nthreads, act16)) != 1)
             return rc;
         for (int b = 0; b < Bd; b++) {
-            const float g = 1.f / (1.f + expf(-vf_dot(h + (size_t)b * d, m->shared_gate, d)));
+            const float g = m->shared_gate
+                                ? 1.f / (1.f + expf(-vf_dot(h + (size_t)b * d, m->shared_gate, d)))
+                                : 1.f;
             float *o = out + (size_t)b * d;
             const float *yb = y + (size_t)b * d;
             for (int c = 0; c < d; c++) o[c] += g * yb[c];

@@ -81,7 +81,8 @@ typedef struct {
 
 /* A Mixture-of-Experts MLP (ctypes mirror: TmMoe), layers/moe.py's in the fused stack:
  * a float router [E, d] picks k of E gated experts per row, their outputs weighted by
- * the router's probabilities, plus an optional shared expert gated by sigmoid(x . g). */
+ * the router's probabilities, plus an optional shared expert gated by sigmoid(x . g), or
+ * ungated. */
 typedef struct {
     int32_t E, k;          /* experts, and how many each row uses */
     int32_t fe, fs;        /* an expert's width, the shared expert's (0: none) */
@@ -90,7 +91,7 @@ typedef struct {
     const float *router, *router_bias;        /* [E, d], [E] or NULL */
     const tm_weight *const *up, *const *down; /* [E] each: up [2fe, d] (gate; up), down [d, fe] */
     const tm_weight *shared_up, *shared_down; /* [2fs, d], [d, fs], or NULL */
-    const float *shared_gate;                 /* [d], or NULL */
+    const float *shared_gate;                 /* [d], or NULL: the shared expert is ungated */
     const float *const *up_bias, *const *down_bias; /* [E] each: [2fe], [d] (gpt-oss), or NULL */
 } tm_moe;
 

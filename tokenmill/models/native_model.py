@@ -141,8 +141,6 @@ class NativeModel:
         """desc.moe for MoE layer i (a TmMoe: router, experts, shared expert); returns
         the layer's expert projections, for the activation-precision check."""
         mlps = [*m.experts, *([m.shared] if m.shared is not None else [])]
-        if m.shared is not None and m.shared_gate is None:  # tm_moe's shared expert is gated
-            self._block(f"layer {i}'s shared expert is ungated, which the fused stack lacks")
         if m.shared is not None and m.shared.up.bias is not None:
             self._block(f"layer {i}'s shared expert has biases, which the fused stack lacks")
         moe = kernels.TmMoe()
