@@ -430,3 +430,20 @@ def test_state_needs_its_grammar(compiler):
     grammar = compiler.compile("regex", "a")
     with pytest.raises(ValueError, match="compiled grammar"):
         SamplingState.create(SamplingParams(), [1], vocab_size=VOCAB, grammar=grammar)
+
+
+def test_a_constraint_the_vocabulary_cannot_spell_ends_at_eos(tmp_path):
+    """A word vocabulary ("t0".."t319") cannot spell the choice "c0". Whatever llguidance's
+    mask lets through there, the token it then refuses ends the sequence (EOS only from
+    there), as before: that is the model's dead end, not a failure of the request; only a
+    limit of llguidance's fails the request (test_server_attacks)."""
+    from helpers import build_hf_model
+
+    from tokenmill.engine.llm_engine import load_tokenizer
+
+    build_hf_model("llama", tmp_path)
+    words = GrammarCompiler(load_tokenizer(tmp_path), 320, [319])
+    matcher = words.compile("choice", ["c0"]).matcher()
+    first = int(matcher.allowed().nonzero()[0][0])
+    matcher.consume(first)  # refused by llguidance: no raise
+    assert matcher.allowed().nonzero().flatten().tolist() == [319]

@@ -328,6 +328,7 @@ class GrammarMatcher:
         self._matcher = matcher  # llguidance.LLMatcher
         self._allowed: Tensor | None = None  # [V] bool, for the current position
         self._consumed = 0  # tokens consumed so far
+        self._dead_end = False  # no token could continue the text: EOS was allowed instead
 
     def allowed(self) -> Tensor:
         """[V] bool: the tokens the grammar allows next."""
@@ -339,10 +340,18 @@ class GrammarMatcher:
         end early with a truncated text and a 200 (the matcher would allow only EOS)."""
         self._allowed = None
         if not self._matcher.consume_token(token_id):
-            raise GrammarLimitError(
+            error = _one_line(self._matcher.get_error())
+            if self._dead_end or "doesn't satisfy the grammar" in error:
+                # A text the vocabulary cannot spell (a word vocabulary, a choice of
+                # characters it lacks): the sequence ends at EOS, the matcher allowing
+                # only that from here, as any answer that cannot go on does.
+                log.warning("grammar matcher: %s; ending the sequence", error)
+                self._dead_end = True
+                return
+            raise GrammarLimitError(  # one of llguidance's limits: the request fails
                 self.kind,
                 f"the {self.kind} constraint failed after {self._consumed} tokens: "
-                f"{_one_line(self._matcher.get_error())}; simplify it",
+                f"{error}; simplify it",
             )
         self._consumed += 1
 
@@ -431,6 +440,7 @@ def allowed_tokens(matchers: Sequence[GrammarMatcher]) -> Tensor:
                 # grammar needs): end the sequence rather than let argmax pick token 0.
                 log.warning("grammar allows no token here; ending the sequence")
                 row[m.eos_token_ids] = True
+                m._dead_end = True
             m._allowed = row
         if len(todo) == len(matchers):  # the usual step: every row moved on
             return allowed
