@@ -118,6 +118,11 @@ def write(shape: str, ftype: str, path: Path, seed: int = 0) -> None:
         matrix(f"blk.{i}.ffn_up.weight", f, d, "ffn_up", i)
         matrix(f"blk.{i}.ffn_down.weight", d, f, "ffn_down", i)
     vector("output_norm.weight", d, 1.0)
+    finish(w)
+
+
+def finish(w: gguf.GGUFWriter) -> None:
+    """Write the file: header, metadata, tensors."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

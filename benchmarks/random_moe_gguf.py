@@ -28,7 +28,7 @@ import gguf
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from random_gguf import FILE_TYPES, pick_type, random_blocks  # noqa: E402
+from random_gguf import FILE_TYPES, finish, pick_type, random_blocks  # noqa: E402
 
 SHAPES = {
     "qwen3-30b-a3b": dict(arch="qwen3moe", d=2048, heads=32, kv=4, hd=128, experts=128, fe=768,
@@ -94,10 +94,7 @@ def write(shape: str, ftype: str, path: Path, layers: int, seed: int = 0) -> Non
         matrix(f"{blk}.ffn_down_exps.weight", d, fe, "ffn_down", i, n=E)
     vector("output_norm.weight", (d,))
     matrix("output.weight", vocab, d, "output")
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
 
 
 def main() -> None:

@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter, RopeScalingType
+from gguf import RopeScalingType
 from gguf.quants import dequantize, quantize
-from helpers import Single, finish_gguf, hf_greedy, hf_logits, llama_cpp_greedy
+from helpers import Single, _gguf_writer, finish_gguf, hf_greedy, hf_logits, llama_cpp_greedy
 from test_moe import GREEDY, build_moe_model
 
 from tokenmill.llm import LLM
@@ -65,17 +65,9 @@ def write_gpt_oss_gguf(hf, path, *, fused: bool = False, qtype=None) -> None:
     computes what the file holds."""
     cfg = hf.config
     rope = cfg.rope_parameters
-    w = GGUFWriter(str(path), "gpt-oss")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w = _gguf_writer(cfg, path, "gpt-oss")
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(rope["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_expert_count(cfg.num_local_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_expert_feed_forward_length(cfg.intermediate_size)

@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from tokenmill.bench.context import llama_kv_bytes_per_token
 from tokenmill.bench.protocol import (
     WARMUP_REQUESTS,
     WARMUP_TOKENS,
@@ -207,16 +208,9 @@ class LlamaCppRunner:
         return " ".join(f for f in wanted if f in on) or "-"
 
     def _kv_bytes(self) -> int:
-        """The KV cache llama.cpp allocated: n_ctx tokens of f16 K and V in every layer."""
-        meta = self.llm.metadata
-        arch = meta["general.architecture"]
-        heads = int(meta[f"{arch}.attention.head_count"])
-        kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
-        head_dim = int(meta[f"{arch}.embedding_length"]) // heads
-        k_dim = int(meta.get(f"{arch}.attention.key_length", head_dim))
-        v_dim = int(meta.get(f"{arch}.attention.value_length", head_dim))
-        layers = int(meta[f"{arch}.block_count"])
-        return self.llm.n_ctx() * layers * kv_heads * (k_dim + v_dim) * 2
+        """The KV cache llama.cpp allocated: n_ctx tokens of f16 K and V in every layer
+        (64 bytes per 32 values)."""
+        return self.llm.n_ctx() * llama_kv_bytes_per_token(self.llm.metadata, 64)
 
     def latency(self, prompt: list[int], gen_len: int) -> dict:
         """Greedy tokens after the whole prompt, on a reset context (no KV reuse)."""
