@@ -7,7 +7,7 @@ import importlib.util
 import json
 
 import pytest
-from helpers import build_hf_model, write_llama_gguf
+from helpers import build_hf_model, write_gguf, write_llama_gguf
 
 from tokenmill import bench, cli, kernels
 
@@ -99,6 +99,35 @@ def test_dead_worker_is_reported_failed(tmp_path):
     assert raw["tokenmill"]["status"] == "failed"
     assert raw["tokenmill"]["reason"].startswith("exit status 1: ")
     assert "missing.gguf" in raw["tokenmill"]["reason"]
+
+
+def test_decode_bytes_of_a_mixture_of_experts_count_the_active_experts(tmp_path):
+    """A decode step of an MoE model reads k of the E experts: both counts take that share
+    of the 3-D expert tensors (the router, attention and shared expert whole)."""
+    import gguf
+    import torch
+
+    from tokenmill.loader import open_checkpoint
+    from tokenmill.models.transformer import Transformer
+
+    model = build_hf_model(
+        "qwen2_moe", tmp_path / "hf", tie_word_embeddings=False, hidden_size=72,
+        num_experts=8, num_experts_per_tok=2,
+    )  # fmt: skip
+    path = tmp_path / "moe.gguf"
+    write_gguf(model, path, "qwen2moe")
+    reader = gguf.GGUFReader(path)
+    dense = sum(int(t.n_bytes) for t in reader.tensors)
+    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    dense -= int(embed.n_bytes) - int(embed.n_bytes) // int(embed.shape[1])
+    experts = sum(int(t.n_bytes) for t in reader.tensors if "_exps." in t.name)
+    assert experts > 0 and any("_shexp" in t.name for t in reader.tensors)
+    assert bench.gguf_decode_bytes(path) == dense - experts + experts * 2 // 8
+
+    ckpt = open_checkpoint(path)
+    loaded = Transformer(ckpt.config)
+    loaded.load_weights(ckpt, torch.float32)
+    assert bench.torch_decode_bytes(loaded) == bench.gguf_decode_bytes(path)
 
 
 def test_decode_bytes_gguf_matches_torch(tmp_path):

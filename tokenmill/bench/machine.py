@@ -117,11 +117,19 @@ def measure_machine(
 def gguf_decode_bytes(path: Path) -> int:
     """Bytes of a GGUF file's tensors that one decode step reads: all of them, except that a
     lookup table (token or position embedding) gives one row, unless the token embedding is
-    also the (tied) un-embedding, which reads it whole."""
+    also the (tied) un-embedding, which reads it whole; and that of a Mixture of Experts'
+    3-D expert tensors (blk.N.ffn_*_exps) one token reads the k experts its router picks
+    of the E: the active parameters, which set a MoE model's decode ceiling."""
     from gguf import GGUFReader
 
-    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    reader = GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
     total = sum(int(t.n_bytes) for t in tensors.values())
+    experts, used = _gguf_experts(reader)
+    if 0 < used < experts:
+        for t in tensors.values():
+            if "_exps." in t.name:
+                total -= int(t.n_bytes) - int(t.n_bytes) * used // experts
     lookups = ["position_embd.weight"]
     if "output.weight" in tensors:
         lookups.append("token_embd.weight")
@@ -131,6 +139,16 @@ def gguf_decode_bytes(path: Path) -> int:
             rows = int(t.shape[-1])  # GGUF lists dims fastest first: [d, rows]
             total -= int(t.n_bytes) - int(t.n_bytes) // rows
     return total
+
+
+def _gguf_experts(reader) -> tuple[int, int]:
+    """(expert_count, expert_used_count) from a GGUF's header; (0, 0) for a dense model."""
+    fields = reader.fields
+    arch = fields["general.architecture"].contents() if "general.architecture" in fields else ""
+    counts = [fields.get(f"{arch}.{key}") for key in ("expert_count", "expert_used_count")]
+    if any(c is None for c in counts):
+        return 0, 0
+    return int(counts[0].contents()), int(counts[1].contents())
 
 
 def _storages(model) -> list[tuple[str, int]]:
@@ -146,14 +164,24 @@ def _storages(model) -> list[tuple[str, int]]:
 def torch_decode_bytes(model, tied_embedding=None) -> int:
     """Bytes of a torch model's weights that one decode step reads: every tensor of its state
     dict, tied ones once, except that an `nn.Embedding` gives one row, unless it is
-    `tied_embedding`, the table the un-embedding reads whole."""
+    `tied_embedding`, the table the un-embedding reads whole, and that an MoE layer's token
+    reads its top_k experts of the num_experts (as gguf_decode_bytes)."""
     import torch
+
+    from tokenmill.layers.moe import MoE
 
     total = sum(nbytes for _, nbytes in _storages(model))
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding) and module is not tied_embedding:
             weight = module.weight
             total -= weight.untyped_storage().nbytes() - weight[0].nbytes
+        elif isinstance(module, MoE) and module.top_k < module.num_experts:
+            per_kind: dict[str, int] = {}  # as the file's 3-D tensors: one per weight kind
+            for expert in module.experts:
+                for name, t in expert.state_dict().items():
+                    per_kind[name] = per_kind.get(name, 0) + t.nbytes
+            read = sum(n * module.top_k // module.num_experts for n in per_kind.values())
+            total -= sum(per_kind.values()) - read
     return total
 
 
