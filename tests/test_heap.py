@@ -24,9 +24,10 @@ _ARENAS = textwrap.dedent(
     import ctypes, os, sys, tempfile, threading
     from tokenmill import heap
     capped = heap.tune_allocator() if sys.argv[1] == "cap" else False
-    held = []
+    held, together = [], threading.Barrier(6)
     def work():
         held.append([bytearray(1 << 16) for _ in range(8)])  # malloc'd, not pymalloc'd
+        together.wait()  # all alive at once: none hands its arena on to the next
     threads = [threading.Thread(target=work) for _ in range(6)]
     for t in threads: t.start()
     for t in threads: t.join()
