@@ -577,23 +577,21 @@ class LLMEngine:
     def _fail(self, seq: Sequence, error: Exception, now: float) -> RequestOutput:
         """End one request whose step failed: free its blocks, tell its client in one line
         (the traceback goes to the log only)."""
+        self.requests.pop(seq.request_id, None)
+        seq.finish_reason, seq.finish_time = FinishReason.ERROR, now
+        self.scheduler.finish(seq)
+        out = self._output(seq, "", [], [])
+        first_line = (str(error).strip().splitlines() or [""])[0][:200]
         if isinstance(error, GrammarError):  # its constraint: the request's fault, not ours
             log.warning("request %s failed in a step: %s", seq.request_id, error)
+            out.error, out.error_param = first_line, error.kind
         else:
             log.error(
                 "request %s failed in a step; the others in it carry on",
                 seq.request_id,
                 exc_info=error,
             )
-        self.requests.pop(seq.request_id, None)
-        seq.finish_reason, seq.finish_time = FinishReason.ERROR, now
-        self.scheduler.finish(seq)
-        out = self._output(seq, "", [], [])
-        first_line = (str(error).strip().splitlines() or [""])[0][:200]
-        if isinstance(error, GrammarError):  # the request's constraint: say it as it is
-            out.error, out.error_param = first_line, error.kind
-            return out
-        out.error = f"this request failed while sampling ({type(error).__name__}: {first_line})"
+            out.error = f"this request failed while sampling ({type(error).__name__}: {first_line})"
         return out
 
     def _advance(

@@ -296,7 +296,7 @@ class Attention(nn.Module):
         # q [B, H, L, hd], k/v [B, Hkv, C, hd]
         rep = self.num_heads // self.num_kv_heads
         if self.softcap is not None or self.sinks is not None:
-            return self._explicit(q, k, v, mask, causal, rep)
+            return self._explicit(q, k, v, mask, causal)
         if rep > 1 and q.shape[2] == 1 and not causal:
             # GQA/MQA decode: the `rep` query heads sharing a K/V head become `rep` queries
             # of that head ([B, Hkv, rep, hd]); the mask [B, 1, 1, C] broadcasts over them.
@@ -309,7 +309,7 @@ class Attention(nn.Module):
             q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=rep > 1
         )
 
-    def _explicit(self, q, k, v, mask, causal: bool, rep: int) -> torch.Tensor:
+    def _explicit(self, q, k, v, mask, causal: bool) -> torch.Tensor:
         """Attention for what SDPA cannot do: soft-capped scores (Gemma 2) and sink logits
         (gpt-oss), over key tiles with an online softmax, so a long prompt's scores never
         exist whole (layers/tiled_attention). q [B, H, L, hd], k/v [B, Hkv, C, hd], mask
