@@ -52,8 +52,9 @@ def pick_scheme(requested: str, fmt: str, dtype: torch.dtype, device: torch.devi
     return None if requested == "none" else requested
 
 
-def quantize_model(model: nn.Module, ckpt: Checkpoint, scheme: str, parts_of) -> None:
+def quantize_model(model: nn.Module, ckpt: Checkpoint, scheme: str, parts_of) -> list[str]:
     """Replace every Linear (and the token embedding) whose checkpoint source can be packed.
+    Returns the checkpoint tensors packed, whose file pages were released.
 
     parts_of(param_name) -> the checkpoint tensor names stacked to make that parameter.
     """
@@ -62,11 +63,12 @@ def quantize_model(model: nn.Module, ckpt: Checkpoint, scheme: str, parts_of) ->
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
     if isinstance(model.embed, nn.Embedding):
         targets.append(("embed", model.embed))
+    released: list[str] = []  # packed tensors whose file pages were dropped
     for name, module in targets:
         parts = parts_of(f"{name}.weight")
         if name == "lm_head" and "lm_head.weight" not in ckpt.tensors:
             parts = ["embed.weight"]  # tied in the file though not in the config
-        packed = _pack(ckpt, parts, scheme)
+        packed = _pack(ckpt, parts, scheme, released)
         if packed is None:
             continue
         rows = module.weight.shape[0]
@@ -80,9 +82,12 @@ def quantize_model(model: nn.Module, ckpt: Checkpoint, scheme: str, parts_of) ->
             packed.bias = module.bias  # filled by name by the float loader afterwards
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, packed)
+    return released
 
 
-def _pack(ckpt: Checkpoint, parts: list[str], scheme: str) -> NativeLinear | None:
+def _pack(
+    ckpt: Checkpoint, parts: list[str], scheme: str, released: list[str]
+) -> NativeLinear | None:
     if any(p not in ckpt.tensors for p in parts):
         return None  # the float loader reports the missing tensor
     if scheme == "gguf":
@@ -94,9 +99,10 @@ def _pack(ckpt: Checkpoint, parts: list[str], scheme: str) -> NativeLinear | Non
         layers = [_from_gguf(qtype, data) for qtype, data in raws]
         for p in parts:
             ckpt.release(p)  # packed: the file's pages need not stay resident
+        released.extend(parts)
     elif scheme == "float" and all(p in ckpt.raw for p in parts):
         # a float checkpoint's block-coded tensors (gpt-oss's MXFP4 experts) pack as GGUF's
-        return _pack(ckpt, parts, "gguf")
+        return _pack(ckpt, parts, "gguf", released)
     elif scheme == "float":
         tensors = [ckpt.tensors[p]() for p in parts]
         if any(t.dim() != 2 or t.dtype not in FLOAT_GGUF.values() for t in tensors):
