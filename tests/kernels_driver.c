@@ -182,6 +182,22 @@ static void float_cases(void) {
  * values below 2^-14 become 0, so no subnormal needs the conversion's rounding). */
 static void *as_cache(float *x, size_t n, int kv_bits) {
     if (kv_bits == TM_F32) return x;
+    if (kv_bits == TM_Q8_0) { /* n / 32 blocks of 34 bytes: float16 d = max|x| / 127, int8 q */
+        uint8_t *c = malloc(n / 32 * 34);
+        for (size_t b = 0; b < n / 32; b++) {
+            float amax = 0.f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[b * 32 + i]));
+            const uint16_t h = to_half(amax / 127.f); /* x in [-1, 1): d far above 2^-14 */
+            memcpy(c + b * 34, &h, 2);
+            const float d = tm_half_to_float(h);
+            for (int i = 0; i < 32; i++) {
+                const float r = roundf(x[b * 32 + i] / d);
+                ((int8_t *)c)[b * 34 + 2 + i] = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
+            }
+        }
+        free(x);
+        return c;
+    }
     uint16_t *h = malloc(n * 2);
     for (size_t i = 0; i < n; i++) {
         uint32_t b;
@@ -195,6 +211,15 @@ static void *as_cache(float *x, size_t n, int kv_bits) {
 /* The cache back as float32, to emit. */
 static float *cache_floats(const void *c, size_t n, int kv_bits) {
     float *f = malloc(n * sizeof(float));
+    if (kv_bits == TM_Q8_0) { /* q * d, block i / 32 */
+        const uint8_t *b = c;
+        for (size_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, b + i / 32 * 34, 2);
+            f[i] = (float)((const int8_t *)b)[i / 32 * 34 + 2 + i % 32] * tm_half_to_float(h);
+        }
+        return f;
+    }
     for (size_t i = 0; i < n; i++)
         f[i] = kv_bits == TM_F32    ? ((const float *)c)[i]
                : kv_bits == TM_BF16 ? tm_bf16_to_float(((const uint16_t *)c)[i])
@@ -205,12 +230,14 @@ static float *cache_floats(const void *c, size_t n, int kv_bits) {
 static void attention_cases(void) {
     /* Bd rows decoding over a paged cache, each row over its own slots (a row writes its
      * new k/v while the others read theirs); GQA 4/2, MHA 2/2 and MQA 6/1, hd 16 and 64;
-     * float32, float16 and bfloat16 caches; with and without attention sinks */
-    const int cfg[][3] = {{4, 2, 16}, {2, 2, 64}, {6, 1, 64}}, kvs[3] = {TM_F32, TM_F16, TM_BF16};
+     * float32, float16, bfloat16 and q8_0 caches (q8_0 where hd is whole 32-value blocks,
+     * as KVCache requires); with and without attention sinks */
+    const int cfg[][3] = {{4, 2, 16}, {2, 2, 64}, {6, 1, 64}}, kvs[4] = {TM_F32, TM_F16, TM_BF16, TM_Q8_0};
     for (int c = 0; c < 3; c++)
-        for (int kv = 0; kv < 3; kv++)
+        for (int kv = 0; kv < 4; kv++)
         for (int window = 0; window <= 8; window += 8) {
             const int H = cfg[c][0], Hkv = cfg[c][1], hd = cfg[c][2], Bd = 3, slots_n = 128, cmax = 40, rot = hd;
+            if (kvs[kv] == TM_Q8_0 && hd % 32) continue;
             float *qkv = fill_floats((size_t)Bd * (H + 2 * Hkv) * hd, 1.f);
             const int bits = kvs[kv];
             const size_t nc = (size_t)slots_n * Hkv * hd;
