@@ -189,6 +189,49 @@ def test_context_rows_tokenmill_alone(tiny_model, tmp_path, capsys):
     assert "| 600 (508 + gen) | tokenmill | float32 | " in table
 
 
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib")
+def test_context_plot(tiny_model, tmp_path, monkeypatch):
+    """--plot with --context draws the context chart: a PNG of every row's prefill and
+    decode speed, one line per engine and KV type, in prompt-length order."""
+    from tokenmill.bench import report as report_mod
+
+    drawn = {}
+    real = report_mod.write_context_plot
+
+    def spy(rows, path, title):
+        drawn["series"], drawn["rows"] = real(rows, path, title), rows
+        return drawn["series"]
+
+    monkeypatch.setattr(report_mod, "write_context_plot", spy)
+    png = tmp_path / "context.png"
+    rows = run_context(tiny_model, tmp_path, "--peers", "none", "--plot", str(png))["context"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert drawn["series"] == {
+        "tokenmill float32 prefill": [(r["prompt_tokens"], r["prefill_tok_s"]) for r in rows],
+        "tokenmill float32 decode": [(r["prompt_tokens"], r["decode_tok_s"]) for r in rows],
+    }
+
+
+def test_context_plot_rows_in_context_order(tmp_path):
+    """Rows of two engines, given out of order, become one line each, sorted by length."""
+    pytest.importorskip("matplotlib", reason="needs matplotlib")
+    from tokenmill.bench.report import write_context_plot
+
+    rows = [
+        {"engine": e, "kv": "q8_0", "prompt_tokens": n, "prefill_tok_s": p, "decode_tok_s": d}
+        for e, n, p, d in [("tokenmill", 2048, 90.0, 20.0), ("llama.cpp", 512, 60.0, 15.0),
+                           ("tokenmill", 512, 100.0, 30.0), ("llama.cpp", 2048, 50.0, 9.0)]
+    ]  # fmt: skip
+    series = write_context_plot(rows, str(tmp_path / "c.png"), "t")
+    assert series == {
+        "llama.cpp q8_0 prefill": [(512, 60.0), (2048, 50.0)],
+        "llama.cpp q8_0 decode": [(512, 15.0), (2048, 9.0)],
+        "tokenmill q8_0 prefill": [(512, 100.0), (2048, 90.0)],
+        "tokenmill q8_0 decode": [(512, 30.0), (2048, 20.0)],
+    }
+    assert (tmp_path / "c.png").stat().st_size > 1000
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="needs llama-cpp-python")
 def test_context_beside_llama_cpp_at_q8_0(tmp_path, capsys):
     """On a GGUF file with --kv-cache-dtype q8_0: llama.cpp runs beside tokenmill with a

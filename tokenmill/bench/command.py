@@ -277,10 +277,17 @@ def _cmd_context(args: argparse.Namespace) -> None:
     from tokenmill.bench.context import cmd_context
     from tokenmill.engine.llm_engine import resolve_model
 
-    if args.plot:
-        raise ValueError("--plot draws the latency and throughput run, not --context")
+    if args.plot:  # before the run, not after it
+        require_matplotlib()
     path = resolve_model(args.model)
     report = cmd_context(args, path, args.threads or os.cpu_count() or 1, log)
+    if args.plot:
+        from tokenmill.bench.report import write_context_plot
+
+        write_context_plot(
+            report["context"], args.plot, f"{path.name}, {report['settings']['threads']} threads"
+        )
+        log(f"chart written to {args.plot}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         log(f"report written to {args.json}")

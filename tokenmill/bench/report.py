@@ -267,3 +267,37 @@ def write_plot(report: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def write_context_plot(
+    rows: list[dict], path: str, title: str
+) -> dict[str, list[tuple[int, float]]]:
+    """A PNG of `bench --context`'s rows: prefill and decode tok/s (log scale) against the
+    prompt's tokens, one line per engine and KV type. Returns the plotted series,
+    "{engine} {kv} {prefill|decode}" -> [(prompt tokens, tok/s)], in context order."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in sorted(rows, key=lambda r: r["prompt_tokens"]):
+        for phase in ("prefill", "decode"):
+            key = f"{r['engine']} {r['kv']} {phase}"
+            series.setdefault(key, []).append((r["prompt_tokens"], r[f"{phase}_tok_s"]))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, phase in zip(axes, ("prefill", "decode"), strict=True):
+        for key, points in series.items():
+            if key.endswith(phase):
+                ax.plot(*zip(*points, strict=True), marker="o", label=key.removesuffix(f" {phase}"))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt tokens")
+        ax.set_title(f"{phase} tok/s")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return series
