@@ -248,4 +248,6 @@ def test_context_beside_llama_cpp_at_q8_0(tmp_path, capsys):
         assert tm["kv_bytes_per_token"] == peer["kv_bytes_per_token"]
         assert tm["context"] == peer["context"] and tm["prompt_tokens"] == peer["prompt_tokens"]
         assert peer["prefill_tok_s"] > 0 and peer["decode_tok_s"] > 0
-    assert "x / " in capsys.readouterr().out  # tokenmill's ratios to llama.cpp
+    table = capsys.readouterr().out
+    assert "x / " in table  # tokenmill's ratios to llama.cpp
+    assert table.count("(1.00x llama.cpp's, within 5%)") == 3  # tokenmill's q8_0 rows

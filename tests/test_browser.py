@@ -575,3 +575,45 @@ def test_the_model_picker_lists_every_model_and_sends_the_chosen_one(
             generated = metric_by_label(r.read().decode(), "tokenmill_generation_tokens_total")
         assert generated.get(ids[1], 0) > 0 and generated.get("tiny", 0) == 0
         assert not errors, errors
+
+
+def test_the_inspector_shows_speculative_guesses(browser, smollm_path: Path) -> None:
+    """A server that speculates (serve --speculative ngram): a traced answer that copies
+    its prompt is verified in steps of several rows, and the page shows each one's
+    guesses (accepted or rejected), the tokens the accepted ones became, and what a guess
+    was when one of them is clicked."""
+    from server_fixture import server_process
+
+    env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_API_KEY"}
+    args = ("--model", str(smollm_path), "--kv-cache-memory", "128MiB", "--speculative", "ngram")
+    with server_process(*args, env=env) as served:
+        page, errors = open_inspector(browser, served.base_url)
+        shown_model(page, served.base_url)
+        page.fill("#max_tokens", "40")
+        page.fill(
+            "#prompt",
+            "Repeat this sentence exactly: The lighthouse keeper climbed the spiral stairs "
+            "every evening at dusk and lit the great lamp.",
+        )
+        page.click("#send")
+        page.wait_for_selector("#phase.done", timeout=180_000)
+        assert page.locator("#spec-steps").is_visible()  # the card has data, not its explanation
+        assert page.locator("#spec-steps .spec-step").count() >= 1
+        assert page.locator("#spec-steps .guess.accepted").count() >= 1
+        assert "guesses accepted" in page.locator("#spec-text").inner_text()
+        guessed = page.locator(".bubble.assistant .tok.guessed")
+        assert guessed.count() >= 1
+        # every token of the answer appears once, in order: the bubble's text is the answer
+        positions = [int(p) for p in page.locator(".bubble.assistant .tok").evaluate_all(
+            "ts => ts.map(t => t.dataset.pos)"
+        )]  # fmt: skip
+        assert positions == list(range(positions[0], positions[0] + len(positions)))
+        guessed.first.click()
+        title = page.locator("#choice-title")
+        title.wait_for()
+        assert "speculative guess" in title.inner_text() and "accepted" in title.inner_text()
+        # an accepted guess ran as an input row of its step: its embedding is on record
+        assert "embedding" in page.locator("#token-detail").inner_text().lower()
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "inspector-speculation.png"), full_page=True)
+        assert not errors, errors

@@ -132,10 +132,10 @@ def test_the_draft_runs_under_the_sequence_cache_salt(pair, monkeypatch):
     assert salts and set(salts) == {1234}
 
 
-def test_a_traced_request_is_not_speculated(pair):
-    """The inspector records one sampled token per decode step: the scheduler proposes
-    nothing for a traced sequence, which decodes plainly (the same tokens), while an
-    untraced one beside it speculates."""
+def test_a_traced_request_speculates_beside_an_untraced_one(pair):
+    """A traced sequence is verified like any other (the inspector shows its guesses):
+    beside an untraced one that speculates too, both get the plain tokens, and the trace's
+    verification steps account for every token it emitted."""
     from tokenmill.inspect.trace import Trace
 
     target, _ = pair
@@ -150,6 +150,10 @@ def test_a_traced_request_is_not_speculated(pair):
         for out in spec.step():
             got[out.request_id].extend(out.token_ids)
     assert [got["traced"], got["other"]] == _drive(plain, PROMPTS[:2], GREEDY)
-    decodes = [s for s in trace.steps if s["phase"] == "decode"]
-    assert len(decodes) == GREEDY.max_tokens - 1 and all("sample" in s for s in decodes)
-    assert spec.speculative_stats()["speculative_accepted_tokens"] > 0  # the other one
+    assert trace.summary["output_ids"] == got["traced"]
+    verify = [s for s in trace.steps if s["phase"] == "verify"]
+    assert verify, "the traced sequence proposed guesses"
+    emitted = sum(len(s.get("samples", [s["sample"]])) for s in trace.steps if "sample" in s)
+    assert emitted == len(got["traced"])
+    assert trace.summary["verify_tokens"] == sum(s["speculation"]["emitted"] for s in verify)
+    assert spec.speculative_stats()["speculative_proposed_tokens"] > 0

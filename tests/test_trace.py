@@ -492,3 +492,80 @@ def test_a_traced_prefill_is_chunked_and_other_requests_decode_between(chunked) 
     assert len(prefill_steps) >= LONG // CHUNK  # the traced prompt took several steps
     for i in prefill_steps:  # and every one of them also decoded the other request
         assert order[i + 1] == "other token", order
+
+
+# ---------------------------------------------------------------------- speculation
+
+PASSAGE = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk. He wiped the "
+    "great lens, trimmed the wick and lit the lamp, and the beam swept across the bay."
+)
+COPY = f"Repeat this sentence exactly:\n\n{PASSAGE}\n\nThe sentence:\n\n{PASSAGE[:40]}"
+
+
+@pytest.mark.slow
+def test_a_traced_request_speculates_and_records_its_guesses(smollm_path: Path) -> None:
+    """Under speculation a traced request is verified like any other: its verification
+    steps record the guesses, which were accepted (the engine's longest-prefix rule), the
+    tokens emitted and the K/V rows rolled back, and the output stays the plain one."""
+    forced = {"method": "ngram", "k": 4, "adaptive": False, "max_running": 64}
+    spec = LLMEngine(smollm_path, kv_cache_memory="64MiB", speculative=forced)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain, _ = generate(spec, "untraced", COPY, params)  # the same engine, untraced
+    trace = Trace(layers=[3])
+    traced, _ = generate(spec, "traced", COPY, params, trace)
+    assert traced.output_ids == plain.output_ids  # greedy: guesses never change tokens
+    assert trace.summary["output_ids"] == traced.output_ids
+    verify = [s for s in trace.steps if s["phase"] == "verify"]
+    assert verify, "a copy task proposes guesses"
+    assert trace.summary["verify_steps"] == len(verify)
+    assert any(s["speculation"]["accepted"] > 0 for s in verify)
+    out = list(traced.prompt_ids)
+    for step in trace.steps:
+        if "sample" not in step:
+            continue
+        # the step's input rows: the sequence's last token, then the guesses
+        assert step["input_ids"][0] == out[step["start"]]
+        samples = step.get("samples", [step["sample"]])
+        assert step["sample"] is samples[-1]
+        for sample in samples:  # the emitted tokens, in order
+            out.append(sample["token"])
+        if step["phase"] != "verify":
+            continue
+        sp = step["speculation"]
+        assert step["input_ids"][1:] == sp["proposed"]
+        assert step["num_tokens"] == 1 + len(sp["proposed"])
+        agreed = 0
+        while agreed < len(sp["proposed"]) and samples[agreed]["token"] == sp["proposed"][agreed]:
+            agreed += 1
+        assert sp["accepted"] == agreed
+        assert sp["emitted"] == len(samples) == agreed + 1  # no stop inside (ignore_eos)
+        assert [s["guess_accepted"] for s in samples[:agreed]] == [True] * agreed
+        for s, guess in zip(samples, sp["proposed"], strict=False):
+            assert s["guess"] == guess and 0.0 <= s["guess_prob"] <= 1.0
+        # greedy: an accepted guess was the target's most likely token
+        assert all(s["candidates"][0]["id"] == s["token"] for s in samples)
+        assert sp["rolled_back"] == len(sp["proposed"]) - agreed
+        kv = step["kv"]
+        assert kv["written"] == step["num_tokens"]
+        assert kv["tokens"] == step["start"] + 1 + agreed  # the rejected rows given back
+        layer = next(a for a in step["attention"] if a["layer"] == 3)
+        assert layer["query_positions"] == list(
+            range(step["start"], step["start"] + step["num_tokens"])
+        )
+        rows_are_causal_distributions(layer)
+        if sp["plain_step_ms"] is not None:
+            assert sp["step_vs_plain"] == pytest.approx(
+                step["step_ms"] / sp["plain_step_ms"], rel=1e-2
+            )
+    assert out[len(traced.prompt_ids) :] == traced.output_ids
+    text = spec.tokenizer.decode(traced.output_ids)
+    assert trace.summary["text"] == text
+    made = len(trace_module.dumps(trace.to_dict()).encode())
+    cfg = spec.config
+    bound = trace_module.size_bound(
+        cfg, len(traced.prompt_ids), params.max_tokens, map_layers=1, map_heads=cfg.num_heads,
+        top_n=trace.top_n, chunk_tokens=spec.scheduler.max_num_batched_tokens, speculative_k=4,
+    )  # fmt: skip
+    assert made <= bound
+    assert spec.blocks.num_used == 0  # every block back, the rolled-back ones too

@@ -197,14 +197,17 @@ def markdown_table(rows: list[dict]) -> str:
             context += f" ({r['prompt_tokens']} + gen)"
         peers = [p for p in rows if p["engine"] == "llama.cpp" and p["context"] == r["context"]]
         peer = next((p for p in peers if p["kv"] == r["kv"]), peers[0] if peers else None)
-        ratio = "-"
+        ratio, kv_bytes = "-", f"{r['kv_bytes_per_token']:,}"
         if r["engine"] == "tokenmill" and peer is not None:
             ratio = (
                 f"{r['prefill_tok_s'] / peer['prefill_tok_s']:.2f}x / "
                 f"{r['decode_tok_s'] / peer['decode_tok_s']:.2f}x"
             )
+            if peer["kv"] == r["kv"]:  # the target: within 5% of llama.cpp's bytes
+                share = r["kv_bytes_per_token"] / peer["kv_bytes_per_token"]
+                kv_bytes += f" ({share:.2f}x llama.cpp's, {'within' if abs(share - 1) <= 0.05 else 'beyond'} 5%)"
         lines.append(
-            f"| {context} | {r['engine']} | {r['kv']} | {r['kv_bytes_per_token']:,} | "
+            f"| {context} | {r['engine']} | {r['kv']} | {kv_bytes} | "
             f"{r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | {ratio} |"
         )
     return "\n".join(lines)

@@ -142,7 +142,7 @@ def speculative_method(text: str) -> str:
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
     """--speculative and --num-speculative-tokens (engine/speculative.py); load_llm hands
-    them to the engine. generate and chat take them; serve may (server/cli.py)."""
+    them to the engine. generate, chat and inspect take them; serve may (server/cli.py)."""
     s = p.add_argument_group("speculative decoding")
     s.add_argument(
         "--speculative",

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.text import Text
 
 from tokenmill.checks import ArgumentError, int_at_least
-from tokenmill.cli.common import _params, load_llm
+from tokenmill.cli.common import _params, add_speculative_args, load_llm
 from tokenmill.inspect.view import DEFAULT_SEED, TerminalView
 
 
@@ -43,6 +43,7 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         help="output width in columns (default: $COLUMNS, else the terminal's, else 80); "
         "tables keep their rows whole even when wider",
     )
+    add_speculative_args(p)  # verification steps show their guesses and what was accepted
     # a nucleus cut by default, so it shows; --layer and --head checked against the model's
     # config before its weights load
     p.set_defaults(func=cmd_inspect, top_p=0.9, check_model=check_view)

@@ -7,6 +7,10 @@ request the same way. Hook order within one engine step:
     on_step_begin -> on_embedding -> per layer: on_attention, on_residual("attention"),
     on_residual("mlp") -> on_sample (if the step yields a token) -> on_step_end
 
+A verification step (speculative decoding: the sequence's last token and its guesses as
+1 + k rows, on_step_begin's `proposal`) calls on_sample once per token it emits, in
+order: row j's token, while the tokens so far equal the guesses (so 1 to 1 + k calls).
+
 The forward pass's three (on_embedding, on_attention, on_residual) and AttentionSite are
 declared with the batch they see (layers/attention.py: ForwardHooks), below the engine,
 so that the layers and the model never import it.
@@ -57,6 +61,8 @@ class EngineView:
     pool_blocks_total: int
     pool_blocks_used: Callable[[], int]
     is_stop_token: Callable[[int, SamplingParams], bool]  # sampling/stop.py's rule
+    # engine/speculative.py's counters now ({} while speculation is off)
+    speculative_stats: Callable[[], dict[str, Any]]
 
 
 class StepHooks(ForwardHooks, Protocol):
@@ -65,7 +71,11 @@ class StepHooks(ForwardHooks, Protocol):
     declared with the batch they see, layers/attention.py::ForwardHooks) and the engine's
     around them."""
 
-    def on_step_begin(self, seq: Sequence, num_tokens: int) -> None: ...
+    # proposal: a verification step's speculative guesses (engine/speculative.py), the
+    # step's rows after the sequence's last token; () for any other step
+    def on_step_begin(
+        self, seq: Sequence, num_tokens: int, proposal: tuple[int, ...] = ()
+    ) -> None: ...
 
     def on_sample(self, logits_row: Tensor, state: SamplingState, token_id: int) -> None: ...
 

@@ -255,6 +255,7 @@ class LLMEngine:
                 pool_blocks_total=self.blocks.num_blocks,
                 pool_blocks_used=lambda: self.blocks.num_used,
                 is_stop_token=functools.partial(is_stop_token, eos_token_ids=eos),
+                speculative_stats=self.speculative_stats,
             )
         return self._view
 
@@ -427,7 +428,7 @@ class LLMEngine:
             return self._reject_unschedulable()
         traced = [c for c in chunks if c.seq.trace is not None]
         for chunk in traced:
-            chunk.seq.trace.on_step_begin(chunk.seq, chunk.num_tokens)
+            chunk.seq.trace.on_step_begin(chunk.seq, chunk.num_tokens, chunk.proposal)
         logits, sampled = self.runner.run(chunks)
         for chunk in chunks:
             seq = chunk.seq
@@ -549,6 +550,8 @@ class LLMEngine:
                 if isinstance(pick, Exception):
                     raise pick
                 token, lp = pick
+                if seq.trace is not None:  # before the state records the new token
+                    seq.trace.on_sample(logits[j], seq.sampling, token)
                 matched = j < len(guesses) and token == guesses[j]
                 accepted += matched
                 step = self._advance(seq, token, lp, now)

@@ -131,7 +131,7 @@ class Scheduler:
             if seq.trace is not None:
                 n = min(n, trace_chunk)
             proposal: list[int] = []
-            if not prefill and self.propose is not None and seq.trace is None:
+            if not prefill and self.propose is not None:
                 proposal = self.propose(seq, budget - n)
                 # guesses never cost anyone their blocks: short of room, a plain row
                 if not self.blocks.can_grow(seq.block_table, seq.num_computed + n + len(proposal)):

@@ -109,12 +109,34 @@ class SampleRecord(TypedDict, total=False):
     token_text: str
     is_stop: bool  # the engine's stop rule (sampling/stop.py)
     text: str  # what the detokenizer released ("" for a stop token)
+    # optional, a verification step's rows that follow a guess: the guess, the target's
+    # final probability of it here, and whether the drawn token was it
+    guess: int
+    guess_prob: float
+    guess_accepted: bool
+
+
+class SpeculationRecord(TypedDict):
+    """A verification step (speculative decoding, engine/speculative.py): the guesses
+    that ran as rows after the sequence's last token, and what became of them."""
+
+    method: str  # "ngram" | "draft"
+    proposed: list[int]  # the guesses, in order
+    proposed_pieces: list[str]
+    proposed_texts: list[str]
+    accepted: int  # the longest prefix of them the target agreed with
+    emitted: int  # tokens this step appended: accepted + 1, fewer if a stop came first
+    rolled_back: int  # the rejected guesses' K/V rows, given back to the pool
+    plain_step_ms: float | None  # median of this trace's plain decode steps so far
+    step_vs_plain: float | None  # this step's step_ms over plain_step_ms
+    engine_verify_cost: float | None  # untraced: a verification over a decode step's time
 
 
 class KVRecord(TypedDict):
     tokens: int
     bytes: int
     written: int
+    rolled_back: int  # of the rows written, a verification's rejected guesses' (given back)
     blocks: int
     released: bool
     pool_blocks_used: int
@@ -143,7 +165,7 @@ class TraceSettings(TypedDict):
 
 class StepRecord(TypedDict, total=False):
     index: int
-    phase: str  # "prefill" | "decode" (engine/scheduler.py::is_decode)
+    phase: str  # "prefill" | "decode" (engine/scheduler.py::is_decode) | "verify" (guesses)
     start: int
     num_tokens: int
     input_ids: list[int]
@@ -153,7 +175,9 @@ class StepRecord(TypedDict, total=False):
     embedding: dict[str, Any]  # shape, sample, norms
     layers: list[LayerRecord]
     attention: list[AttentionMap]  # optional: one per map layer with rows in this step
-    sample: SampleRecord  # optional: steps that yield a token
+    sample: SampleRecord  # optional: steps that yield a token (a verification: its last)
+    samples: list[SampleRecord]  # optional: a verification's, one per token it emitted
+    speculation: SpeculationRecord  # optional: verification steps only
     kv: KVRecord
     step_ms: float
     trace_ms: float
@@ -165,4 +189,4 @@ class TraceRecord(TypedDict):
     prompt: PromptRecord
     trace: TraceSettings
     steps: list[StepRecord]
-    summary: dict[str, Any]  # output_ids, text, timings, finish_reason
+    summary: dict[str, Any]  # output_ids, text, timings, finish_reason, verify_steps/tokens

@@ -6,6 +6,10 @@ data: the tokens, embedding and position samples, per layer the Q/K/V shapes and
 attention summaries (and an MoE layer's router choice per token: which experts, with
 what weight), attention maps (weights) for the layers and heads asked for, the
 KV cache size, the sampler's distributions at every stage, the chosen token and timings.
+Under speculative decoding a traced request speculates like any other: a verification
+step (phase "verify") records the guesses, each emitted token's sample with the target's
+probability of its guess there, how many were accepted, the K/V rows rolled back, and the
+step's time beside this trace's plain decode steps.
 `tokenmill inspect` prints it, and `POST /v1/inspect` streams it to the web page.
 
 What a trace costs is bounded, whatever the prompt's length (issue 21 item 3: a
@@ -102,6 +106,7 @@ def size_bound(
     top_n: int,
     chunk_tokens: int,
     sample_dims: int = 8,
+    speculative_k: int = 0,
 ) -> int:
     """The most bytes of compact JSON a trace of this request can make (its header, every
     step, the summary): what POST /v1/inspect checks against its cap before running.
@@ -112,12 +117,16 @@ def size_bound(
     row per decode step, each as wide as its context); the rest per token, layer and
     candidate, with a token's text taken as PIECE_BYTES (a request whose tokens are longer
     than that can still pass; the route counts the real bytes as well). A preempted
-    request recomputes its prefill and may record more.
+    request recomputes its prefill and may record more. speculative_k: the engine's most
+    guesses per step (0: no speculation); a verification step runs 1 + k rows, each of them
+    summarised and mapped like a decode row, and records its guesses.
     """
     maps = map_layers * map_heads
     decode_steps = max_tokens - 1
     steps = -(-prompt_len // max(1, chunk_tokens)) + decode_steps
-    rows = min(prompt_len, MAX_SAMPLE_ROWS * steps) + decode_steps  # per-row samples
+    # a decode step's rows: 1, or a verification's 1 + k (its guesses' rows included)
+    step_rows = 1 + speculative_k
+    rows = min(prompt_len, MAX_SAMPLE_ROWS * steps) + decode_steps * step_rows  # per-row samples
     per_row = 3 * NUMBER_BYTES + PIECE_BYTES + (4 * sample_dims + 1) * NUMBER_BYTES
     layers = cfg.num_layers * (LAYER_BYTES + cfg.num_heads * HEAD_BYTES)
     sample = (top_n + 1) * (CANDIDATE_BYTES + 2 * PIECE_BYTES) + (top_n + 8) * NUMBER_BYTES
@@ -126,10 +135,17 @@ def size_bound(
     # the maps: rows of the prompt's last chunk are prompt_len keys wide; decode step t
     # (1..decode_steps) reads prompt_len + t keys
     map_rows = prompt_map_rows(prompt_len, maps)
-    cells = maps * (map_rows * prompt_len + decode_steps * prompt_len)
-    cells += maps * decode_steps * (decode_steps + 1) // 2
-    map_overhead = map_layers * (steps * 200 + (map_rows + decode_steps) * (NUMBER_BYTES + 2))
-    map_overhead += maps * (map_rows + decode_steps) * 2  # each row's brackets
+    cells = maps * (map_rows * prompt_len + decode_steps * step_rows * prompt_len)
+    if speculative_k:  # a row past the prompt reads at most max_tokens + k more keys
+        cells += maps * decode_steps * step_rows * (max_tokens + speculative_k)
+    else:
+        cells += maps * decode_steps * (decode_steps + 1) // 2
+    extra = decode_steps * step_rows  # map rows after the prompt's
+    map_overhead = map_layers * (steps * 200 + (map_rows + extra) * (NUMBER_BYTES + 2))
+    map_overhead += maps * (map_rows + extra) * 2  # each row's brackets
+    # a verification's record: per guess its id, piece, row record; per step its scalars
+    speculation = decode_steps * (speculative_k * (4 * NUMBER_BYTES + PIECE_BYTES + 60) + 300)
+    speculation = speculation if speculative_k else 0
     # MoE layers: per kept row its k expert ids and weights, each list's brackets
     sparse = sum(cfg.moe_layers) if cfg.num_experts else 0
     k = cfg.num_experts_per_tok
@@ -143,6 +159,7 @@ def size_bound(
         + rows * per_row
         + cells * WEIGHT_BYTES
         + map_overhead
+        + speculation
     )
 
 
@@ -226,26 +243,31 @@ class Trace:
         self.summary: dict[str, Any] = {}
         self.map_from: int | None = None  # first prompt position whose map rows are kept
         self._prompt_len = 0  # the traced request's, set as its first step begins
-        # per finished step: (step_ms, trace_ms, sampled token or None, its text)
-        self._timeline: list[tuple[float, float, int | None, str]] = []
+        # per finished step: (step_ms, trace_ms, tokens it emitted, their text, verification?)
+        self._timeline: list[tuple[float, float, list[int], str, bool]] = []
         self._step: StepRecord | None = None
+        self._proposal: tuple[int, ...] = ()  # the current step's guesses (verification)
+        self._samples: list[dict[str, Any]] = []  # the current step's, one per token emitted
         self._started = 0.0
         self._hook_s = 0.0  # time spent inside this step's hooks
         self._last_row: Tensor | None = None  # the residual stream before the current sublayer
         self._detok: IncrementalDetokenizer | None = None
 
     # ------------------------------------------------------------------ engine hooks
-    def on_step_begin(self, seq, num_tokens: int) -> None:
+    def on_step_begin(self, seq, num_tokens: int, proposal: tuple[int, ...] = ()) -> None:
         start = seq.num_computed
         decode = is_decode(seq, num_tokens)  # the scheduler's rule, as the model runner packs
         self._started, self._hook_s = time.perf_counter(), 0.0
         self._prompt_len = len(seq.prompt_ids)
+        self._proposal = tuple(proposal)
+        # a verification's rows: the sequence's last token, then its guesses
+        own = num_tokens - len(proposal)
         self._step = {
             "index": len(self._timeline),
-            "phase": "decode" if decode else "prefill",
+            "phase": "verify" if proposal else "decode" if decode else "prefill",
             "start": start,
             "num_tokens": num_tokens,
-            "input_ids": [seq.token_at(p) for p in range(start, start + num_tokens)],
+            "input_ids": [seq.token_at(p) for p in range(start, start + own)] + list(proposal),
             "layers": [],
             "blocks_held": len(seq.block_table),  # the scheduler grew the table already
         }
@@ -364,7 +386,7 @@ class Trace:
             for i in order
         ]
         p = state.params
-        self._step["sample"] = {
+        sample = {
             "token": token_id,
             "prob": round(float(t.final_probs[token_id]), 6),
             "prob_before_temperature": round(float(t.probs[token_id]), 6),
@@ -388,7 +410,14 @@ class Trace:
             "candidates": candidates,
         }
         if t.allowed is not None:
-            self._step["sample"]["grammar"] = self._grammar(t, state, order, candidates)
+            sample["grammar"] = self._grammar(t, state, order, candidates)
+        j = len(self._samples)  # a verification's row j follows guess j - 1
+        if j < len(self._proposal):  # the guess this row's token is checked against
+            guess = self._proposal[j]
+            sample["guess"] = guess
+            sample["guess_prob"] = round(float(t.final_probs[guess]), 6)
+            sample["guess_accepted"] = guess == token_id
+        self._samples.append(sample)
 
     @staticmethod
     def _grammar(t, state: SamplingState, order: list[int], candidates: list[dict]) -> dict:
@@ -421,17 +450,23 @@ class Trace:
             step["position_encoding"] = engine.position_encoding(
                 step["positions"][:MAX_SAMPLE_ROWS], self.sample_dims
             )
-        if "sample" in step:
-            self._finish_sample(step["sample"], seq, engine)
+        samples, self._samples = self._samples, []
+        for sample in samples:  # in order: each one's text follows the one before
+            self._finish_sample(sample, seq, engine)
+        if samples:
+            step["sample"] = samples[-1]
+        if self._proposal:
+            step["samples"] = samples
+            step["speculation"] = self._speculation(samples, step, engine)
         step["kv"] = self._kv(step, seq, engine)
         self._last_row = None
-        sample = step.get("sample")
         self._timeline.append(
             (
                 step["step_ms"],
                 step["trace_ms"],
-                None if sample is None else sample["token"],
-                "" if sample is None else sample["text"],
+                [sample["token"] for sample in samples],
+                "".join(sample["text"] for sample in samples),
+                bool(self._proposal),
             )
         )
         if self.keep_steps:
@@ -495,17 +530,48 @@ class Trace:
         sample["is_stop"] = ends
         sample["text"] = "" if ends else self._detok.add(token)  # a stop token is never shown
 
+    def _speculation(
+        self, samples: list[dict[str, Any]], step: dict[str, Any], engine: EngineView
+    ) -> dict[str, Any]:
+        """A verification step's guesses and what became of them, and its time beside the
+        plain decode steps this trace has seen (both run the traced torch path)."""
+        proposal, tok = self._proposal, engine.tokenizer
+        stats = engine.speculative_stats()
+        accepted = 0
+        for sample in samples:  # the engine's rule: the longest agreeing prefix
+            if not sample.get("guess_accepted"):
+                break
+            accepted += 1
+        plain = sorted(t[0] for t in self._timeline[1:] if len(t[2]) == 1 and not t[4])
+        plain_ms = plain[len(plain) // 2] if plain else None  # the median so far
+        return {
+            "method": stats.get("speculative_method", ""),
+            "proposed": list(proposal),
+            "proposed_pieces": [tok.id_to_piece(i) for i in proposal],
+            "proposed_texts": [tok.decode([i]) for i in proposal],
+            "accepted": accepted,
+            "emitted": len(samples),
+            "rolled_back": len(proposal) - accepted,
+            "plain_step_ms": plain_ms,
+            "step_vs_plain": round(step["step_ms"] / plain_ms, 3) if plain_ms else None,
+            # the fused decode stack's own figure (untraced steps): a verification's time
+            # over a plain decode step's, the speculator's moving averages
+            "engine_verify_cost": stats.get("speculative_verify_cost") or None,
+        }
+
     def _kv(self, step: dict[str, Any], seq, engine: EngineView) -> dict[str, Any]:
         """The request's KV cache after this step.
 
         Taken from the step itself (start + num_tokens tokens have K/V now) because a
         sequence that finished in this step has already handed its blocks back.
         """
-        tokens = step["start"] + step["num_tokens"]
+        rolled_back = step.get("speculation", {}).get("rolled_back", 0)
+        tokens = step["start"] + step["num_tokens"] - rolled_back
         return {
             "tokens": tokens,
             "bytes": tokens * engine.kv_bytes_per_token,
             "written": step["num_tokens"],
+            "rolled_back": rolled_back,  # a verification's rejected guesses' rows, given back
             "blocks": step.pop("blocks_held"),
             "released": seq.status is Status.FINISHED,
             "pool_blocks_used": engine.pool_blocks_used(),
@@ -514,24 +580,31 @@ class Trace:
 
     def _summarise(self, seq) -> None:
         timeline = self._timeline
-        first = next((i for i, t in enumerate(timeline) if t[2] is not None), None)
+        first = next((i for i, t in enumerate(timeline) if t[2]), None)
         end = len(timeline) if first is None else first + 1
         prefill_ms = sum(t[0] for t in timeline[:end])
-        decode_ms = [t[0] for t in timeline[first + 1 :]] if first is not None else []
+        decode = timeline[first + 1 :] if first is not None else []
+        decode_ms = [t[0] for t in decode]
+        decode_tokens = sum(len(t[2]) for t in decode)  # a verification emits 1 to 1 + k
         ttft = None
         if seq.first_token_time is not None:  # the engine's clock, less the tracer's own time
             traced_s = sum(t[1] for t in timeline[:end]) / 1000
             ttft = seq.first_token_time - seq.arrival - traced_s
+        verifications = [t for t in timeline if t[4]]
         self.summary = {
-            "output_ids": [t[2] for t in timeline if t[2] is not None],
+            "output_ids": [i for t in timeline for i in t[2]],
             "text": "".join(t[3] for t in timeline),
             "prefill_ms": round(prefill_ms, 3),
             "decode_ms": decode_ms,
+            "decode_tokens": [len(t[2]) for t in decode],  # per decode step: 1, or a verification's
             "time_to_first_token_ms": round(ttft * 1000, 3) if ttft is not None else None,
-            "decode_tokens_per_s": round(len(decode_ms) / sum(decode_ms) * 1000, 2)
+            "decode_tokens_per_s": round(decode_tokens / sum(decode_ms) * 1000, 2)
             if decode_ms
             else None,
             "finish_reason": seq.finish_reason,
+            # speculative decoding: verification steps, and the tokens they emitted
+            "verify_steps": len(verifications),
+            "verify_tokens": sum(len(t[2]) for t in verifications),
         }
 
     def live_summary(self) -> dict[str, Any]:
@@ -565,7 +638,7 @@ class Trace:
         Path(path).write_text(dumps(self.to_dict()), encoding="utf-8")
 
 
-SUMMARY_LISTS = ("output_ids", "text", "decode_ms")
+SUMMARY_LISTS = ("output_ids", "text", "decode_ms", "decode_tokens")
 
 
 def dumps(record: Any) -> str:

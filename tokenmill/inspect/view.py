@@ -202,6 +202,8 @@ class TerminalView:
             self._intro(trace)
         if step["phase"] == "prefill":
             self._prefill(trace, step)
+        elif step["phase"] == "verify":
+            self._verify(trace, step)
         else:
             self._decode(trace, step)
 
@@ -224,12 +226,13 @@ class TerminalView:
             f"{format_rate(pre_rate)} tok/s",
             bar(s["prefill_ms"] / slowest, style="magenta"),
         )
-        for i, ms in enumerate(s["decode_ms"], start=1):
+        emitted = s.get("decode_tokens") or [1] * len(s["decode_ms"])
+        for i, (ms, n) in enumerate(zip(s["decode_ms"], emitted, strict=True), start=1):
             table.add_row(
                 f"decode {i}",
-                "1",
+                str(n),  # more than 1: a verification accepted guesses
                 f"{ms:.1f} ms",
-                f"{format_rate(1000 / ms)} tok/s",
+                f"{format_rate(n * 1000 / ms)} tok/s",
                 bar(ms / slowest, style="cyan"),
             )
         print_table(c, table)
@@ -245,6 +248,13 @@ class TerminalView:
             + "  [dim](the tracer's own work is left out of these times)[/dim]"
         )
         c.print(prefill_vs_decode(prefill_tokens, pre_rate, s), style="dim")
+        if s.get("verify_steps"):
+            c.print(
+                f"speculative decoding: {s['verify_steps']} verification step(s) emitted "
+                f"{s['verify_tokens']} token(s), {s['verify_tokens'] / s['verify_steps']:.2f} "
+                "per step; each reads the weights once for its 1 + k rows",
+                style="dim",
+            )
         text = Text(trace.prompt["text"], style="dim")
         text.append(s["text"].rstrip(), style="bold green")
         c.print(Panel(text, title="prompt + generated text", title_align="left"))
@@ -520,8 +530,64 @@ class TerminalView:
                 f" {kv['pool_blocks_used']}/{kv['pool_blocks_total']} blocks used{fed}", style="dim"
             )
         )
-        if "sample" in step:
-            self.tokens.append(step["sample"]["token_text"])
+        for sample in step.get("samples", [step["sample"]] if "sample" in step else []):
+            self.tokens.append(sample["token_text"])
+
+    def _verify(self, trace, step: StepRecord) -> None:
+        """A verification step: the last token and k guesses as 1 + k rows in one pass;
+        each row's token is drawn as a plain decode would draw it, kept while it equals
+        the guess (engine/speculative.py), and the rejected rows' K/V go back."""
+        c = self.console
+        sp, kv, samples = step["speculation"], step["kv"], step["samples"]
+        pos = step["positions"][0]
+        head = Text(f"step {step['index']} · verify", style="bold cyan")
+        head.append(
+            f"  input {visible(self.tokens[pos])!r} at position {pos} + {len(sp['proposed'])} "
+            f"{sp['method']} guess(es) as {step['num_tokens']} rows in one pass  ·  "
+            f"{step['step_ms']:.1f} ms"
+        )
+        if sp["plain_step_ms"]:
+            head.append(
+                f" (a plain decode step: {sp['plain_step_ms']:.1f} ms, x{sp['step_vs_plain']:.2f})"
+            )
+        lines: list[Any] = [head]
+        for j, guess in enumerate(sp["proposed_texts"]):
+            row = samples[j] if j < len(samples) else None
+            if row is None:
+                mark, why = (
+                    Text("  · ", style="dim"),
+                    "not reached (a rejection or a stop came first)",
+                )
+            elif row["guess_accepted"]:
+                mark, why = Text("  ✓ ", style="bold green"), f"target p {row['guess_prob']:.1%}"
+            else:
+                mark = Text("  ✗ ", style="bold red")
+                why = (
+                    f"target p {row['guess_prob']:.1%}; it chose {visible(row['token_text'])!r} "
+                    f"(p {row['prob']:.1%}) instead"
+                )
+            lines.append(
+                mark + Text(f"guess {j + 1} {visible(guess)!r:<14}") + Text(why, style="dim")
+            )
+        if len(samples) > len(sp["proposed"]):  # every guess held: the row after the last
+            own = samples[-1]
+            lines.append(
+                Text("  + ", style="bold green")
+                + Text(f"and the target's own next token {visible(own['token_text'])!r}")
+                + Text(f" (p {own['prob']:.1%})", style="dim")
+            )
+        text = "".join(s["text"] for s in samples)
+        lines.append(
+            Text(
+                f"  accepted {sp['accepted']} of {len(sp['proposed'])} → {sp['emitted']} token(s) "
+                f"{text!r} appended; {sp['rolled_back']} rejected row(s) of K/V rolled back, "
+                f"cache {kv['tokens']} tokens, {format_bytes(kv['bytes'])}",
+                style="dim",
+            )
+        )
+        c.print(Group(*lines))
+        for sample in samples:
+            self.tokens.append(sample["token_text"])
 
     def _decode(self, trace, step: StepRecord) -> None:
         c = self.console

@@ -240,6 +240,8 @@ def _check_size(
         "map_heads": engine.config.num_heads if heads is None else len(heads),
         "top_n": trace_args["top_n"],
         "chunk_tokens": engine.scheduler.max_num_batched_tokens,
+        # a traced request speculates like any other: 1 + k rows per verification
+        "speculative_k": engine.speculator.config.k if engine.speculator is not None else 0,
     }
     maps = len(trace_args["layers"])
     bound = size_bound(engine.config, prompt_len, max_tokens, map_layers=maps, **common)

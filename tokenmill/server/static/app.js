@@ -128,7 +128,7 @@ function newRun(bubble) {
   return {
     header: null, // the "start" event: model shape, prompt, trace settings
     steps: [], // trace steps in arrival order
-    tokens: [], // by position: {id, text, piece, generated, sampleStep, inputStep, isStop}
+    tokens: [], // by position: {id, text, piece, generated, sampleStep, sampleIndex, guessed, inputStep, isStop}
     summary: null,
     selected: null, // position the user clicked; null follows the newest token
     bubble, // the assistant bubble it writes
@@ -143,6 +143,12 @@ let attentionHead = 0;
 
 /** The position the cards describe: the clicked token, or else the newest one. */
 const focusPos = () => run.selected ?? run.tokens.length - 1;
+
+/** The sample record that chose a generated token: a verification step emits several. */
+const sampleOf = (token) => {
+  const step = run.steps[token.sampleStep];
+  return step.samples?.[token.sampleIndex] ?? step.sample;
+};
 
 /** The step whose forward pass chose the token at `pos` (generated) or read it (prompt). */
 function stepFor(pos) {
@@ -217,7 +223,7 @@ function onDone(event) {
   $("phase").textContent = "done";
   $("phase-detail").textContent =
     `${plural(n, "token")} generated · finish reason: ${event.finish_reason} · click any token to look back`;
-  $("pipeline").classList.remove("prefill", "decode");
+  $("pipeline").classList.remove("prefill", "decode", "verify");
   live.summary = event.summary;
   renderStats();
   if (run === live) renderTiming();
@@ -229,18 +235,29 @@ function onDone(event) {
   live.bubble.append(meta);
 }
 
+/** Append the step's token(s) to the answer: one, or a verification's accepted guesses
+ *  and the target's own token after them (row j's token sits at position start + 1 + j). */
 function addGenerated(step, index) {
-  const s = step.sample;
-  const pos = step.start + step.num_tokens;
-  live.tokens[pos] = {
-    id: s.token, text: s.token_text, piece: s.piece, generated: true, sampleStep: index, isStop: s.is_stop,
-  };
-  const span = el("span", "tok fresh", s.is_stop ? ` ⏹ ${s.token_text}` : s.text);
-  if (s.is_stop) span.classList.add("stop");
-  span.dataset.pos = pos;
-  span.title = `${quoted(s.token_text)} · id ${s.token} · p = ${pct(s.prob)} — click for alternatives`;
-  live.bubble.append(span);
-  setTimeout(() => span.classList.remove("fresh"), 700);
+  const samples = step.samples ?? [step.sample];
+  const first = step.speculation ? step.start + 1 : step.start + step.num_tokens;
+  samples.forEach((s, j) => {
+    const pos = first + j;
+    const guessed = Boolean(s.guess_accepted);
+    live.tokens[pos] = {
+      id: s.token, text: s.token_text, piece: s.piece, generated: true, sampleStep: index,
+      sampleIndex: j, guessed, isStop: s.is_stop,
+    };
+    // an accepted guess already ran as an input row of this very step
+    if (guessed) live.tokens[pos].inputStep = index;
+    const span = el("span", "tok fresh", s.is_stop ? ` ⏹ ${s.token_text}` : s.text);
+    if (s.is_stop) span.classList.add("stop");
+    if (guessed) span.classList.add("guessed");
+    span.dataset.pos = pos;
+    span.title = `${quoted(s.token_text)} · id ${s.token} · p = ${pct(s.prob)}` +
+      (guessed ? " · a speculative guess the model accepted" : "") + " — click for alternatives";
+    live.bubble.append(span);
+    setTimeout(() => span.classList.remove("fresh"), 700);
+  });
   $("messages").scrollTop = $("messages").scrollHeight;
 }
 
@@ -263,12 +280,17 @@ function showPhase(step) {
   const phase = $("phase");
   phase.className = `phase ${step.phase}`;
   phase.textContent = step.phase;
-  $("pipeline").classList.remove("prefill", "decode");
+  $("pipeline").classList.remove("prefill", "decode", "verify");
   $("pipeline").classList.add(step.phase);
   const context = step.start + step.num_tokens;
+  const sp = step.speculation;
   $("phase-detail").textContent = step.phase === "prefill"
     ? `${plural(step.num_tokens, "prompt token")} go through all ${plural(m.num_layers, "layer")} ` +
       `at once, as one [${step.num_tokens}, ${m.hidden_size}] matrix`
+    : sp
+    ? `step ${step.index}: ${quoted(live.tokens[step.start]?.text ?? "")} and ` +
+      `${plural(sp.proposed.length, "guess", "guesses")} (${sp.method}) in as ${step.num_tokens} rows, ` +
+      `one pass over the weights · ${sp.accepted} accepted → ${plural(sp.emitted, "token")} out`
     : `step ${step.index}: one token in (${quoted(live.tokens[step.start]?.text ?? "")}), ` +
       `attending over ${plural(context, "cached key")}, one token out`;
 }
@@ -341,6 +363,7 @@ function renderAll() {
   renderAttention();
   renderKV();
   renderTiming();
+  renderSpeculation();
   renderTokenDetail();
   renderLayers();
   markSelected();
@@ -400,7 +423,7 @@ function renderChoice() {
     return;
   }
   const step = run.steps[token.sampleStep];
-  const s = step.sample;
+  const s = sampleOf(token);
   $("choice-where").textContent = `position ${pos} · ${step.phase} step ${step.index}`;
   const title = $("choice-title");
   title.replaceChildren(
@@ -408,6 +431,13 @@ function renderChoice() {
     ` · rank ${s.rank} of ${fmtInt(s.vocab)} by logit · entropy ${s.entropy.toFixed(2)} → ` +
       `${s.entropy_after_temperature.toFixed(2)} bits after temperature`,
   );
+  if (s.guess != null) {
+    const guess = step.speculation.proposed_texts[token.sampleIndex];
+    title.append(
+      ` · the speculative guess here was ${quoted(guess)} (model's p = ${pct(s.guess_prob)}): `,
+      el("b", "", s.guess_accepted ? "accepted" : "rejected"),
+    );
+  }
   renderFunnel(s);
   renderGrammarNote(s);
   // A masked candidate's bar is the model's own probability, which the grammar took away.
@@ -495,10 +525,14 @@ function fillLayerSelect(numLayers, current) {
 function attentionRows(layer, head) {
   const rows = new Map();
   for (const step of run.steps) {
+    // a verification's rows past its accepted guesses read tokens that were rolled back
+    const last = step.speculation ? step.start + step.speculation.accepted : Infinity;
     for (const att of step.attention ?? []) {
       const h = att.heads.indexOf(head);
       if (att.layer !== layer || h < 0) continue;
-      att.query_positions.forEach((q, r) => rows.set(q, att.weights[h][r]));
+      att.query_positions.forEach((q, r) => {
+        if (q <= last) rows.set(q, att.weights[h][r]);
+      });
     }
   }
   return rows;
@@ -567,6 +601,7 @@ function heatmapImage(rows, size) {
   for (const [q, weights] of rows) {
     if (q >= size) continue;
     weights.forEach((w, k) => {
+      if (k >= size) return; // a verification's row is as wide as its guesses' context
       const [r, g, b] = HEAT_LUT[Math.round(Math.sqrt(clamp01(w)) * 255)];
       image.data.set([r, g, b, 255], (q * size + k) * 4);
     });
@@ -596,7 +631,8 @@ function renderTopAttended(weights, q) {
   const next = run.tokens[q + 1];
   const why = next?.generated ? `, choosing ${quoted(next.text)}` : "";
   box.append(el("div", "note", `${quoted(token.text)} (pos ${q}${why}) looked most at:`));
-  const top = weights.map((w, k) => [w, k]).sort((a, b) => b[0] - a[0]).slice(0, 4);
+  // keys past q are masked (a verification's rows are as wide as its guesses' context)
+  const top = weights.slice(0, q + 1).map((w, k) => [w, k]).sort((a, b) => b[0] - a[0]).slice(0, 4);
   for (const [w, k] of top) {
     const row = el("div", "row");
     const track = el("div", "track");
@@ -617,7 +653,8 @@ function renderKV() {
   const m = run.header.model;
   const blocks = $("kv-blocks");
   blocks.replaceChildren();
-  const fresh = kv.tokens - kv.written;
+  // rows this step wrote that stay: a verification's rejected guesses were rolled back
+  const fresh = kv.tokens - (kv.written - (kv.rolled_back ?? 0));
   for (let b = 0; b * m.block_size < kv.tokens; b += 1) {
     const block = el("div", "block");
     block.title = `block ${b}: positions ${b * m.block_size}…${(b + 1) * m.block_size - 1}`;
@@ -635,6 +672,7 @@ function renderKV() {
       `(${plural(m.num_layers, "layer")} × K and V × ${plural(m.num_kv_heads, "head")} × ${m.head_dim} dims) = `,
     el("b", "", fmtBytes(kv.bytes)), ` in ${kv.blocks} block${kv.blocks === 1 ? "" : "s"} of ${m.block_size}; ` +
       `this step wrote ${kv.written} (yellow).` +
+      (kv.rolled_back ? ` ${plural(kv.rolled_back, "rejected guess", "rejected guesses")}' rows were rolled back.` : "") +
       (kv.released ? " The answer is finished, so its blocks went back to the pool." : ""),
   );
   $("kv-pool").style.width = `${Math.max(0.5, (kv.pool_blocks_used / kv.pool_blocks_total) * 100)}%`;
@@ -659,7 +697,7 @@ function renderTiming() {
   ctx.fillText("0", 0, height - 14);
   run.steps.forEach((s, i) => {
     const h = (s.step_ms / top) * (height - 30);
-    ctx.fillStyle = s.phase === "prefill" ? "#d17bff" : "#3cc8f5";
+    ctx.fillStyle = s.phase === "prefill" ? "#d17bff" : s.phase === "verify" ? "#7ee08a" : "#3cc8f5";
     ctx.fillRect(40 + i * barWidth, height - 14 - h, Math.max(1, barWidth - 2), h);
   });
   ctx.fillStyle = "#8891a5";
@@ -680,6 +718,57 @@ function renderTiming() {
       ` (${(1000 / each).toFixed(1)} tok/s: every weight is read again for a single token)`,
     );
   }
+  const verify = run.steps.filter((s) => s.phase === "verify");
+  if (verify.length) {
+    const tokens = verify.reduce((n, s) => n + s.speculation.emitted, 0);
+    box.append(
+      " · verify (green) ", el("b", "", `${fmtMs(median(verify.map((s) => s.step_ms)))} per step`),
+      `, ${(tokens / verify.length).toFixed(2)} tokens per step`,
+    );
+  }
+}
+
+// ---- speculation
+
+/** Each verification step: its guesses (accepted, rejected, not reached), the tokens it
+ *  emitted, and its time beside a plain decode step's. Its explanation until one ran. */
+function renderSpeculation() {
+  const verify = run.steps.filter((s) => s.phase === "verify");
+  $("card-spec").classList.toggle("has-data", verify.length > 0); // else its explanation
+  if (!verify.length) return;
+  const list = $("spec-steps");
+  list.replaceChildren();
+  for (const step of verify.slice(-12)) {
+    const sp = step.speculation;
+    const row = el("div", "spec-step");
+    row.append(el("span", "spec-index", `step ${step.index}`));
+    sp.proposed_texts.forEach((text, j) => {
+      const sample = step.samples[j];
+      const state = !sample ? "unreached" : sample.guess_accepted ? "accepted" : "rejected";
+      const chip = el("span", `guess ${state}`, visible(text) || "∅");
+      chip.title = !sample
+        ? "not reached: an earlier guess was rejected or the answer stopped"
+        : `${state}: the model gave it ${pct(sample.guess_prob)}` +
+          (sample.guess_accepted ? "" : `; it chose ${quoted(sample.token_text)}`);
+      row.append(chip);
+    });
+    const own = step.samples.length > sp.proposed.length ? step.samples.at(-1) : null;
+    const bonus = own ?? (step.samples.at(-1)?.guess_accepted ? null : step.samples.at(-1));
+    if (bonus) row.append(el("span", "guess own", `→ ${visible(bonus.token_text)}`));
+    const cost = sp.step_vs_plain ? ` (${sp.step_vs_plain.toFixed(2)}× a plain step)` : "";
+    row.append(el("span", "spec-cost", `${fmtMs(step.step_ms)}${cost} → ${plural(sp.emitted, "token")}`));
+    list.append(row);
+  }
+  const accepted = verify.reduce((n, s) => n + s.speculation.accepted, 0);
+  const proposed = verify.reduce((n, s) => n + s.speculation.proposed.length, 0);
+  const emitted = verify.reduce((n, s) => n + s.speculation.emitted, 0);
+  const engineCost = verify.at(-1).speculation.engine_verify_cost;
+  $("spec-text").textContent =
+    `${plural(verify.length, "verification step")}: ${accepted} of ${proposed} guesses accepted ` +
+    `(${pct(proposed ? accepted / proposed : 0)}), ${(emitted / verify.length).toFixed(2)} tokens per step. ` +
+    "Each one runs the last token and the guesses as rows of one pass over the weights; a row's token is " +
+    "drawn as a plain step would draw it, and kept while it equals the guess." +
+    (engineCost ? ` Untraced, on the fused decode stack, a verification costs ${engineCost.toFixed(2)}× a plain step.` : "");
 }
 
 // ---- token detail
@@ -926,7 +1015,7 @@ function clearInspector() {
   for (const [node, text] of PRISTINE_SHAPES) node.textContent = text;
   document.getElementById("grammar-note")?.remove();
   document.querySelectorAll(".pipeline .stage").forEach((g) => g.classList.remove("used", "active", "pulse"));
-  $("pipeline").classList.remove("prefill", "decode");
+  $("pipeline").classList.remove("prefill", "decode", "verify");
   $("kv-pool").style.width = "";
   for (const canvas of [$("heatmap"), $("timing")]) {
     canvas.getContext("2d").clearRect(0, 0, canvas.width, canvas.height);
