@@ -29,14 +29,16 @@ def tiny(tmp_path_factory) -> Path:
     return folder
 
 
-def inspect(tiny: Path, tmp: Path, *args: str, columns: str | None = None) -> tuple[str, dict]:
+def inspect(
+    tiny: Path, tmp: Path, *args: str, columns: str | None = None, prompt: str = PROMPT
+) -> tuple[str, dict]:
     """Run the command with stdout a pipe; returns what it printed and its --json trace."""
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "FORCE_COLOR", "NO_COLOR")}
     if columns:
         env["COLUMNS"] = columns
     trace = tmp / f"trace-{len(list(tmp.iterdir()))}.json"
     r = subprocess.run(
-        [sys.executable, "-m", "tokenmill.cli", "inspect", PROMPT, "--model", str(tiny),
+        [sys.executable, "-m", "tokenmill.cli", "inspect", prompt, "--model", str(tiny),
          "--max-tokens", "3", "--kv-cache-memory", "8MiB", "--json", str(trace), *args],
         stdin=subprocess.DEVNULL,  # no terminal anywhere: the width cannot come from one
         capture_output=True,
@@ -134,3 +136,28 @@ def test_tables_keep_whole_rows_at_any_width(tiny, tmp_path, width):
     assert timing and "tokens" in timing[0] and "time" in timing[0]
     decode_rows = [line for line in lines if re.match(r"^\s*decode \d+\s+1\s", line)]
     assert len(decode_rows) == len(trace["steps"]) - 1
+
+
+@pytest.mark.slow
+def test_speculation_shows_each_verification(smollm_path, tmp_path):
+    """--speculative ngram on a prompt the answer copies: the view prints each
+    verification's guesses, and the trace's steps account for every token emitted."""
+    prompt = (
+        "Repeat exactly: The lighthouse keeper climbed the spiral stairs. "
+        "Again: The lighthouse keeper"
+    )
+    text, trace = inspect(
+        smollm_path, tmp_path, "--speculative", "ngram", "--max-tokens", "8",
+        "--temperature", "0", prompt=prompt,
+    )  # fmt: skip
+    verify = [s for s in trace["steps"] if s["phase"] == "verify"]
+    assert verify, "the copied prompt gives the n-gram lookup a match"
+    assert "· verify" in text and "guess 1" in text and "rolled back" in text
+    for step in verify:
+        sp = step["speculation"]
+        assert len(step["samples"]) == sp["emitted"] >= 1
+        assert step["input_ids"][1:] == sp["proposed"]
+    sampling = [s for s in trace["steps"] if "sample" in s]
+    emitted = sum(len(s.get("samples", [s["sample"]])) for s in sampling)
+    assert emitted == len(trace["summary"]["output_ids"])
+    assert emitted > len(sampling)  # some guess was accepted: a step gave more than one token

@@ -533,11 +533,20 @@ class TerminalView:
         for sample in step.get("samples", [step["sample"]] if "sample" in step else []):
             self.tokens.append(sample["token_text"])
 
+    def _decode_header(self) -> Console:
+        """The decode loop's rule, once, before its first step (plain or verification)."""
+        if not self.decode_header_shown:
+            self.console.rule(
+                "[bold cyan]Phase 2 · decode loop: one token per step, reading the KV cache"
+            )
+            self.decode_header_shown = True
+        return self.console
+
     def _verify(self, trace, step: StepRecord) -> None:
         """A verification step: the last token and k guesses as 1 + k rows in one pass;
         each row's token is drawn as a plain decode would draw it, kept while it equals
         the guess (engine/speculative.py), and the rejected rows' K/V go back."""
-        c = self.console
+        c = self._decode_header()  # a verification can be the first step after the prompt
         sp, kv, samples = step["speculation"], step["kv"], step["samples"]
         pos = step["positions"][0]
         head = Text(f"step {step['index']} · verify", style="bold cyan")
@@ -590,10 +599,7 @@ class TerminalView:
             self.tokens.append(sample["token_text"])
 
     def _decode(self, trace, step: StepRecord) -> None:
-        c = self.console
-        if not self.decode_header_shown:
-            c.rule("[bold cyan]Phase 2 · decode loop: one token per step, reading the KV cache")
-            self.decode_header_shown = True
+        c = self._decode_header()
         s, kv = step["sample"], step["kv"]
         pos = step["positions"][0]
         head = Text(f"step {step['index']}", style="bold cyan")
