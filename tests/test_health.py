@@ -44,7 +44,7 @@ class _Hold:
     def __init__(self) -> None:
         self.entered, self.release = threading.Event(), threading.Event()
 
-    def on_step_begin(self, seq, num_tokens: int) -> None:
+    def on_step_begin(self, seq, num_tokens: int, proposal=()) -> None:
         self.entered.set()
         self.release.wait(300)
 
