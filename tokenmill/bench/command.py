@@ -131,6 +131,12 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         "(bench/context.py); uses --runs, --gen-len, --threads",
     )
     p.add_argument(
+        "--memory",
+        action="store_true",
+        help="with --context: also each engine's peak memory beyond its weights and KV "
+        "cache at each context length, each engine in a process of its own",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="a few minutes: fewer and shorter runs, one prompt length, 8 throughput "
@@ -209,6 +215,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         raise ValueError(
             "--runs, --num-requests and --peer-batch-size must be >= 1, --gen-len >= 2"
         )
+    if getattr(args, "memory", False) and not args.context:
+        raise ValueError("--memory measures with --context; add --context N,N,...")
     if args.embeddings:
         from tokenmill.bench.embeddings import cmd_embeddings
 
