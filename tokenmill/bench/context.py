@@ -14,11 +14,46 @@ engine's KV bytes per token.
 
 Both engines run in this one process, on the same threads. benchmarks/context.py runs this
 same code for several KV dtypes at once.
+
+Memory (--memory): after the speed rows, each (context, engine) runs once more in a fresh
+Python process of its own (memory_child, this file loaded by path, so that llama.cpp's
+process never imports tokenmill or torch): it loads the engine as the speed rows do, runs
+one prompt of that context (prefill, then the `gen` decoded tokens) and reports:
+
+  peak_rss        the process's peak resident memory, load and run (VmHWM; ru_maxrss where
+                  /proc has none). rss_after_load is VmRSS once the engine is loaded (the
+                  KV pool resident: tokenmill's make_resident, llama.cpp's buffer clear);
+                  run_peak_rss the peak of the run alone (VmHWM reset by /proc/self/
+                  clear_refs after the load; None where that is refused).
+  weights_bytes   the same figure for both engines: the GGUF file's tensor bytes (for a
+                  checkpoint folder, tokenmill's own state dict). An engine that holds its
+                  weights in more bytes than the file (a repacked or dequantized copy, or
+                  the file's mmap pages beside a copy) pays that as memory beyond them.
+                  engine_weights_bytes is what each engine says it holds (tokenmill: its
+                  state dict's storages; llama.cpp: llama_model_size).
+  kv_bytes        the KV cache as allocated, at each engine's bytes per token: tokenmill's
+                  pool of kv_cache_memory = ctx + gen + 64 tokens (rounded down to whole
+                  16-token blocks: capacity_tokens), llama.cpp's n_ctx = ctx + gen + 64 (as
+                  llama_n_ctx reports it, after any padding). kv_used_bytes is what the
+                  prompt and the generated tokens fill: bytes per token x (prompt + gen).
+  beyond_bytes    peak_rss - weights_bytes - kv_bytes: what the issue's target compares
+                  ("peak memory beyond the weights and the cache: <= 1.2x llama.cpp's").
+                  It counts the interpreter, the engine's libraries (torch; libllama and
+                  numpy), activations and other temporaries of prefill and decode, logits,
+                  and load-time copies, for both engines alike.
+  beyond_baseline_bytes  beyond_bytes - the peak of a process that only imports the
+                  engine's modules (tokenmill: torch, tokenmill's engine and its kernel
+                  library; llama.cpp: llama_cpp and its library), so the fixed cost of the
+                  libraries shows apart from what running the model costs.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -213,6 +248,261 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------- memory (--memory)
+
+MEMORY_REPLY = "tokenmill-memory: "  # the child's one line of JSON on stdout starts so
+
+
+def _status_bytes(field: str) -> int | None:
+    """A memory field of /proc/self/status (VmHWM, VmRSS: kB) in bytes, None without /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _peak_rss() -> int:
+    """This process's peak resident bytes: VmHWM (since the last reset), else ru_maxrss."""
+    hwm = _status_bytes("VmHWM")
+    if hwm is not None:
+        return hwm
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _rss() -> int:
+    rss = _status_bytes("VmRSS")
+    return rss if rss is not None else _peak_rss()
+
+
+def _reset_peak() -> bool:
+    """Reset VmHWM to the present RSS (Linux 4.0+: "5" to clear_refs): False if refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return _status_bytes("VmHWM") is not None
+
+
+def _import_engine(engine: str) -> None:
+    """The modules an engine's load imports, and its native library, and nothing more: the
+    baseline process's whole work."""
+    if engine == "tokenmill":
+        import torch  # noqa: F401
+
+        from tokenmill import LLM, SamplingParams, kernels  # noqa: F401
+        from tokenmill.engine import llm_engine  # noqa: F401
+        from tokenmill.loader import open_checkpoint  # noqa: F401
+
+        kernels.library(quiet=True)  # dlopen, as llama_cpp's import loads libllama
+    else:
+        import llama_cpp  # noqa: F401
+
+
+def memory_child(spec: dict) -> dict:
+    """In a fresh process: load spec["engine"] as context_rows does, run one prompt of
+    spec["context"] and measure (see the module docstring); spec["baseline"]: only import
+    the engine's modules. The dict is also printed, on one MEMORY_REPLY line."""
+    engine, ctx, gen = spec["engine"], spec["context"], spec["gen"]
+    out: dict = {"engine": engine, "rss_at_start": _rss()}
+    if spec.get("baseline"):
+        _import_engine(engine)
+        out.update(peak_rss=_peak_rss(), rss=_rss())
+        print(MEMORY_REPLY + json.dumps(out), flush=True)
+        return out
+    path, threads, kv = Path(spec["path"]), spec["threads"], spec["kv"]
+    if engine == "tokenmill":
+        from tokenmill.bench.machine import weight_bytes_by_dtype
+
+        tm = TokenmillContext(path, ctx, gen, threads, kv, spec["dtype"])
+        cache = tm.llm.engine.cache
+        runner: TokenmillContext | LlamaCppContext = tm
+        kv_tokens, kv_bytes = cache.capacity_tokens, cache.nbytes
+        engine_weights = sum(weight_bytes_by_dtype(tm.llm.engine.model).values())
+    else:
+        lc = LlamaCppContext(path, ctx, gen, threads, kv)
+        runner = lc
+        kv_tokens = int(lc.llm.n_ctx())  # llama_n_ctx: the cache's cells, after padding
+        kv_bytes = kv_tokens * lc.kv_bytes_per_token
+        model = getattr(lc.llm, "_model", None)
+        engine_weights = int(model.size()) if hasattr(model, "size") else None
+    out.update(
+        kv=runner.kv_name,
+        kv_bytes_per_token=runner.kv_bytes_per_token,
+        kv_tokens=kv_tokens,
+        kv_bytes=kv_bytes,
+        engine_weights_bytes=engine_weights,
+        load_peak_rss=_peak_rss(),
+        rss_after_load=_rss(),
+    )
+    reset = _reset_peak()
+    prompt = prompt_for(ctx, gen, spec["window"], 1, spec["vocab"])
+    runner.run(prompt)
+    run_peak = _peak_rss()
+    out.update(
+        prompt_tokens=len(prompt),
+        gen_tokens=gen,
+        kv_used_bytes=(len(prompt) + gen) * runner.kv_bytes_per_token,
+        run_peak_rss=run_peak if reset else None,
+        # with the reset, the whole process's peak is the larger of the two phases'
+        peak_rss=max(out["load_peak_rss"], run_peak) if reset else run_peak,
+        torch_imported="torch" in sys.modules,  # llama.cpp's process should carry none
+    )
+    print(MEMORY_REPLY + json.dumps(out), flush=True)
+    return out
+
+
+# the child loads this file by path, not as tokenmill.bench.context: importing the tokenmill
+# package would be no cost to llama.cpp's process (it is torch-free), but this keeps both
+# processes' imports the same short list of standard modules
+_CHILD = (
+    "import importlib.util, json, sys\n"
+    "spec = importlib.util.spec_from_file_location('tokenmill_bench_context', sys.argv[1])\n"
+    "mod = importlib.util.module_from_spec(spec)\n"
+    "spec.loader.exec_module(mod)\n"
+    "mod.memory_child(json.loads(sys.argv[2]))\n"
+)
+
+
+def measure_memory(spec: dict) -> dict:
+    """memory_child(spec) in a fresh Python process; its reply."""
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, __file__, json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    for line in done.stdout.splitlines():
+        if line.startswith(MEMORY_REPLY):
+            return json.loads(line.removeprefix(MEMORY_REPLY))
+    raise RuntimeError(
+        f"the memory process of {spec['engine']} (context {spec['context']}) exited "
+        f"{done.returncode} without a reply:\n{done.stderr[-4000:]}"
+    )
+
+
+def gguf_tensor_bytes(path: Path) -> int | None:
+    """The bytes of a GGUF file's tensors (what both engines hold as weights); None for a
+    checkpoint folder."""
+    if path.suffix != ".gguf":
+        return None
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+
+
+def memory_rows(
+    path: Path,
+    contexts: list[int],
+    *,
+    gen: int,
+    threads: int,
+    kv_dtypes: list[str],
+    dtype: str = "float32",
+    llama_cpp: bool = True,
+    log: Callable[[str], None] = lambda _: None,
+) -> tuple[list[dict], dict[str, dict]]:
+    """(rows, baselines): one row per (context, engine) as context_rows' engines, each
+    measured in a process of its own (module docstring: memory), and per engine the
+    import-only baseline process's {peak_rss, rss}."""
+    from tokenmill.loader import open_checkpoint
+
+    config = open_checkpoint(path).config
+    use_llama = llama_cpp and path.suffix == ".gguf" and llama_cpp_installed()
+    file_weights = gguf_tensor_bytes(path)
+    common = {"path": str(path), "gen": gen, "threads": threads, "dtype": dtype}
+    common |= {"window": config.max_position, "vocab": config.vocab_size}
+    engines = [("tokenmill", kv) for kv in kv_dtypes]
+    if use_llama:  # one per distinct llama.cpp KV type, as context_rows
+        names = dict.fromkeys(LLAMA_KV[kv][0] for kv in kv_dtypes)
+        engines += [("llama.cpp", next(k for k in kv_dtypes if LLAMA_KV[k][0] == n)) for n in names]
+    baselines = {}
+    for name in dict.fromkeys(e for e, _ in engines):
+        log(f"memory: {name}'s modules alone (the baseline)")
+        got = measure_memory({**common, "engine": name, "context": 0, "baseline": True})
+        baselines[name] = {"peak_rss": got["peak_rss"], "rss": got["rss"]}
+    rows = []
+    for ctx in contexts:
+        for name, kv in engines:
+            log(f"memory: context {ctx}, {name}, {kv} KV cache, in a process of its own")
+            got = measure_memory({**common, "engine": name, "context": ctx, "kv": kv})
+            weights = file_weights if file_weights is not None else got["engine_weights_bytes"]
+            beyond = got["peak_rss"] - weights - got["kv_bytes"]
+            rows.append(
+                {
+                    "engine": name,
+                    "kv": got["kv"],
+                    "context": ctx,
+                    "prompt_tokens": got["prompt_tokens"],
+                    "gen_tokens": got["gen_tokens"],
+                    "peak_rss": got["peak_rss"],
+                    "load_peak_rss": got["load_peak_rss"],
+                    "rss_after_load": got["rss_after_load"],
+                    "run_peak_rss": got["run_peak_rss"],
+                    "weights_bytes": weights,
+                    "weights_source": "gguf tensors" if file_weights is not None else "engine",
+                    "engine_weights_bytes": got["engine_weights_bytes"],
+                    "kv_bytes": got["kv_bytes"],
+                    "kv_tokens": got["kv_tokens"],
+                    "kv_bytes_per_token": got["kv_bytes_per_token"],
+                    "kv_used_bytes": got["kv_used_bytes"],
+                    "beyond_bytes": beyond,
+                    "baseline_rss": baselines[name]["peak_rss"],
+                    "beyond_baseline_bytes": beyond - baselines[name]["peak_rss"],
+                    "torch_imported": got["torch_imported"],
+                }
+            )
+            log(
+                f"memory: context {ctx}, {name}: peak {got['peak_rss'] / 2**20:.0f} MiB, "
+                f"beyond weights and cache {beyond / 2**20:.0f} MiB"
+            )
+    return rows, baselines
+
+
+TARGET = 1.2  # issue 27: peak memory beyond the weights and the cache <= 1.2x llama.cpp's
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.1f}"
+
+
+def markdown_memory_table(rows: list[dict], baselines: dict[str, dict] | None = None) -> str:
+    """The memory rows as a Markdown table, MiB; a tokenmill row's last column is its
+    memory beyond weights and cache over llama.cpp's at the same context (llama.cpp's row
+    of the same KV type where there is one, else its first), against the 1.2x target,
+    and the same beyond each engine's import-only baseline."""
+    lines = [
+        "| context | engine | KV | weights | KV cache (tokens) | after load | peak (run) "
+        "| beyond weights + cache | beyond baseline | vs llama.cpp |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        peers = [p for p in rows if p["engine"] == "llama.cpp" and p["context"] == r["context"]]
+        peer = next((p for p in peers if p["kv"] == r["kv"]), peers[0] if peers else None)
+        ratio = "-"
+        if r["engine"] == "tokenmill" and peer is not None and peer["beyond_bytes"] > 0:
+            share = r["beyond_bytes"] / peer["beyond_bytes"]
+            ratio = f"{share:.2f}x ({'within' if share <= TARGET else 'beyond'} {TARGET}x)"
+            if peer["beyond_baseline_bytes"] > 0:
+                ratio += f"; {r['beyond_baseline_bytes'] / peer['beyond_baseline_bytes']:.2f}x beyond baselines"
+        lines.append(
+            f"| {r['context']} | {r['engine']} | {r['kv']} | {_mib(r['weights_bytes'])} | "
+            f"{_mib(r['kv_bytes'])} ({r['kv_tokens']:,}) | {_mib(r['rss_after_load'])} | "
+            f"{_mib(r['peak_rss'])} ({_mib(r['run_peak_rss'])}) | {_mib(r['beyond_bytes'])} | "
+            f"{_mib(r['beyond_baseline_bytes'])} | {ratio} |"
+        )
+    if baselines:
+        each = "; ".join(f"{name} {_mib(b['peak_rss'])} MiB" for name, b in baselines.items())
+        lines += ["", f"Peak of each engine's modules alone (the baseline): {each}"]
+    return "\n".join(lines)
+
+
 def cmd_context(args, path: Path, threads: int, log: Callable[[str], None]) -> dict:
     """`tokenmill bench --context`: the rows and their table (printed), as a report."""
     peers = getattr(args, "peers", None)
@@ -225,7 +515,16 @@ def cmd_context(args, path: Path, threads: int, log: Callable[[str], None]) -> d
         kv_dtypes=[kv], dtype=args.dtype, llama_cpp=with_llama, log=log,
     )  # fmt: skip
     print(markdown_table(rows))
-    return {
+    report = {
         "context": rows,
         "settings": {"runs": args.runs, "gen_len": args.gen_len, "threads": threads, "kv": kv},
     }
+    if getattr(args, "memory", False):
+        memory, baselines = memory_rows(
+            path, args.context, gen=args.gen_len, threads=threads, kv_dtypes=[kv],
+            dtype=args.dtype, llama_cpp=with_llama, log=log,
+        )  # fmt: skip
+        print()
+        print(markdown_memory_table(memory, baselines))
+        report["memory"], report["memory_baseline"] = memory, baselines
+    return report
