@@ -40,6 +40,8 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as GT
@@ -74,7 +76,7 @@ _FLOAT = {raw: f for f, raw in _RAW.items()}
 # ----------------------------------------------------------------------------------
 
 
-def _quantize_rows(w: torch.Tensor, scheme: str):
+def _quantize_rows(w: torch.Tensor | np.ndarray, scheme: str):
     """w float32 [rows, K] -> (natural codes u8 [rows, K], f16 scales, f16 mins|None, bits,
     None: no K-quant super-block scales).
 
@@ -83,18 +85,22 @@ def _quantize_rows(w: torch.Tensor, scheme: str):
     stored values are the closest the format can hold to w.
     """
     rows, k = w.shape
-    b = w.reshape(rows, k // QK, QK)
     if scheme == "q8":
-        d = (b.abs().amax(-1) / 127).half()
-        inv = torch.where(d == 0, 0.0, 1.0 / d.float()).numpy()  # [rows, K/32]
-        # numpy, in place on one float32 temporary: ~4x torch's round/clamp/int16 chain
-        # on 2 cores (the Q6_K requant's main cost); rint rounds half to even like
-        # torch.round, so the codes are bit-identical
-        q = b.detach().numpy() * inv[..., None]
+        # numpy only, single-threaded: torch's 2-thread ops stall for milliseconds each
+        # when the other core is busy (a shared machine's load: ~10x slower per Q6_K
+        # expert). The same IEEE float32 ops as torch's abs/amax/div/half/reciprocal, and
+        # rint rounds half to even like torch.round: bit-identical codes and scales
+        b = np.asarray(w.detach().numpy() if isinstance(w, torch.Tensor) else w)
+        b = b.reshape(rows, k // QK, QK)
+        with np.errstate(over="ignore", divide="ignore"):  # as torch: inf, no warning
+            d = (np.abs(b).max(-1) / np.float32(127)).astype(np.float16)  # [rows, K/32]
+            inv = np.where(d == 0, np.float32(0), np.float32(1) / d.astype(np.float32))
+        q = b * inv[..., None]  # one float32 temporary, rounded in place
         np.rint(q, out=q)
         np.clip(q, -127, 127, out=q)
         q += 128
-        return q.astype(np.uint8).reshape(rows, k), d.numpy(), None, 8, None
+        return q.astype(np.uint8).reshape(rows, k), d, None, 8, None
+    b = w.reshape(rows, k // QK, QK)
     if scheme == "q4":
         lo, hi = b.amin(-1), b.amax(-1)
         m = lo.half()
@@ -103,6 +109,50 @@ def _quantize_rows(w: torch.Tensor, scheme: str):
         q = torch.round((b - m.float()[..., None]) * inv[..., None]).clamp(0, 15)
         return q.to(torch.uint8).reshape(rows, k).numpy(), d.numpy(), m.numpy(), 4, None
     raise ValueError(f"unknown scheme {scheme!r} (use 'q8' or 'q4')")
+
+
+def _dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
+    """Q6_K blocks [rows, nsup, 210] -> float32 [rows, K], gguf.quants.dequantize's values
+    bit for bit: its ops (d * sub-scale in float32, times the code - 32), on the whole
+    array at once instead of 16 rows at a time through hsplit views."""
+    q, sc, _, _, d = parse_q6_k(blocks)  # codes 0..63 [rows, K], int8 [rows, K/16], f16
+    rows = q.shape[0]
+    scale = d.astype(np.float32) * sc.reshape(rows, -1, 16).astype(np.float32)
+    w = q.reshape(rows, -1, 16, 16).astype(np.float32)  # [rows, nsup, 16 sub-blocks, 16]
+    w -= 32
+    w *= scale[..., None]
+    return w.reshape(rows, -1)
+
+
+def _alloc(parsed: tuple, rows: int, in_features: int) -> tuple[int, dict]:
+    """(bits, {codes, scales, mins?, sup?}): empty packed arrays for `rows` rows of the
+    format a parse returned (parse(...) -> natural codes, scales, mins, bits, sup)."""
+    _, sc, mn, bits, su = parsed
+    arrays = {
+        "codes": np.empty((rows, in_features * bits // 8), np.uint8),
+        "scales": np.empty((rows, sc.shape[1]), sc.dtype),
+    }
+    if mn is not None:
+        arrays["mins"] = np.empty((rows, sc.shape[1]), sc.dtype)
+    if su is not None:
+        arrays["sup"] = np.empty((rows, in_features // 256, su.shape[-1]), np.float16)
+    return bits, arrays
+
+
+def _store(dst: dict, parsed: tuple, in_features: int, gb: int) -> None:
+    """Pack one parse's rows into dst (views of _alloc's arrays over the same rows, in
+    row order, of any leading shape): codes in the kernels' lane order."""
+    nat, sc, mn, bits, su = parsed
+    if bits == 6:
+        codes = pack6(nat, gb)
+        sc = sc[:, half_scale_perm(in_features, gb)]
+    else:
+        codes = pack_codes(nat, bits, gb)
+    # numpy copies (single-threaded), not torch slice assignment: see _quantize_rows
+    for name, src in (("codes", codes), ("scales", sc), ("mins", mn), ("sup", su)):
+        if src is not None:
+            out = dst[name]
+            np.copyto(out, np.reshape(src, out.shape))
 
 
 # ----------------------------------------------------------------------------------
@@ -210,19 +260,100 @@ class QuantLinear(NativeLinear):
                 f"{qtype.name} [{out_features}, {in_features}], got {raw.size} {raw.dtype}"
             )
         raw = raw.reshape(out_features, row_bytes)
+        parse_rows = cls._row_parser(qtype, in_features)
+        return cls._assemble(lambda r0, r1: parse_rows(raw[r0:r1]), in_features, out_features, bias)
 
+    @classmethod
+    def _row_parser(cls, qtype: GT, in_features: int):
+        """parse(rows uint8 [n, row_bytes]) -> (natural codes u8 [n, K], scales, mins |
+        None, bits, sup | None) for GGUF type `qtype`: the file's own blocks where a kernel
+        reads them, else requantized to 8 bits. Row by row: any rows, any batch of them."""
+        block, type_size = GGML_QUANT_SIZES[qtype]
         six = qtype == GT.Q6_K and cls.runs_6bit(in_features)
 
-        def parse(r0: int, r1: int):
-            rows = raw[r0:r1]
+        def parse(rows: np.ndarray):
+            blocks = rows.reshape(rows.shape[0], -1, type_size)
             if six:
-                return parse_q6_k(rows.reshape(r1 - r0, -1, type_size))
+                return parse_q6_k(blocks)
             if qtype in EXACT_GGUF_TYPES:
-                return parse_exact(rows.reshape(r1 - r0, -1, type_size), qtype)
-            w = gguf_dequantize(np.ascontiguousarray(rows), qtype).reshape(r1 - r0, -1)
-            return _quantize_rows(torch.from_numpy(w), "q8")
+                return parse_exact(blocks, qtype)
+            if qtype == GT.Q6_K:  # gguf-py's float32 ops, vectorized (its own: per 16 rows)
+                return _quantize_rows(_dequantize_q6_k(blocks), "q8")
+            w = gguf_dequantize(np.ascontiguousarray(rows), qtype).reshape(rows.shape[0], -1)
+            return _quantize_rows(w, "q8")
 
-        return cls._assemble(parse, in_features, out_features, bias)
+        return parse
+
+    @classmethod
+    def from_gguf_experts(
+        cls,
+        raws: list[list[np.ndarray]],
+        ggml_type: GT | int,
+        in_features: int,
+        packed: Callable[[int, int], None] | None = None,
+    ) -> list[QuantLinear]:
+        """One layer per expert from a MoE layer's GGUF expert slices, all of one type:
+        raws[j][p] is expert j's part p (gate, up, ...) as raw block bytes uint8 [rows_p,
+        row_bytes], rows_p the same for every expert. Expert j's layer holds its parts
+        stacked along out_features, byte for byte QuantLinear.cat of from_gguf of each part.
+
+        All experts' codes, scales, mins and super-block scales are packed into one
+        buffer each, [E, sum rows_p, ...], and each layer's are its expert's slice (a
+        view): no per-expert allocation or cat copy. Experts smaller than a chunk (~1M
+        values) are parsed several at once, larger ones in row chunks. packed(j, p) is
+        called once expert j's part p is packed (to release its file pages).
+        """
+        qtype = GT(ggml_type)
+        if qtype not in EXACT_GGUF_TYPES | REQUANT_GGUF_TYPES:
+            raise ValueError(f"QuantLinear cannot hold GGUF type {qtype.name}; keep a float Linear")
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if in_features % block:
+            raise ValueError(f"in_features {in_features} is not a multiple of {block}")
+        row_bytes = in_features // block * type_size
+        experts, heights = len(raws), [np.shape(r)[0] for r in raws[0]]
+        for parts in raws:
+            got = [np.shape(r) for r in parts]
+            if got != [(h, row_bytes) for h in heights] or any(
+                np.asarray(r).dtype != np.uint8 for r in parts
+            ):
+                raise ValueError(
+                    f"raw data: expected uint8 parts {[(h, row_bytes) for h in heights]} for "
+                    f"{qtype.name} experts of {in_features} inputs, got {got}"
+                )
+        total = sum(heights)  # each expert's out_features
+        parse_rows = cls._row_parser(qtype, in_features)
+        gb = kernels.group_blocks()
+        chunk = max(1, (1 << 20) // in_features)  # rows per parse, as _assemble
+        buf: tuple[int, dict] | None = None
+        for p, h in enumerate(heights):
+            off = sum(heights[:p])
+            per = max(1, chunk // h)  # experts per parse
+            for j0 in range(0, experts, per):
+                j1 = min(experts, j0 + per)
+                r_step = h if j1 > j0 + 1 else chunk  # several whole experts, or row chunks
+                for r0 in range(0, h, r_step):
+                    r1 = min(h, r0 + r_step)
+                    rows = [np.asarray(raws[j][p])[r0:r1] for j in range(j0, j1)]
+                    parsed = parse_rows(rows[0] if len(rows) == 1 else np.concatenate(rows))
+                    if buf is None:
+                        buf = _alloc(parsed, experts * total, in_features)
+                    # rows r0..r1 of part p of experts j0..j1, in the [E, total, ...] stack
+                    dst = {
+                        k: v.reshape(experts, total, *v.shape[1:])[j0:j1, off + r0 : off + r1]
+                        for k, v in buf[1].items()
+                    }
+                    _store(dst, parsed, in_features, gb)
+                if packed is not None:
+                    for j in range(j0, j1):
+                        packed(j, p)
+        bits, arrays = buf
+        stacked = {
+            k: torch.from_numpy(v).view(experts, total, *v.shape[1:]) for k, v in arrays.items()
+        }
+        return [
+            cls._from_arrays({k: v[j] for k, v in stacked.items()}, bits, in_features, total)
+            for j in range(experts)
+        ]
 
     @staticmethod
     def runs_6bit(in_features: int) -> bool:
@@ -247,7 +378,7 @@ class QuantLinear(NativeLinear):
 
     @classmethod
     def _assemble(cls, parse, in_features: int, out_features: int, bias) -> QuantLinear:
-        """Packs rows chunk by chunk into preallocated tensors.
+        """Packs rows chunk by chunk into preallocated arrays.
 
         parse(r0, r1) -> (natural codes u8 [rows, K], scales, mins | None, bits, sup |
         None). About 1M values per chunk: the transient memory beyond the result stays a
@@ -255,30 +386,24 @@ class QuantLinear(NativeLinear):
         """
         chunk = max(1, (1 << 20) // in_features)
         gb = kernels.group_blocks()
-        codes = scales = mins = sup = None
+        buf = None
         for r0 in range(0, out_features, chunk):
             r1 = min(out_features, r0 + chunk)
-            nat, sc, mn, bits, su = parse(r0, r1)
-            if codes is None:
-                codes = torch.empty(out_features, in_features * bits // 8, dtype=torch.uint8)
-                scales = torch.empty(
-                    out_features, sc.shape[1], dtype=torch.from_numpy(sc[:0]).dtype
-                )
-                mins = None if mn is None else torch.empty_like(scales)
-                if su is not None:
-                    sup = torch.empty(
-                        out_features, in_features // 256, su.shape[-1], dtype=torch.float16
-                    )
-            if bits == 6:
-                codes[r0:r1] = torch.from_numpy(pack6(nat, gb))
-                sc = sc[:, half_scale_perm(in_features, gb)]
-            else:
-                codes[r0:r1] = torch.from_numpy(pack_codes(nat, bits, gb))
-            scales[r0:r1] = torch.from_numpy(np.ascontiguousarray(sc))
-            if mins is not None:
-                mins[r0:r1] = torch.from_numpy(np.ascontiguousarray(mn))
-            if sup is not None:
-                sup[r0:r1] = torch.from_numpy(np.ascontiguousarray(su))
+            parsed = parse(r0, r1)
+            if buf is None:
+                buf = _alloc(parsed, out_features, in_features)
+            _store({k: v[r0:r1] for k, v in buf[1].items()}, parsed, in_features, gb)
+        bits, arrays = buf
+        tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
+        return cls._from_arrays(tensors, bits, in_features, out_features, bias)
+
+    @classmethod
+    def _from_arrays(
+        cls, t: dict, bits: int, in_features: int, out_features: int, bias=None
+    ) -> QuantLinear:
+        """The layer over packed tensors {codes, scales, mins?, sup?} (_alloc's names)."""
+        gb = kernels.group_blocks()
+        codes, scales, mins, sup = t["codes"], t["scales"], t.get("mins"), t.get("sup")
         return cls(codes, scales, mins, bits, in_features, out_features, bias, gb, sup)
 
     @classmethod
@@ -294,7 +419,7 @@ class QuantLinear(NativeLinear):
                 p.in_features != first.in_features
                 or p.bits != first.bits
                 or p.scales_raw.dtype != first.scales_raw.dtype
-                or (p.mins is None) != (first.mins is None)
+                or (p.mins_raw is None) != (first.mins_raw is None)  # (mins dequantizes)
                 or p.kquant != first.kquant
                 or p.group_blocks != first.group_blocks
             ):

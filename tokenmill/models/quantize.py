@@ -22,6 +22,7 @@ from torch import nn
 
 from tokenmill import kernels
 from tokenmill.layers.linear import Linear
+from tokenmill.layers.moe import MoE
 from tokenmill.layers.native_linear import FloatLinear, NativeLinear, SegmentedLinear
 from tokenmill.layers.quant_linear import EXACT_GGUF_TYPES, REQUANT_GGUF_TYPES, QuantLinear
 from tokenmill.loader import Checkpoint, LoadError
@@ -64,11 +65,19 @@ def quantize_model(model: nn.Module, ckpt: Checkpoint, scheme: str, parts_of) ->
     if isinstance(model.embed, nn.Embedding):
         targets.append(("embed", model.embed))
     released: list[str] = []  # packed tensors whose file pages were dropped
+    # a MoE layer's experts: each projection of all experts packed in one pass (GGUF)
+    by_expert: dict[str, NativeLinear] = {}
+    if scheme in ("gguf", "float"):
+        for name, moe in model.named_modules():
+            if isinstance(moe, MoE):
+                by_expert.update(_pack_experts(ckpt, name, moe, parts_of, released))
     for name, module in targets:
         parts = parts_of(f"{name}.weight")
         if name == "lm_head" and "lm_head.weight" not in ckpt.tensors:
             parts = ["embed.weight"]  # tied in the file though not in the config
-        packed = _pack(ckpt, parts, scheme, released)
+        packed = by_expert.pop(name, None)
+        if packed is None:
+            packed = _pack(ckpt, parts, scheme, released)
         if packed is None:
             continue
         rows = module.weight.shape[0]
@@ -83,6 +92,43 @@ def quantize_model(model: nn.Module, ckpt: Checkpoint, scheme: str, parts_of) ->
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, packed)
     return released
+
+
+def _pack_experts(
+    ckpt: Checkpoint, name: str, moe: MoE, parts_of, released: list[str]
+) -> dict[str, NativeLinear]:
+    """{module name: packed layer} for the experts of MoE layer `name` whose GGUF blocks
+    pack in one QuantLinear.from_gguf_experts call per projection (every expert's parts of
+    one packable type, of equal shapes); {} for a projection that does not (float experts,
+    mixed types): those pack one by one in quantize_model, as any projection.
+
+    Byte for byte what _pack gives each expert (from_gguf per part, then cat), without
+    its per-expert cost: a 3-D ffn_*_exps tensor [E, rows, cols] is the E experts' slices
+    (loader/gguf_file.py), and all of them are parsed and packed into one buffer [E,
+    rows, ...] that each expert's layer views."""
+    out: dict[str, NativeLinear] = {}
+    projections = [n for n, m in moe.experts[0].named_children() if isinstance(m, Linear)]
+    for proj in projections:  # up (gate; up), down
+        names = [f"{name}.experts.{j}.{proj}" for j in range(len(moe.experts))]
+        parts = [parts_of(f"{n}.weight") for n in names]  # [E][P] checkpoint names
+        if any(p not in ckpt.tensors or p not in ckpt.raw for ps in parts for p in ps):
+            continue  # the per-expert path reports or skips it
+        raws = [[ckpt.raw[p]() for p in ps] for ps in parts]
+        qtype = raws[0][0][0]
+        if qtype not in PACKABLE or any(t != qtype for r in raws for t, _ in r):
+            continue
+        data = [[d for _, d in r] for r in raws]
+        k = _in_features(qtype, data[0][0])
+        if any([d.shape for d in r] != [d.shape for d in data[0]] for r in data):
+            continue
+
+        def done(j: int, p: int, parts=parts) -> None:  # packed: drop the file's pages
+            ckpt.release(parts[j][p])
+            released.append(parts[j][p])
+
+        layers = QuantLinear.from_gguf_experts(data, qtype, k, done)
+        out.update(zip(names, layers, strict=True))
+    return out
 
 
 def _pack(
