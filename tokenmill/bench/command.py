@@ -25,7 +25,7 @@ from tokenmill.bench.protocol import (
 )
 from tokenmill.bench.report import build_report, render, require_matplotlib, write_plot
 from tokenmill.checks import int_at_least
-from tokenmill.cli.common import add_kv_cache_dtype_arg
+from tokenmill.cli.common import add_kv_cache_dtype_arg, speculative_method
 
 
 def build_workload(args: argparse.Namespace, path: Path, threads: int) -> Workload:
@@ -131,6 +131,26 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         "(bench/context.py); uses --runs, --gen-len, --threads",
     )
     p.add_argument(
+        "--speculative",
+        nargs="?",
+        const="ngram",
+        default=None,
+        type=speculative_method,
+        metavar="ngram|draft:PATH",
+        help="measure speculative decoding instead: decode tok/s on input-grounded tasks "
+        "and on free text, plain and speculating (ngram when no value is given), beside "
+        "llama.cpp with and without prompt lookup, the acceptance, whether the outputs "
+        "equal plain's, and a verification step's cost against a plain step "
+        "(bench/speculative.py); uses --runs, --gen-len, --threads",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int_at_least(1),
+        default=4,
+        metavar="K",
+        help="with --speculative: most guesses per step (default: 4)",
+    )
+    p.add_argument(
         "--memory",
         action="store_true",
         help="with --context: also each engine's peak memory beyond its weights and KV "
@@ -217,6 +237,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
         )
     if getattr(args, "memory", False) and not args.context:
         raise ValueError("--memory measures with --context; add --context N,N,...")
+    modes = [f for f, on in (("--context", args.context), ("--embeddings", args.embeddings),
+             ("--speculative", getattr(args, "speculative", None))) if on]  # fmt: skip
+    if len(modes) > 1:
+        raise ValueError(f"{' and '.join(modes)} are separate measurements; choose one")
+    if getattr(args, "speculative", None):
+        return _cmd_speculative(args)
     if args.embeddings:
         from tokenmill.bench.embeddings import cmd_embeddings
 
@@ -296,6 +322,21 @@ def _cmd_context(args: argparse.Namespace) -> None:
             report["context"], args.plot, f"{path.name}, {report['settings']['threads']} threads"
         )
         log(f"chart written to {args.plot}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        log(f"report written to {args.json}")
+
+
+def _cmd_speculative(args: argparse.Namespace) -> None:
+    """--speculative: bench/speculative.py's rows, table and cost curve, and --json's
+    report of them."""
+    from tokenmill.bench.speculative import cmd_speculative
+    from tokenmill.engine.llm_engine import resolve_model
+
+    if args.plot:
+        raise ValueError("--plot draws the latency and --context charts; --speculative has none")
+    path = resolve_model(args.model)
+    report = cmd_speculative(args, path, args.threads or os.cpu_count() or 1, log)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         log(f"report written to {args.json}")
