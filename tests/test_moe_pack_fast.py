@@ -24,7 +24,12 @@ from test_requant_q8 import _reference_q8
 
 from tokenmill import LLM, SamplingParams, kernels
 from tokenmill.kernels.layout import half_scale_perm, pack6, pack_codes
-from tokenmill.layers.quant_linear import QuantLinear, _dequantize_q6_k, _quantize_rows
+from tokenmill.layers.quant_linear import (
+    QuantLinear,
+    _dequantize_q6_k,
+    _pack_lanes,
+    _quantize_rows,
+)
 from tokenmill.loader import open_checkpoint
 from tokenmill.loader.gguf_blocks import EXACT_GGUF_TYPES, parse_exact, parse_q6_k
 from tokenmill.models import quantize
@@ -175,3 +180,19 @@ def test_q8_requant_bit_identical_on_extremes():
     assert np.array_equal(codes_np, codes) and np.array_equal(
         d_np.view(np.uint16), d.view(np.uint16)
     )
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_lanes_equals_pack_codes(bits):
+    """_pack_lanes (word reshapes, into a view of a bigger buffer) against layout.pack_codes
+    (index gathers) for every group width and rows of whole groups, tails of 64-value
+    chunks, and a last single block."""
+    rng = np.random.default_rng(bits)
+    for k in (32, 64, 96, 160, 256, 512, 768, 800, 2048, 2080):
+        for gb in (1, 2, 4, 8, 16):
+            nat = rng.integers(0, 1 << bits, (3, 5, k), dtype=np.uint8)
+            big = np.zeros((3, 7, k * bits // 8 + 16), np.uint8)
+            _pack_lanes(nat, bits, gb, big[:, 1:6, 16:])
+            want = pack_codes(nat.reshape(15, k), bits, gb)
+            assert np.array_equal(big[:, 1:6, 16:].reshape(15, -1), want), (k, gb)
+            assert not big[:, [0, 6]].any() and not big[..., :16].any()  # nothing outside

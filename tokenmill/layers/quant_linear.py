@@ -139,15 +139,49 @@ def _alloc(parsed: tuple, rows: int, in_features: int) -> tuple[int, dict]:
     return bits, arrays
 
 
+def _pack_lanes(nat: np.ndarray, bits: int, gb: int, out: np.ndarray) -> None:
+    """layout.pack_codes(nat, bits, gb), written into `out`: natural codes uint8 [..., K]
+    -> out uint8 [..., K * bits / 8] (the same leading shape, each row contiguous; a view
+    of a bigger buffer is fine). By reshapes of uint32 words, 4 codes each (the 4 values
+    of a lane move together): ~10x pack_codes' index gathers on 2048-wide rows."""
+    k, lead = nat.shape[-1], nat.shape[:-1]
+    nfull = k // (QK * gb)
+    full = nfull * QK * gb // 4  # words of natural codes in whole groups
+    src = np.ascontiguousarray(nat).view(np.uint32)  # [..., K/4]
+    dst = out.view(np.uint32)  # [..., K*bits/32]
+    if bits == 8:  # group words [kb, i] -> [i, kb]; the tail stays in natural order
+        g = src[..., :full].reshape(*lead, nfull, gb, 8)
+        dst[..., :full].reshape((*lead, nfull, 8, gb), copy=False)[...] = g.swapaxes(-1, -2)
+        dst[..., full:] = src[..., full:]
+        return
+    # 4-bit: lane vector i = 2c + h holds word kb of each block; packed vector c holds
+    # vector 2c in its low nibbles, 2c + 1 in its high ones (codes < 16: no carry)
+    g = src[..., :full].reshape(*lead, nfull, gb, 4, 2)
+    d = dst[..., : full // 2].reshape((*lead, nfull, 4, gb), copy=False)
+    np.left_shift(g[..., 1].swapaxes(-1, -2), 4, out=d)
+    d |= g[..., 0].swapaxes(-1, -2)
+    o, b = full, full // 2  # the tail, in words: chunks of 64 values (halves of 8 words)
+    while o < k // 4:  # and a last single block of 32 (halves of 4)
+        rem = k // 4 - o
+        n, half = (rem // 16, 8) if rem >= 16 else (1, 4)
+        t = src[..., o : o + n * 2 * half].reshape(*lead, n, 2, half)
+        d = dst[..., b : b + n * half].reshape((*lead, n, half), copy=False)
+        np.left_shift(t[..., 1, :], 4, out=d)
+        d |= t[..., 0, :]
+        o, b = o + n * 2 * half, b + n * half
+
+
 def _store(dst: dict, parsed: tuple, in_features: int, gb: int) -> None:
     """Pack one parse's rows into dst (views of _alloc's arrays over the same rows, in
     row order, of any leading shape): codes in the kernels' lane order."""
     nat, sc, mn, bits, su = parsed
+    codes = None
     if bits == 6:
         codes = pack6(nat, gb)
         sc = sc[:, half_scale_perm(in_features, gb)]
-    else:
-        codes = pack_codes(nat, bits, gb)
+    else:  # straight into the destination
+        out = dst["codes"]
+        _pack_lanes(nat.reshape(*out.shape[:-1], in_features), bits, gb, out)
     # numpy copies (single-threaded), not torch slice assignment: see _quantize_rows
     for name, src in (("codes", codes), ("scales", sc), ("mins", mn), ("sup", su)):
         if src is not None:
