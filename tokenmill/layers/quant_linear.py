@@ -280,13 +280,7 @@ class QuantLinear(NativeLinear):
         Row permutations/splits (llama Q/K un-permute, fused QKV split) can be applied
         to `raw` beforehand: rows are independent byte ranges.
         """
-        qtype = GT(ggml_type)
-        if qtype not in EXACT_GGUF_TYPES | REQUANT_GGUF_TYPES:
-            raise ValueError(f"QuantLinear cannot hold GGUF type {qtype.name}; keep a float Linear")
-        block, type_size = GGML_QUANT_SIZES[qtype]
-        if in_features % block:
-            raise ValueError(f"in_features {in_features} is not a multiple of {block}")
-        row_bytes = in_features // block * type_size
+        qtype, row_bytes = _gguf_row_bytes(ggml_type, in_features)
         raw = np.asarray(raw)
         if raw.dtype != np.uint8 or raw.size != out_features * row_bytes:
             raise ValueError(
@@ -337,13 +331,7 @@ class QuantLinear(NativeLinear):
         values) are parsed several at once, larger ones in row chunks. packed(j, p) is
         called once expert j's part p is packed (to release its file pages).
         """
-        qtype = GT(ggml_type)
-        if qtype not in EXACT_GGUF_TYPES | REQUANT_GGUF_TYPES:
-            raise ValueError(f"QuantLinear cannot hold GGUF type {qtype.name}; keep a float Linear")
-        block, type_size = GGML_QUANT_SIZES[qtype]
-        if in_features % block:
-            raise ValueError(f"in_features {in_features} is not a multiple of {block}")
-        row_bytes = in_features // block * type_size
+        qtype, row_bytes = _gguf_row_bytes(ggml_type, in_features)
         experts, heights = len(raws), [np.shape(r)[0] for r in raws[0]]
         for parts in raws:
             got = [np.shape(r) for r in parts]
@@ -609,3 +597,15 @@ class QuantLinear(NativeLinear):
         scale = "kquant" if self.kquant else str(self.scales.dtype)
         kind = f"q{self.bits}{'+min' if self.mins_raw is not None else ''}/{scale}"
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
+
+
+def _gguf_row_bytes(ggml_type, in_features: int) -> tuple[GT, int]:
+    """(the GGUF type, bytes per row of in_features values) for a type QuantLinear holds;
+    ValueError naming the type or the width otherwise."""
+    qtype = GT(ggml_type)
+    if qtype not in EXACT_GGUF_TYPES | REQUANT_GGUF_TYPES:
+        raise ValueError(f"QuantLinear cannot hold GGUF type {qtype.name}; keep a float Linear")
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if in_features % block:
+        raise ValueError(f"in_features {in_features} is not a multiple of {block}")
+    return qtype, in_features // block * type_size
