@@ -18,7 +18,7 @@ def run_bench(tmp_path, *extra: str) -> dict:
     out = tmp_path / "spec.json"
     cli.main(
         [
-            "bench", "--speculative", "--runs", "1", "--gen-len", "24", "--threads", "2",
+            "bench", "--speculative", "--runs", "1", "--gen-len", "96", "--threads", "2",
             "--json", str(out), *extra,
         ]
     )  # fmt: skip
@@ -76,6 +76,9 @@ def test_ngram_rows_on_the_default_model(tmp_path, capsys):
         assert r["parts_at"] is None, r  # the same tokens as plain
         if r["method"] == "plain":
             assert r["vs_plain"] == 1.0 and r["proposed"] == 0
+    # 96 tokens: the warm-up's fruitless guesses make the next sequences rest their first
+    # MAX_REST (64) steps (engine/speculative.py: a new sequence starts from the engine's
+    # gain so far), so 24 tokens proposed nothing on a quiet machine
     grounded = [r for r in rows if r["method"] == "ngram" and r["task"] != speculative.FREE_TEXT]
     assert sum(r["accepted"] for r in grounded) > 0
     assert all(0 <= r["accepted"] <= r["proposed"] for r in grounded)
