@@ -156,6 +156,23 @@ def llama_cpp_installed() -> bool:
     return True
 
 
+def engine_kvs(kv_dtypes: list[str], use_llama: bool) -> list[tuple[str, str]]:
+    """(engine, tokenmill kv dtype) per engine to run: tokenmill at each KV dtype, and
+    llama.cpp once per distinct llama.cpp KV type of them (LLAMA_KV) when use_llama."""
+    engines = [("tokenmill", kv) for kv in kv_dtypes]
+    if use_llama:
+        names = dict.fromkeys(LLAMA_KV[kv][0] for kv in kv_dtypes)
+        engines += [("llama.cpp", next(k for k in kv_dtypes if LLAMA_KV[k][0] == n)) for n in names]
+    return engines
+
+
+def _peer(rows: list[dict], r: dict) -> dict | None:
+    """llama.cpp's row beside row r: the same context, the same KV type where there is
+    one, else its first."""
+    peers = [p for p in rows if p["engine"] == "llama.cpp" and p["context"] == r["context"]]
+    return next((p for p in peers if p["kv"] == r["kv"]), peers[0] if peers else None)
+
+
 def context_rows(
     path: Path,
     contexts: list[int],
@@ -179,14 +196,16 @@ def context_rows(
     rows = []
     for ctx in contexts:
         engines: list[tuple[str, object]] = []
-        for kv in kv_dtypes:
-            log(f"context {ctx}: loading tokenmill, {kv} KV cache")
-            engines.append(("tokenmill", TokenmillContext(path, ctx, gen, threads, kv, dtype)))
-        if use_llama:
-            for name in dict.fromkeys(LLAMA_KV[kv][0] for kv in kv_dtypes):
-                kv = next(k for k in kv_dtypes if LLAMA_KV[k][0] == name)
-                log(f"context {ctx}: loading llama.cpp, {name} KV cache, flash attention")
-                engines.append(("llama.cpp", LlamaCppContext(path, ctx, gen, threads, kv)))
+        for name, kv in engine_kvs(kv_dtypes, use_llama):
+            if name == "tokenmill":
+                log(f"context {ctx}: loading tokenmill, {kv} KV cache")
+                engine = TokenmillContext(path, ctx, gen, threads, kv, dtype)
+            else:
+                log(
+                    f"context {ctx}: loading llama.cpp, {LLAMA_KV[kv][0]} KV cache, flash attention"
+                )
+                engine = LlamaCppContext(path, ctx, gen, threads, kv)
+            engines.append((name, engine))
         rates: list[list[tuple[float, float]]] = [[] for _ in engines]
         window, vocab = config.max_position, config.vocab_size
         prompts = [prompt_for(ctx, gen, window, i, vocab) for i in range(1, runs + 1)]
@@ -230,8 +249,7 @@ def markdown_table(rows: list[dict]) -> str:
         context = str(r["context"])
         if r["prompt_tokens"] != r["context"]:
             context += f" ({r['prompt_tokens']} + gen)"
-        peers = [p for p in rows if p["engine"] == "llama.cpp" and p["context"] == r["context"]]
-        peer = next((p for p in peers if p["kv"] == r["kv"]), peers[0] if peers else None)
+        peer = _peer(rows, r)
         ratio, kv_bytes = "-", f"{r['kv_bytes_per_token']:,}"
         if r["engine"] == "tokenmill" and peer is not None:
             ratio = (
@@ -418,10 +436,7 @@ def memory_rows(
     file_weights = gguf_tensor_bytes(path)
     common = {"path": str(path), "gen": gen, "threads": threads, "dtype": dtype}
     common |= {"window": config.max_position, "vocab": config.vocab_size}
-    engines = [("tokenmill", kv) for kv in kv_dtypes]
-    if use_llama:  # one per distinct llama.cpp KV type, as context_rows
-        names = dict.fromkeys(LLAMA_KV[kv][0] for kv in kv_dtypes)
-        engines += [("llama.cpp", next(k for k in kv_dtypes if LLAMA_KV[k][0] == n)) for n in names]
+    engines = engine_kvs(kv_dtypes, use_llama)  # as context_rows
     baselines = {}
     for name in dict.fromkeys(e for e, _ in engines):
         log(f"memory: {name}'s modules alone (the baseline)")
@@ -483,8 +498,7 @@ def markdown_memory_table(rows: list[dict], baselines: dict[str, dict] | None = 
         "|---:|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        peers = [p for p in rows if p["engine"] == "llama.cpp" and p["context"] == r["context"]]
-        peer = next((p for p in peers if p["kv"] == r["kv"]), peers[0] if peers else None)
+        peer = _peer(rows, r)
         ratio = "-"
         if r["engine"] == "tokenmill" and peer is not None and peer["beyond_bytes"] > 0:
             share = r["beyond_bytes"] / peer["beyond_bytes"]

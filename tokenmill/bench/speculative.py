@@ -45,6 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import tokenmill
+from tokenmill.bench.context import llama_cpp_installed
 
 PACKAGE = Path(tokenmill.__file__).resolve().parent
 FREE_TEXT = "free text"  # the task speculation cannot help: it must not slow it down
@@ -198,14 +199,6 @@ class LlamaCppEngine:
         steps = self.draft.calls - calls
         accepted = max(0, len(tokens) - steps)
         return Run(rate, tokens, self.draft.proposed - proposed, accepted)
-
-
-def llama_cpp_installed() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 # ---------------------------------------------------------------------- the run
