@@ -34,7 +34,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model name or path [the default model]")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--runs", "--rounds", type=int, default=3)  # --rounds: its earlier name
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--k", type=int, default=4, help="most guesses per step")
     p.add_argument("--reps", type=int, default=15, help="steps per T in the cost curve")
