@@ -605,6 +605,35 @@ def test_tokenmill_march_picks_the_build(tmp_path):
     assert "TOKENMILL_MARCH" in out.stderr and "not a -march value" in out.stderr
 
 
+@pytest.mark.skipif(kernels.library() is None, reason="native kernels unavailable")
+def test_prefetch_distance_follows_the_cpu_maker_or_the_environment():
+    """The GEMV prefetches 2 KB ahead on AMD CPUs and 8 KB elsewhere (tm.h: each the faster
+    on the machines measured), unless TOKENMILL_PREFETCH says otherwise; the products are
+    the same at any distance."""
+    code = "from tokenmill import kernels; print(kernels.prefetch_bytes())"
+
+    def distance(value: str | None) -> int:
+        env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_PREFETCH"}
+        if value is not None:
+            env["TOKENMILL_PREFETCH"] = value
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        return int(out.stdout.strip() or -1)
+
+    vendor = ""
+    if Path("/proc/cpuinfo").exists():
+        vendor = next(
+            (ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if "vendor_id" in ln), ""
+        )
+    expected = 2048 if "AuthenticAMD" in vendor else 8192
+    if platform.machine() not in ("x86_64", "AMD64"):
+        expected = 8192
+    assert distance(None) == expected
+    assert distance("4096") == 4096
+    assert distance("-5") == 0
+    if "TOKENMILL_PREFETCH" not in os.environ:
+        assert kernels.prefetch_bytes() == expected
+
+
 def test_concurrent_builds_share_one_library(tmp_path):
     """Two processes compiling into an empty cache both end with a loadable library."""
     code = (

@@ -45,9 +45,12 @@ class TokenmillRunner:
             "kv_pool_bytes": engine.cache.nbytes,
             "batching": {"mode": "continuous", "max_seqs": engine.scheduler.max_num_seqs},
             "kernels": kernels.isa(),
+            # models/paths.py: "stack" (the fused native decode stack) or why not
+            "decode_path": engine.model.decode_path().name,
             "notes": [
                 "prefix caching off",
                 f"prefill of packed weights: {engine.info()['prefill']}",
+                f"GEMV prefetch {kernels.prefetch_bytes()} bytes ahead",
             ],
         }
         if engine.parallel is not None:  # what each rank holds, and (per run) collectives

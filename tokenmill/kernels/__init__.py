@@ -47,6 +47,7 @@ __all__ = [
     "isa",
     "group_blocks",
     "reads_kquant_scales",
+    "prefetch_bytes",
     "linear",
     "gemm",
     "gemm_prefill",
@@ -69,7 +70,7 @@ __all__ = [
 ]
 
 
-ABI = 14  # tm_info() // 1000 of the sources this module binds
+ABI = 15  # tm_info() // 1000 of the sources this module binds
 F16, BF16, F32 = 16, 17, 32  # tm_weight.bits of float weights (4 and 8: packed blocks)
 Q8_0 = 8  # tm_layer.kv_bits of a KV cache of q8_0 blocks (tokenmill/dtypes.py)
 DEFAULT_GROUP_BLOCKS = 16  # the packing used when no library is loaded (any would do)
@@ -188,6 +189,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tm_decode_stack.restype = i32
     lib.tm_group_blocks.restype = i32
     lib.tm_kquant_scales.restype = i32
+    lib.tm_prefetch_bytes.restype = i32
     lib.tm_isa.restype = ctypes.c_char_p
     lib.tm_struct_size.argtypes = [i32]
     lib.tm_struct_size.restype = i32
@@ -295,6 +297,13 @@ def group_blocks() -> int:
     """Blocks per lane-order group of the packed codes the loaded library expects."""
     lib = library()
     return DEFAULT_GROUP_BLOCKS if lib is None else lib.tm_group_blocks()
+
+
+def prefetch_bytes() -> int:
+    """How far ahead (in code bytes) the GEMV prefetches packed weights: chosen per CPU maker
+    at load (kernels/tm.h), or TOKENMILL_PREFETCH; 0 without a library."""
+    lib = library()
+    return 0 if lib is None else lib.tm_prefetch_bytes()
 
 
 def reads_kquant_scales() -> bool:

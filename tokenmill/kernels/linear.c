@@ -713,6 +713,26 @@ int tm_dequant_rows(const tm_weight *w, const int64_t *ids, int n, float *out) {
 /* ABI version * 1000 + the vector width in 32-bit lanes. */
 int tm_info(void) { return TM_ABI * 1000 + TM_W; }
 
+/* The GEMV's prefetch distance (PREFETCH in tm.h), set before any kernel runs. */
+#ifndef TM_PREFETCH_FIXED
+int tm_prefetch = 8192;
+
+__attribute__((constructor)) static void prefetch_init(void) {
+    const char *env = getenv("TOKENMILL_PREFETCH");
+    if (env && *env) {
+        const long v = strtol(env, NULL, 10);
+        tm_prefetch = v < 0 ? 0 : v > (1 << 20) ? (1 << 20) : (int)v;
+        return;
+    }
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_is("amd")) tm_prefetch = 2048;
+#endif
+}
+#endif
+
+int tm_prefetch_bytes(void) { return PREFETCH; }
+
 /* Blocks per lane-order group: the packing Python must produce for this build. */
 int tm_group_blocks(void) { return TM_GB; }
 

@@ -29,16 +29,22 @@
 
 #define TM_GB TM_W /* blocks per lane-order group: one vector of 32-bit lanes */
 
-#define TM_ABI 14 /* tm_info() / 1000: bumped when a struct or signature changes */
+#define TM_ABI 15 /* tm_info() / 1000: bumped when a struct or signature changes */
 
 #define QK 32            /* values per block */
 #define GW (TM_GB * QK)  /* values per full lane-order group */
 #define TCHUNK 8         /* activation rows computed together per weight row */
 #define ROWBLOCK 16      /* weight rows a thread keeps hot while looping over T chunks */
-/* Software prefetch distance in code bytes (conclusion of the measurements in
- * benchmarks/README.md: 8 KB ahead is best on the whole decode step). */
-#ifndef PREFETCH
-#define PREFETCH 8192
+/* Software prefetch distance of the GEMV in code bytes, chosen once per process by the
+ * CPU's maker (tm_prefetch_bytes in linear.c): 8 KB ahead on Intel, 2 KB on AMD, from
+ * measurements of the whole decode step (benchmarks/README.md: on a Sapphire Rapids Xeon
+ * 8 KB beat 1-2 KB by 10-20%; on Zen 4, 2 KB beat 8 KB by 15-20%). TOKENMILL_PREFETCH=N
+ * (bytes) overrides it; -DPREFETCH=N fixes it at build time. */
+#ifdef PREFETCH
+#define TM_PREFETCH_FIXED 1
+#else
+extern int tm_prefetch;
+#define PREFETCH tm_prefetch
 #endif
 
 /* Weight kinds (tm_weight.bits). */
@@ -143,6 +149,7 @@ typedef struct {
 int tm_info(void);
 int tm_group_blocks(void);
 int tm_kquant_scales(void);
+int tm_prefetch_bytes(void);
 const char *tm_isa(void);
 int tm_struct_size(int which);
 void tm_dequant_lanes(const tm_weight *w, int r0, int r1, float *out, int nthreads);
