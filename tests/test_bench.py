@@ -157,6 +157,24 @@ def test_decode_bytes_gguf_matches_torch(tmp_path):
     assert bench.torch_decode_bytes(tied) == 2 * 4
 
 
+@pytest.mark.skipif(kernels.library() is None, reason="native kernels unavailable")
+def test_decode_bytes_count_one_row_of_a_packed_token_embedding(tmp_path):
+    """A Q8_0 file's token embedding, packed as stored (Q8_0 packs to its own 34 bytes per
+    32 values), is looked up one row per token: the torch count equals the file's, as it
+    does for float weights (it counted the whole table, 1.3x the bytes of an 8-layer
+    Qwen3-30B-A3B-shaped file, before)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tokenmill.llm import LLM
+
+    model = build_hf_model("llama", tmp_path / "hf", tie_word_embeddings=False, hidden_size=64)
+    path = tmp_path / "q8.gguf"
+    write_llama_gguf(model, path, Q.Q8_0)
+    loaded = LLM(path, kv_cache_memory="256tok").engine.model
+    assert loaded.lm_head is not None and type(loaded.embed).__name__ != "Embedding"
+    assert bench.torch_decode_bytes(loaded) == bench.gguf_decode_bytes(path)
+
+
 # ---- --context (bench/context.py) ----
 
 

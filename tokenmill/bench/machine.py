@@ -163,18 +163,27 @@ def _storages(model) -> list[tuple[str, int]]:
 
 def torch_decode_bytes(model, tied_embedding=None) -> int:
     """Bytes of a torch model's weights that one decode step reads: every tensor of its state
-    dict, tied ones once, except that an `nn.Embedding` gives one row, unless it is
-    `tied_embedding`, the table the un-embedding reads whole, and that an MoE layer's token
-    reads its top_k experts of the num_experts (as gguf_decode_bytes)."""
+    dict, tied ones once, except that an `nn.Embedding` (or the model's packed `embed`)
+    gives one row, unless it is `tied_embedding`, the table the un-embedding reads whole,
+    and that an MoE layer's token reads its top_k experts of the num_experts (as
+    gguf_decode_bytes)."""
     import torch
 
     from tokenmill.layers.moe import MoE
+    from tokenmill.layers.native_linear import NativeLinear
 
     total = sum(nbytes for _, nbytes in _storages(model))
+    # a packed token embedding (NativeLinear: a GGUF's quantized token_embd) is looked up
+    # one row per token too, as nn.Embedding is, unless it is also the un-embedding
+    packed = getattr(model, "embed", None)
+    packed = packed if isinstance(packed, NativeLinear) else None
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding) and module is not tied_embedding:
             weight = module.weight
             total -= weight.untyped_storage().nbytes() - weight[0].nbytes
+        elif module is packed and module is not tied_embedding:
+            held = sum(nbytes for _, nbytes in _storages(module))
+            total -= held - held // module.out_features
         elif isinstance(module, MoE) and module.top_k < module.num_experts:
             per_kind: dict[str, int] = {}  # as the file's 3-D tensors: one per weight kind
             for expert in module.experts:
