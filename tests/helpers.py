@@ -534,3 +534,22 @@ def llama_cpp_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
         if len(out) == n:
             break
     return out
+
+
+def assert_same_greedy_but_ties(ours, theirs: list[int], tol: float) -> None:
+    """Greedy tokens `theirs` (another engine's, on the same quantized file) equal ours
+    (a CompletionOutput generated with logprobs >= 2) up to the first step where the two
+    part, and there ours was a near tie: the other engine's token is among our top
+    alternatives, within `tol` of our choice's log-probability. Engines that quantize
+    activations differently (llama.cpp: 8 bits, tokenmill: 16) move logits by a few
+    hundredths, which flips a near tie and nothing else."""
+    for i, (mine, other) in enumerate(zip(ours.token_ids, theirs, strict=False)):
+        if mine == other:
+            continue
+        lp = ours.logprobs[i]
+        gap = lp.logprob - lp.top.get(other, float("-inf"))
+        assert gap <= tol, (
+            f"step {i}: ours {mine} (logprob {lp.logprob:.4f}), theirs {other} "
+            f"(ours gives it {lp.top.get(other)}): not a near tie"
+        )
+        return

@@ -13,6 +13,7 @@ and models/paths.py names the reason where they do not.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -23,19 +24,23 @@ from helpers import (
     FAMILIES,
     Single,
     assert_logits_match,
+    assert_same_greedy_but_ties,
     build_hf_model,
     hf_generate,
     hf_greedy,
     hf_sizes,
+    llama_cpp_greedy,
     write_gguf,
     write_llama_gguf,
 )
 
 from tokenmill import kernels
 from tokenmill.config import ConfigError, ModelConfig
+from tokenmill.llm import LLM
 from tokenmill.loader import open_checkpoint
 from tokenmill.loader.hf_config import from_hf_config
 from tokenmill.models import paths
+from tokenmill.sampling import SamplingParams
 
 VOCAB = 301
 # the odd sizes, over build_hf_model's common ones
@@ -306,6 +311,89 @@ def test_phi3_gguf_reads_back_as_the_folder(tmp_path, name):
     assert packed.greedy(prompt, 16)[1] == tokens
     if kernels.library() is not None:
         assert packed.model.decode_path().name == paths.STACK
+
+
+HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+# how far apart in log-probability two tokens may be for llama.cpp's 8-bit activations to
+# pick the other one on a Q8_0 file (the tiny models here have near-flat distributions)
+Q8_TIE = 0.05
+
+
+def _write_for_llama_cpp(tmp_path, name: str, qtype, **more):
+    """Case `name` as llama.cpp's converter writes its GGUF (the writers the read-back tests
+    above use); the transformers model (for a block type: its weights as the file holds
+    them where the writer can say, else None) and the file."""
+    import gguf
+
+    family = CASES[name][0]
+    path = tmp_path / f"{name}.gguf"
+    if family in ("smollm3", "granite"):  # llama's layout, Q/K rows permuted
+        hf = build(name, tmp_path / "hf", **more)
+        meta = None
+        if family == "granite":
+            c, f32 = hf.config, gguf.GGUFValueType.FLOAT32
+            meta = {
+                "granite.attention.scale": (c.attention_multiplier, f32),
+                "granite.embedding_scale": (c.embedding_multiplier, f32),
+                "granite.residual_scale": (c.residual_multiplier, f32),
+                "granite.logit_scale": (c.logits_scaling, f32),
+            }
+        write_llama_gguf(hf, path, qtype, arch=family, metadata=meta)
+        return (hf if qtype is None else None), path
+    if family == "gemma2":  # llama.cpp scales queries by 1/sqrt(head_dim)
+        hf = build(name, tmp_path / "hf", query_pre_attn_scalar=16, **more)
+        c = hf.config
+        meta = dict(
+            sliding_window=c.sliding_window,
+            attn_logit_softcapping=c.attn_logit_softcapping,
+            final_logit_softcapping=c.final_logit_softcapping,
+        )
+    elif family == "phi3":
+        hf = build(name, tmp_path / "hf", **more)
+        c = hf.config
+        head_dim = c.hidden_size // c.num_attention_heads
+        meta = {"rope_dimension_count": int(head_dim * c.partial_rotary_factor)}
+    else:  # olmo2: llama.cpp's OLMo 2 K norm is [d], so no grouped K/V heads
+        hf = build(name, tmp_path / "hf", num_key_value_heads=more.pop("heads", 6), **more)
+        meta = {}
+    write_gguf(hf, path, family, qtype, metadata=meta)
+    return (hf if qtype is None else None), path
+
+
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed")
+@pytest.mark.parametrize("qtype", [None, Q.Q8_0])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "phi4-partial-rotary",
+        "gemma2-softcaps",
+        "olmo2",
+        "smollm3-default-nope",
+        "granite-multipliers",
+    ],
+)
+def test_llama_cpp_reads_the_same_file_to_the_same_tokens(tmp_path, name, qtype):
+    """llama.cpp (llama-cpp-python) on the same GGUF gives tokenmill's greedy tokens, as
+    tokenmill loads the file by default (Q8_0 packed as stored, decoding through the fused
+    stack), and transformers' where the file holds float weights; on Q8_0 files the two
+    engines may part only at a near tie (their activations are quantized apart)."""
+    more = {}
+    if qtype is not None:  # Q8_0 blocks are 32 wide along every matrix's input
+        more = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4)
+        more.update(initializer_range=0.1)
+        more["num_key_value_heads" if name != "olmo2" else "heads"] = 2 if name != "olmo2" else 4
+    hf, path = _write_for_llama_cpp(tmp_path, name, qtype, **more)
+    prompt = _prompt(name)[:24]
+    llm = LLM(path, kv_cache_memory="1024tok")
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5)
+    out = llm.generate([prompt], greedy)[0]
+    if qtype is not None and kernels.library() is not None:
+        assert llm.engine.model.decode_path().name == paths.STACK
+    theirs = llama_cpp_greedy(path, prompt, 12)
+    if hf is not None:  # float weights: both engines exactly
+        assert out.token_ids == theirs == hf_greedy(hf, prompt, 12)
+    else:  # llama.cpp multiplies Q8_0 by 8-bit activations, tokenmill by 16-bit ones
+        assert_same_greedy_but_ties(out, theirs, tol=Q8_TIE)
 
 
 def _config(model_type: str, **extra) -> dict:
