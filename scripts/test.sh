@@ -11,6 +11,13 @@ cd "$(dirname "$0")/.."
 # a multi-GB CUDA build.
 pip install -q torch==2.13.0
 pip install -q -e '.[test]'
+# llama.cpp, the oracle of the GGUF agreement tests (tests/helpers.py llama_cpp_greedy):
+# compiled here for this CPU (about 6 minutes on 2 cores), with ggml's AMX kernels off as
+# tokenmill bench builds it (bench/protocol.py: they die on Sapphire Rapids VMs).
+if ! python -c "import llama_cpp" 2>/dev/null; then
+  CMAKE_ARGS="$(python -c 'from tokenmill.bench.protocol import LLAMA_CPP_CMAKE_ARGS as a; print(a)')" \
+    pip install -q --no-cache-dir llama-cpp-python==0.3.36
+fi
 
 # From Debian, as root: headless Chromium for the browser test (test tools cannot download
 # browsers), the AArch64 cross compiler and qemu-user for the NEON kernel tests, and SIMDe
