@@ -30,6 +30,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from tokenmill.kernels.build import (
@@ -48,6 +49,7 @@ __all__ = [
     "group_blocks",
     "reads_kquant_scales",
     "prefetch_bytes",
+    "pack_gguf",
     "linear",
     "gemm",
     "gemm_prefill",
@@ -70,7 +72,7 @@ __all__ = [
 ]
 
 
-ABI = 15  # tm_info() // 1000 of the sources this module binds
+ABI = 16  # tm_info() // 1000 of the sources this module binds
 F16, BF16, F32 = 16, 17, 32  # tm_weight.bits of float weights (4 and 8: packed blocks)
 Q8_0 = 8  # tm_layer.kv_bits of a KV cache of q8_0 blocks (tokenmill/dtypes.py)
 DEFAULT_GROUP_BLOCKS = 16  # the packing used when no library is loaded (any would do)
@@ -183,6 +185,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tm_lanes_f32.restype = None
     lib.tm_dequant_rows.argtypes = [vp, vp, i32, vp]
     lib.tm_dequant_rows.restype = i32
+    lib.tm_pack_gguf.argtypes = [i32, vp, ctypes.c_int64, i32, vp, vp, vp, vp, i32]
+    lib.tm_pack_gguf.restype = i32
     lib.tm_decode_attention.argtypes = [vp, vp, vp, vp, vp, i32]
     lib.tm_decode_attention.restype = i32
     lib.tm_decode_stack.argtypes = [vp, vp, vp, i32]
@@ -475,6 +479,35 @@ def dequant_rows(w: TmWeight, ids: torch.Tensor) -> torch.Tensor:
     if status == 0:
         raise MemoryError("tm_dequant_rows: cannot allocate scratch")
     return out
+
+
+def pack_gguf(
+    qtype: int,
+    src: np.ndarray,
+    k: int,
+    codes: np.ndarray,
+    scales: np.ndarray,
+    mins: np.ndarray | None,
+    sup: np.ndarray | None,
+) -> bool:
+    """GGUF blocks src (uint8 [rows, row bytes], C-contiguous) of type `qtype` and k values
+    per row into the packed arrays (C-contiguous, [rows, ...] each; pack.c says which
+    shapes), in one pass. False where the loaded library does not pack that type or row
+    length (the caller's numpy path does)."""
+    lib = library()
+    if lib is None:
+        return False
+    arrays = [a for a in (src, codes, scales, mins, sup) if a is not None]
+    if not all(a.flags.c_contiguous for a in arrays):
+        raise ValueError("pack_gguf: arrays must be C-contiguous")
+    status = lib.tm_pack_gguf(
+        int(qtype), src.ctypes.data, src.shape[0], k, codes.ctypes.data, scales.ctypes.data,
+        None if mins is None else mins.ctypes.data, None if sup is None else sup.ctypes.data,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status == -1:
+        raise MemoryError("tm_pack_gguf: cannot allocate scratch")
+    return status == 1
 
 
 def decode_rows(

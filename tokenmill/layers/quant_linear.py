@@ -139,6 +139,38 @@ def _alloc(parsed: tuple, rows: int, in_features: int) -> tuple[int, dict]:
     return bits, arrays
 
 
+# GGUF types the native packer (kernels.pack_gguf) writes, and their code bits
+_NATIVE_BITS = {GT.Q4_0: 4, GT.Q4_1: 4, GT.Q4_K: 4, GT.Q8_0: 8, GT.Q5_0: 8, GT.Q5_1: 8,
+                GT.Q5_K: 8, GT.Q6_K: 6}  # fmt: skip
+
+
+def _alloc_gguf(qtype: GT, rows: int, in_features: int) -> tuple[int, dict]:
+    """(bits, {codes, scales, mins?, sup?}): empty packed arrays for `rows` rows of GGUF
+    type `qtype`, as _alloc gives for its parse (the dtypes of gguf_blocks.parse_*)."""
+    bits, k = _NATIVE_BITS[qtype], in_features
+    kquant = qtype in (GT.Q4_K, GT.Q5_K, GT.Q6_K)
+    arrays = {"codes": np.empty((rows, k * bits // 8), np.uint8)}
+    if qtype == GT.Q6_K:
+        arrays["scales"] = np.empty((rows, k // 16), np.int8)
+        arrays["sup"] = np.empty((rows, k // 256, 1), np.float16)
+        return bits, arrays
+    arrays["scales"] = np.empty((rows, k // QK), np.uint8 if kquant else np.float16)
+    if qtype in (GT.Q4_1, GT.Q5_1, GT.Q4_K, GT.Q5_K):
+        arrays["mins"] = np.empty_like(arrays["scales"])
+    if kquant:
+        arrays["sup"] = np.empty((rows, k // 256, 2), np.float16)
+    return bits, arrays
+
+
+def _pack_native(qtype: GT, raw: np.ndarray, in_features: int, arrays: dict) -> bool:
+    """raw GGUF rows (uint8 [rows, row bytes]) into arrays (_alloc_gguf's, or same-shaped
+    views of contiguous rows) by the native packer; False where it does not pack them."""
+    return kernels.pack_gguf(
+        int(qtype), np.ascontiguousarray(raw), in_features, arrays["codes"], arrays["scales"],
+        arrays.get("mins"), arrays.get("sup"),
+    )  # fmt: skip
+
+
 def _pack_lanes(nat: np.ndarray, bits: int, gb: int, out: np.ndarray) -> None:
     """layout.pack_codes(nat, bits, gb), written into `out`: natural codes uint8 [..., K]
     -> out uint8 [..., K * bits / 8] (the same leading shape, each row contiguous; a view
@@ -288,6 +320,11 @@ class QuantLinear(NativeLinear):
                 f"{qtype.name} [{out_features}, {in_features}], got {raw.size} {raw.dtype}"
             )
         raw = raw.reshape(out_features, row_bytes)
+        if cls._packs_natively(qtype, in_features):  # one pass in C, the same bytes
+            bits, arrays = _alloc_gguf(qtype, out_features, in_features)
+            if _pack_native(qtype, raw, in_features, arrays):
+                tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
+                return cls._from_arrays(tensors, bits, in_features, out_features, bias)
         parse_rows = cls._row_parser(qtype, in_features)
         return cls._assemble(lambda r0, r1: parse_rows(raw[r0:r1]), in_features, out_features, bias)
 
@@ -343,6 +380,27 @@ class QuantLinear(NativeLinear):
                     f"{qtype.name} experts of {in_features} inputs, got {got}"
                 )
         total = sum(heights)  # each expert's out_features
+        if cls._packs_natively(qtype, in_features):
+            bits, arrays = _alloc_gguf(qtype, experts * total, in_features)
+            stack = {k: v.reshape(experts, total, *v.shape[1:]) for k, v in arrays.items()}
+            native = True
+            for p, h in enumerate(heights):
+                off = sum(heights[:p])
+                for j in range(experts):
+                    dst = {k: v[j, off : off + h] for k, v in stack.items()}
+                    native = native and _pack_native(
+                        qtype, np.asarray(raws[j][p]), in_features, dst
+                    )
+                    if packed is not None:
+                        packed(j, p)
+            if native:
+                stacked = {k: torch.from_numpy(v) for k, v in stack.items()}
+                return [
+                    cls._from_arrays(
+                        {k: v[j] for k, v in stacked.items()}, bits, in_features, total
+                    )
+                    for j in range(experts)
+                ]
         parse_rows = cls._row_parser(qtype, in_features)
         gb = kernels.group_blocks()
         chunk = max(1, (1 << 20) // in_features)  # rows per parse, as _assemble
@@ -376,6 +434,14 @@ class QuantLinear(NativeLinear):
             cls._from_arrays({k: v[j] for k, v in stacked.items()}, bits, in_features, total)
             for j in range(experts)
         ]
+
+    @classmethod
+    def _packs_natively(cls, qtype: GT, in_features: int) -> bool:
+        """Whether kernels.pack_gguf writes this type's rows (the types packed as stored;
+        Q6_K where 6-bit codes run), given a library."""
+        if kernels.library() is None or qtype not in _NATIVE_BITS:
+            return False
+        return qtype != GT.Q6_K or cls.runs_6bit(in_features)
 
     @staticmethod
     def runs_6bit(in_features: int) -> bool:

@@ -1,0 +1,106 @@
+"""Loading packs GGUF blocks in one native pass (kernels/pack.c), byte for byte as the
+numpy path (gguf_blocks.parse_* and quant_linear._store) packs them.
+
+Every type packed as stored (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K; Q6_K on rows of
+whole lane groups), at row lengths with and without a tail of blocks after the whole
+groups (and a lone last block of a 4-bit tail), a dense layer and a MoE layer's experts;
+then the same greedy tokens from a model file loaded either way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GT
+from helpers import build_hf_model, write_llama_gguf
+
+from tokenmill import kernels
+from tokenmill.bench.shapes import random_blocks
+from tokenmill.layers import quant_linear
+from tokenmill.layers.quant_linear import QuantLinear
+from tokenmill.llm import LLM
+from tokenmill.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason="native kernels unavailable")
+BUFFERS = ("codes", "scales_raw", "mins_raw", "dsup_raw", "msup_raw")
+GW = 32 * kernels.group_blocks()  # values per whole lane group of this build
+WIDTHS = {  # row lengths: whole groups, groups and a tail, a tail only, a lone tail block
+    GT.Q4_0: [GW, GW + 64, 96, GW + 32 * 3, 576],
+    GT.Q4_1: [GW, GW + 96, 64],
+    GT.Q8_0: [GW, GW + 32, 576],
+    GT.Q5_0: [2 * GW, GW + 96],
+    GT.Q5_1: [GW, 160],
+    GT.Q4_K: [256, GW, 3 * 256, 2048],
+    GT.Q5_K: [256, 3 * 256, 2048],
+    GT.Q6_K: [GW, 2 * GW, 2048],
+}
+
+
+def _python_pack(monkeypatch, make):
+    """make() with the native packer switched off."""
+    with monkeypatch.context() as m:
+        m.setattr(QuantLinear, "_packs_natively", classmethod(lambda cls, q, k: False))
+        return make()
+
+
+def _same(a: QuantLinear, b: QuantLinear) -> None:
+    assert (a.bits, a.in_features, a.out_features) == (b.bits, b.in_features, b.out_features)
+    for name in BUFFERS:
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert x.dtype == y.dtype and x.shape == y.shape, name
+            assert np.array_equal(x.numpy().view(np.uint8), y.numpy().view(np.uint8)), name
+
+
+@pytest.mark.parametrize("qtype, k", [(q, k) for q, ks in WIDTHS.items() for k in ks])
+def test_dense_layer_packs_the_same_bytes(monkeypatch, qtype, k):
+    rows = 37  # odd: rows split unevenly among threads
+    raw = random_blocks(np.random.default_rng(k), qtype, rows, k)
+    assert QuantLinear._packs_natively(qtype, k) == (qtype != GT.Q6_K or k % GW == 0)
+    native = QuantLinear.from_gguf(raw, qtype, rows, k)
+    _same(native, _python_pack(monkeypatch, lambda: QuantLinear.from_gguf(raw, qtype, rows, k)))
+
+
+def test_permuted_rows_pack_from_a_copy(monkeypatch):
+    """Rows reordered before packing (llama's Q/K un-permute: a non-contiguous view)."""
+    raw = random_blocks(np.random.default_rng(0), GT.Q4_K, 64, 512)
+    view = raw[::-1]
+    native = QuantLinear.from_gguf(view, GT.Q4_K, 64, 512)
+    _same(native, _python_pack(monkeypatch, lambda: QuantLinear.from_gguf(view, GT.Q4_K, 64, 512)))
+
+
+@pytest.mark.parametrize("qtype", [GT.Q4_K, GT.Q6_K, GT.Q8_0, GT.Q5_K])
+def test_experts_pack_the_same_bytes(monkeypatch, qtype):
+    """Four experts of two parts (gate, up) into one [E, rows, ...] stack, each expert's
+    layer a view of it; the release callback hears of every part."""
+    k = 2 * GW if qtype == GT.Q6_K else 512
+    rng = np.random.default_rng(1)
+    raws = [[random_blocks(rng, qtype, 24, k) for _ in range(2)] for _ in range(4)]
+    heard: list[tuple[int, int]] = []
+    native = QuantLinear.from_gguf_experts(raws, qtype, k, lambda j, p: heard.append((j, p)))
+    assert sorted(heard) == [(j, p) for j in range(4) for p in range(2)]
+    python = _python_pack(monkeypatch, lambda: QuantLinear.from_gguf_experts(raws, qtype, k))
+    for a, b in zip(native, python, strict=True):
+        _same(a, b)
+
+
+@pytest.mark.parametrize("qtype", [GT.Q4_0, GT.Q5_1])
+def test_a_model_file_decodes_the_same_either_way(tmp_path, monkeypatch, qtype):
+    """A model file gives the same greedy tokens packed natively and by numpy."""
+    hf = build_hf_model("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512)
+    path = tmp_path / "model.gguf"
+    write_llama_gguf(hf, path, qtype)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompt = list(range(3, 19))
+    ours = LLM(path, kv_cache_memory="256tok").generate([prompt], greedy)[0].token_ids
+    calls = []
+    real = quant_linear._pack_native
+    monkeypatch.setattr(quant_linear, "_pack_native", lambda *a: calls.append(1) or real(*a))
+    again = LLM(path, kv_cache_memory="256tok").generate([prompt], greedy)[0].token_ids
+    assert calls, "the native packer did not run"
+    numpy = _python_pack(
+        monkeypatch,
+        lambda: LLM(path, kv_cache_memory="256tok").generate([prompt], greedy)[0].token_ids,
+    )
+    assert ours == again == numpy

@@ -1,0 +1,199 @@
+/* GGUF blocks -> the packed format of linear.c, in one pass over the file's bytes.
+ *
+ * Loading a GGUF repacks every weight: codes to lane order, scales and mins apart from
+ * the codes. The numpy path (layers/quant_linear.py: gguf_blocks.parse_* then _store)
+ * makes several passes and temporaries per tensor; this makes one, row by row, the rows
+ * split among threads, and writes exactly the same bytes (tests/test_pack_native checks
+ * every type against it).
+ *
+ * Per row of k values (nb = k / 32 blocks), for GGUF type qtype:
+ *   Q8_0, Q5_0, Q5_1      8-bit codes (Q8_0: q + 128; Q5_0: q + 112; Q5_1: q), float16
+ *                         scales [nb] (and mins [nb], Q5_1)
+ *   Q4_0, Q4_1            4-bit codes, float16 scales [nb] (and mins, Q4_1)
+ *   Q4_K (4-bit), Q5_K    uint8 scale and min codes [nb], super-block (d, dmin) float16
+ *   (8-bit)               [k / 256][2]
+ *   Q6_K                  6-bit codes (whole groups only), int8 scales [k / 16] per
+ *                         group [half][block], super-block d float16 [k / 256][1]
+ * The codes of a row first go to natural order (nat), then to lane order (lane: the
+ * 8-bit layout, tail in natural order), from which the 4- and 6-bit bytes are cut.
+ */
+#include "tm.h"
+
+enum { G_Q4_0 = 2, G_Q4_1 = 3, G_Q5_0 = 6, G_Q5_1 = 7, G_Q8_0 = 8, G_Q4_K = 12, G_Q5_K = 13, G_Q6_K = 14 };
+
+static inline uint16_t u16_at(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+/* Bytes per block and values per block of a supported type, 0 otherwise. */
+static int type_size(int qtype, int *block) {
+    *block = 32;
+    switch (qtype) {
+    case G_Q4_0: return 18;
+    case G_Q4_1: return 20;
+    case G_Q5_0: return 22;
+    case G_Q5_1: return 24;
+    case G_Q8_0: return 34;
+    }
+    *block = 256;
+    switch (qtype) {
+    case G_Q4_K: return 144;
+    case G_Q5_K: return 176;
+    case G_Q6_K: return 210;
+    }
+    return 0;
+}
+
+static int code_bits(int qtype) {
+    return qtype == G_Q4_0 || qtype == G_Q4_1 || qtype == G_Q4_K ? 4 : qtype == G_Q6_K ? 6 : 8;
+}
+
+/* Q4_K / Q5_K: the 6-bit scale and min codes of sub-block j < 8 from their 12 bytes. */
+static inline void k_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_t *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63, *mn = s[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4));
+        *mn = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+/* One row's blocks -> natural codes nat [k], scales and mins (row slices), sup. */
+static void parse_row(int qtype, const uint8_t *src, int k, uint8_t *nat, uint8_t *scales, uint8_t *mins,
+                      uint16_t *sup) {
+    int block;
+    const int ts = type_size(qtype, &block), n = k / block;
+    uint16_t *sc16 = (uint16_t *)scales, *mn16 = (uint16_t *)mins;
+    for (int b = 0; b < n; b++) {
+        const uint8_t *p = src + (size_t)b * ts;
+        uint8_t *q = nat + (size_t)b * block;
+        switch (qtype) {
+        case G_Q8_0:
+            sc16[b] = u16_at(p);
+            for (int j = 0; j < 32; j++) q[j] = p[2 + j] ^ 0x80;
+            break;
+        case G_Q4_0:
+        case G_Q4_1: {
+            const int off = qtype == G_Q4_1 ? 4 : 2;
+            sc16[b] = u16_at(p);
+            if (qtype == G_Q4_1) mn16[b] = u16_at(p + 2);
+            for (int j = 0; j < 16; j++) q[j] = p[off + j] & 15, q[16 + j] = p[off + j] >> 4;
+            break;
+        }
+        case G_Q5_0:
+        case G_Q5_1: {
+            const int off = qtype == G_Q5_1 ? 4 : 2;
+            const uint32_t qh = (uint32_t)p[off] | (uint32_t)p[off + 1] << 8 | (uint32_t)p[off + 2] << 16 |
+                                (uint32_t)p[off + 3] << 24;
+            const uint8_t *qs = p + off + 4, bias = qtype == G_Q5_0 ? 112 : 0;
+            sc16[b] = u16_at(p);
+            if (qtype == G_Q5_1) mn16[b] = u16_at(p + 2);
+            for (int j = 0; j < 32; j++) {
+                const uint8_t lo = j < 16 ? qs[j] & 15 : qs[j - 16] >> 4;
+                q[j] = (uint8_t)((lo | ((qh >> j) & 1) << 4) + bias);
+            }
+            break;
+        }
+        case G_Q4_K:
+        case G_Q5_K: {
+            sup[2 * b] = u16_at(p), sup[2 * b + 1] = u16_at(p + 2);
+            const uint8_t *qh = p + 16, *qs = p + (qtype == G_Q5_K ? 48 : 16);
+            for (int s = 0; s < 8; s++) {
+                k_scale_min(p + 4, s, &scales[8 * b + s], &mins[8 * b + s]);
+                const uint8_t *c = qs + 32 * (s / 2);
+                const int shift = 4 * (s & 1);
+                for (int j = 0; j < 32; j++) {
+                    uint8_t v = (c[j] >> shift) & 15;
+                    if (qtype == G_Q5_K) v |= ((qh[j] >> s) & 1) << 4;
+                    q[32 * s + j] = v;
+                }
+            }
+            break;
+        }
+        case G_Q6_K: {
+            const uint8_t *ql = p, *qh = p + 128;
+            sup[b] = u16_at(p + 208);
+            for (int h = 0; h < 2; h++)
+                for (int i = 0; i < 128; i++) {
+                    const uint8_t lo = i < 64 ? ql[64 * h + i] & 15 : ql[64 * h + i - 64] >> 4;
+                    const uint8_t hi = (qh[32 * h + i % 32] >> (2 * (i / 32))) & 3;
+                    q[128 * h + i] = (uint8_t)(lo | hi << 4);
+                }
+            /* int8 sub-scales of 16 values, natural: block kb's halves are 2 kb, 2 kb + 1;
+             * stored per group [half][block of the group] (quant_linear: half_scale_perm) */
+            for (int s = 0; s < 16; s++) {
+                const int nat16 = 16 * b + s, blk = nat16 / 2, half = nat16 % 2;
+                scales[(size_t)(blk / TM_GB) * 2 * TM_GB + half * TM_GB + blk % TM_GB] = p[192 + s];
+            }
+            break;
+        }
+        }
+    }
+}
+
+/* Natural codes -> lane order, 8-bit layout (full groups transposed, the tail as is). */
+static void to_lanes(const uint8_t *nat, int k, uint8_t *lane) {
+    const int nb = k / QK, full = nb / TM_GB * TM_GB;
+    for (int b = 0; b < full; b++)
+        for (int i = 0; i < 8; i++) memcpy(lane + lane_pos(nb, b, 4 * i), nat + (size_t)b * QK + 4 * i, 4);
+    memcpy(lane + (size_t)full * QK, nat + (size_t)full * QK, (size_t)(nb - full) * QK);
+}
+
+/* Lane-order codes -> the packed bytes of `bits` (linear.c's format). */
+static void cut_codes(const uint8_t *lane, int k, int bits, uint8_t *out) {
+    const int nb = k / QK, nfull = nb / TM_GB, v = 4 * TM_GB;
+    if (bits == 8) {
+        memcpy(out, lane, (size_t)k);
+        return;
+    }
+    for (int g = 0; g < nfull; g++) {
+        const uint8_t *L = lane + (size_t)g * GW;
+        uint8_t *o = out + (size_t)g * (bits == 6 ? GW * 3 / 4 : GW / 2);
+        for (int c = 0; c < 4; c++)
+            for (int r = 0; r < v; r++)
+                o[c * v + r] = (uint8_t)((L[2 * c * v + r] & 15) | (L[(2 * c + 1) * v + r] & 15) << 4);
+        if (bits == 6)
+            for (int h = 0; h < 2; h++)
+                for (int r = 0; r < v; r++) {
+                    uint8_t c = 0;
+                    for (int s = 0; s < 4; s++) c |= ((L[(4 * h + s) * v + r] >> 4) & 3) << (2 * s);
+                    o[GW / 2 + h * v + r] = c;
+                }
+    }
+    /* 4-bit tail: chunks of 64 values (a last lone block: 32), byte r = value r (low
+     * nibble) and value n/2 + r (high) */
+    const uint8_t *t = lane + (size_t)nfull * GW;
+    uint8_t *o = out + (size_t)nfull * GW / 2;
+    for (int left = k - nfull * GW; left > 0;) {
+        const int n = left >= 64 ? 64 : 32;
+        for (int r = 0; r < n / 2; r++) o[r] = (uint8_t)(t[r] | t[n / 2 + r] << 4);
+        t += n, o += n / 2, left -= n;
+    }
+}
+
+/* rows rows of GGUF type qtype (src: [rows][row bytes] as the file has them), k values
+ * each, into codes [rows][k * bits / 8], scales and mins (float16 [rows][k / 32]; K-quants
+ * uint8 codes [rows][k / 32]; Q6_K int8 [rows][k / 16]; mins NULL where the type has none)
+ * and sup (K-quants: float16 [rows][k / 256][2], Q6_K [rows][k / 256][1]; else NULL).
+ * Returns 1, 0 for a type or row length this does not pack (Q6_K: whole groups only; the
+ * caller's numpy path does the rest), -1 on OOM. */
+int tm_pack_gguf(int qtype, const uint8_t *src, int64_t rows, int k, uint8_t *codes, void *scales,
+                 void *mins, uint16_t *sup, int nthreads) {
+    int block;
+    const int ts = type_size(qtype, &block), bits = code_bits(qtype);
+    if (!ts || k <= 0 || k % block || (bits == 6 && k % GW)) return 0;
+    const size_t src_row = (size_t)(k / block) * ts, code_row = (size_t)k * bits / 8;
+    const size_t sc_row = (size_t)(bits == 6 ? k / 16 : k / QK) * (block == 256 ? 1 : 2);
+    const size_t sup_row = block == 256 ? (size_t)(k / 256) * (bits == 6 ? 1 : 2) : 0;
+    const int nt = tm_threads(nthreads);
+    uint8_t *buf = malloc((size_t)nt * 2 * (size_t)k); /* per thread: nat [k], lane [k] */
+    if (!buf) return -1;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        uint8_t *nat = buf + (size_t)tm_thread_id() * 2 * k, *lane = nat + k;
+        parse_row(qtype, src + (size_t)r * src_row, k, nat, (uint8_t *)scales + (size_t)r * sc_row,
+                  mins ? (uint8_t *)mins + (size_t)r * sc_row : NULL, sup ? sup + (size_t)r * sup_row : NULL);
+        to_lanes(nat, k, lane);
+        cut_codes(lane, k, bits, codes + (size_t)r * code_row);
+    }
+    free(buf);
+    return 1;
+}
