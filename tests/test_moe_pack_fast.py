@@ -5,13 +5,12 @@ The reference here is the per-expert packing as it was before that pass: each ex
 slice of the 3-D ffn_*_exps tensor on its own, Q6_K requantized through gguf-py's
 dequantize and the torch q8 chain (tests/test_requant_q8's), the codes put in lane order
 by kernels/layout.py, gate and up joined with torch.cat. The files are random blocks of
-benchmarks/random_moe_gguf.py's layout at a tiny shape: Q4_K_M (Q4_K gate/up and down in
+tokenmill/bench/shapes.py's MoE layout at a tiny shape: Q4_K_M (Q4_K gate/up and down in
 two layers, Q6_K down in the third, Q6_K output) and Q8_0.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from test_requant_q8 import _reference_q8
 
 from tokenmill import LLM, SamplingParams, kernels
+from tokenmill.bench import shapes
 from tokenmill.kernels.layout import half_scale_perm, pack6, pack_codes
 from tokenmill.layers.quant_linear import (
     QuantLinear,
@@ -34,9 +34,6 @@ from tokenmill.loader import open_checkpoint
 from tokenmill.loader.gguf_blocks import EXACT_GGUF_TYPES, parse_exact, parse_q6_k
 from tokenmill.models import quantize
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import random_moe_gguf  # noqa: E402
-
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 BUFFERS = ("codes", "scales_raw", "mins_raw", "dsup_raw", "msup_raw")
 
@@ -45,9 +42,9 @@ def _write(tmp_path, ftype: str, fe: int, monkeypatch) -> Path:
     """A 3-layer qwen3moe file of random blocks: d 512, 8 experts of fe, top 2."""
     tiny = dict(arch="qwen3moe", d=512, heads=4, kv=2, hd=64, experts=8, fe=fe, top=2,
                 vocab=300, theta=10000.0, qk_norm="head", layers=3)  # fmt: skip
-    monkeypatch.setitem(random_moe_gguf.SHAPES, "tiny", tiny)
+    monkeypatch.setitem(shapes.MOE, "tiny", tiny)
     path = tmp_path / f"tiny-{ftype}-{fe}.gguf"
-    random_moe_gguf.write("tiny", ftype, path, layers=3)
+    shapes.write("tiny", ftype, path, layers=3)
     return path
 
 

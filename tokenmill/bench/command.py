@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from tokenmill.bench import estimate
+from tokenmill.bench import estimate, shapes
 from tokenmill.bench.engines import Engines, installed_peers, log, resolve_peers
 from tokenmill.bench.machine import gguf_decode_bytes, measure_machine
 from tokenmill.bench.progress import RunProgress
@@ -121,6 +121,22 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
     add_model_args(p)
     add_kv_cache_dtype_arg(p)
     p.add_argument(
+        "--shape",
+        default=None,
+        metavar="NAME[:TYPE]",
+        help="instead of --model: random weights of a real model's shape "
+        f"({', '.join(shapes.names())}) in a llama.cpp file type ({', '.join(shapes.FILE_TYPES)}; "
+        f"default {shapes.DEFAULT_FILE_TYPE}), written once into the cache (bench/shapes.py)",
+    )
+    p.add_argument(
+        "--shape-layers",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="with --shape: this many of the model's layers (default: all of a dense "
+        "model's, 4 of a mixture of experts')",
+    )
+    p.add_argument(
         "--context",
         type=_int_list,
         default=None,
@@ -225,10 +241,23 @@ def apply_preset(args: argparse.Namespace) -> dict[str, dict]:
     return left_out
 
 
+def use_shape(args: argparse.Namespace) -> None:
+    """--shape: the cached random-weight file of that shape becomes the model."""
+    spec = getattr(args, "shape", None)
+    if spec is None:
+        if getattr(args, "shape_layers", None) is not None:
+            raise ValueError("--shape-layers applies to --shape; add --shape NAME[:TYPE]")
+        return
+    if args.model is not None:
+        raise ValueError("--shape and --model each name the model; choose one")
+    args.model = str(shapes.cached(spec, args.shape_layers, log=log))
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     from tokenmill.engine.llm_engine import resolve_model
 
     left_out = apply_preset(args)
+    use_shape(args)
     if args.device != "cpu":
         raise ValueError("tokenmill bench measures CPU inference; --device must be cpu")
     if min(args.runs, args.num_requests, args.peer_batch_size) < 1 or args.gen_len < 2:
