@@ -169,7 +169,39 @@ class _Cursor:
         return out
 
 
+# The last header parsed, by the file's identity (device, inode, size, mtime): loading
+# reads a file's header twice (the weights' loader, then the tokenizer), and a 128k-piece
+# vocabulary with its merges takes a few hundred ms each time. Holds one file's metadata,
+# which the loaded model keeps anyway.
+_last_header: tuple[tuple, int, int, dict[str, Any]] | None = None
+
+
+def _identity(buf: mmap.mmap, path) -> tuple | None:
+    try:
+        st = Path(path).stat()
+    except (OSError, TypeError, ValueError):
+        return None
+    if st.st_size != len(buf):  # not the file mapped (replaced since)
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def _header(cur: _Cursor) -> tuple[int, dict[str, Any]]:
+    """The tensor count and the key/values, the cursor left after them. A copy of the
+    dict each time: callers may add keys; the values (lists, arrays) are shared, read-only
+    by convention."""
+    global _last_header
+    key = _identity(cur.buf, cur.path)
+    if key is not None and _last_header is not None and _last_header[0] == key:
+        _, cur.pos, n_tensors, metadata = _last_header
+        return n_tensors, dict(metadata)
+    n_tensors, metadata = _parse_header(cur)
+    if key is not None:
+        _last_header = (key, cur.pos, n_tensors, metadata)
+    return n_tensors, dict(metadata)
+
+
+def _parse_header(cur: _Cursor) -> tuple[int, dict[str, Any]]:
     if cur.buf[:4] != b"GGUF":
         raise cur.fail("not a GGUF file")
     cur.pos = 4
