@@ -2,7 +2,8 @@
 numpy path (gguf_blocks.parse_* and quant_linear._store) packs them.
 
 Every type packed as stored (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K; Q6_K on rows of
-whole lane groups), at row lengths with and without a tail of blocks after the whole
+whole lane groups, requantized to 8-bit blocks on other rows, from gguf-py's float
+values), at row lengths with and without a tail of blocks after the whole
 groups (and a lone last block of a 4-bit tail), a dense layer and a MoE layer's experts;
 then the same greedy tokens from a model file loaded either way.
 """
@@ -32,7 +33,7 @@ WIDTHS = {  # row lengths: whole groups, groups and a tail, a tail only, a lone 
     GT.Q5_1: [GW, 160],
     GT.Q4_K: [256, GW, 3 * 256, 2048],
     GT.Q5_K: [256, 3 * 256, 2048],
-    GT.Q6_K: [GW, 2 * GW, 2048],
+    GT.Q6_K: [GW, 2 * GW, 2048, 256, 768, 1280],  # the last three requantized on AVX-512
 }
 
 
@@ -57,7 +58,7 @@ def _same(a: QuantLinear, b: QuantLinear) -> None:
 def test_dense_layer_packs_the_same_bytes(monkeypatch, qtype, k):
     rows = 37  # odd: rows split unevenly among threads
     raw = random_blocks(np.random.default_rng(k), qtype, rows, k)
-    assert QuantLinear._packs_natively(qtype, k) == (qtype != GT.Q6_K or k % GW == 0)
+    assert QuantLinear._packs_natively(qtype, k)
     native = QuantLinear.from_gguf(raw, qtype, rows, k)
     _same(native, _python_pack(monkeypatch, lambda: QuantLinear.from_gguf(raw, qtype, rows, k)))
 
@@ -70,11 +71,11 @@ def test_permuted_rows_pack_from_a_copy(monkeypatch):
     _same(native, _python_pack(monkeypatch, lambda: QuantLinear.from_gguf(view, GT.Q4_K, 64, 512)))
 
 
-@pytest.mark.parametrize("qtype", [GT.Q4_K, GT.Q6_K, GT.Q8_0, GT.Q5_K])
-def test_experts_pack_the_same_bytes(monkeypatch, qtype):
+@pytest.mark.parametrize("qtype, k", [(GT.Q4_K, 512), (GT.Q6_K, 2 * GW), (GT.Q6_K, 768),
+                                      (GT.Q8_0, 512), (GT.Q5_K, 512)])  # fmt: skip
+def test_experts_pack_the_same_bytes(monkeypatch, qtype, k):
     """Four experts of two parts (gate, up) into one [E, rows, ...] stack, each expert's
     layer a view of it; the release callback hears of every part."""
-    k = 2 * GW if qtype == GT.Q6_K else 512
     rng = np.random.default_rng(1)
     raws = [[random_blocks(rng, qtype, 24, k) for _ in range(2)] for _ in range(4)]
     heard: list[tuple[int, int]] = []
@@ -104,3 +105,17 @@ def test_a_model_file_decodes_the_same_either_way(tmp_path, monkeypatch, qtype):
         lambda: LLM(path, kv_cache_memory="256tok").generate([prompt], greedy)[0].token_ids,
     )
     assert ours == again == numpy
+
+
+def test_q6_k_requantization_edges(monkeypatch):
+    """Q6_K rows requantized to 8 bits (AVX-512 builds, where 768 values are not whole
+    lane groups; 6-bit codes elsewhere): zero blocks, subnormal float16 scales and scales
+    that overflow float16 (inf: codes of 128) give the numpy path's bytes too."""
+    rng = np.random.default_rng(5)
+    raw = random_blocks(rng, GT.Q6_K, 8, 768).reshape(8, 3, 210)
+    for row, d in enumerate([0.0, 1e-7, 6e-8, 60000.0, 3e-5]):
+        raw[row, :, 208:210] = np.array([d] * 3, np.float16).view(np.uint8).reshape(3, 2)
+    raw[7, :, :208] = 0  # codes 0 (value -32 d sc), sub-scales 0: a zero row
+    raw = raw.reshape(8, -1)
+    native = QuantLinear.from_gguf(raw, GT.Q6_K, 8, 768)
+    _same(native, _python_pack(monkeypatch, lambda: QuantLinear.from_gguf(raw, GT.Q6_K, 8, 768)))

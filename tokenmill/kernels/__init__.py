@@ -185,7 +185,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tm_lanes_f32.restype = None
     lib.tm_dequant_rows.argtypes = [vp, vp, i32, vp]
     lib.tm_dequant_rows.restype = i32
-    lib.tm_pack_gguf.argtypes = [i32, vp, ctypes.c_int64, i32, vp, vp, vp, vp, i32]
+    lib.tm_pack_gguf.argtypes = [i32, vp, ctypes.c_int64, i32, i32, vp, vp, vp, vp, i32]
     lib.tm_pack_gguf.restype = i32
     lib.tm_decode_attention.argtypes = [vp, vp, vp, vp, vp, i32]
     lib.tm_decode_attention.restype = i32
@@ -489,11 +489,12 @@ def pack_gguf(
     scales: np.ndarray,
     mins: np.ndarray | None,
     sup: np.ndarray | None,
+    q6_as_8bit: bool = False,
 ) -> bool:
     """GGUF blocks src (uint8 [rows, row bytes], C-contiguous) of type `qtype` and k values
     per row into the packed arrays (C-contiguous, [rows, ...] each; pack.c says which
-    shapes), in one pass. False where the loaded library does not pack that type or row
-    length (the caller's numpy path does)."""
+    shapes; q6_as_8bit: Q6_K requantized to 8-bit blocks), in one pass. False where the
+    loaded library does not pack that type or row length (the caller's numpy path does)."""
     lib = library()
     if lib is None:
         return False
@@ -501,7 +502,8 @@ def pack_gguf(
     if not all(a.flags.c_contiguous for a in arrays):
         raise ValueError("pack_gguf: arrays must be C-contiguous")
     status = lib.tm_pack_gguf(
-        int(qtype), src.ctypes.data, src.shape[0], k, codes.ctypes.data, scales.ctypes.data,
+        int(qtype), src.ctypes.data, src.shape[0], k, int(q6_as_8bit), codes.ctypes.data,
+        scales.ctypes.data,
         None if mins is None else mins.ctypes.data, None if sup is None else sup.ctypes.data,
         torch.get_num_threads(),
     )  # fmt: skip

@@ -12,8 +12,9 @@
  *   Q4_0, Q4_1            4-bit codes, float16 scales [nb] (and mins, Q4_1)
  *   Q4_K (4-bit), Q5_K    uint8 scale and min codes [nb], super-block (d, dmin) float16
  *   (8-bit)               [k / 256][2]
- *   Q6_K                  6-bit codes (whole groups only), int8 scales [k / 16] per
- *                         group [half][block], super-block d float16 [k / 256][1]
+ *   Q6_K                  6-bit codes on rows of whole lane groups, int8 scales [k / 16]
+ *                         per group [half][block], super-block d float16 [k / 256][1];
+ *                         other rows requantized to 8-bit codes with float16 scales [nb]
  * The codes of a row first go to natural order (nat), then to lane order (lane: the
  * 8-bit layout, tail in natural order), from which the 4- and 6-bit bytes are cut.
  */
@@ -53,6 +54,22 @@ static inline void k_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_t *mn
     } else {
         *sc = (uint8_t)((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4));
         *mn = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+/* A Q6_K super-block's 256 codes (0..63) in natural order, from 128 bytes of low nibbles
+ * (per half of 128 values: values 0-63 in the low nibbles of its 64 bytes, 64-127 in the
+ * high ones) and 64 bytes of top bits (per half: value 32 s + j at bits 2 s of byte j). */
+static inline void q6k_codes(const uint8_t *ql, const uint8_t *qh, uint8_t *q) {
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *l = ql + 64 * h, *t = qh + 32 * h;
+        uint8_t *o = q + 128 * h;
+        for (int j = 0; j < 32; j++) {
+            o[j] = (uint8_t)((l[j] & 15) | (t[j] & 3) << 4);
+            o[32 + j] = (uint8_t)((l[32 + j] & 15) | ((t[j] >> 2) & 3) << 4);
+            o[64 + j] = (uint8_t)((l[j] >> 4) | ((t[j] >> 4) & 3) << 4);
+            o[96 + j] = (uint8_t)((l[32 + j] >> 4) | ((t[j] >> 6) & 3) << 4);
+        }
     }
 }
 
@@ -109,14 +126,8 @@ static void parse_row(int qtype, const uint8_t *src, int k, uint8_t *nat, uint8_
             break;
         }
         case G_Q6_K: {
-            const uint8_t *ql = p, *qh = p + 128;
             sup[b] = u16_at(p + 208);
-            for (int h = 0; h < 2; h++)
-                for (int i = 0; i < 128; i++) {
-                    const uint8_t lo = i < 64 ? ql[64 * h + i] & 15 : ql[64 * h + i - 64] >> 4;
-                    const uint8_t hi = (qh[32 * h + i % 32] >> (2 * (i / 32))) & 3;
-                    q[128 * h + i] = (uint8_t)(lo | hi << 4);
-                }
+            q6k_codes(p, p + 128, q);
             /* int8 sub-scales of 16 values, natural: block kb's halves are 2 kb, 2 kb + 1;
              * stored per group [half][block of the group] (quant_linear: half_scale_perm) */
             for (int s = 0; s < 16; s++) {
@@ -125,6 +136,57 @@ static void parse_row(int qtype, const uint8_t *src, int k, uint8_t *nat, uint8_
             }
             break;
         }
+        }
+    }
+}
+
+/* float32 -> IEEE half, rounding to nearest even (numpy's astype(float16)): overflow to
+ * inf, subnormal halves kept. */
+static uint16_t float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000, a = x & 0x7fffffff;
+    if (a >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (a > 0x7f800000 ? 0x200 : 0));
+    if (a >= 0x477ff000) return (uint16_t)(sign | 0x7c00); /* >= 65520: inf */
+    if (a < 0x38800000) {                                   /* below 2^-14: subnormal or 0 */
+        float v;
+        memcpy(&v, &a, 4);
+        return (uint16_t)(sign | (uint32_t)lrintf(v * 16777216.f)); /* units of 2^-24 */
+    }
+    const uint32_t e = a - 0x38000000; /* exponent bias 127 -> 15 */
+    return (uint16_t)(sign | ((e + 0xfff + ((e >> 13) & 1)) >> 13));
+}
+
+/* A Q6_K row whose length is not whole lane groups, as 8-bit Q8_0-like blocks (the
+ * kernels' 6-bit codes need whole groups): the float32 values gguf-py's dequantize gives
+ * (d * sub-scale, then times code - 32), requantized per 32 as quant_linear._quantize_rows
+ * "q8" does (scale max|w| / 127 rounded to float16, codes rint(w / scale) + 128), the
+ * same float32 operations in the same order: bit for bit its bytes. */
+static void requant_q6k_row(const uint8_t *src, int k, uint8_t *nat, uint16_t *scales) {
+    float w[256] __attribute__((aligned(64)));
+    int32_t qi[QK] __attribute__((aligned(64)));
+    uint8_t c[256];
+    for (int b = 0; b < k / 256; b++) {
+        const uint8_t *p = src + (size_t)b * 210;
+        const float d = tm_half_to_float(u16_at(p + 208));
+        q6k_codes(p, p + 128, c);
+        for (int s = 0; s < 16; s++) { /* d * sub-scale first, then times code - 32 */
+            const vf scale = vf_set1(d * (float)(int8_t)p[192 + s]), z = vf_set1(32.f);
+            for (int j = 0; j < 16; j += TM_W)
+                vf_store(w + 16 * s + j, vf_mul(vf_sub(vf_load_u8(c + 16 * s + j), z), scale));
+        }
+        for (int blk = 0; blk < 8; blk++) {
+            const float *x = w + 32 * blk;
+            vf mx = vf_zero();
+            for (int j = 0; j < QK; j += TM_W) mx = vf_max(mx, vf_abs(vf_load(x + j)));
+            const uint16_t dh = float_to_half(vf_hmax(mx) / 127.f);
+            const float df = tm_half_to_float(dh);
+            const vf inv = vf_set1(df == 0.f ? 0.f : 1.f / df), lo = vf_set1(-127.f), hi = vf_set1(127.f);
+            scales[8 * b + blk] = dh;
+            /* rint(x / d) clipped to +-127 (clipping first rounds the same) */
+            for (int j = 0; j < QK; j += TM_W)
+                vi_store(qi + j, vi_round(vf_min(vf_max(vf_mul(vf_load(x + j), inv), lo), hi)));
+            for (int j = 0; j < QK; j++) nat[256 * b + 32 * blk + j] = (uint8_t)(qi[j] + 128);
         }
     }
 }
@@ -172,25 +234,32 @@ static void cut_codes(const uint8_t *lane, int k, int bits, uint8_t *out) {
 /* rows rows of GGUF type qtype (src: [rows][row bytes] as the file has them), k values
  * each, into codes [rows][k * bits / 8], scales and mins (float16 [rows][k / 32]; K-quants
  * uint8 codes [rows][k / 32]; Q6_K int8 [rows][k / 16]; mins NULL where the type has none)
- * and sup (K-quants: float16 [rows][k / 256][2], Q6_K [rows][k / 256][1]; else NULL).
- * Returns 1, 0 for a type or row length this does not pack (Q6_K: whole groups only; the
- * caller's numpy path does the rest), -1 on OOM. */
-int tm_pack_gguf(int qtype, const uint8_t *src, int64_t rows, int k, uint8_t *codes, void *scales,
-                 void *mins, uint16_t *sup, int nthreads) {
+ * and sup (K-quants: float16 [rows][k / 256][2], Q6_K [rows][k / 256][1]; else NULL);
+ * Q6_K with q6_as_8bit (the caller's choice: rows not of whole lane groups, or a build
+ * without 6-bit kernels): 8-bit codes, float16 scales [rows][k / 32], no sup.
+ * Returns 1, 0 for a type or row length this does not pack (the caller's numpy path does),
+ * -1 on OOM. */
+int tm_pack_gguf(int qtype, const uint8_t *src, int64_t rows, int k, int q6_as_8bit, uint8_t *codes,
+                 void *scales, void *mins, uint16_t *sup, int nthreads) {
     int block;
-    const int ts = type_size(qtype, &block), bits = code_bits(qtype);
+    const int ts = type_size(qtype, &block), requant = qtype == G_Q6_K && q6_as_8bit;
+    const int bits = requant ? 8 : code_bits(qtype);
     if (!ts || k <= 0 || k % block || (bits == 6 && k % GW)) return 0;
     const size_t src_row = (size_t)(k / block) * ts, code_row = (size_t)k * bits / 8;
-    const size_t sc_row = (size_t)(bits == 6 ? k / 16 : k / QK) * (block == 256 ? 1 : 2);
-    const size_t sup_row = block == 256 ? (size_t)(k / 256) * (bits == 6 ? 1 : 2) : 0;
+    size_t sc_row = (size_t)(bits == 6 ? k / 16 : k / QK) * (block == 256 ? 1 : 2);
+    size_t sup_row = block == 256 ? (size_t)(k / 256) * (bits == 6 ? 1 : 2) : 0;
+    if (requant) sc_row = (size_t)(k / QK) * 2, sup_row = 0; /* float16 scales, no sup */
     const int nt = tm_threads(nthreads);
     uint8_t *buf = malloc((size_t)nt * 2 * (size_t)k); /* per thread: nat [k], lane [k] */
     if (!buf) return -1;
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         uint8_t *nat = buf + (size_t)tm_thread_id() * 2 * k, *lane = nat + k;
-        parse_row(qtype, src + (size_t)r * src_row, k, nat, (uint8_t *)scales + (size_t)r * sc_row,
-                  mins ? (uint8_t *)mins + (size_t)r * sc_row : NULL, sup ? sup + (size_t)r * sup_row : NULL);
+        if (requant)
+            requant_q6k_row(src + (size_t)r * src_row, k, nat, (uint16_t *)((uint8_t *)scales + (size_t)r * sc_row));
+        else
+            parse_row(qtype, src + (size_t)r * src_row, k, nat, (uint8_t *)scales + (size_t)r * sc_row,
+                      mins ? (uint8_t *)mins + (size_t)r * sc_row : NULL, sup ? sup + (size_t)r * sup_row : NULL);
         to_lanes(nat, k, lane);
         cut_codes(lane, k, bits, codes + (size_t)r * code_row);
     }

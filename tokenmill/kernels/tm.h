@@ -155,8 +155,8 @@ int tm_struct_size(int which);
 void tm_dequant_lanes(const tm_weight *w, int r0, int r1, float *out, int nthreads);
 void tm_lanes_f32(const float *x, int T, int K, float *out, int nthreads);
 int tm_dequant_rows(const tm_weight *w, const int64_t *ids, int n, float *out);
-int tm_pack_gguf(int qtype, const uint8_t *src, int64_t rows, int k, uint8_t *codes, void *scales,
-                 void *mins, uint16_t *sup, int nthreads);
+int tm_pack_gguf(int qtype, const uint8_t *src, int64_t rows, int k, int q6_as_8bit, uint8_t *codes,
+                 void *scales, void *mins, uint16_t *sup, int nthreads);
 int tm_decode_stack(const tm_stack *s, const tm_rows *rows, float *x, int nthreads);
 int tm_linear(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads,
               int act16);

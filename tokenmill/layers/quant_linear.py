@@ -148,6 +148,10 @@ def _alloc_gguf(qtype: GT, rows: int, in_features: int) -> tuple[int, dict]:
     """(bits, {codes, scales, mins?, sup?}): empty packed arrays for `rows` rows of GGUF
     type `qtype`, as _alloc gives for its parse (the dtypes of gguf_blocks.parse_*)."""
     bits, k = _NATIVE_BITS[qtype], in_features
+    if qtype == GT.Q6_K and not QuantLinear.runs_6bit(k):  # requantized to 8-bit blocks
+        bits = 8
+        scales = np.empty((rows, k // QK), np.float16)
+        return bits, {"codes": np.empty((rows, k), np.uint8), "scales": scales}
     kquant = qtype in (GT.Q4_K, GT.Q5_K, GT.Q6_K)
     arrays = {"codes": np.empty((rows, k * bits // 8), np.uint8)}
     if qtype == GT.Q6_K:
@@ -168,6 +172,7 @@ def _pack_native(qtype: GT, raw: np.ndarray, in_features: int, arrays: dict) -> 
     return kernels.pack_gguf(
         int(qtype), np.ascontiguousarray(raw), in_features, arrays["codes"], arrays["scales"],
         arrays.get("mins"), arrays.get("sup"),
+        q6_as_8bit=qtype == GT.Q6_K and not QuantLinear.runs_6bit(in_features),
     )  # fmt: skip
 
 
@@ -437,11 +442,9 @@ class QuantLinear(NativeLinear):
 
     @classmethod
     def _packs_natively(cls, qtype: GT, in_features: int) -> bool:
-        """Whether kernels.pack_gguf writes this type's rows (the types packed as stored;
-        Q6_K where 6-bit codes run), given a library."""
-        if kernels.library() is None or qtype not in _NATIVE_BITS:
-            return False
-        return qtype != GT.Q6_K or cls.runs_6bit(in_features)
+        """Whether kernels.pack_gguf writes this type's rows (the types packed as stored,
+        and Q6_K requantized to 8 bits where 6-bit codes do not run), given a library."""
+        return kernels.library() is not None and qtype in _NATIVE_BITS
 
     @staticmethod
     def runs_6bit(in_features: int) -> bool:
