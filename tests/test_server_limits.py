@@ -321,7 +321,11 @@ def test_sigterm_drains_then_exits_0(smollm_path):
                     time.sleep(0.1)
                 except httpx.TransportError as e:
                     refused = e
-            assert isinstance(refused, httpx.ConnectError), "still accepting after SIGTERM"
+            # refused outright, or dropped unanswered: a connection that sat in the
+            # listening socket's backlog when it closed is reset (RemoteProtocolError)
+            assert isinstance(refused, httpx.ConnectError | httpx.RemoteProtocolError), (
+                "still accepting after SIGTERM"
+            )
             rest = list(events)
         assert rest[-1] == "[DONE]"
         chunks = [first, *rest[:-1]]
