@@ -222,23 +222,27 @@ def test_smollm3_gguf_reads_back_as_the_folder(tmp_path, qtype):
     assert Single(path).greedy(prompt, 16)[1] == hf_greedy(hf, prompt, 16)
 
 
-@pytest.mark.parametrize("qtype", [None, Q.F16])
-def test_granite_gguf_reads_back_as_the_folder(tmp_path, qtype):
-    """A Granite GGUF as llama.cpp's converter writes it (a llama layout, Q/K rows
-    permuted, the multipliers as granite.*_scale keys) gives transformers' logits and
-    greedy tokens, on the torch path and on the fused stack with the file's weights."""
+def _granite_keys(c) -> dict:
+    """Granite's multipliers as llama.cpp's converter writes them: granite.*_scale keys."""
     import gguf
 
-    hf = build("granite-multipliers", tmp_path / "hf")
-    c, f32 = hf.config, gguf.GGUFValueType.FLOAT32
-    meta = {
+    f32 = gguf.GGUFValueType.FLOAT32
+    return {
         "granite.attention.scale": (c.attention_multiplier, f32),
         "granite.embedding_scale": (c.embedding_multiplier, f32),
         "granite.residual_scale": (c.residual_multiplier, f32),
         "granite.logit_scale": (c.logits_scaling, f32),
     }
+
+
+@pytest.mark.parametrize("qtype", [None, Q.F16])
+def test_granite_gguf_reads_back_as_the_folder(tmp_path, qtype):
+    """A Granite GGUF as llama.cpp's converter writes it (a llama layout, Q/K rows
+    permuted, the multipliers as granite.*_scale keys) gives transformers' logits and
+    greedy tokens, on the torch path and on the fused stack with the file's weights."""
+    hf = build("granite-multipliers", tmp_path / "hf")
     path = tmp_path / "granite.gguf"
-    hf = write_llama_gguf(hf, path, qtype, arch="granite", metadata=meta)
+    hf = write_llama_gguf(hf, path, qtype, arch="granite", metadata=_granite_keys(hf.config))
     cfg = open_checkpoint(path).config
     assert (cfg.embed_scale, cfg.residual_scale) == pytest.approx((3.0, 0.4))
     assert (cfg.attn_scale, cfg.logit_scale) == pytest.approx((0.2, 1 / 2.5))
@@ -323,21 +327,12 @@ def _write_for_llama_cpp(tmp_path, name: str, qtype, **more):
     """Case `name` as llama.cpp's converter writes its GGUF (the writers the read-back tests
     above use); the transformers model (for a block type: its weights as the file holds
     them where the writer can say, else None) and the file."""
-    import gguf
 
     family = CASES[name][0]
     path = tmp_path / f"{name}.gguf"
     if family in ("smollm3", "granite"):  # llama's layout, Q/K rows permuted
         hf = build(name, tmp_path / "hf", **more)
-        meta = None
-        if family == "granite":
-            c, f32 = hf.config, gguf.GGUFValueType.FLOAT32
-            meta = {
-                "granite.attention.scale": (c.attention_multiplier, f32),
-                "granite.embedding_scale": (c.embedding_multiplier, f32),
-                "granite.residual_scale": (c.residual_multiplier, f32),
-                "granite.logit_scale": (c.logits_scaling, f32),
-            }
+        meta = _granite_keys(hf.config) if family == "granite" else None
         write_llama_gguf(hf, path, qtype, arch=family, metadata=meta)
         return (hf if qtype is None else None), path
     if family == "gemma2":  # llama.cpp scales queries by 1/sqrt(head_dim)
