@@ -286,7 +286,8 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
                                                            int r0, int r1, int t0, int T, int bits,
                                                            float *y, const float *bias) {
     const int nb = w->k / QK, nfull = nb / TM_GB, nbt = nb % TM_GB, f16 = w->scale_f16;
-    const size_t rb = row_bytes(w), es = f16 ? 2 : 4;
+    /* scale bytes per 32 values: K-quant codes 1 (6-bit: 2, one per 16), float16 2, float32 4 */
+    const size_t rb = row_bytes(w), es = w->dsup ? (bits == 6 ? 2 : 1) : f16 ? 2 : 4;
     for (int r = r0; r < r1; r++) {
         const uint8_t *row = w->codes + (size_t)r * rb;
         const size_t srow = (size_t)r * nb;
