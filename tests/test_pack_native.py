@@ -119,3 +119,64 @@ def test_q6_k_requantization_edges(monkeypatch):
     raw = raw.reshape(8, -1)
     native = QuantLinear.from_gguf(raw, GT.Q6_K, 8, 768)
     _same(native, _python_pack(monkeypatch, lambda: QuantLinear.from_gguf(raw, GT.Q6_K, 8, 768)))
+
+
+def test_big_tensors_pack_in_chunks_each_released_once_packed(monkeypatch):
+    """From a chunk size on, rows pack chunk by chunk, and release hears of each chunk in
+    order (a checkpoint drops its file pages then); the bytes are the one-pass bytes."""
+    raw = random_blocks(np.random.default_rng(2), GT.Q4_K, 100, 512)  # 288 bytes a row
+    whole = QuantLinear.from_gguf(raw, GT.Q4_K, 100, 512)
+    monkeypatch.setattr(quant_linear, "PACK_CHUNK_BYTES", 288 * 30)
+    seen: list[tuple[int, int]] = []
+    base = raw.ctypes.data
+    chunked = QuantLinear.from_gguf(
+        raw,
+        GT.Q4_K,
+        100,
+        512,
+        release=lambda v: seen.append(((v.ctypes.data - base) // 288, len(v))),
+    )
+    assert seen == [(0, 30), (30, 30), (60, 30), (90, 10)]
+    _same(chunked, whole)
+
+
+def test_release_view_drops_only_the_files_pages(tmp_path):
+    """GGUFFile.release_view drops the resident pages under a view of its mapping (they
+    read back from the file), and leaves any other memory alone (DONTNEED would zero
+    anonymous pages)."""
+    import gguf
+
+    from tokenmill.loader.gguf_reader import GGUFFile
+
+    path = tmp_path / "big.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    data = np.random.default_rng(0).integers(0, 255, (512, 4096), dtype=np.uint8)
+    w.add_tensor("t", data.view(np.int8))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = GGUFFile(path)
+    view = np.asarray(f.tensors[0].data).reshape(-1).view(np.uint8)
+    assert int(view.sum(dtype=np.int64)) == int(data.sum(dtype=np.int64))  # all resident
+    resident = _mapped_kib(path.resolve())
+    assert resident >= len(view) // 1024
+    f.release_view(view[: len(view) // 2])
+    assert _mapped_kib(path.resolve()) <= resident - len(view) // 2 // 1024 + 8
+    assert np.array_equal(view.reshape(512, 4096), data)  # read back from the file
+    other = data.copy()
+    f.release_view(other)  # not the file's memory: untouched
+    assert np.array_equal(other, data)
+
+
+def _mapped_kib(path) -> int:
+    """Resident KiB of this process's mappings of `path` (/proc/self/smaps: pages mapped
+    into this process, not the page cache's)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            inside = len(fields) >= 6 and fields[5] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total

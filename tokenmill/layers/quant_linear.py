@@ -139,6 +139,9 @@ def _alloc(parsed: tuple, rows: int, in_features: int) -> tuple[int, dict]:
     return bits, arrays
 
 
+# File bytes the native packer takes at a time from a big tensor, each chunk's pages
+# released before the next (QuantLinear.from_gguf's release)
+PACK_CHUNK_BYTES = 32 << 20
 # GGUF types the native packer (kernels.pack_gguf) writes, and their code bits
 _NATIVE_BITS = {GT.Q4_0: 4, GT.Q4_1: 4, GT.Q4_K: 4, GT.Q8_0: 8, GT.Q5_0: 8, GT.Q5_1: 8,
                 GT.Q5_K: 8, GT.Q6_K: 6}  # fmt: skip
@@ -309,13 +312,16 @@ class QuantLinear(NativeLinear):
         out_features: int,
         in_features: int,
         bias: torch.Tensor | None = None,
+        release: Callable[[np.ndarray], None] | None = None,
     ) -> QuantLinear:
         """From a GGUF tensor's raw block bytes (`ReaderTensor.data`, uint8 [out, row_bytes]).
 
         Works on row chunks straight from the (memory-mapped) bytes, so the peak extra
         memory is the packed result plus a few MB, never a float32 copy of the weight.
         Row permutations/splits (llama Q/K un-permute, fused QKV split) can be applied
-        to `raw` beforehand: rows are independent byte ranges.
+        to `raw` beforehand: rows are independent byte ranges. release(rows) is told of
+        each chunk of `raw` once packed (a checkpoint drops its file pages: a big tensor
+        never stays resident twice, as file and as packed copy).
         """
         qtype, row_bytes = _gguf_row_bytes(ggml_type, in_features)
         raw = np.asarray(raw)
@@ -327,7 +333,15 @@ class QuantLinear(NativeLinear):
         raw = raw.reshape(out_features, row_bytes)
         if cls._packs_natively(qtype, in_features):  # one pass in C, the same bytes
             bits, arrays = _alloc_gguf(qtype, out_features, in_features)
-            if _pack_native(qtype, raw, in_features, arrays):
+            step = max(1, PACK_CHUNK_BYTES // row_bytes)
+            for r0 in range(0, out_features, step):
+                rows = raw[r0 : r0 + step]
+                part = {k: v[r0 : r0 + step] for k, v in arrays.items()}
+                if not _pack_native(qtype, rows, in_features, part):
+                    break
+                if release is not None:
+                    release(rows)
+            else:
                 tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
                 return cls._from_arrays(tensors, bits, in_features, out_features, bias)
         parse_rows = cls._row_parser(qtype, in_features)

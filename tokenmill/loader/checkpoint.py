@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.config import ModelConfig
 
@@ -42,6 +42,10 @@ class Checkpoint:
     # release(name): the caller is done with that tensor's file bytes (GGUF: drops the
     # mapped pages from the resident set, so packing a model never holds the file twice)
     release: Callable[[str], None] = lambda name: None
+    # release_view(array): the caller is done with these bytes of a `raw` array (a row
+    # range, while a big tensor packs); GGUF drops the pages under it if they are the
+    # file's, nothing otherwise
+    release_view: Callable[[Any], None] = lambda view: None
 
     def items(self) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
         return iter(self.tensors.items())

@@ -522,6 +522,7 @@ def open_gguf(path: Path) -> Checkpoint:
         raw=raw,
         shapes=shapes,
         release=lambda n: reader.release(by_target[n]),
+        release_view=reader.release_view,
     )
     check_checkpoint(ckpt, layer_key=f"{config.arch}.block_count")
     return ckpt

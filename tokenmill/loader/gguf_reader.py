@@ -264,6 +264,21 @@ class GGUFFile:
         if end > start and hasattr(mmap, "MADV_DONTNEED"):
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
+    def release_view(self, view: np.ndarray) -> None:
+        """Drop the whole pages under `view` (a contiguous array) from the resident set, if
+        it lies in this file's mapping; any other memory is left alone (its pages are not
+        the file's to drop: DONTNEED would zero anonymous memory)."""
+        if not hasattr(mmap, "MADV_DONTNEED") or view.size == 0 or not view.flags.c_contiguous:
+            return
+        base = np.frombuffer(self._map, dtype=np.uint8).ctypes.data
+        off = view.ctypes.data - base
+        if off < 0 or off + view.nbytes > len(self._map):
+            return
+        page = mmap.PAGESIZE
+        start, end = -(-off // page) * page, (off + view.nbytes) // page * page
+        if end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def _parse(self) -> None:
         cur = _Cursor(self._map, self.path)
         n_tensors, self.metadata = _header(cur)

@@ -142,7 +142,7 @@ def _pack(
         raws = [ckpt.raw[p]() for p in parts]
         if any(qtype not in PACKABLE and qtype not in FLOAT_GGUF for qtype, _ in raws):
             return None
-        layers = [_from_gguf(qtype, data) for qtype, data in raws]
+        layers = [_from_gguf(qtype, data, ckpt.release_view) for qtype, data in raws]
         for p in parts:
             ckpt.release(p)  # packed: the file's pages need not stay resident
         released.extend(parts)
@@ -168,12 +168,14 @@ def _pack(
     return SegmentedLinear(layers)
 
 
-def _from_gguf(qtype, data: np.ndarray) -> NativeLinear:
-    """A layer holding one GGUF tensor's data [rows, ...] in its own encoding."""
+def _from_gguf(qtype, data: np.ndarray, release_view=None) -> NativeLinear:
+    """A layer holding one GGUF tensor's data [rows, ...] in its own encoding (release_view:
+    told of each row range once packed)."""
     if qtype in FLOAT_GGUF:  # float rows: F16/F32 come as their dtype, BF16 as bytes
         raw = np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1)
         return FloatLinear(torch.from_numpy(raw.copy()).view(FLOAT_GGUF[qtype]))
-    return QuantLinear.from_gguf(data, qtype, data.shape[0], _in_features(qtype, data))
+    k = _in_features(qtype, data)
+    return QuantLinear.from_gguf(data, qtype, data.shape[0], k, release=release_view)
 
 
 def _in_features(qtype, data) -> int:
