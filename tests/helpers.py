@@ -553,3 +553,16 @@ def assert_same_greedy_but_ties(ours, theirs: list[int], tol: float) -> None:
             f"(ours gives it {lp.top.get(other)}): not a near tie"
         )
         return
+
+
+def mapped_rss_kib(path) -> int:
+    """Resident KiB of this process's mappings of `path` (/proc/self/smaps: the pages
+    mapped into this process, not the page cache's)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            inside = len(fields) >= 6 and fields[5] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total

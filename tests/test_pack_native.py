@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as GT
-from helpers import build_hf_model, write_llama_gguf
+from helpers import build_hf_model, mapped_rss_kib, write_llama_gguf
 
 from tokenmill import kernels
 from tokenmill.bench.shapes import random_blocks
@@ -159,24 +159,11 @@ def test_release_view_drops_only_the_files_pages(tmp_path):
     f = GGUFFile(path)
     view = np.asarray(f.tensors[0].data).reshape(-1).view(np.uint8)
     assert int(view.sum(dtype=np.int64)) == int(data.sum(dtype=np.int64))  # all resident
-    resident = _mapped_kib(path.resolve())
+    resident = mapped_rss_kib(path.resolve())
     assert resident >= len(view) // 1024
     f.release_view(view[: len(view) // 2])
-    assert _mapped_kib(path.resolve()) <= resident - len(view) // 2 // 1024 + 8
+    assert mapped_rss_kib(path.resolve()) <= resident - len(view) // 2 // 1024 + 8
     assert np.array_equal(view.reshape(512, 4096), data)  # read back from the file
     other = data.copy()
     f.release_view(other)  # not the file's memory: untouched
     assert np.array_equal(other, data)
-
-
-def _mapped_kib(path) -> int:
-    """Resident KiB of this process's mappings of `path` (/proc/self/smaps: pages mapped
-    into this process, not the page cache's)."""
-    total, inside = 0, False
-    for line in open("/proc/self/smaps"):
-        fields = line.split()
-        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
-            inside = len(fields) >= 6 and fields[5] == str(path)
-        elif inside and fields[0] == "Rss:":
-            total += int(fields[1])
-    return total

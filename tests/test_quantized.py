@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from helpers import Single, build_hf_model, write_llama_gguf
+from helpers import Single, build_hf_model, mapped_rss_kib, write_llama_gguf
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers.quant_linear import QuantLinear
@@ -100,18 +100,6 @@ def test_real_model_packed_greedy_matches_float(smollm_path):
     assert size < 0.3 * sum(p.numel() * p.element_size() for p in exact.engine.model.parameters())
 
 
-def _mapped_rss_kib(path) -> int:
-    """Resident KiB of this process's mappings of `path` (from /proc/self/smaps)."""
-    total, inside = 0, False
-    for line in open("/proc/self/smaps"):
-        fields = line.split()
-        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
-            inside = len(fields) >= 6 and fields[5] == str(path)
-        elif inside and fields[0] == "Rss:":
-            total += int(fields[1])
-    return total
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
 def test_packing_releases_the_files_pages(smollm_path):
@@ -121,9 +109,9 @@ def test_packing_releases_the_files_pages(smollm_path):
     Transformer(ckpt.config).load_weights(ckpt, torch.float32, quantize="gguf")
     size_kib = Path(smollm_path).stat().st_size // 1024
     # what stays: the header (the tokenizer vocabulary) and the float norm weights
-    assert _mapped_rss_kib(Path(smollm_path).resolve()) < 0.2 * size_kib
+    assert mapped_rss_kib(Path(smollm_path).resolve()) < 0.2 * size_kib
     # without the releases (whole tensors, and row chunks of big ones), the whole file
     # stays mapped
     ckpt.release, ckpt.release_view = (lambda name: None), (lambda view: None)
     Transformer(ckpt.config).load_weights(ckpt, torch.float32, quantize="gguf")
-    assert _mapped_rss_kib(Path(smollm_path).resolve()) > 0.9 * size_kib
+    assert mapped_rss_kib(Path(smollm_path).resolve()) > 0.9 * size_kib
