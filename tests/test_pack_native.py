@@ -25,15 +25,23 @@ from tokenmill.sampling import SamplingParams
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="native kernels unavailable")
 BUFFERS = ("codes", "scales_raw", "mins_raw", "dsup_raw", "msup_raw")
 GW = 32 * kernels.group_blocks()  # values per whole lane group of this build
+SUPER_GW = max(GW, 256)  # whole groups and whole K-quant super-blocks (256 values)
 WIDTHS = {  # row lengths: whole groups, groups and a tail, a tail only, a lone tail block
     GT.Q4_0: [GW, GW + 64, 96, GW + 32 * 3, 576],
     GT.Q4_1: [GW, GW + 96, 64],
     GT.Q8_0: [GW, GW + 32, 576],
     GT.Q5_0: [2 * GW, GW + 96],
     GT.Q5_1: [GW, 160],
-    GT.Q4_K: [256, GW, 3 * 256, 2048],
+    GT.Q4_K: [256, SUPER_GW, 3 * 256, 2048],
     GT.Q5_K: [256, 3 * 256, 2048],
-    GT.Q6_K: [GW, 2 * GW, 2048, 256, 768, 1280],  # the last three requantized on AVX-512
+    GT.Q6_K: [
+        SUPER_GW,
+        2 * SUPER_GW,
+        2048,
+        256,
+        768,
+        1280,
+    ],  # the last three requantized on AVX-512
 }
 
 
@@ -71,7 +79,7 @@ def test_permuted_rows_pack_from_a_copy(monkeypatch):
     _same(native, _python_pack(monkeypatch, lambda: QuantLinear.from_gguf(view, GT.Q4_K, 64, 512)))
 
 
-@pytest.mark.parametrize("qtype, k", [(GT.Q4_K, 512), (GT.Q6_K, 2 * GW), (GT.Q6_K, 768),
+@pytest.mark.parametrize("qtype, k", [(GT.Q4_K, 512), (GT.Q6_K, 2 * SUPER_GW), (GT.Q6_K, 768),
                                       (GT.Q8_0, 512), (GT.Q5_K, 512)])  # fmt: skip
 def test_experts_pack_the_same_bytes(monkeypatch, qtype, k):
     """Four experts of two parts (gate, up) into one [E, rows, ...] stack, each expert's
