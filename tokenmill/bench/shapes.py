@@ -151,6 +151,14 @@ class _Tensor:
     qtype: GT | None  # None: float32
     make: Callable[[np.random.Generator], np.ndarray]
 
+    @property
+    def dtype(self) -> np.dtype:  # as made: block bytes, or float32 values
+        return np.dtype(np.uint8 if self.qtype is not None else np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.dtype.itemsize
+
 
 class _Plan:
     """The file's tensors in order, made one at a time as they are written."""
@@ -303,9 +311,7 @@ def plan(
 
 def tensor_bytes(shape: str, ftype: str, layers: int | None = None) -> int:
     """Bytes of the file's tensors, without writing it."""
-    return sum(
-        int(np.prod(t.shape)) * (1 if t.qtype else 4) for t in plan(shape, ftype, layers)[1].tensors
-    )
+    return sum(t.nbytes for t in plan(shape, ftype, layers)[1].tensors)
 
 
 def write(
@@ -320,9 +326,7 @@ def write(
     w, tensors = plan(shape, ftype, layers, family)
     rng = np.random.default_rng(seed)
     for t in tensors.tensors:
-        dtype = np.dtype(np.uint8 if t.qtype is not None else np.float32)
-        nbytes = int(np.prod(t.shape)) * dtype.itemsize
-        w.add_tensor_info(t.name, t.shape, dtype, nbytes, raw_dtype=t.qtype)
+        w.add_tensor_info(t.name, t.shape, t.dtype, t.nbytes, raw_dtype=t.qtype)
     w.write_header_to_file(path)
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
