@@ -195,9 +195,15 @@ static inline vf vf_pow2i(vi n) { /* 2^n for n in [-126, 127] */
 /* a's 16 lanes as int16 (they fit: vpmovdw truncates) */
 static inline void vi_store_i16(int16_t *p, vi a) { _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(a)); }
 
-/* acc + per lane: the lane's two int16 times x2's two int16, summed (32 MACs) */
+/* acc + per lane: the lane's two int16 times x2's two int16, summed (32 MACs). VNNI: the
+ * instruction written out in place, because gcc 12 round-trips each accumulator of the
+ * GEMM's micro-kernel through a register copy around the intrinsic (two vmovdqa per
+ * vpdpwssd, filling the rename slots the multiply-adds need). */
 static inline vi vi_madd16(vi acc, vi w, int32_t x2) {
-#if TM_VNNI
+#if TM_VNNI && !defined(TM_SIMDE_AVX512)
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(_mm512_set1_epi32(x2)));
+    return acc;
+#elif TM_VNNI
     return _mm512_dpwssd_epi32(acc, w, _mm512_set1_epi32(x2));
 #else
     return _mm512_add_epi32(acc, _mm512_madd_epi16(w, _mm512_set1_epi32(x2)));
