@@ -146,6 +146,44 @@ def url(smollm_path) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("schema", [{"type": "string"}, {"type": "array"}, {"enum": [1, 2]}])
+def test_a_tool_whose_arguments_are_not_an_object_is_400_in_every_api(url, schema):
+    """A string schema with a forced call let the model write {"name": "f", "arguments":
+    "f"}: chat dropped the call and ran to max_tokens, /v1/messages streamed partial_json
+    "123" that the anthropic SDK cannot parse, /v1/responses ended incomplete. OpenAI and
+    Anthropic both require an object schema."""
+    expected = (
+        f"tools[0].function.parameters must be a JSON Schema of type 'object', not "
+        f"{schema.get('type', 'untyped')!r}: a call's arguments are an object"
+    )
+    chat = {"messages": HI, "tools": [_tool("f", schema)], "tool_choice": "required"}
+    error = _error(httpx.post(f"{url}{CHAT}", json={**chat, "max_tokens": 8}), 400)
+    assert (error["message"], error["param"]) == (expected, "tools")
+    anthropic = {
+        "model": "smollm2-135m-instruct",
+        "max_tokens": 8,
+        "messages": HI,
+        "tools": [{"name": "f", "input_schema": schema}],
+        "tool_choice": {"type": "any"},
+    }
+    assert _error(httpx.post(f"{url}/v1/messages", json=anthropic), 400)["message"] == expected
+    responses = {
+        "input": "hi",
+        "max_output_tokens": 16,
+        "tools": [{"type": "function", "name": "f", "parameters": schema}],
+        "tool_choice": "required",
+    }
+    assert _error(httpx.post(f"{url}/v1/responses", json=responses), 400)["message"] == expected
+    fine = {"type": "object", "properties": {"x": {"type": "string"}}}
+    for parameters in (fine, {}, None):
+        ok = httpx.post(
+            f"{url}{CHAT}",
+            json={"messages": HI, "tools": [_tool("f", parameters)], "max_tokens": 1},
+        )
+        assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.slow
 def test_too_many_tools_is_400_before_validation(url):
     """Item 5: 20,000 definitions were validated, then checked for duplicates with
     names.count (O(n^2), 4.7 s on the event loop)."""
@@ -245,6 +283,7 @@ def test_deep_json_in_a_request_is_400(url):
     parameters: dict = {"type": "object"}
     for _ in range(600):
         parameters = {"type": "array", "items": parameters}
+    parameters = {"type": "object", "properties": {"x": parameters}}
     body = {"messages": HI, "tools": [_tool("f", parameters)], "max_tokens": 1}
     response = httpx.post(f"{url}{CHAT}", json=body)
     assert _error(response, 400)["message"] == (

@@ -121,6 +121,16 @@ class ToolRequest:
             ) from None
         for i, definition in enumerate(definitions):
             parameters = definition["function"].get("parameters")
+            # a call's arguments are a JSON object, as OpenAI's and Anthropic's APIs require
+            # of the schema: any other type lets a forced call be a string or a number,
+            # which no client can read back as arguments ({} and none: no parameters)
+            if parameters and parameters.get("type") != "object":
+                raise ParamError(
+                    f"tools[{i}].function.parameters must be a JSON Schema of type "
+                    f"'object', not {parameters.get('type', 'untyped')!r}: a call's arguments "
+                    "are an object",
+                    "tools",
+                )
             if json_depth(parameters, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
                 raise ParamError(
                     f"tools[{i}].function.parameters nests more than {MAX_JSON_DEPTH} levels",
