@@ -7,7 +7,9 @@ loading itself (`load_llm`, with a progress bar). Torch-free to import: the pars
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -44,6 +46,21 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        # A mistyped command is most often a near miss (`serv`): name the command it was
+        # probably meant to be instead of argparse's list of every choice.
+        if isinstance(action, argparse._SubParsersAction) and value not in action.choices:
+            raise argparse.ArgumentError(None, unknown_command_message(value, action.choices))
+        super()._check_value(action, value)
+
+
+def unknown_command_message(name: str, commands: Iterable[str]) -> str:
+    commands = list(commands)
+    close = difflib.get_close_matches(name, commands, n=1)
+    if close:
+        return f"unknown command {name!r}; did you mean {close[0]!r}?"
+    return f"unknown command {name!r}; the commands are {', '.join(commands)}"
 
 
 # ---------------------------------------------------------------------- argument types
