@@ -407,6 +407,14 @@ def test_methods_get_the_right_allow_header(url):
     error = _error(httpx.post(f"{url}/health"), 405)
     assert error["code"] == "method_not_allowed"
     assert _error(httpx.options(f"{url}/v1/nothing"), 404)["code"] == "not_found"
+    # /tokenize and /detokenize (outside /v1) fell through to the static files too: OPTIONS
+    # 405 with "Allow: GET, HEAD", GET and HEAD 404
+    for path in ("/tokenize", "/detokenize"):
+        for method in ("OPTIONS", "GET", "HEAD", "PUT"):
+            response = httpx.request(method, f"{url}{path}")
+            assert response.status_code == (204 if method == "OPTIONS" else 405), (path, method)
+            assert response.headers["allow"] == "POST, OPTIONS", (path, method)
+        assert httpx.post(f"{url}{path}", json={"tokens": [1]}).status_code != 405
 
 
 @pytest.mark.slow

@@ -253,8 +253,19 @@ def create_app(
     for included in filter(None, routers):
         app.include_router(included, dependencies=[] if included is ops_router else auth)
     app.include_router(fallback_router, dependencies=auth)
-    for route in ops_router.routes:  # /health, /metrics: open, like their GET routes
-        app.add_api_route(route.path, other_method, methods=OTHER_METHODS, include_in_schema=False)
+    # Paths outside /v1 (/tokenize, /detokenize, the inspector's, /health, /metrics): the
+    # other methods get 405 or 204 here too, rather than falling through to the static
+    # files; behind the key like their own routes (ops' are open)
+    ops_paths = {route.path for route in ops_router.routes}
+    for path in dict.fromkeys(r.path for r in app.state.api_routes):
+        if not path.startswith("/v1/"):
+            app.add_api_route(
+                path,
+                other_method,
+                methods=OTHER_METHODS,
+                include_in_schema=False,
+                dependencies=[] if path in ops_paths else auth,
+            )
     if (STATIC_DIR / "index.html").is_file():
         app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static")
     return app
