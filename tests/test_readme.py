@@ -88,6 +88,14 @@ def test_quickstart_promise_is_the_one_checked():
     assert f"prints `{PROMISED['generate']}`" in README
 
 
+def test_every_chat_command_is_in_the_readme():
+    """The chat's /help and the README's chat paragraph name the same commands."""
+    from tokenmill.cli.chat import COMMANDS, EXIT_COMMANDS
+
+    for command in [*COMMANDS, *EXIT_COMMANDS]:
+        assert f"`{command.split()[0]}" in README, f"README.md never mentions {command}"
+
+
 # ---------------------------------------------------------------------- bash
 
 
