@@ -93,6 +93,8 @@ BAD_ARGS = [
     (["doctr"], 2, ["unknown command 'doctr'; did you mean 'doctor'?"]),
     (["generate", "hi", "--model", "/no/such/model.gguf"], 1, ["/no/such/model.gguf", "known"]),
     (["generate", "hi", "--model", "JUNK"], 1, ["not a GGUF file", "b'junk'"]),
+    (["generate", "hi", "--model", "EMPTY_DIR"], 1, ["no config.json", "not a Hugging Face"]),
+    (["serve", "--model", "EMPTY_DIR"], 1, ["no config.json", "not a Hugging Face"]),
     (["generate", "hi", "--json-schema", "/no/schema.json"], 2, ["--json-schema", "No such file"]),
     (["generate", "hi", "--json-schema", "JUNK"], 2, ["--json-schema", "not valid JSON"]),
     (["chat", "--regex", "a", "--choice", "b"], 2, ["at most one of", "regex and choice"]),
@@ -101,8 +103,9 @@ BAD_ARGS = [
 
 
 @pytest.mark.parametrize("args, code, words", BAD_ARGS, ids=lambda v: str(v))
-def test_bad_arguments_are_one_line_without_torch(args, code, words, junk_gguf):
-    args = [str(junk_gguf) if a == "JUNK" else a for a in args]
+def test_bad_arguments_are_one_line_without_torch(args, code, words, junk_gguf, tmp_path):
+    placeholders = {"JUNK": str(junk_gguf), "EMPTY_DIR": str(tmp_path)}
+    args = [placeholders.get(a, a) for a in args]
     result, out, err = probe(*args)
     assert result == {"code": code, "torch": False}
     assert out == "" and err.endswith("\n") and err.count("\n") == 1, repr(err)

@@ -13,8 +13,9 @@ This package is the command line, the top layer (pyproject.toml's [tool.importli
 Startup is kept light on purpose. Building the parsers imports no torch, and before the
 engine is imported every command has its arguments parsed and checked (sampling values
 by SamplingParams itself), its model resolved to a path and that file's header read
-(`common.prepare_model`). So `--help`, a bad value, a missing file or a file that is not a
-model answer in a fraction of a second instead of after the seconds torch takes.
+(`common.prepare_model`). So `--help`, a bad value, a missing file or a file or folder
+that is not a model (no GGUF magic, no config.json) answer in a fraction of a second instead
+of after the seconds torch takes.
 
 What only the model or the machine can decide is checked next, still before the weights
 load (`common.check_before_loading`): --device against what this torch build can run on,

@@ -27,7 +27,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 
 
 def sniff_format(path: str | Path) -> str:
-    """ "hf" (a folder) or "gguf" (a file starting with the GGUF magic), else LoadError.
+    """ "hf" (a folder with a config.json) or "gguf" (a file starting with the GGUF magic),
+    else LoadError.
 
     Reads at most 4 bytes and imports nothing heavy, so the CLI can refuse a wrong
     path before it spends seconds importing torch."""
@@ -35,6 +36,8 @@ def sniff_format(path: str | Path) -> str:
     if not path.exists():
         raise LoadError(path, "no such file or folder")
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise LoadError(path, "no config.json (not a Hugging Face checkpoint folder)")
         return "hf"
     try:
         with open(path, "rb") as f:

@@ -251,9 +251,8 @@ def _expert_shape(path: Path, key: str, shape: tuple[int, ...], part: tuple):
 
 
 def open_folder(folder: Path) -> Checkpoint:
+    """A folder that sniff_format has found to have a config.json (open_checkpoint)."""
     cfg_path = folder / "config.json"
-    if not cfg_path.exists():
-        raise LoadError(folder, "no config.json (not a Hugging Face checkpoint folder)")
     raw = _read_json(cfg_path)
     gen_path = folder / "generation_config.json"
     generation = _read_json(gen_path) if gen_path.exists() else {}
