@@ -41,6 +41,9 @@
  * (signed high byte, unsigned low byte), multiplied by group_dot of the simd.h layer:
  * vpdpbusd on AVX-512 VNNI and AVX-VNNI, vpmaddubsw (4- and 6-bit codes) or vpmaddwd
  * (8-bit) on AVX2 and AVX-512 without VNNI, sdot/udot or smlal on NEON, plain C on scalar.
+ * 8-bit activations on the VNNI layers skip the high plane (all 0 or -1 there): the low
+ * plane is q itself as int8, and group_dot8 multiplies it by the codes in one vpdpbusd
+ * per vector, half the work, the same integers.
  *
  * 6-bit codes (GGUF Q6_K, exactly): w = d16 * (c - 32) with a scale per 16 values, d16 =
  * dsup * sc (a float16 per 256 values times a signed byte per 16, as the file has them).
@@ -74,6 +77,7 @@ typedef struct {
     float *tdx;  /* dx of b in lanes 0-7, of b + 1 in lanes 8-15 */
     float *tsx;  /* sx of b in lane 0, of b + 1 in lane 8, zero elsewhere */
     int kpad, gpad, npair;
+    int one; /* 8-bit activations on a layer with group_dot8: one pass over ql as int8 */
 } xq_t;
 
 /* Quantizes x [T, K] float32 per 32-block for a weight with zero point z: q = round(x /
@@ -103,6 +107,10 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
     xq->q = (int8_t *)(buf + 3 * fbytes);
     xq->ql = (uint8_t *)(buf + 3 * fbytes + qbytes);
     const float qmax = act16 ? 32767.f : 127.f;
+    xq->one = !act16 && TM_DOT8;
+    /* what the layer's group_dot adds to 8-bit codes' dots (simd.h), taken back with the
+     * zero point; group_dot8 adds nothing */
+    const int left = bits == 8 && !xq->one;
     for (int r = 0; r < T; r++) {
         int8_t *hr = xq->q + (size_t)r * xq->kpad;
         uint8_t *lr = xq->ql + (size_t)r * xq->kpad;
@@ -119,9 +127,8 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
                 hsum += hv[j];
                 lsum += lv[j];
             }
-            /* what the layer's group_dot adds to 8-bit codes' dots (simd.h): tail blocks go
-             * through it too */
-            const int32_t left_out = bits == 8 ? TM_A16_LEFT_OUT8(hsum, lsum) : 0;
+            /* tail blocks go through group_dot too */
+            const int32_t left_out = left ? TM_A16_LEFT_OUT8(hsum, lsum) : 0;
             (void)hsum, (void)lsum;
             const size_t pos = lane_pos(nb, b, 0);
             if (b < full) { /* four values at a time to their lanes */
@@ -148,7 +155,7 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
                 for (int l = 0; l < TM_W / 2; l++) {
                     int32_t qs = 0, hs = 0, ls = 0;
                     for (int j = 4 * l; j < 4 * l + 4; j++) qs += qv[j], hs += hv[j], ls += lv[j];
-                    xq->tz[pi + l] = z * qs + (bits == 8 ? TM_A16_LEFT_OUT8(hs, ls) : 0);
+                    xq->tz[pi + l] = z * qs + (left ? TM_A16_LEFT_OUT8(hs, ls) : 0);
                     xq->tdx[pi + l] = dxb;
                     (void)hs, (void)ls;
                 }
@@ -184,6 +191,16 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
  * against zero activations (the padding of quantize_x). */
 enum { TAIL_NV = QK / (4 * TM_GB) > 0 ? QK / (4 * TM_GB) : 1 }; /* vectors per block */
 
+/* The integer dot of n code vectors with the activations at offset xo of one activation
+ * row: group_dot over both byte planes, or group_dot8 over one (xq->one). */
+static inline __attribute__((always_inline)) vi dot_codes(const vb *c, int n, const xq_t *xq, size_t xo,
+                                                          int bits) {
+#if TM_DOT8
+    if (xq->one) return group_dot8(c, n, (const int8_t *)xq->ql + xo);
+#endif
+    return group_dot(c, n, xq->q + xo, xq->ql + xo, bits);
+}
+
 static inline __attribute__((always_inline)) void tail_dot(const tm_weight *w, const xq_t *xq, int r,
                                                            int t0, int T, int bits,
                                                            const uint8_t *tc, float *tail, vf *acc) {
@@ -206,7 +223,7 @@ static inline __attribute__((always_inline)) void tail_dot(const tm_weight *w, c
             for (int t = 0; t < T; t++) {
                 const size_t tt = (size_t)(t0 + t), pi = (tt * xq->npair + u / 2) * TM_W;
                 const size_t xo = tt * xq->kpad + (size_t)b * QK;
-                const vi s = vi_sub(group_dot(&c, 1, xq->q + xo, xq->ql + xo, bits), vi_load(xq->tz + pi));
+                const vi s = vi_sub(dot_codes(&c, 1, xq, xo, bits), vi_load(xq->tz + pi));
                 acc[t] = vf_fma(vf_mul(vf_from_vi(s), vf_load(xq->tdx + pi)), dv, acc[t]);
                 if (w->mins) acc[t] = vf_fma(mv, vf_load(xq->tsx + pi), acc[t]);
             }
@@ -216,7 +233,7 @@ static inline __attribute__((always_inline)) void tail_dot(const tm_weight *w, c
             const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + b;
             const size_t xo = tt * xq->kpad + (size_t)b * QK;
             int32_t s[2];
-            vi_sum_halves(group_dot(&c, 1, xq->q + xo, xq->ql + xo, bits), &s[0], &s[1]);
+            vi_sum_halves(dot_codes(&c, 1, xq, xo, bits), &s[0], &s[1]);
             for (int h = 0; h < n; h++)
                 tail[t] += d[h] * (xq->dx[xi + h] * (float)(s[h] - xq->zc[xi + h])) + m[h] * xq->sx[xi + h];
         }
@@ -241,7 +258,7 @@ static inline __attribute__((always_inline)) void tail_dot(const tm_weight *w, c
             for (int t = 0; t < T; t++) {
                 const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + b;
                 const size_t xo = tt * xq->kpad + (size_t)b * QK;
-                const int32_t s = vi_sum(group_dot(h ? cb : ca, TAIL_NV, xq->q + xo, xq->ql + xo, bits)) - xq->zc[xi];
+                const int32_t s = vi_sum(dot_codes(h ? cb : ca, TAIL_NV, xq, xo, bits)) - xq->zc[xi];
                 tail[t] += d * (xq->dx[xi] * (float)s) + m * xq->sx[xi];
             }
         }
@@ -313,8 +330,8 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
                 const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + (size_t)g * TM_GB;
                 const size_t xo = tt * xq->kpad + (size_t)g * GW, xh = xo + 16 * TM_GB;
                 const int32_t *zh = xq->zh + tt * 2 * xq->gpad + (size_t)g * 2 * TM_GB;
-                const vi s0 = vi_sub(group_dot(c, 4, xq->q + xo, xq->ql + xo, 6), vi_load(zh));
-                const vi s1 = vi_sub(group_dot(c + 4, 4, xq->q + xh, xq->ql + xh, 6), vi_load(zh + TM_GB));
+                const vi s0 = vi_sub(dot_codes(c, 4, xq, xo, 6), vi_load(zh));
+                const vi s1 = vi_sub(dot_codes(c + 4, 4, xq, xh, 6), vi_load(zh + TM_GB));
                 const vf dx = vf_load(xq->dx + xi);
                 acc[t] = vf_fma(vf_mul(vf_from_vi(s0), dx), d0, acc[t]);
                 acc[t] = vf_fma(vf_mul(vf_from_vi(s1), dx), d1, acc[t]);
@@ -335,7 +352,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
             for (int t = 0; t < T; t++) {
                 const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + (size_t)g * TM_GB;
                 const size_t xo = tt * xq->kpad + (size_t)g * GW;
-                const vi s = vi_sub(group_dot(c, 8, xq->q + xo, xq->ql + xo, bits), vi_load(xq->zc + xi));
+                const vi s = vi_sub(dot_codes(c, 8, xq, xo, bits), vi_load(xq->zc + xi));
                 acc[t] = vf_fma(vf_mul(vf_from_vi(s), vf_load(xq->dx + xi)), d, acc[t]);
                 if (w->mins) acc[t] = vf_fma(m, vf_load(xq->sx + xi), acc[t]);
             }

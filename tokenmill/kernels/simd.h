@@ -43,6 +43,9 @@
  *                         layer defines it: quantize_x takes it back). A full lane-order group
  *                         (n = 8) gives block k's dot in lane k; one natural-order tail
  *                         block (n = 32 / (4 TM_W)) its dot as the sum of the lanes.
+ *   group_dot8(c, n, x) -> vi: group_dot for 8-bit activations q (|q| <= 127) read as
+ *                         int8 x: the exact sum of c * q, no term left out; layers with
+ *                         VNNI only (TM_DOT8 1), where it takes half group_dot's work.
  * Wide layers only (4 TM_W > 32: a vector holds two blocks, AVX-512):
  *   vb_tail_pair(p, bits) two natural-order tail blocks as one code vector (linear.c),
  *   vi_sum_halves(v, &lo, &hi) the sums of the lower and the upper half of the lanes,
@@ -111,6 +114,9 @@ static inline int32_t tm_code_pair(const uint8_t *c, int z) {
 #endif
 #ifndef TM_A16_LEFT_OUT8 /* what group_dot adds to 8-bit codes' dots, if anything */
 #define TM_A16_LEFT_OUT8(hsum, lsum) 0
+#endif
+#ifndef TM_DOT8 /* 1: the layer has group_dot8 (VNNI) */
+#define TM_DOT8 0
 #endif
 
 /* ---- derived operations, written once over the primitives ---- */

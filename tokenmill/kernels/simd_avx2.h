@@ -195,6 +195,15 @@ static inline vi group_dot(const vb *c, int n, const int8_t *xh, const uint8_t *
     }
     return _mm256_add_epi32(_mm256_slli_epi32(_mm256_add_epi32(h[0], h[1]), 8), _mm256_add_epi32(l[0], l[1]));
 }
+#define TM_DOT8 1
+/* group_dot for 8-bit activations (|q| <= 127), read as int8 from the low-byte plane (the
+ * same bits): one vpdpbusd per vector, the exact sum of c * q (see simd_avx512.h). */
+static inline vi group_dot8(const vb *c, int n, const int8_t *x) {
+    __m256i a[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int i = 0; i < n; i++)
+        a[i & 1] = vnni_dpbusd(a[i & 1], c[i], _mm256_loadu_si256((const __m256i *)(x + 32 * i)));
+    return _mm256_add_epi32(a[0], a[1]);
+}
 #else
 static inline vi group_dot(const vb *c, int n, const int8_t *xh, const uint8_t *xl, int bits) {
     const __m256i zero = _mm256_setzero_si256();
