@@ -10,6 +10,13 @@ import pytest
 from helpers import build_hf_model, write_gguf, write_llama_gguf
 
 from tokenmill import bench, cli, kernels
+from tokenmill.bench.report import (
+    _disagreement_lines,
+    format_runs,
+    runs_disagree,
+    summarize_latency,
+    summarize_runs,
+)
 
 PROMPT_LENS = [8, 16]
 NUM_REQUESTS = 3
@@ -55,8 +62,10 @@ def test_report_shape(tiny_model, tmp_path):
     assert set(tm["latency"]) == {str(p) for p in PROMPT_LENS}
     for p in PROMPT_LENS:
         lat = tm["latency"][str(p)]
-        assert set(lat) == {"ttft_ms", "prefill_tok_s", "decode_tok_s", "best", "runs"}
+        assert set(lat) == {"ttft_ms", "prefill_tok_s", "decode_tok_s", "spread", "best", "runs"}
         assert set(lat["best"]) == {"ttft_ms", "prefill_tok_s", "decode_tok_s"}
+        for figure, runs in lat["spread"].items():
+            assert runs["min"] <= runs["median"] == lat[figure] <= runs["max"]
         assert len(lat["runs"]) == 2
         assert all(run["output_tokens"] == 4 for run in lat["runs"])
     assert tm["decode_tok_s"] == tm["latency"]["8"]["decode_tok_s"]
@@ -67,6 +76,38 @@ def test_report_shape(tiny_model, tmp_path):
     assert tp["requests"] == NUM_REQUESTS
     assert tp["computed_output_tokens"] == tp["output_tokens"]  # ignore_eos: every token requested
     assert tp["output_tok_s"] > 0 and tp["total_tok_s"] > tp["output_tok_s"]
+
+
+def test_summarize_runs_gives_the_median_and_the_spread():
+    runs = summarize_runs([125.7, 16.5])  # two runs, one on a busy machine
+    assert runs == {"median": pytest.approx(71.1), "min": 16.5, "max": 125.7}
+    assert format_runs(runs) == "71.1 (16.5-125.7)"
+    assert runs_disagree(runs)
+
+    runs = summarize_runs([10.0, 20.0, 12.0])
+    assert runs == {"median": 12.0, "min": 10.0, "max": 20.0}
+    assert format_runs(runs, 0) == "12 (10-20)"
+    assert not runs_disagree(runs)  # 2x exactly is within the runs' normal spread
+
+    runs = summarize_runs([1234.5])
+    assert format_runs(runs) == "1,234.5"  # one run: no range to show
+    assert not runs_disagree(runs)
+
+
+def test_runs_that_disagree_by_more_than_2x_are_a_warning():
+    def run(ttft_s: float, decode_s: float) -> dict:
+        return {"ttft_s": ttft_s, "decode_s": decode_s, "output_tokens": 11}
+
+    steady = [run(0.1, 1.0), run(0.1, 1.1), run(0.11, 1.0)]
+    busy = [run(0.1, 1.0), run(0.1, 7.6), run(0.1, 1.1)]  # one decode 7.6x slower
+    engines = {
+        "tokenmill": {"status": "ok", "latency": {"8": summarize_latency(steady, 8)}},
+        "llama.cpp": {"status": "ok", "latency": {"8": summarize_latency(busy, 8)}},
+        "transformers": {"status": "skipped", "reason": "not installed"},
+    }
+    assert _disagreement_lines({"engines": engines}) == [
+        "warning: llama.cpp: runs disagree by more than 2x (decode tok/s @8): the machine is busy"
+    ]
 
 
 def test_skip_throughput(tiny_model, tmp_path):

@@ -5,7 +5,8 @@ Everything is measured in one invocation, on the same weights and the same token
   latency     batch 1: a fixed prompt of exactly P tokens (P = 128 and 512) and G = 128
               greedy tokens with EOS ignored. Time to first token (TTFT), prefill tokens/s
               (P / TTFT) and decode tokens/s ((G - 1) / (last token - first token)); the
-              median of --runs runs after one warm-up run per P.
+              median of --runs runs after one warm-up run per P, shown with the lowest and
+              highest run, and a warning when those are more than 2x apart.
   throughput  N requests (64) with prompt and output lengths drawn from a fixed seed
               (32-512 and 32-256 tokens, random token ids, EOS ignored), all submitted at
               once, as vLLM's benchmark_throughput does: requested output tokens per second

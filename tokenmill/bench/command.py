@@ -23,7 +23,13 @@ from tokenmill.bench.protocol import (
     latency_prompt,
     random_requests,
 )
-from tokenmill.bench.report import build_report, render, require_matplotlib, write_plot
+from tokenmill.bench.report import (
+    build_report,
+    render,
+    require_matplotlib,
+    table_width,
+    write_plot,
+)
 from tokenmill.checks import int_at_least
 from tokenmill.cli.common import add_kv_cache_dtype_arg, speculative_method
 
@@ -326,7 +332,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     log(f"the timed runs took {elapsed / 60:.1f} minutes (estimated {plan.remaining_s / 60:.1f})")
     from rich.console import Console
 
-    Console(width=max(Console().width, 160)).print(render(report))
+    Console(width=max(Console().width, 160, table_width(report))).print(render(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         log(f"report written to {args.json}")

@@ -13,16 +13,44 @@ from tokenmill.bench.protocol import Workload
 # ---------------------------------------------------------------------- figures
 
 
+# Runs of one figure further apart than this are not noise: something else had the CPUs.
+DISAGREE_RATIO = 2.0
+
+
+def summarize_runs(values: list[float]) -> dict:
+    """One figure over several runs: the median, and the lowest and highest run. The median
+    alone hides runs that disagree (with 2 runs it is their mean: 16.5 and 125.7 give 71.1)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def runs_disagree(runs: dict) -> bool:
+    """Whether the highest run of a summarize_runs figure is over DISAGREE_RATIO x the lowest."""
+    return runs["max"] > DISAGREE_RATIO * runs["min"]
+
+
+def format_runs(runs: dict, digits: int = 1) -> str:
+    """The median, then the lowest-highest run when they differ: `71.1 (16.5-125.7)`."""
+    median = _fmt(runs["median"], digits)
+    if runs["min"] == runs["max"]:
+        return median
+    return f"{median} ({_fmt(runs['min'], digits)}-{_fmt(runs['max'], digits)})"
+
+
 def summarize_latency(samples: list[dict], prompt_len: int) -> dict:
-    """Medians of the raw runs (TTFT in ms, prefill and decode tokens/s), and the best run
-    of each, which a busy machine disturbs least."""
+    """Medians of the raw runs (TTFT in ms, prefill and decode tokens/s), each figure's
+    spread over the runs (summarize_runs), and the best run of each, which a busy machine
+    disturbs least."""
     ttft = [s["ttft_s"] * 1e3 for s in samples]
     prefill = [prompt_len / s["ttft_s"] for s in samples]
     decode = [(s["output_tokens"] - 1) / s["decode_s"] for s in samples]
+    spread = {
+        "ttft_ms": summarize_runs(ttft),
+        "prefill_tok_s": summarize_runs(prefill),
+        "decode_tok_s": summarize_runs(decode),
+    }
     out = {
-        "ttft_ms": statistics.median(ttft),
-        "prefill_tok_s": statistics.median(prefill),
-        "decode_tok_s": statistics.median(decode),
+        **{figure: runs["median"] for figure, runs in spread.items()},
+        "spread": spread,
         "best": {"ttft_ms": min(ttft), "prefill_tok_s": max(prefill), "decode_tok_s": max(decode)},
         "runs": samples,
     }
@@ -126,7 +154,8 @@ def render(report: dict):
     from rich.console import Group
     from rich.text import Text
 
-    lines = [_machine_line(report["machine"]), _model_line(report["model"])]
+    lines = _disagreement_lines(report)
+    lines += [_machine_line(report["machine"]), _model_line(report["model"])]
     for name, e in report["engines"].items():
         lines.append(
             _engine_note(name, e)
@@ -156,12 +185,13 @@ def _results_table(report: dict):
         if e["status"] != "ok":
             continue
         lat = e.get("latency", {})
+        first = min(lat, key=int, default=None)  # the decode column's prompt length
         table.add_row(
             name,
             e.get("kernels", "-"),
-            *(_fmt(lat[p]["ttft_ms"], 0) if p in lat else "-" for p in lens),
-            *(_fmt(lat[p]["prefill_tok_s"]) if p in lat else "-" for p in lens),
-            _fmt(e.get("decode_tok_s")),
+            *(format_runs(lat[p]["spread"]["ttft_ms"], 0) if p in lat else "-" for p in lens),
+            *(format_runs(lat[p]["spread"]["prefill_tok_s"]) if p in lat else "-" for p in lens),
+            format_runs(lat[first]["spread"]["decode_tok_s"]) if first is not None else "-",
             _fmt(e["decode_ceiling_tok_s"]),
             _fmt(e.get("ratio_to_ceiling"), 2, "x"),
             _fmt(e.get("ratio_to_tokenmill"), 2, "x"),
@@ -169,6 +199,43 @@ def _results_table(report: dict):
             _fmt(e["peak_rss_bytes"] / 2**20, 0),
         )
     return table
+
+
+def table_width(report: dict) -> int:
+    """The console columns the results table takes with each row on one line. A narrower
+    console makes rich cut cells short with an ellipsis, and a median's range is the widest
+    text in its cell."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    console = Console(width=10_000)
+    return Measurement.get(console, console.options, _results_table(report)).maximum
+
+
+FIGURE_NAMES = {
+    "ttft_ms": "TTFT ms",
+    "prefill_tok_s": "prefill tok/s",
+    "decode_tok_s": "decode tok/s",
+}
+
+
+def _disagreement_lines(report: dict) -> list[str]:
+    """A warning per engine whose runs of a figure disagree (runs_disagree): its median in
+    the table is then no measure of the engine."""
+    lines = []
+    for name, e in report["engines"].items():
+        figures = [
+            f"{FIGURE_NAMES[figure]} @{p}"
+            for p, lat in e.get("latency", {}).items()
+            for figure, runs in lat["spread"].items()
+            if runs_disagree(runs)
+        ]
+        if figures:
+            lines.append(
+                f"warning: {name}: runs disagree by more than {DISAGREE_RATIO:g}x "
+                f"({', '.join(figures)}): the machine is busy"
+            )
+    return lines
 
 
 def _machine_line(m: dict) -> str:
