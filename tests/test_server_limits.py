@@ -25,10 +25,13 @@ from server_fixture import metric, metric_by_label, running_server, server_proce
 pytestmark = pytest.mark.slow
 
 BODY_TIMEOUT_S = 2.0
+BODY_DEADLINE_S = 5.0
 HEADER_TIMEOUT_S = 2.0
+MAX_HEADER_BYTES = 16 << 10  # the README's 16 KiB
 ARGS = (
     "--kv-cache-memory", "128MiB", "--max-num-seqs", "8", "--max-waiting", "8",
     "--body-timeout", str(BODY_TIMEOUT_S), "--header-timeout", str(HEADER_TIMEOUT_S),
+    "--body-deadline", str(BODY_DEADLINE_S),
 )  # fmt: skip
 MIB = 1 << 20
 
@@ -172,6 +175,114 @@ def test_stalled_headers_lose_their_connection(url):
     raw, took = _raw_exchange(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-")
     assert raw == b""  # closed without an answer: there is no request to answer
     assert HEADER_TIMEOUT_S <= took < HEADER_TIMEOUT_S + 10
+
+
+def _trickle(url: str, head: bytes, pieces: list[bytes], every_s: float) -> tuple[bytes, float]:
+    """Send `head`, then one of `pieces` every `every_s` seconds until the server answers
+    (or the pieces run out); return what came back before the connection closed, and how
+    long from the head to the first byte of the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head)
+        start = time.monotonic()
+        sock.settimeout(every_s)
+        received, took = b"", None
+        pieces = list(pieces)
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                if not pieces:
+                    sock.settimeout(30)
+                    continue
+                try:
+                    sock.sendall(pieces.pop(0))
+                except OSError:  # the server answered and closed: read its answer
+                    pieces = []
+                continue
+            except ConnectionResetError:  # closed with our bytes unread: the answer came
+                chunk = b""
+            took = took if took is not None else time.monotonic() - start
+            if not chunk:
+                return received, took
+            received += chunk
+
+
+def _head_of(size: int, target: str = "/health") -> bytes:
+    """A GET request whose line and headers are exactly `size` bytes."""
+    start = f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n".encode()
+    filler = size - len(start) - len(b"X-Fill: \r\n") - 2
+    return start + b"X-Fill: " + b"a" * filler + b"\r\n\r\n"
+
+
+def test_content_length_beside_transfer_encoding_is_400_and_closes(url):
+    """Both framings at once: a proxy that reads the Content-Length would see the rest of
+    the chunked body as a second request (smuggling). Refused, and the connection closes
+    without reading the request behind it."""
+    chunked = b'{"prompt": "Hi", "max_tokens": 1}'
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    body = b"%x\r\n%s\r\n0\r\n\r\n" % (len(chunked), chunked)
+    behind = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    raw, took = _raw_exchange(url, head + body + behind, wait_s=20)
+    status, error = _status_and_error(raw)
+    assert status == 400 and error["code"] == "ambiguous_body_length", raw
+    assert b"connection: close" in raw.partition(b"\r\n\r\n")[0].lower()
+    assert raw.count(b"HTTP/1.1 ") == 1, raw  # the request behind it was never read
+    assert took < 5  # closed by the server, not by the keep-alive timeout
+    # the chunked framing alone is still answered
+    alone = head.replace(b"Content-Length: 4\r\n", b"Connection: close\r\n")
+    raw, _ = _raw_exchange(url, alone + body)
+    assert raw.startswith(b"HTTP/1.1 200"), raw
+
+
+@pytest.mark.parametrize("trickled", [False, True], ids=["whole", "trickled"])
+def test_header_block_is_bounded_at_16_kib(url, trickled):
+    """The README's 16 KiB of request line and headers is the real limit: a head of
+    exactly that passes, one byte more is a 431, however the bytes arrive (h11 measured
+    only a head still incomplete, so 6,000 headers sent at once got a 200)."""
+
+    def send(head: bytes) -> bytes:
+        if not trickled:
+            return _trickle(url, head, [], every_s=1.0)[0]
+        pieces = [head[i : i + 1024] for i in range(1024, len(head), 1024)]
+        return _trickle(url, head[:1024], pieces, every_s=0.01)[0]
+
+    assert send(_head_of(MAX_HEADER_BYTES)).startswith(b"HTTP/1.1 200")
+    for head in (
+        _head_of(MAX_HEADER_BYTES + 1),
+        b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        + b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 8) for i in range(6000))
+        + b"\r\n",
+    ):
+        status, error = _status_and_error(send(head))
+        assert status == 431 and error["code"] == "request_header_fields_too_large"
+        assert f"at most {MAX_HEADER_BYTES}" in error["message"]
+
+
+def test_body_has_a_deadline_as_a_whole(url):
+    """A client sending a byte each second (under the 2 s between chunks) used to hold
+    its connection as long as it liked; the body as a whole has BODY_DEADLINE_S."""
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100\r\n\r\n"
+    )
+    raw, took = _trickle(url, head, [b" "] * 60, every_s=1.0)
+    status, error = _status_and_error(raw)
+    assert status == 408 and error["code"] == "request_timeout", raw
+    assert "--body-deadline" in error["message"]
+    assert BODY_DEADLINE_S <= took < BODY_DEADLINE_S + 3
+    # a body that takes a little under the deadline is answered
+    body = b'{"prompt": "Hi", "max_tokens": 1}'
+    head = head.replace(b"100", str(len(body)).encode()).replace(
+        b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"
+    )
+    pieces = [body[i : i + 9] for i in range(0, len(body), 9)]  # 4 pieces, 1 s apart
+    raw, took = _trickle(url, head, pieces, every_s=1.0)
+    assert raw.startswith(b"HTTP/1.1 200"), raw
+    assert took > len(pieces) - 1
 
 
 # --------------------------------------------------------------------------- finding 7

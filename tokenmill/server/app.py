@@ -29,8 +29,9 @@ learns nothing about which routes exist); /health, /metrics and the web page's
 static files stay open. There are no /docs, /redoc or /openapi.json pages.
 
 No one request can stall the others (see limits.py for the HTTP side):
-- the body is read in full by BodyLimit before any route runs, within a size limit
-  (413) and a timeout (408);
+- the head is bounded (431) and must frame its body once (400), and the body is read
+  in full by BodyLimit before any route runs, within a size limit (413), a timeout
+  between chunks and a deadline for all of it (408);
 - tokenizing a prompt and rendering a chat template run on worker threads
   (`off_loop`), never on the event loop, and a text that cannot fit in the context
   is refused before it is tokenized; a chat template renders within a budget;
@@ -224,7 +225,13 @@ def create_app(
     # Added last = outermost: the counter sees every answer, the body limit's included.
     if limits.allowed_hosts is not None:  # inside the body limit: a bounded body first
         app.add_middleware(HostCheck, allowed=limits.allowed_hosts)
-    app.add_middleware(BodyLimit, max_bytes=max_body, timeout_s=limits.body_timeout_s)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=max_body,
+        timeout_s=limits.body_timeout_s,
+        deadline_s=limits.body_deadline_s,
+        max_header_bytes=limits.max_header_bytes,
+    )
     app.state.http = engine.metrics.http if pool is None else HTTPRequests()
     if pool is not None:  # innermost: the body is in memory, the Host checked
         app.add_middleware(

@@ -193,6 +193,12 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
             "seconds to wait for the next chunk of a request body before answering 408",
         ),
         (
+            "--body-deadline",
+            ServerLimits.body_deadline_s,
+            "seconds a whole request body may take to arrive, from the end of its headers, "
+            "before answering 408",
+        ),
+        (
             "--header-timeout",
             ServerLimits.header_timeout_s,
             "seconds a request's line and headers may take to arrive",
@@ -418,6 +424,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     limits = ServerLimits(
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout,
+        body_deadline_s=args.body_deadline,
         header_timeout_s=args.header_timeout,
         keep_alive_s=args.keep_alive_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
@@ -520,7 +527,8 @@ def serve(app, engine, sockets: list[socket.socket], limits, log_level: str) -> 
         host=host,
         port=port,
         log_level=log_level,
-        http=header_timeout_protocol(limits.header_timeout_s),
+        http=header_timeout_protocol(limits.header_timeout_s, limits.max_header_bytes),
+        h11_max_incomplete_event_size=limits.max_header_bytes,
         timeout_keep_alive=limits.keep_alive_s,
         timeout_graceful_shutdown=limits.shutdown_timeout_s,
     )

@@ -1,13 +1,22 @@
 """Limits at the HTTP layer: no request may hold the server, or a connection, without bound.
 
-    BodyLimit (ASGI middleware)   the request body, read in full before any route runs:
-                                  at most `max_body_bytes` (413; a Content-Length over it
-                                  is refused before one byte is read) and each chunk within
-                                  `body_timeout_s` of the last (408: a client that promised
-                                  more bytes than it sends no longer holds a connection)
+    BodyLimit (ASGI middleware)   the request's head, checked before its body is read:
+                                  at most `max_header_bytes` of request line and headers
+                                  (431), and no Content-Length beside a Transfer-Encoding
+                                  (400: a proxy in front may frame the body by the other
+                                  header, and read a second, smuggled request from it);
+                                  then the body, read in full before any route runs: at
+                                  most `max_body_bytes` (413; a Content-Length over it is
+                                  refused before one byte is read), each chunk within
+                                  `body_timeout_s` of the last, and all of it within
+                                  `body_deadline_s` (408: neither a client that promised
+                                  more bytes than it sends nor one that trickles a byte at
+                                  a time holds a connection). Each refusal closes the
+                                  connection: the rest of what the client sent is unread.
     header_timeout_protocol()     uvicorn's h11 protocol, plus a deadline for the request
-                                  line and headers of each request on a connection (h11
-                                  already caps their size at 16 KiB)
+                                  line and headers of each request on a connection, and
+                                  the same 431 when h11 finds a head too long while it
+                                  still arrives
     HostCheck (ASGI middleware)   the Host header must name this server (400 otherwise):
                                   without it a page on any site could reach a loopback
                                   server through DNS rebinding (its name re-pointed at
@@ -42,6 +51,7 @@ if TYPE_CHECKING:
 
 MIN_BODY_BYTES = 1 << 20
 BODY_BYTES_PER_TOKEN = 64
+CLOSE = {"Connection": "close"}  # a refusal leaves the rest of the request unread
 
 
 def default_max_body_bytes(max_model_len: int) -> int:
@@ -52,6 +62,8 @@ def default_max_body_bytes(max_model_len: int) -> int:
 class ServerLimits:
     max_body_bytes: int | None = None  # None: default_max_body_bytes(the engine's context)
     body_timeout_s: float = 30.0  # the longest wait for the next chunk of a request body
+    body_deadline_s: float = 60.0  # a whole request body, from the end of its headers
+    max_header_bytes: int = 16 << 10  # the request line and headers (h11's default)
     header_timeout_s: float = 10.0  # request line + headers, from connection or last response
     keep_alive_s: float = 5.0  # an idle connection between requests (uvicorn's default)
     shutdown_timeout_s: float = 30.0  # on SIGTERM, how long running requests may finish
@@ -86,32 +98,50 @@ async def send_error(
 class BodyLimit(HTTPMiddleware):
     """Read each HTTP request's body in full, within size and time limits."""
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int, timeout_s: float):
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_bytes: int,
+        timeout_s: float,
+        deadline_s: float = ServerLimits.body_deadline_s,
+        max_header_bytes: int = ServerLimits.max_header_bytes,
+    ):
         super().__init__(app)
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.deadline_s = deadline_s
+        self.max_header_bytes = max_header_bytes
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         import asyncio  # here, not at the top: see the module's docstring
 
+        if await self._bad_head(scope, send):
+            return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
             await self._too_large(scope, send, declared)
             return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.deadline_s
         chunks, size = [], 0
         while True:
+            left = deadline - loop.time()
             try:
-                message = await asyncio.wait_for(receive(), self.timeout_s)
+                message = await asyncio.wait_for(receive(), max(0.0, min(self.timeout_s, left)))
             except TimeoutError:
-                await send_error(
-                    scope,
-                    send,
-                    408,
-                    f"the request body did not arrive: no bytes for {self.timeout_s:g} s "
-                    f"after {size} of {declared if declared is not None else 'unknown'}",
-                    "request_timeout",
-                    {"Connection": "close"},
-                )
+                of = declared if declared is not None else "unknown"
+                if left < self.timeout_s:
+                    message = (
+                        f"the request body took too long: {size} of {of} bytes in "
+                        f"{self.deadline_s:g} s, the most a body may take (--body-deadline)"
+                    )
+                else:
+                    message = (
+                        f"the request body did not arrive: no bytes for {self.timeout_s:g} s "
+                        f"after {size} of {of} (--body-timeout)"
+                    )
+                await send_error(scope, send, 408, message, "request_timeout", CLOSE)
                 return
             if message["type"] == "http.disconnect":
                 return  # the client left before sending its request: nobody to answer
@@ -127,6 +157,35 @@ class BodyLimit(HTTPMiddleware):
         scope.setdefault("state", {})["body_bytes"] = size
         await self.app(scope, replay_body(b"".join(chunks), receive), send)
 
+    async def _bad_head(self, scope: Scope, send: Send) -> bool:
+        """Refuse a request whose head is too long or frames its body twice; True when
+        refused."""
+        size = head_bytes(scope)
+        if size > self.max_header_bytes:
+            await send_error(
+                scope,
+                send,
+                431,
+                f"the request line and headers have {size} bytes; this server takes at "
+                f"most {self.max_header_bytes}",
+                "request_header_fields_too_large",
+                CLOSE,
+            )
+            return True
+        names = {name for name, _ in scope["headers"]}
+        if b"content-length" in names and b"transfer-encoding" in names:
+            await send_error(
+                scope,
+                send,
+                400,
+                "the request has both Content-Length and Transfer-Encoding; send one: "
+                "each frames the body differently",
+                "ambiguous_body_length",
+                CLOSE,
+            )
+            return True
+        return False
+
     async def _too_large(self, scope: Scope, send: Send, size: int) -> None:
         await send_error(
             scope,
@@ -135,8 +194,18 @@ class BodyLimit(HTTPMiddleware):
             f"the request body has {'at least ' if size else ''}{size} bytes; this server "
             f"takes at most {self.max_bytes} (--max-body-bytes)",
             "request_too_large",
-            {"Connection": "close"},
+            CLOSE,
         )
+
+
+def head_bytes(scope: Scope) -> int:
+    """The size of a request's line and headers, in the form clients send them:
+    "METHOD TARGET HTTP/1.1\\r\\n", "name: value\\r\\n" for each header, "\\r\\n"."""
+    target = len(scope["raw_path"]) + (
+        len(scope["query_string"]) + 1 if scope["query_string"] else 0
+    )
+    line = len(scope["method"]) + 1 + target + len(" HTTP/") + len(scope["http_version"]) + 2
+    return line + sum(len(name) + len(value) + 4 for name, value in scope["headers"]) + 2
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -190,16 +259,24 @@ class HostCheck(HTTPMiddleware):
         await self.app(scope, receive, send)
 
 
-def header_timeout_protocol(header_timeout_s: float) -> type:
+def header_timeout_protocol(header_timeout_s: float, max_header_bytes: int) -> type:
     """uvicorn's h11 protocol class with a deadline for each request's line and headers
-    (pass it to uvicorn as `http=`; uvicorn builds the protocol objects itself).
+    (pass it to uvicorn as `http=`, with `h11_max_incomplete_event_size=max_header_bytes`;
+    uvicorn builds the protocol objects itself).
+
+    Their size is checked twice: h11 refuses a head that grows past the limit while it
+    still arrives (uvicorn answers that with a plain 400; here it is BodyLimit's 431), and
+    BodyLimit one that came whole in a single read, which h11 never measures.
 
     uvicorn closes an idle keep-alive connection (timeout_keep_alive) but not one that has
     sent part of a request line or header and stalls: that one would hold its connection
     forever. The deadline runs from the connection's start, or from the first byte of each
     later request, to the end of that request's headers (the body has its own timeout, in
     BodyLimit)."""
+    import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from tokenmill.server.errors import APIError  # here: see the module's docstring
 
     class HeaderTimeoutProtocol(H11Protocol):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -232,6 +309,32 @@ def header_timeout_protocol(header_timeout_s: float) -> type:
             if self._header_deadline is not None:
                 self._header_deadline.cancel()
                 self._header_deadline = None
+
+        def send_400_response(self, msg: str) -> None:
+            waiting = len(self.conn.trailing_data[0])
+            if waiting <= max_header_bytes:
+                super().send_400_response(msg)
+                return
+            # h11 gave up on a head still incomplete past the limit: no route is known yet
+            error = APIError(
+                431,
+                f"the request line and headers have more than {max_header_bytes} bytes; "
+                f"this server takes at most {max_header_bytes}",
+                code="request_header_fields_too_large",
+            )
+            body = json.dumps(error.body()).encode()
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ]
+            for event in (
+                h11.Response(status_code=431, headers=headers),
+                h11.Data(data=body),
+                h11.EndOfMessage(),
+            ):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
 
         def _headers_late(self) -> None:
             self._header_deadline = None
