@@ -259,7 +259,7 @@ def test_streamed_in_any_pieces_equals_whole(case, data):
     ] == calls
 
 
-def test_stream_sends_name_first_then_argument_fragments():
+def test_stream_sends_name_with_the_first_value_then_argument_fragments():
     text = CASES[0][1]
     parser, pieces = ToolCallParser(HERMES), []
     for i in range(0, len(text), 3):
@@ -267,10 +267,14 @@ def test_stream_sends_name_first_then_argument_fragments():
     pieces.append(parser.finish())
     entries = [e for p in pieces for e in p.tool_calls]
     first = entries[0]
-    assert first["function"] == {"name": "get_weather", "arguments": ""} and first["id"]
+    # id and name go out once the arguments' first value begins: until then the call may
+    # still turn out to be none ("arguments": "oops", {"x": NaN}, a cut), which a stream
+    # cannot take back
+    assert first["function"]["name"] == "get_weather" and first["id"]
+    assert first["function"]["arguments"].startswith('{"city": "')
     fragments = [e for e in entries if e["index"] == 0 and "id" not in e]
     assert len(fragments) > 3  # arguments arrive as they are written, not at the end
-    assert "".join(e["function"]["arguments"] for e in fragments) == (
+    assert "".join(e["function"]["arguments"] for e in entries if e["index"] == 0) == (
         '{"city": "Paris", "unit": "celsius"}'
     )
     # "<" could start a call: held back, never sent as content

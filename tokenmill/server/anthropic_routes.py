@@ -75,7 +75,7 @@ from tokenmill.server.running import (
     unless_disconnected,
 )
 from tokenmill.server.text import StrictModel, Text
-from tokenmill.server.tool_parser import ToolCallParser, parse_tool_calls
+from tokenmill.server.tool_parser import ToolCallParser, arguments_object, parse_tool_calls
 from tokenmill.server.tools import MAX_JSON_DEPTH, MAX_TOOLS, ToolRequest, json_depth
 
 log = logging.getLogger("tokenmill.server")
@@ -436,7 +436,7 @@ class MessageFormat:
                     "type": "tool_use",
                     "id": _tool_use_id(call.id),
                     "name": call.name,
-                    "input": json.loads(call.arguments),
+                    "input": arguments_object(call.arguments),
                 }
             )
         reason, sequence = _stop(generation.finish_reason, stop_string, bool(calls))

@@ -25,17 +25,11 @@ from pydantic import BaseModel
 
 from tokenmill.checks import ParamError
 from tokenmill.sampling.grammar import JSON_LAYOUT
-from tokenmill.server.tool_parser import ToolCallParser
+from tokenmill.server.tool_parser import MAX_JSON_DEPTH, ToolCallParser
 from tokenmill.tokenizer.chat import LLAMA3, MISTRAL, renders_tools, template_inputs, tool_format
 
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 MAX_TOOLS = 128  # OpenAI's cap on functions per request
-# Free-form JSON (a tool's parameters, a call's arguments) nests at most this deep, dicts
-# and lists counted alike: the chat template and the code that prepares it walk it
-# recursively (about two Python frames a level), and Python's default stack of 1,000
-# frames ran out near 500 levels (issue 21 item 8). MAX_SCHEMA_DEPTH (sampling/grammar.py)
-# allows about as much.
-MAX_JSON_DEPTH = 300
 
 
 def json_depth(value: Any, limit: int) -> int:
