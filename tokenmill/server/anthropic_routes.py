@@ -45,7 +45,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
@@ -53,6 +53,7 @@ from tokenmill.engine.llm_engine import RequestOutput
 from tokenmill.sampling import FinishReason, SamplingParams
 from tokenmill.server.async_engine import EngineFailure, Generation, RequestStream
 from tokenmill.server.errors import InternalError, format_anthropic, invalid, to_api_error
+from tokenmill.server.json_body import json_body
 from tokenmill.server.metrics import CLIENT_CLOSED_REQUEST
 from tokenmill.server.protocol import (
     NamedToolChoice,
@@ -350,7 +351,9 @@ def _user_turns(blocks: list[Any]) -> list[dict[str, Any]]:
 
 
 @router.post("/v1/messages")
-async def create_message(body: MessagesRequest, request: Request) -> Response:
+async def create_message(
+    body: Annotated[MessagesRequest, Depends(json_body(MessagesRequest))], request: Request
+) -> Response:
     engine = engine_of(request)
     model = check_model(request, body.model)
     body.check()
@@ -393,7 +396,9 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
 
 
 @router.post("/v1/messages/count_tokens")
-async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
+async def count_tokens(
+    body: Annotated[CountTokensRequest, Depends(json_body(CountTokensRequest))], request: Request
+) -> dict[str, int]:
     """The prompt a /v1/messages request with these fields would run, in tokens."""
     check_model(request, body.model)
     body.check()

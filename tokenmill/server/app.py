@@ -56,7 +56,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -81,6 +81,7 @@ from tokenmill.server.async_engine import (
     RequestStream,
 )
 from tokenmill.server.errors import APIError, InternalError, to_api_error
+from tokenmill.server.json_body import json_body
 from tokenmill.server.limits import BodyLimit, HostCheck, ServerLimits, default_max_body_bytes
 from tokenmill.server.metrics import (
     CLIENT_CLOSED_REQUEST,
@@ -359,7 +360,9 @@ def _api_key_check(keys: list[str]) -> Callable[[Request], Awaitable[None]]:
 
 
 @router.post("/v1/completions")
-async def create_completion(body: CompletionRequest, request: Request) -> Response:
+async def create_completion(
+    body: Annotated[CompletionRequest, Depends(json_body(CompletionRequest))], request: Request
+) -> Response:
     engine = engine_of(request)
     model = check_model(request, body.model)
     body.check_extra_fields()
@@ -387,7 +390,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
 
 @router.post("/v1/chat/completions")
-async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+async def create_chat_completion(
+    body: Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))],
+    request: Request,
+) -> Response:
     engine = engine_of(request)
     model = check_model(request, body.model)
     body.check_extra_fields()

@@ -18,9 +18,9 @@ from __future__ import annotations
 import base64
 import struct
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
@@ -29,6 +29,7 @@ from tokenmill.engine.pooling import truncate
 from tokenmill.sampling import SamplingParams
 from tokenmill.server.async_engine import QueueFull, RequestStream, ShuttingDown
 from tokenmill.server.errors import invalid, to_api_error
+from tokenmill.server.json_body import json_body
 from tokenmill.server.metrics import CLIENT_CLOSED_REQUEST
 from tokenmill.server.running import (
     cache_salt_for,
@@ -99,7 +100,9 @@ def encode_vector(vector: list[float], encoding_format: str) -> list[float] | st
 
 
 @router.post("/v1/embeddings")
-async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
+async def create_embeddings(
+    body: Annotated[EmbeddingRequest, Depends(json_body(EmbeddingRequest))], request: Request
+) -> Response:
     engine = engine_of(request)
     model = check_model(request, body.model)
     size = engine.engine.config.hidden_size

@@ -42,9 +42,9 @@ import asyncio
 import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
@@ -55,6 +55,7 @@ from tokenmill.sampling import SamplingParams
 from tokenmill.sampling.grammar import CompiledGrammar, GrammarError
 from tokenmill.server.async_engine import AsyncEngine, Generation
 from tokenmill.server.errors import APIError, invalid, to_api_error
+from tokenmill.server.json_body import json_body
 from tokenmill.server.protocol import ChatMessage, Text, check_fits, make_sampling_params
 from tokenmill.server.running import check_model, engine_of, off_loop
 from tokenmill.server.sse import sse
@@ -119,7 +120,9 @@ class TraceTooLarge(Exception):
 
 
 @router.post("/v1/inspect")
-async def inspect(body: InspectRequest, request: Request) -> Response:
+async def inspect(
+    body: Annotated[InspectRequest, Depends(json_body(InspectRequest))], request: Request
+) -> Response:
     server: AsyncEngine = engine_of(request)
     check_model(request, body.model)
     engine = server.engine

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -47,6 +46,7 @@ from tokenmill.heap import give_back_memory
 from tokenmill.server.asgi import HTTPMiddleware, replay_body
 from tokenmill.server.async_engine import AsyncEngine, ShuttingDown
 from tokenmill.server.errors import APIError, invalid
+from tokenmill.server.json_body import parse_body
 from tokenmill.tokenizer.reasoning import resolve as resolve_reasoning
 from tokenmill.units import format_bytes
 
@@ -57,7 +57,6 @@ log = logging.getLogger("tokenmill.server")
 
 WAIT_TIMEOUT_S = 60.0  # how long a load waits for a busy model to become evictable
 RETRY_AFTER = {"Retry-After": "5"}
-BIG_BODY_BYTES = 64 << 10  # a body this big is parsed for its model on a worker thread
 
 
 @dataclass(frozen=True)
@@ -414,7 +413,7 @@ class ModelSelect(HTTPMiddleware):
         body = message.get("body", b"")
         choice = _Choice()
         scope.setdefault("state", {})["model_choice"] = choice
-        name = await self._named(body)
+        name = await self._named(scope, body)
         if name is not _UNREADABLE:
             served = self.pool.resolve(name) if name is None or isinstance(name, str) else None
             if served is None:
@@ -435,17 +434,14 @@ class ModelSelect(HTTPMiddleware):
             if choice.slot is not None:
                 self.pool.release(choice.slot)
 
-    async def _named(self, body: bytes) -> object:
+    async def _named(self, scope: Scope, body: bytes) -> object:
         """The body's `model` (None when it has none), or _UNREADABLE when it is no JSON
-        object (the route's own validation answers that)."""
+        object (the route, reading it with the same parse_body, answers that)."""
         try:
-            if len(body) >= BIG_BODY_BYTES:  # a big body is not parsed on the event loop
-                parsed = await asyncio.get_running_loop().run_in_executor(None, json.loads, body)
-            else:
-                parsed = json.loads(body)
-        except (ValueError, RecursionError):
+            parsed = await parse_body(scope, body)
+        except APIError:
             return _UNREADABLE
-        return parsed.get("model") if isinstance(parsed, dict) else _UNREADABLE
+        return parsed.get("model")
 
 
 _UNREADABLE = object()

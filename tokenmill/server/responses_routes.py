@@ -48,9 +48,9 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, ClassVar, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag
 
 from tokenmill.engine.llm_engine import RequestOutput
 from tokenmill.sampling import FinishReason, SamplingParams
@@ -60,9 +60,9 @@ from tokenmill.server.errors import (
     InternalError,
     clean_message,
     invalid,
-    pydantic_errors_to_api_error,
     to_api_error,
 )
+from tokenmill.server.json_body import json_body
 from tokenmill.server.metrics import CLIENT_CLOSED_REQUEST
 from tokenmill.server.protocol import (
     ExtraFieldsRequest,
@@ -113,7 +113,7 @@ def _kind(known: tuple[str, ...], default: str | None = None):
 
 
 # Tags of the unions above begin with TAG: pydantic puts them in an error's location
-# (input, "~list", 0, "~function_call", call_id), and _validate drops them again.
+# (input, "~list", 0, "~function_call", call_id), and _untagged drops them again.
 TAG = "~"
 
 
@@ -827,9 +827,20 @@ def _sse(event: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- the route
 
 
+def _untagged(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Validation errors without the union tags in their locations, which name no field
+    (input[0].~function_call.call_id -> input[0].call_id)."""
+    return [
+        {**error, "loc": tuple(p for p in error["loc"] if not str(p).startswith(TAG))}
+        for error in errors
+    ]
+
+
 @router.post("/v1/responses")
-async def create_response(request: Request) -> Response:
-    body = _validate(await request.body())
+async def create_response(
+    body: Annotated[ResponsesRequest, Depends(json_body(ResponsesRequest, _untagged))],
+    request: Request,
+) -> Response:
     engine = running.engine_of(request)
     model = running.check_model(request, body.model)
     body.check()
@@ -890,19 +901,6 @@ async def _collect(
     finally:
         stream.abort()
     return generation, last
-
-
-def _validate(raw: bytes) -> ResponsesRequest:
-    """The body as a request (read here, not by FastAPI: a bad one's error locations lose
-    the union tags before they name the field, e.g. input[0].call_id)."""
-    try:
-        return ResponsesRequest.model_validate_json(raw)
-    except ValidationError as e:
-        errors = [
-            {**error, "loc": tuple(p for p in error["loc"] if not str(p).startswith(TAG))}
-            for error in e.errors()
-        ]
-        raise pydantic_errors_to_api_error(errors) from None
 
 
 async def _events(

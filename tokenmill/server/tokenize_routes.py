@@ -12,10 +12,13 @@ Behind the API key like /v1 (create_app includes every router but ops' with it).
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
 
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.server.errors import invalid, to_api_error
+from tokenmill.server.json_body import json_body
 from tokenmill.server.protocol import ChatMessage
 from tokenmill.server.running import check_messages_fit, check_model, engine_of, off_loop
 from tokenmill.server.text import StrictModel, Text
@@ -69,7 +72,9 @@ def _tokenize(engine: LLMEngine, body: TokenizeRequest) -> list[int]:
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+async def tokenize(
+    body: Annotated[TokenizeRequest, Depends(json_body(TokenizeRequest))], request: Request
+) -> dict:
     check_model(request, body.model)
     engine = engine_of(request).engine
     ids = await off_loop(request, _tokenize, engine, body)
@@ -77,7 +82,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+async def detokenize(
+    body: Annotated[DetokenizeRequest, Depends(json_body(DetokenizeRequest))], request: Request
+) -> dict:
     check_model(request, body.model)
     engine = engine_of(request).engine
     vocab = engine.config.vocab_size
