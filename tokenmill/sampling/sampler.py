@@ -239,8 +239,9 @@ class SamplingState:
     ) -> SamplingState:
         """Build the state for one completion of a request.
 
-        vocab_size is the width of the model's logits; logit_bias ids are checked
-        against it here, so a bad request fails before it joins a batch.
+        vocab_size is the width of the model's logits; logit_bias and stop_token_ids ids
+        are checked against it here, so a bad request fails before it joins a batch (a
+        stop id no token can be would never stop anything).
         completion_index (0..n-1) decorrelates the n completions of a seeded request.
         grammar: params' constraint compiled (LLMEngine.compile_grammar); each completion
         gets its own matcher on it.
@@ -254,6 +255,12 @@ class SamplingState:
             raise ParamError(
                 f"logit_bias token id {bad} is out of range for vocab size {vocab_size}",
                 "logit_bias",
+            )
+        if params.stop_token_ids and max(params.stop_token_ids) >= vocab_size:
+            raise ParamError(
+                f"stop_token_ids id {max(params.stop_token_ids)} is out of range for vocab "
+                f"size {vocab_size}",
+                "stop_token_ids",
             )
         generator = None
         if params.seed is not None:

@@ -85,6 +85,7 @@ router = APIRouter()
 
 # tool_choice's types, as OpenAI's tool_choice ("tool" is a NamedToolChoice)
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+MIN_THINKING_BUDGET = 1024  # Anthropic's least thinking.budget_tokens
 
 
 # --------------------------------------------------------------------------- requests
@@ -175,10 +176,11 @@ class ToolChoice(StrictModel):
 class ThinkingConfig(StrictModel):
     """Whether the model thinks first: passed to the chat template as enable_thinking
     (Qwen3's switch; a template without one thinks as it always does). budget_tokens is
-    accepted and not enforced: max_tokens bounds the thinking and the answer together."""
+    checked as Anthropic checks it (at least MIN_THINKING_BUDGET) and not enforced:
+    max_tokens bounds the thinking and the answer together."""
 
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = None
+    budget_tokens: Annotated[int, Field(ge=MIN_THINKING_BUDGET)] | None = None
 
 
 class Metadata(StrictModel):

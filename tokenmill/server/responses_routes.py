@@ -332,6 +332,7 @@ class ResponsesRequest(ExtraFieldsRequest):
                 "no responses; send the whole conversation in input",
                 "previous_response_id",
             )
+        _check_metadata(self.metadata)
         if isinstance(self.input, list):
             if not self.input:
                 raise invalid("input must not be empty", "input")
@@ -469,6 +470,35 @@ class ResponsesRequest(ExtraFieldsRequest):
             **{k: v for k, v in sampling.items() if v is not None},
             **constraint,
         )
+
+
+# OpenAI's caps on metadata: it is for a few labels, echoed back with the response
+MAX_METADATA_KEYS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    if metadata is None:
+        return
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise invalid(
+            f"metadata has {len(metadata)} keys; at most {MAX_METADATA_KEYS} are allowed",
+            "metadata",
+        )
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise invalid(
+                f"metadata key {_quoted(key)} has {len(key)} characters; at most "
+                f"{MAX_METADATA_KEY_CHARS} are allowed",
+                "metadata",
+            )
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise invalid(
+                f"metadata[{_quoted(key)}] has {len(value)} characters; at most "
+                f"{MAX_METADATA_VALUE_CHARS} are allowed",
+                "metadata",
+            )
 
 
 def _quoted(value: Any) -> str:

@@ -214,6 +214,12 @@ def _encode_chat(
     tokenized: tokenizer/chat.py's encode_chat, as LLM.chat and /v1/inspect do, with the
     body's further template variables. Runs on a worker thread."""
     messages = body.template_messages()
+    if not messages:  # e.g. input of reasoning items only, which the prompt leaves out
+        raise invalid(
+            f"{param} has no message for the model to answer (an earlier answer's "
+            "reasoning is left out of the prompt)",
+            param,
+        )
     check_messages_fit(engine, messages, param)
     try:
         return engine.encode_chat(messages, tools, body.template_vars)
