@@ -87,6 +87,8 @@ BAD_ARGS = [
     (["generate", "hi", "--stop", ""], 2, ["--stop", "empty"]),
     (["generate", "hi", "--kv-cache-memory", "lots"], 2, ["--kv-cache-memory", "'lots'"]),
     (["inspect", "hi", "--width", "5"], 2, ["--width", "40"]),
+    (["generate", "hi", "--activation-bits", "4"], 2, ["--activation-bits", "invalid choice: 4"]),
+    (["serve", "--activation-bits", "12"], 2, ["--activation-bits", "invalid choice: 12"]),
     (["serve", "--port", "x"], 2, ["--port"]),
     (["frobnicate"], 2, ["unknown command 'frobnicate'", "generate, chat, serve"]),
     (["serv"], 2, ["unknown command 'serv'; did you mean 'serve'?"]),
@@ -155,6 +157,10 @@ def test_help_shows_defaults(monkeypatch):
     assert "(default: 0.9)" in inspect and "two runs draw the same tokens (default: 0)" in inspect
     serve = _help("serve")
     assert "(default: 8000)" in serve and "(default: 64)" in serve
+    # what serve serves, beyond the OpenAI API: the other APIs and the inspector page
+    assert "Anthropic's /v1/messages" in serve and "the inspector page" in serve
+    for command in ("generate", "chat", "serve", "bench"):
+        assert "--activation-bits {8,16}" in _help(command)
 
 
 def test_version():

@@ -242,6 +242,8 @@ def test_serve_on_port_0_reports_the_port_it_got(tiny):
             pytest.fail(f"the server ended without serving (exit status {proc.wait()})")
         port = int(m[1])
         assert port != 0
+        # the next line names the inspector page, the server's own web page
+        assert f"the inspector page: http://127.0.0.1:{port}/" in next(proc.stderr)
         for _ in range(200):  # uvicorn listens a moment after the line
             try:
                 assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200

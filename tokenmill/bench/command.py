@@ -31,7 +31,7 @@ from tokenmill.bench.report import (
     write_plot,
 )
 from tokenmill.checks import int_at_least
-from tokenmill.cli.common import add_kv_cache_dtype_arg, speculative_method
+from tokenmill.cli.common import add_precision_args, speculative_method
 
 
 def build_workload(args: argparse.Namespace, path: Path, threads: int) -> Workload:
@@ -64,6 +64,7 @@ def build_workload(args: argparse.Namespace, path: Path, threads: int) -> Worklo
         skip=args.skip,
         kv_cache_memory=args.kv_cache_memory,
         peer_batch_size=args.peer_batch_size,
+        activation_bits=getattr(args, "activation_bits", 16),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
     )
@@ -125,7 +126,7 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         "after each engine's first runs. --quick takes a few minutes.",
     )
     add_model_args(p)
-    add_kv_cache_dtype_arg(p)
+    add_precision_args(p)
     p.add_argument(
         "--shape",
         default=None,

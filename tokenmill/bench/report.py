@@ -136,6 +136,7 @@ def build_report(
             "seed": args.seed,
             "kv_cache_memory": work.kv_cache_memory,
             "peer_batch_size": work.peer_batch_size,
+            "activation_bits": work.activation_bits,
             "skip": work.skip,
         },
         "engines": engines,

@@ -31,7 +31,7 @@ class TokenmillRunner:
 
         start = time.perf_counter()
         # the workload's engine settings are LLM arguments of the same names
-        settings = ("dtype", "threads", "kv_cache_memory")
+        settings = ("dtype", "threads", "kv_cache_memory", "activation_bits")
         parallel = ("tensor_parallel_size", "pipeline_parallel_size")
         engine = {name: getattr(work, name) for name in (*settings, *parallel)}
         self.llm = LLM(work.model, enable_prefix_caching=False, **engine)

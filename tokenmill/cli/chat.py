@@ -34,7 +34,7 @@ COMMANDS = {
 
 
 def register(subparsers, add_model_args, add_sampling_args) -> None:
-    from tokenmill.cli.common import add_kv_cache_dtype_arg, add_speculative_args
+    from tokenmill.cli.common import add_precision_args, add_speculative_args
 
     p = subparsers.add_parser(
         "chat",
@@ -43,7 +43,7 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         "Type /help in the chat for its commands; /exit or Ctrl-D leaves.",
     )
     add_model_args(p)
-    add_kv_cache_dtype_arg(p)
+    add_precision_args(p)
     add_speculative_args(p)
     add_sampling_args(p, max_tokens=512)
     p.add_argument("--system", default=None, help="system message")

@@ -11,7 +11,7 @@ from typing import Any
 
 from tokenmill.cli.common import (
     _params,
-    add_kv_cache_dtype_arg,
+    add_precision_args,
     add_speculative_args,
     load_llm,
     stderr_console,
@@ -37,7 +37,7 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         "instruct model was trained to be used (tokenmill chat does this every turn)",
     )
     add_model_args(g)
-    add_kv_cache_dtype_arg(g)
+    add_precision_args(g)
     add_speculative_args(g)
     add_sampling_args(g, max_tokens=128)
     g.set_defaults(func=cmd_generate)

@@ -33,6 +33,7 @@ from tokenmill.dtypes import DTYPES, Q8_0
 from tokenmill.engine.kv_cache import KVCache
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.hub import resolve_model
+from tokenmill.layers.quant_linear import QuantLinear
 from tokenmill.loader import Checkpoint, LoadError, open_checkpoint
 from tokenmill.models.quantize import pick_scheme
 from tokenmill.models.transformer import Transformer
@@ -122,6 +123,28 @@ def kv_cache_torch_dtype(name: str, dtype: torch.dtype) -> torch.dtype | str:
     return dtype if name == "auto" else DTYPES[name]
 
 
+ACTIVATION_BITS = (8, 16)
+
+
+def set_activation_bits(net: torch.nn.Module, bits: int) -> None:
+    """What the packed layers quantize activations to, per 32-block, before the integer
+    dot: 16 bits (near float32: greedy tokens match the float model's) or 8 (llama.cpp's
+    q8 scheme: half the multiply-adds on VNNI CPUs, greedy tokens like llama.cpp's on the
+    same file). Every layer alike: the fused decode stack takes one precision."""
+    if bits not in ACTIVATION_BITS:
+        raise ParamError.named("activation_bits", f" must be 8 or 16, got {bits!r}")
+    packed = [m for m in net.modules() if isinstance(m, QuantLinear)]
+    if bits != 16 and not packed:
+        raise ParamError.named(
+            "activation_bits",
+            " 8 applies to weights packed for the CPU kernels (a GGUF file, or quantization "
+            "q8 / q4); this model's weights are floats, which multiply float32 activations",
+        )
+    for module in net.modules():
+        if hasattr(module, "act_bits"):
+            module.act_bits = bits
+
+
 def build(
     model: str | Path | None,
     *,
@@ -135,8 +158,11 @@ def build(
     progress: Callable[[int, int], None] | None,
     tensor_parallel_size: int,
     pipeline_parallel_size: int,
+    activation_bits: int = 16,
 ) -> EngineParts:
     """LLMEngine's parts for its constructor's arguments (documented there)."""
+    if activation_bits not in ACTIVATION_BITS:  # before loading
+        raise ParamError.named("activation_bits", f" must be 8 or 16, got {activation_bits!r}")
     if device == "cpu":
         torch.set_num_threads(threads or os.cpu_count() or 1)
     torch_device = torch.device(device)
@@ -155,6 +181,8 @@ def build(
             raise ParamError.named(
                 "kv_cache_dtype", " other than the activations' is not supported in parallel runs"
             )
+        if activation_bits != 16:
+            raise ParamError.named("activation_bits", " 8 is not supported in parallel runs")
         if _parallel_builder is None:
             raise RuntimeError(
                 "tensor_parallel_size/pipeline_parallel_size need the parallel runtime: "
@@ -168,6 +196,7 @@ def build(
     else:
         net = Transformer(config)
         net.load_weights(ckpt, dtype, progress, scheme)
+        set_activation_bits(net, activation_bits)
         net.to(torch_device).eval()
         cache = KVCache(config, block_size, kv_dtype, torch_device, kv_cache_memory)
         parts = ModelParts(net, cache, ModelRunner(net, cache, torch_device))

@@ -148,6 +148,7 @@ class LLMEngine:
         device: str = "cpu",
         kv_cache_memory: int | str | None = None,
         kv_cache_dtype: str = "auto",
+        activation_bits: int = 16,
         block_size: int = BLOCK_SIZE,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
@@ -167,6 +168,9 @@ class LLMEngine:
         kv_cache_dtype: "auto" (the activations' dtype), "float32", "float16", "bfloat16"
         or "q8_0" (llama.cpp's 8-bit blocks, 34 bytes per 32 values): what the KV cache
         stores (16 bits hold twice the tokens in the same memory, q8_0 3.76 times).
+        activation_bits: 16 (the default) or 8: what packed weights' kernels quantize
+        activations to (engine/build.py's set_activation_bits). 16 keeps greedy output
+        the float model's; 8 is llama.cpp's q8 scheme, faster where the CPU has VNNI.
         tensor_parallel_size / pipeline_parallel_size: run the model over that many
         processes (tokenmill/distributed: spawned on this machine, or torchrun's).
         speculative: "ngram", "draft:PATH", or {"method": "ngram", "k": 4,
@@ -177,7 +181,8 @@ class LLMEngine:
         spec_config = SpeculativeConfig.parse(speculative)  # a bad value fails before loading
         parts = build.build(
             model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory,
-            kv_cache_dtype=kv_cache_dtype, block_size=block_size, threads=threads,
+            kv_cache_dtype=kv_cache_dtype, activation_bits=activation_bits,
+            block_size=block_size, threads=threads,
             quantization=quantization,
             progress=progress, tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
@@ -185,6 +190,7 @@ class LLMEngine:
         self.path, self.device, self.dtype = parts.path, parts.device, parts.dtype
         self.config, self.tokenizer = parts.config, parts.tokenizer
         self.eos_token_ids, self.quantization = parts.eos_token_ids, parts.quantization
+        self.activation_bits = activation_bits
         run = parts.model
         self.model, self.cache, self.runner = run.model, run.cache, run.runner
         self.parallel = run.parallel  # the distributed Runtime of a run over ranks, or None
@@ -232,7 +238,9 @@ class LLMEngine:
     # ------------------------------------------------------------------
     def info(self) -> dict[str, str]:
         """What runs (engine/report.py): for /metrics' build info and the inspector."""
-        return report.info(self.path, self.device, self.dtype, self.quantization)
+        return report.info(
+            self.path, self.device, self.dtype, self.quantization, self.activation_bits
+        )
 
     def view(self) -> EngineView:
         """The read-only view a trace gets at the end of each step (engine/hooks.py)."""

@@ -35,7 +35,11 @@ def prefill_path(device: torch.device) -> kernels.LinearPath:
 
 
 def info(
-    path: Path, device: torch.device, dtype: torch.dtype, quantization: str | None
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: str | None,
+    activation_bits: int = 16,
 ) -> dict[str, str]:
     """What runs, one word each."""
     return {
@@ -46,6 +50,8 @@ def info(
         "weights": quantization or "torch",
         "kernels": kernels.isa() if device.type == "cpu" else "torch",
         "prefill": prefill_path(device).name,
+        # what packed weights' kernels quantize activations to (engine/build.py)
+        "activation_bits": str(activation_bits),
     }
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from tokenmill import hub
 from tokenmill.checks import ArgumentError
-from tokenmill.cli.common import add_kv_cache_dtype_arg, add_speculative_args, positive_int
+from tokenmill.cli.common import add_precision_args, add_speculative_args, positive_int
 from tokenmill.server.limits import ServerLimits
 
 # tokenizer/reasoning.py's PARSER_CHOICES, spelled out so that parsing the command line
@@ -85,7 +85,12 @@ def _byte_size(text: str) -> int:
 def register(subparsers, add_model_args, add_sampling_args) -> None:
     p = subparsers.add_parser(
         "serve",
-        help="serve the OpenAI API (completions, chat, streaming) over HTTP",
+        help="serve the OpenAI, Anthropic and Responses APIs and the inspector page over HTTP",
+        description="Serve models over HTTP: OpenAI's /v1/completions, /v1/chat/completions, "
+        "/v1/embeddings and /v1/responses, Anthropic's /v1/messages (streamed or not, with "
+        "tools, structured output and reasoning), /tokenize, /health and /metrics, and at / "
+        "the inspector page, which shows each request's pipeline as it runs. The banner "
+        "names both addresses.",
         conflict_handler="resolve",  # serve's --model below replaces the shared one
     )
     add_model_args(p)
@@ -230,7 +235,7 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         "gpt-oss's channels; 'auto' (the default) by the chat template (<think> or "
         "<|channel|>); 'none' leaves the thinking in content",
     )
-    add_kv_cache_dtype_arg(p)  # checked before loading by cli/common.model_facts
+    add_precision_args(p)  # checked before loading by cli/common.model_facts
     add_speculative_args(p)
     p.add_argument(
         "--log-level",
@@ -407,7 +412,7 @@ def _bind_error(host: str, address: tuple, e: OSError) -> ArgumentError:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from tokenmill.server.app import create_app
+    from tokenmill.server.app import STATIC_DIR, create_app
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -447,13 +452,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     )
     port = args.sockets[0].getsockname()[1]  # --port 0: the one the system picked
     shown = f"[{args.host}]" if ":" in args.host else args.host or "0.0.0.0"
+    base = f"http://{shown}:{port}"
     log.info(
-        "serving %s at http://%s:%d/v1 (request bodies up to %d bytes)",
-        name,
-        shown,
-        port,
-        app.state.max_body_bytes,
+        "serving %s at %s/v1 (request bodies up to %d bytes)", name, base, app.state.max_body_bytes
     )
+    if (STATIC_DIR / "index.html").is_file():  # the page that shows the pipeline as it runs
+        log.info("the inspector page: %s/", base)
     serve(app, served, args.sockets, limits, args.log_level)
 
 
