@@ -189,7 +189,7 @@ def test_stream_events_are_numbered_and_add_up_to_the_whole_answer(tiny):
         ({"frobnicate": 1}, "frobnicate", "Unrecognized request argument supplied: frobnicate"),
         ({"background": True}, "background", "not supported"),
         ({"input": []}, "input", "must not be empty"),
-        ({"input": 7}, "input", "valid list"),  # the words of every route
+        ({"input": 7}, "input", "JSON array"),  # the words of every route
         ({"input": [{"type": "input_image", "image_url": "x"}]}, "input", "'input_image'"),
         ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "input", "text only"),
         ({"input": [{"role": "robot", "content": "t1"}]}, "input", "'user'"),

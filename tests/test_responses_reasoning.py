@@ -237,3 +237,19 @@ def test_a_bad_reasoning_item_is_a_400_naming_it(served, item, words):
     assert error["param"] == "input", error  # the field, as every 400 of this route names it
     assert "input[1]" in error["message"] and words in error["message"], error
     assert "\n" not in error["message"] and "Traceback" not in answer.text
+
+
+def test_with_several_models_served_the_reasoning_is_split_too(tmp_path):
+    """A server holding several models has no one reasoning format: each model's is its
+    own (running.reasoning_of), and /v1/responses asks it as the chat route does."""
+    from server_fixture import running_server
+
+    thinking, second = tmp_path / "thinking", tmp_path / "second"
+    build_answering_model(thinking)
+    build_answering_model(second)
+    args = ("--model", str(thinking), "--model", str(second), "--kv-cache-memory", "512tok")
+    with running_server(*args, "--threads", "1") as url:
+        pair = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        response = pair.responses.create(input="t5 t6", **{**GREEDY, "model": "thinking"})
+        assert [item.type for item in response.output] == ["reasoning", "message"]
+        assert response.output_text == CONTENT

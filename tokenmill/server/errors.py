@@ -206,9 +206,25 @@ def pydantic_errors_to_api_error(errors: list[dict[str, Any]]) -> APIError:
     # A validator's own refusal (a lone surrogate) says more than "not a list" from the
     # other members of a union.
     refusals = [e for e in same_field if e["type"] == "value_error"]
-    shown = [e["msg"].removeprefix("Value error, ") for e in refusals or same_field]
+    shown = [_json_words(e) for e in refusals or same_field]
     messages = "; or ".join(dict.fromkeys(shown))
     return invalid(f"Invalid value for '{_path(common)}': {messages}", param)
+
+
+# The body is validated in pydantic's python mode, whose messages name Python types;
+# a client sent JSON, so it is told about arrays and objects.
+_JSON_TYPE_MESSAGES = {
+    "list_type": "Input should be a JSON array",
+    "dict_type": "Input should be a JSON object",
+    "model_type": "Input should be a JSON object",
+    "model_attributes_type": "Input should be a JSON object",
+}
+
+
+def _json_words(error: dict[str, Any]) -> str:
+    if error["type"] in _JSON_TYPE_MESSAGES:
+        return _JSON_TYPE_MESSAGES[error["type"]]
+    return error["msg"].removeprefix("Value error, ")
 
 
 def _without_body(loc: tuple) -> tuple:

@@ -878,7 +878,7 @@ async def create_response(
     max_model_len = engine.engine.max_model_len
     params = body.sampling_params(
         default_max_tokens=max(1, max_model_len - len(prompt_ids)),
-        reasoning=request.app.state.reasoning,  # the format answers are split by, or None
+        reasoning=running.reasoning_of(request),  # the format answers are split by, or None
     )
     check_fits(
         len(prompt_ids),
