@@ -6,12 +6,14 @@ parallel LLMs can follow one another in one process (issue 21 item 12)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -146,3 +148,24 @@ def test_parallel_llms_one_after_another(smollm_path, reference):
         second.close()
     assert all(_gone(pid) for pid in pids)
     second.close()  # idempotent
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_dropping_a_parallel_llm_frees_it(smollm_path, reference, kind):
+    """`del llm` of a parallel LLM frees it at once, as it frees a plain one: its workers
+    end and the next parallel LLM starts. The collector is off, so a reference cycle (or
+    an atexit hook holding the engine) would keep it alive and fail this."""
+    gc.disable()
+    try:
+        llm = LLM(smollm_path, kv_cache_memory="64MiB", **{kind: 2})
+        assert llm.generate(PROMPT, PARAMS)[0].text == reference
+        pids = [w.proc.pid for w in llm.engine.parallel.workers]
+        dropped = weakref.ref(llm)
+        del llm
+        assert dropped() is None, [type(r).__name__ for r in gc.get_referrers(dropped())]
+        assert all(_gone(pid) for pid in pids)
+        with LLM(smollm_path, kv_cache_memory="64MiB", **{kind: 2}) as again:
+            assert again.generate(PROMPT, PARAMS)[0].text == reference
+    finally:
+        gc.enable()

@@ -27,10 +27,10 @@ for offline use. Around the loop, each in its own module:
 
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -195,8 +195,12 @@ class LLMEngine:
         self.model, self.cache, self.runner = run.model, run.cache, run.runner
         self.parallel = run.parallel  # the distributed Runtime of a run over ranks, or None
         self.parallel_plan = run.parallel_plan
-        if self.parallel is not None:
-            atexit.register(self.close)
+        # The other ranks stop when this engine is closed, dropped or the process exits;
+        # the finalizer holds the runtime, not the engine, so dropping the last reference
+        # to the engine frees it (an atexit-registered bound method kept it alive).
+        self._stop_parallel = (
+            weakref.finalize(self, self.parallel.stop) if self.parallel is not None else None
+        )
         self._view: EngineView | None = None
 
         # ---- block manager, scheduler ----
@@ -231,9 +235,8 @@ class LLMEngine:
         """Stop the other ranks of a parallel run, wait for their processes to end and
         release the process group, so that another parallel engine can start in this
         process (nothing to do on one process). Idempotent."""
-        if self.parallel is not None:
-            self.parallel.stop()
-            atexit.unregister(self.close)
+        if self._stop_parallel is not None:
+            self._stop_parallel()  # runs once: later calls do nothing
 
     # ------------------------------------------------------------------
     def info(self) -> dict[str, str]:
