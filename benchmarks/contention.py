@@ -124,6 +124,7 @@ def main(argv: list[str]) -> None:
         configs["llama.cpp, 1 thread"] = ("llamacpp", 1, {})
     load_before = os.getloadavg()
     runs: dict[str, dict[str, list[float]]] = {n: {"quiet": [], "busy": []} for n in configs}
+    ttfts: dict[str, dict[str, list[float]]] = {n: {"quiet": [], "busy": []} for n in configs}
     with tempfile.TemporaryDirectory(prefix="tokenmill-contention-") as tmp:
         workers: dict[str, Worker] = {}
         try:
@@ -155,9 +156,10 @@ def main(argv: list[str]) -> None:
                             s = workers[name].call("latency p")
                             tps = (s["output_tokens"] - 1) / s["decode_s"]
                             runs[name][phase].append(tps)
+                            ttfts[name][phase].append(s["ttft_s"] * 1000)
                             print(
                                 f"contention: round {r + 1}/{args.rounds} {phase:5} "
-                                f"{name}: {tps:.1f} tok/s",
+                                f"{name}: {tps:.1f} tok/s, first token {s['ttft_s'] * 1000:.0f} ms",
                                 file=sys.stderr,
                                 flush=True,
                             )
@@ -167,19 +169,26 @@ def main(argv: list[str]) -> None:
             for worker in workers.values():
                 worker.close()
     load_after = os.getloadavg()
-    report(args, path, threads, runs, load_before, load_after)
+    report(args, path, threads, runs, ttfts, load_before, load_after)
 
 
-def report(args, path: Path, threads: int, runs, load_before, load_after) -> None:
+def report(args, path: Path, threads: int, runs, ttfts, load_before, load_after) -> None:
     med = {n: {ph: statistics.median(v) for ph, v in r.items()} for n, r in runs.items()}
+    ttft = {n: {ph: statistics.median(v) for ph, v in r.items()} for n, r in ttfts.items()}
     own_one = med["tokenmill, 1 thread"]["busy"]
+    own_one_ttft = ttft["tokenmill, 1 thread"]["busy"]
     print(
         f"\nmodel {path.name}, prompt {args.prompt_len} + {args.gen_len} greedy tokens, "
         f"{args.rounds} rounds, {args.busy} busy neighbour(s){' pinned' if args.pin else ''}, "
         f"niceness {os.nice(0)}, {os.cpu_count()} cores; load average {load_before[0]:.1f} before, "
         f"{load_after[0]:.1f} after\n"
     )
-    head = ("engine", "quiet tok/s", "busy tok/s", "busy / quiet", "busy / tokenmill 1 thread busy")
+    # ratios against tokenmill's one thread on the busy machine: above 1 is better
+    # (tok/s over tok/s; the first token's one-thread time over this engine's)
+    head = (
+        "engine", "quiet tok/s", "busy tok/s", "busy / quiet", "busy / 1 thread",
+        "quiet first token ms", "busy first token ms", "busy 1 thread / this",
+    )  # fmt: skip
     rows = [
         (
             n,
@@ -187,6 +196,9 @@ def report(args, path: Path, threads: int, runs, load_before, load_after) -> Non
             f"{m['busy']:.1f}",
             f"{m['busy'] / m['quiet']:.2f}x",
             f"{m['busy'] / own_one:.2f}x",
+            f"{ttft[n]['quiet']:.0f}",
+            f"{ttft[n]['busy']:.0f}",
+            f"{own_one_ttft / ttft[n]['busy']:.2f}x",
         )  # fmt: skip
         for n, m in med.items()
     ]
@@ -194,10 +206,12 @@ def report(args, path: Path, threads: int, runs, load_before, load_after) -> Non
     print("|---|" + "---:|" * (len(head) - 1))
     for row in rows:
         print("| " + " | ".join(row) + " |")
-    print("\nevery run, tok/s:")
+    print("\nevery run, tok/s; first token ms:")
     for n, r in runs.items():
+        t = ttfts[n]
         print(
             f"  {n}: quiet {[round(v, 1) for v in r['quiet']]}, busy {[round(v, 1) for v in r['busy']]}"
+            f"; quiet {[round(v) for v in t['quiet']]}, busy {[round(v) for v in t['busy']]}"
         )
     if args.json:
         out = {
@@ -208,6 +222,8 @@ def report(args, path: Path, threads: int, runs, load_before, load_after) -> Non
             "load_average_after": load_after,
             "runs": runs,
             "medians": med,
+            "first_token_ms": ttfts,
+            "first_token_medians_ms": ttft,
         }
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 

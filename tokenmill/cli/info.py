@@ -29,7 +29,7 @@ ENV_VARS = (
     "TOKENMILL_KERNELS",  # kernels/: 0 turns the native kernels off
     "TOKENMILL_MARCH",  # kernels/build.py: the -march the kernels are compiled for
     "TOKENMILL_REQUIRE_NATIVE",  # kernels/build.py: a failed kernel build raises
-    "TOKENMILL_ADAPTIVE_THREADS",  # kernels/: 0 keeps every parallel region at full threads
+    "TOKENMILL_ADAPTIVE_THREADS",  # 0: every region and step on the threads asked for
     "TOKENMILL_PREFETCH",  # kernels/linear.c: bytes of weights the GEMV prefetches ahead
     "TOKENMILL_FUSED_DECODE",  # models/paths.py: 0 turns the native decode paths off
     "TOKENMILL_DIST_TIMEOUT",  # distributed/runtime.py: seconds a collective may wait

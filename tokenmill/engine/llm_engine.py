@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.checks import ParamError
-from tokenmill.engine import build, inputs, report
+from tokenmill.engine import build, free_cores, inputs, report
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.build import load_tokenizer, model_eos_ids  # re-exported (the CLI)
 from tokenmill.engine.hooks import EngineView
@@ -195,6 +195,10 @@ class LLMEngine:
         self.model, self.cache, self.runner = run.model, run.cache, run.runner
         self.parallel = run.parallel  # the distributed Runtime of a run over ranks, or None
         self.parallel_plan = run.parallel_plan
+        # a parallel run's ranks keep the cores they were pinned to
+        self._threads_asked = (
+            torch.get_num_threads() if device == "cpu" and self.parallel is None else 1
+        )
         # The other ranks stop when this engine is closed, dropped or the process exits;
         # the finalizer holds the runtime, not the engine, so dropping the last reference
         # to the engine frees it (an atexit-registered bound method kept it alive).
@@ -434,6 +438,8 @@ class LLMEngine:
     # ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        if self._threads_asked > 1:  # no more threads than the machine leaves free
+            free_cores.machine().apply(self._threads_asked)
         chunks = self.scheduler.schedule()
         if not chunks:
             return self._reject_unschedulable()

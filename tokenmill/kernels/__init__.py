@@ -265,9 +265,7 @@ def library(quiet: bool = False) -> ctypes.CDLL | None:
             if os.environ.get("TOKENMILL_KERNELS", "1") != "0":
                 try:
                     _lib = load()
-                    _lib.tm_team_adapt(
-                        int(os.environ.get("TOKENMILL_ADAPTIVE_THREADS", "1") != "0")
-                    )
+                    _lib.tm_team_adapt(int(_adaptive))
                 except (BuildError, OSError) as e:
                     if require_native():
                         e.add_note("TOKENMILL_REQUIRE_NATIVE=1: no fallback to the torch path")
@@ -329,18 +327,32 @@ TEAM_STATS = (
 )
 
 
+# What tm_team_adapt was last given; engine/free_cores.py follows it too (it is read
+# every step, so it is kept here rather than asked of the library).
+_adaptive = os.environ.get("TOKENMILL_ADAPTIVE_THREADS", "1") != "0"
+
+
 def adaptive_threads(on: bool | None = None) -> bool:
-    """Whether parallel regions shrink their team after a stalled thread (team.c), and
+    """Whether parallel regions shrink their team after a stalled thread (team.c) and
+    engine steps run on the cores other processes leave free (engine/free_cores.py), and
     with `on`, set it (False: the fixed team, as before; the results are the same either
     way for the kernels; torch's own ops, whose thread count a shrunk team lowers too, may
     differ in the last bits). Returns the setting in force before the call; False without
     the library."""
+    global _adaptive
     lib = library()
     if lib is None:
         return False
     if on is None:
         return bool(team_stats()["adaptive"])
+    _adaptive = bool(on)
     return bool(lib.tm_team_adapt(int(on)))
+
+
+def threads_adapt() -> bool:
+    """adaptive_threads() without the library too (TOKENMILL_ADAPTIVE_THREADS or the last
+    adaptive_threads(on)): whether engine steps follow the free cores."""
+    return _adaptive
 
 
 def team_stats() -> dict[str, int]:
