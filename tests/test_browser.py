@@ -6,7 +6,9 @@ screenshot to test-artifacts/inspector.png for people to look at. Then the page'
 finish: the model's name and an explanation in every panel before the first message,
 "New chat" putting all of that back, plurals, bars wide enough for their labels, WCAG AA
 contrast on the highlight styles (computed from the rendered elements' styles), a
-resizable constraint box and the dark theme on every input.
+resizable constraint box and the dark theme on every input. And its layout at 1,400 and 900
+px (a header that stays in readable lines, diagram labels inside their boxes, a glyph for
+every character), and the speculation card only on a server that speculates.
 """
 
 from __future__ import annotations
@@ -295,8 +297,9 @@ CONTRAST = """(el) => {
   return worst;
 }"""
 
-# The explanation each panel shows before its first data, and whether its canvases are drawn.
-PANELS = """() => [...document.querySelectorAll('.inspector .card')].map((card) => {
+# The explanation each panel shows before its first data, and whether its canvases are drawn
+# (of the cards this server shows: the speculation card is hidden on one that does not speculate).
+PANELS = """() => [...document.querySelectorAll('.inspector .card:not([hidden])')].map((card) => {
   const body = [...card.children].filter((n) => n.tagName !== 'H2');
   const text = body.map((n) => n.offsetParent ? n.innerText : '').join(' ').trim();
   const canvases = [...card.querySelectorAll('canvas')].filter((c) => c.getClientRects().length);
@@ -595,6 +598,11 @@ def test_the_inspector_shows_speculative_guesses(browser, smollm_path: Path) -> 
             "Repeat this sentence exactly: The lighthouse keeper climbed the spiral stairs "
             "every evening at dusk and lit the great lamp.",
         )
+        # the page learned from GET /metrics that this server speculates: the card shows
+        # (with its method) before any answer
+        page.wait_for_selector("#card-spec[data-server=speculates]", timeout=30_000)
+        assert page.locator("#card-spec").is_visible()
+        assert "ngram" in page.locator("#spec-method").inner_text()
         page.click("#send")
         page.wait_for_selector("#phase.done", timeout=180_000)
         assert page.locator("#spec-steps").is_visible()  # the card has data, not its explanation
@@ -617,3 +625,135 @@ def test_the_inspector_shows_speculative_guesses(browser, smollm_path: Path) -> 
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "inspector-speculation.png"), full_page=True)
         assert not errors, errors
+
+
+# ---------------------------------------------------------------------------- layout and marks
+
+# The text lines an element's contents take on screen: its text's line boxes, told apart by
+# their top edges (spans of different sizes on one line start within a few pixels).
+LINES = """(el) => {
+  const range = document.createRange();
+  range.selectNodeContents(el);
+  const tops = [...range.getClientRects()].filter((r) => r.width > 0).map((r) => r.top);
+  tops.sort((a, b) => a - b);
+  return tops.filter((top, i) => i === 0 || top - tops[i - 1] > 6).length;
+}"""
+
+# Each pipeline stage's text and how far it lies inside its box, in the diagram's own units.
+STAGE_TEXTS = """() => [...document.querySelectorAll('.pipeline .stage text')].map((t) => {
+  const [box, text] = [t.parentNode.querySelector('rect').getBBox(), t.getBBox()];
+  return {text: t.textContent, left: text.x - box.x, right: box.x + box.width - text.x - text.width};
+})"""
+
+# The characters on the page drawn without a glyph: each non-ASCII character of the page's text,
+# drawn in its element's font, that comes out as the same picture as a code point no font has
+# (the "tofu" box Chromium draws for a missing glyph).
+MISSING_GLYPHS = """() => {
+  const draw = (ch, font) => {
+    const canvas = new OffscreenCanvas(48, 48);
+    const ctx = canvas.getContext('2d');
+    ctx.font = font;
+    ctx.fillStyle = '#fff';
+    ctx.fillText(ch, 4, 36);
+    return ctx.getImageData(0, 0, 48, 48).data.join(',');
+  };
+  const seen = new Map();
+  const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+    const parent = node.parentElement;
+    if (!parent || !parent.getClientRects().length) continue;  // not shown
+    const s = getComputedStyle(parent);
+    const font = `${s.fontStyle} ${s.fontWeight} 28px ${s.fontFamily}`;
+    for (const ch of node.textContent) {
+      if (ch.codePointAt(0) > 127 && ch.trim()) seen.set(ch + font, [ch, font]);
+    }
+  }
+  const missing = [];
+  for (const [ch, font] of seen.values()) {
+    if (draw(ch, font) === draw('\\u{10FFFD}', font)) missing.push(`U+${ch.codePointAt(0).toString(16)} in ${font}`);
+  }
+  return {checked: seen.size, missing};
+}"""
+
+
+def assert_header_readable(page) -> None:
+    """Every part of the header on whole lines: the brand, tagline and each number with its
+    label on one line each, the model line on at most three, none of them overlapping."""
+    lines = {}
+    for selector in (".brand .name", ".tagline", ".stat .label", ".stat .value", "#model-name"):
+        found = page.locator(selector)
+        for i in range(found.count()):
+            item = found.nth(i)
+            lines[f"{selector} {item.inner_text()!r}"] = item.evaluate(LINES)
+    one_line = {k: n for k, n in lines.items() if not k.startswith("#model-name")}
+    assert all(n == 1 for n in one_line.values()), f"the header wraps: {lines}"
+    model_lines = next(n for k, n in lines.items() if k.startswith("#model-name"))
+    assert model_lines <= 3, f"the model line wraps into a column: {lines}"
+    boxes = [
+        page.locator(s).bounding_box() for s in (".brand", "#model-name", ".stats")
+    ]  # fmt: skip
+    assert boxes[1]["width"] >= 280, f"the model line is squeezed: {boxes[1]}"
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            apart = (
+                a["x"] + a["width"] <= b["x"] + 0.5
+                or b["x"] + b["width"] <= a["x"] + 0.5
+                or a["y"] + a["height"] <= b["y"] + 0.5
+                or b["y"] + b["height"] <= a["y"] + 0.5
+            )
+            assert apart, f"header items overlap: {a} {b}"
+    width = page.evaluate("() => [document.documentElement.scrollWidth, innerWidth]")
+    assert width[0] <= width[1], f"the page is wider than the window: {width}"
+
+
+def assert_stage_texts_inside(page) -> None:
+    for stage in page.evaluate(STAGE_TEXTS):
+        assert min(stage["left"], stage["right"]) >= 2, f"a diagram label sticks out: {stage}"
+
+
+def assert_every_glyph_drawn(page) -> None:
+    glyphs = page.evaluate(MISSING_GLYPHS)
+    assert glyphs["checked"] >= 5  # ◆, ·, –, ␣, ↵ at least
+    assert not glyphs["missing"], f"drawn as an empty box: {glyphs['missing']}"
+
+
+@pytest.mark.parametrize("width", [1400, 900])
+def test_layout_at_1400_and_900_px(browser, server: str, width: int) -> None:
+    """The page at a wide and a narrow window: the header stays in readable lines (at 900 px
+    it wrapped into a one-word column), every diagram label lies inside its box ("Append, feed
+    back" stuck out of it), the stop token's mark is drawn (U+23F9 was an empty box), and the
+    speculation card is hidden on this server, which does not speculate. Saves a screenshot
+    of each width."""
+    page = browser.new_page(viewport={"width": width, "height": 1000})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(server + "/")
+    shown_model(page, server)
+    page.wait_for_selector("#card-spec[data-server]", state="attached", timeout=30_000)
+    assert page.locator("#card-spec").get_attribute("data-server") == "no speculation"
+    assert not page.locator("#card-spec").is_visible()
+    assert_header_readable(page)
+    assert_stage_texts_inside(page)
+    assert_every_glyph_drawn(page)
+
+    ask(page, "What is the capital of France?", 40)
+    answer = page.locator(".bubble.assistant")
+    stop = answer.locator(".tok.stop")
+    assert stop.count() == 1, "the answer did not end with its stop token"
+    mark = stop.locator(".stop-mark")
+    box = mark.bounding_box()
+    assert box and box["width"] >= 5 and box["height"] >= 5, box
+    paint = mark.evaluate("e => getComputedStyle(e).backgroundColor")
+    assert paint not in ("transparent", "rgba(0, 0, 0, 0)"), paint
+    assert answer.locator(".cut-mark").count() == 0  # it stopped: nothing was cut
+    assert not page.locator("#seq-scroll").is_visible()  # a short prompt: no scrolling
+    stop.click()  # the cards now show the stop token: its text and the candidates'
+    page.locator("#alternatives .cand").first.wait_for()
+    assert not page.locator("#card-spec").is_visible()
+    # the model line is longer once an answer has told the model's shape
+    assert_header_readable(page)
+    assert_stage_texts_inside(page)  # the stage boxes' second lines, set by the answer
+    assert_every_glyph_drawn(page)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"inspector-{width}px.png"), full_page=True)
+    assert not errors, errors

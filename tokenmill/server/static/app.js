@@ -132,10 +132,13 @@ function newRun(bubble) {
     summary: null,
     selected: null, // position the user clicked; null follows the newest token
     bubble, // the assistant bubble it writes
+    request: null, // the body it was asked with (settings, messages)
   };
 }
 
 let servedName = null; // the model's name from GET /v1/models (before any answer)
+let speculation = null; // the chosen model's speculative method, from GET /metrics; null: none
+let untraced = new AbortController(); // the untraced re-run timing the last traced answer
 let live = newRun(null); // the answer being streamed: the diagram follows it
 let run = live; // the answer the cards show (clicking an older answer's token switches)
 const runs = new WeakMap(); // assistant bubble -> its run
@@ -249,8 +252,11 @@ function addGenerated(step, index) {
     };
     // an accepted guess already ran as an input row of this very step
     if (guessed) live.tokens[pos].inputStep = index;
-    const span = el("span", "tok fresh", s.is_stop ? ` ⏹ ${s.token_text}` : s.text);
-    if (s.is_stop) span.classList.add("stop");
+    const span = el("span", "tok fresh", s.is_stop ? "" : s.text);
+    if (s.is_stop) {
+      span.classList.add("stop");
+      span.append(" ", el("span", "stop-mark"), s.token_text);
+    }
     if (guessed) span.classList.add("guessed");
     span.dataset.pos = pos;
     span.title = `${quoted(s.token_text)} · id ${s.token} · p = ${pct(s.prob)}` +
@@ -318,9 +324,14 @@ function shapesOf(step) {
   };
 }
 
+/** Set a stage box's second line, shortened with "…" until it fits inside its box. */
 function setShape(stage, text) {
-  document.querySelector(`[data-shape="${stage}"]`).textContent =
-    text.length > 20 ? `${text.slice(0, 19)}…` : text;
+  const node = document.querySelector(`[data-shape="${stage}"]`);
+  const room = node.parentNode.querySelector("rect").width.baseVal.value - 10;
+  node.textContent = text;
+  for (let keep = text.length - 1; keep > 0 && node.getComputedTextLength() > room; keep -= 1) {
+    node.textContent = `${text.slice(0, keep)}…`;
+  }
 }
 
 /** Light the stages of one step; in slow motion one at a time. `onDetok` runs when the
@@ -735,6 +746,7 @@ function renderTiming() {
 function renderSpeculation() {
   const verify = run.steps.filter((s) => s.phase === "verify");
   $("card-spec").classList.toggle("has-data", verify.length > 0); // else its explanation
+  showSpecCard();
   if (!verify.length) return;
   const list = $("spec-steps");
   list.replaceChildren();
@@ -961,6 +973,43 @@ async function showServedModel() {
   } catch (err) {
     line.textContent = `model: unknown (GET /v1/models failed: ${err.message})`;
   }
+  await learnSpeculation();
+}
+
+/** Whether the chosen model speculates, from GET /metrics (open even behind an API key): a
+ *  speculating engine reports tokenmill_spec_decode_* series labelled with its method, one
+ *  that does not has none. A model not loaded yet reports nothing: its card shows once an
+ *  answer has verification steps. */
+async function learnSpeculation() {
+  speculation = null;
+  try {
+    const response = await fetch("/metrics");
+    if (response.ok) {
+      const chosen = $("model-picker").value;
+      for (const line of (await response.text()).split("\n")) {
+        const series = /^tokenmill_spec_decode_num_drafts_total\{([^}]*)\}/.exec(line);
+        if (!series) continue;
+        const labels = Object.fromEntries(
+          [...series[1].matchAll(/(\w+)="((?:[^"\\]|\\.)*)"/g)].map(([, k, v]) => [k, v]),
+        );
+        // one model: no model label; several: the chosen one's
+        if (labels.model === undefined || labels.model === chosen) speculation = labels.method ?? "";
+      }
+    }
+  } catch {
+    // no /metrics to read: the card shows if an answer verifies guesses
+  }
+  $("card-spec").dataset.server = speculation === null ? "no speculation" : "speculates";
+  showSpecCard();
+}
+
+/** The speculative-decoding card only where it can ever show something: on a server that
+ *  speculates, or for an answer that verified guesses. */
+function showSpecCard() {
+  const verified = run.steps.some((s) => s.phase === "verify");
+  $("card-spec").hidden = speculation === null && !verified;
+  const method = speculation || run.steps.find((s) => s.speculation)?.speculation.method;
+  $("spec-method").textContent = `${method ? `${method}: ` : ""}guesses verified in one step`;
 }
 
 /** The header's line for a model card: its context, or that it loads on first use. */
@@ -991,6 +1040,7 @@ function fillModelPicker(cards) {
     const card = cards.find((c) => c.id === picker.value);
     servedName = card.id;
     if (!live.header && !run.header) showCard(card);
+    learnSpeculation();
   };
 }
 
