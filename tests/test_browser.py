@@ -8,7 +8,8 @@ finish: the model's name and an explanation in every panel before the first mess
 contrast on the highlight styles (computed from the rendered elements' styles), a
 resizable constraint box and the dark theme on every input. And its layout at 1,400 and 900
 px (a header that stays in readable lines, diagram labels inside their boxes, a glyph for
-every character), and the speculation card only on a server that speculates.
+every character), "What the model reads" showing that it scrolls, and the speculation card
+only on a server that speculates.
 """
 
 from __future__ import annotations
@@ -756,4 +757,33 @@ def test_layout_at_1400_and_900_px(browser, server: str, width: int) -> None:
     assert_every_glyph_drawn(page)
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"inspector-{width}px.png"), full_page=True)
+    assert not errors, errors
+
+
+def test_a_long_prompt_scrolls_with_a_hint(browser, server: str) -> None:
+    """ "What the model reads" scrolls inside its card: the edge with more tokens past it
+    fades and a note under the list says it scrolls (nothing showed it did), and the newest
+    token is kept in view."""
+    page, errors = open_inspector(browser, server)
+    shown_model(page, server)
+    ask(page, "Summarize this: " + "the keeper climbed the stairs and lit the lamp. " * 20, 2)
+    box = page.locator("#sequence")
+    assert box.evaluate("e => e.scrollHeight > e.clientHeight + 20"), "the list does not scroll"
+    hint = page.locator("#seq-scroll")
+    assert hint.is_visible()
+    # following the answer: scrolled to its newest token, the start of the list above
+    assert "scroll up" in hint.inner_text()
+    newest = page.locator("#sequence .chip").last
+    inside = newest.evaluate(
+        """c => { const [a, b] = [c.getBoundingClientRect(), c.parentNode.getBoundingClientRect()];
+                  return a.top >= b.top - 1 && a.bottom <= b.bottom + 1; }"""
+    )
+    assert inside, "the newest token is scrolled out of view"
+    assert "more-above" in box.get_attribute("class")
+    assert box.evaluate("e => getComputedStyle(e).maskImage") != "none"
+    box.evaluate("e => { e.scrollTop = 0; e.dispatchEvent(new Event('scroll')); }")
+    page.wait_for_function(
+        "() => document.getElementById('seq-scroll').innerText.includes('below')"
+    )
+    assert "more-below" in box.get_attribute("class")
     assert not errors, errors

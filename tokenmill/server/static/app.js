@@ -410,6 +410,30 @@ function renderSequence() {
   const generated = run.tokens.filter((t) => t.generated).length;
   $("seq-count").textContent =
     `${plural(run.tokens.length - generated, "prompt token")} (chat template included) + ${generated} generated`;
+  // keep the focused token (the newest one, or the clicked one) in the list's view
+  const chip = box.querySelector(".chip.selected");
+  if (chip) {
+    const [c, b] = [chip.getBoundingClientRect(), box.getBoundingClientRect()];
+    if (c.bottom > b.bottom) box.scrollTop += c.bottom - b.bottom + 30;
+    else if (c.top < b.top) box.scrollTop -= b.top - c.top + 30;
+  }
+  markScroll();
+}
+
+/** A list longer than its card scrolls: fade the edges with more tokens past them and say so
+ *  under the list (without this nothing showed that there was more). */
+function markScroll() {
+  const box = $("sequence");
+  const more = box.scrollHeight - box.clientHeight > 1;
+  const below = more && box.scrollTop + box.clientHeight < box.scrollHeight - 1;
+  const above = more && box.scrollTop > 1;
+  box.classList.toggle("more-below", below);
+  box.classList.toggle("more-above", above);
+  const hint = $("seq-scroll");
+  hint.hidden = !more;
+  hint.textContent = !more ? "" : below
+    ? `The list scrolls: ${plural(run.tokens.length, "token")} in all, more below.`
+    : `The list scrolls: ${plural(run.tokens.length, "token")} in all, scroll up for the first ones.`;
 }
 
 function markSelected() {
@@ -1202,6 +1226,7 @@ $("reset").addEventListener("click", () => {
 
 $("messages").addEventListener("click", onTokenClick);
 $("sequence").addEventListener("click", onTokenClick);
+$("sequence").addEventListener("scroll", markScroll);
 window.addEventListener("resize", () => run.header && renderAll());
 
 // The constraint box shows once a kind is chosen, with an example of that kind.
