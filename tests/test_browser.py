@@ -8,8 +8,9 @@ finish: the model's name and an explanation in every panel before the first mess
 contrast on the highlight styles (computed from the rendered elements' styles), a
 resizable constraint box and the dark theme on every input. And its layout at 1,400 and 900
 px (a header that stays in readable lines, diagram labels inside their boxes, a glyph for
-every character), "What the model reads" showing that it scrolls, and the speculation card
-only on a server that speculates.
+every character), cards that reset when a new answer starts, a mark on an answer cut at
+max_tokens, the untraced speed beside the traced one, and the speculation card only on a
+server that speculates.
 """
 
 from __future__ import annotations
@@ -372,7 +373,7 @@ def assert_empty_inspector(page, model: str) -> None:
         assert panel["canvases"] == 0, f"the {panel['title']} panel draws an empty canvas"
     assert page.locator("#sequence .chip, .cand, #kv-blocks .slot, #layers .layer-row").count() == 0
     assert page.locator("#phase").inner_text().lower() == "idle"
-    assert page.locator(".stats .value").all_inner_texts() == ["–", "–", "–"]
+    assert page.locator(".stats .value").all_inner_texts() == ["–", "–", "–", "–"]
     assert "generated" not in page.locator("#phase-detail").inner_text()
 
 
@@ -718,6 +719,20 @@ def assert_every_glyph_drawn(page) -> None:
     assert not glyphs["missing"], f"drawn as an empty box: {glyphs['missing']}"
 
 
+def held_requests(page, pattern: str) -> list:
+    """The requests to `pattern` from now on, held (not sent on) until the test continues them."""
+    held: list = []
+    page.route(pattern, lambda route: held.append(route))
+    return held
+
+
+def wait_for(page, found: list, what: str) -> None:
+    deadline = time.monotonic() + 60
+    while not found and time.monotonic() < deadline:
+        page.wait_for_timeout(50)  # lets the page (and its route handlers) run
+    assert found, f"no {what} came"
+
+
 @pytest.mark.parametrize("width", [1400, 900])
 def test_layout_at_1400_and_900_px(browser, server: str, width: int) -> None:
     """The page at a wide and a narrow window: the header stays in readable lines (at 900 px
@@ -757,6 +772,86 @@ def test_layout_at_1400_and_900_px(browser, server: str, width: int) -> None:
     assert_every_glyph_drawn(page)
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"inspector-{width}px.png"), full_page=True)
+    assert not errors, errors
+
+
+def test_a_new_request_resets_the_cards(browser, server: str) -> None:
+    """Until a new answer's first step arrives (a long prompt's prefill takes a while), the
+    cards showed the previous answer's tokens, candidates, cache and speed as if they were
+    the new one's. The /v1/inspect request is held, so the page waits there as long as the
+    test looks."""
+    page, errors = open_inspector(browser, server)
+    model = shown_model(page, server)
+    ask(page, "What is the capital of France?", 6)
+    page.locator(".bubble.assistant .tok").first.click()
+    page.locator("#alternatives .cand").first.wait_for()
+    assert page.locator("#sequence .chip").count() > 0
+
+    held = held_requests(page, "**/v1/inspect")
+    page.fill("#prompt", "And of Italy?")
+    page.click("#send")
+    wait_for(page, held, "/v1/inspect request")
+    assert page.locator("#sequence .chip, .cand, #kv-blocks .slot, #layers .layer-row").count() == 0
+    assert page.locator(".inspector .card.has-data").count() == 0
+    assert page.locator(".stats .value").all_inner_texts() == ["–", "–", "–", "–"]
+    assert page.locator("#phase").inner_text().lower() == "sent"
+    assert "prefill" in page.locator("#phase-detail").inner_text()
+    assert model in page.locator("#model-name").inner_text()
+    held[0].continue_()
+    page.unroute("**/v1/inspect")
+    page.locator(".bubble.assistant").nth(1).locator(".meta").wait_for(timeout=180_000)
+    assert page.locator("#sequence .chip").count() > 0
+    assert "Italy" in page.locator("#sequence").inner_text()
+    assert not errors, errors
+
+
+def test_cut_answers_are_marked_and_the_untraced_speed_shown(browser, server: str) -> None:
+    """An answer that ran out of max_tokens says so in its bubble (traced and plain), and the
+    traced decode speed, taken on the slow traced path, is labelled traced, with the speed of
+    the same request sent again untraced beside it (the page showed 16-45 tok/s where the
+    CLI makes 56-140, and a user took the engine to be slow)."""
+    page, errors = open_inspector(browser, server)
+    shown_model(page, server)
+    posts: list[tuple[str, dict]] = []
+    page.on(
+        "request",
+        lambda r: posts.append((r.url, json.loads(r.post_data))) if r.method == "POST" else None,
+    )
+    labels = page.locator(".stat .label").all_inner_texts()
+    assert [label.lower() for label in labels[1:3]] == ["decode, traced", "decode, untraced"]
+
+    ask(page, "Write a long story about a dragon.", 5)
+    answer = page.locator(".bubble.assistant")
+    cut = answer.locator(".cut-mark")
+    assert cut.is_visible()
+    assert cut.inner_text() == "cut at max_tokens = 5"
+    assert "finish reason: length" in page.locator("#phase-detail").inner_text()
+    speed = re.compile(r"^\d+\.\d tok/s$")
+    page.wait_for_function(
+        "() => /tok\\/s/.test(document.getElementById('stat-plain').innerText)", timeout=60_000
+    )
+    assert speed.match(page.locator("#stat-tps").inner_text())
+    assert speed.match(page.locator("#stat-plain").inner_text())
+    meta = answer.locator(".meta").inner_text()
+    assert re.search(r"\d tok/s traced · \d+\.\d tok/s untraced$", meta), meta
+    # the untraced figure is the same request, sent as a plain chat completion
+    traced = [body for url, body in posts if url.endswith("/v1/inspect")]
+    plain = [body for url, body in posts if url.endswith("/v1/chat/completions")]
+    assert len(traced) == 1 and len(plain) == 1, posts
+    assert plain[0]["messages"] == traced[0]["messages"]
+    assert plain[0]["max_tokens"] == 5 and plain[0]["temperature"] == traced[0]["temperature"]
+
+    # tracing off: the plain answer is marked the same way, and its speed is the untraced one
+    page.uncheck("#trace")
+    page.fill("#max_tokens", "3")
+    page.fill("#prompt", "Tell me more.")
+    page.click("#send")
+    second = page.locator(".bubble.assistant").nth(1)
+    second.locator(".meta").wait_for(timeout=180_000)
+    assert second.locator(".cut-mark").inner_text() == "cut at max_tokens = 3"
+    assert speed.match(page.locator("#stat-plain").inner_text())
+    assert page.locator("#stat-tps").inner_text() == "–"  # nothing was traced
+    assert "untraced" in second.locator(".meta").inner_text()
     assert not errors, errors
 
 

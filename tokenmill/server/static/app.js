@@ -5,7 +5,9 @@
 // a "start" event (model shape, prompt tokens), one "step" event per engine step
 // (prefill, then one per decoded token), then "done". Events go through a small
 // player so that, in slow motion, each step walks the pipeline diagram stage by stage.
-// Plain chat (tracing off) uses the OpenAI-style /v1/chat/completions stream.
+// Plain chat (tracing off) uses the OpenAI-style /v1/chat/completions stream. A traced
+// step runs the slow unfused path, so after each traced answer the same request is sent
+// once more untraced to show the engine's own decode speed beside the traced one.
 
 // ------------------------------------------------------------------ helpers
 
@@ -231,11 +233,23 @@ function onDone(event) {
   renderStats();
   if (run === live) renderTiming();
   const s = event.summary;
+  if (event.finish_reason === "length") live.bubble.append(cutMark(n, live.request.max_tokens));
   const meta = el("span", "meta");
   meta.textContent =
     `${plural(n, "token")} · first token after ${fmtMs(s.time_to_first_token_ms)}` +
-    (s.decode_tokens_per_s ? ` · ${s.decode_tokens_per_s.toFixed(1)} tok/s` : "");
+    (s.decode_tokens_per_s ? ` · ${s.decode_tokens_per_s.toFixed(1)} tok/s traced` : "");
   live.bubble.append(meta);
+  timeUntraced(live, meta);
+}
+
+/** The mark of an answer that ran out of room (finish_reason "length"): its max_tokens, or
+ *  the model's context. Without it such an answer just stopped mid-sentence. */
+function cutMark(generated, maxTokens) {
+  const atMax = generated >= maxTokens;
+  const mark = el("span", "cut-mark", atMax ? `cut at max_tokens = ${maxTokens}` : "cut: the context is full");
+  mark.title = "finish_reason: length: the answer did not end, it ran out of tokens" +
+    (atMax ? "; raise max tokens in the settings for a longer one" : "");
+  return mark;
 }
 
 /** Append the step's token(s) to the answer: one, or a verification's accepted guesses
@@ -386,6 +400,7 @@ function renderStats() {
   if (!s) return;
   $("stat-ttft").textContent = s.time_to_first_token_ms != null ? fmtMs(s.time_to_first_token_ms) : "–";
   $("stat-tps").textContent = s.decode_tokens_per_s ? `${s.decode_tokens_per_s.toFixed(1)} tok/s` : "–";
+  $("stat-plain").textContent = "–"; // until the untraced re-run has timed this answer
   const kv = live.steps.at(-1)?.kv;
   if (kv) $("stat-kv").textContent = `${kv.tokens} tok · ${fmtBytes(kv.bytes)}`;
 }
@@ -1071,7 +1086,7 @@ function fillModelPicker(cards) {
 // What the inspector shows before the first answer, taken from index.html as the page loads,
 // so that "New chat" puts back exactly that.
 const PRISTINE = [
-  "phase", "phase-detail", "stat-ttft", "stat-tps", "stat-kv", "sequence", "seq-count",
+  "phase", "phase-detail", "stat-ttft", "stat-tps", "stat-plain", "stat-kv", "sequence", "seq-count",
   "choice-where", "choice-title", "funnel", "alternatives", "att-where", "heads", "att-hover",
   "att-top", "kv-text", "kv-blocks", "kv-pool-text", "timing-text", "token-where", "token-detail",
   "layers-where", "layers",
@@ -1080,8 +1095,16 @@ const PRISTINE_SHAPES = [...document.querySelectorAll("[data-shape]")].map((n) =
 
 /** Back to the empty inspector: no answer's numbers, maps or tokens left anywhere. */
 function clearInspector() {
+  untraced.abort();
   player.queue.length = 0;
   live = run = newRun(null);
+  resetCards();
+}
+
+/** The cards and numbers as before the first answer. A new request starts here too: until
+ *  its first step arrives (a long prompt's prefill takes a while) the cards showed the
+ *  previous answer as if it were this one's. */
+function resetCards() {
   for (const [node, html, className] of PRISTINE) {
     node.innerHTML = html;
     node.className = className;
@@ -1096,16 +1119,26 @@ function clearInspector() {
   }
   $("heatmap").onmousemove = null;
   document.querySelectorAll(".inspector .card").forEach((c) => c.classList.remove("has-data"));
+  $("sequence").scrollTop = 0;
+  markScroll();
+  showSpecCard();
 }
 
 async function inspectAnswer(bubble) {
   live = run = newRun(bubble);
   runs.set(bubble, live);
+  resetCards();
+  $("phase").textContent = "sent";
+  $("phase-detail").textContent = "waiting for the engine's first step: the prompt's prefill";
+  // kept for the untraced re-run: the same messages, settings and constraint
+  live.request = { ...settings(), ...guided(), messages: [...history] };
   const response = await fetch("/v1/inspect", {
     method: "POST",
     signal: conversation.signal,
     headers: apiHeaders(),
-    body: JSON.stringify({ ...settings(), ...constraint(), messages: history, head: null, stream: true }),
+    body: JSON.stringify({
+      ...settings(), ...constraint(), messages: live.request.messages, head: null, stream: true,
+    }),
   });
   if (!response.ok) throw new Error(await errorMessage(response));
   let text = "";
@@ -1120,50 +1153,112 @@ async function inspectAnswer(bubble) {
   return text;
 }
 
-async function plainAnswer(bubble) {
-  const { layer, ...params } = settings();
-  $("phase").className = "phase idle";
-  $("phase").textContent = "not traced";
-  $("phase-detail").textContent = "plain chat: the cards below still show the last traced answer";
+/** Stream one plain (untraced) chat answer to `request` (settings, messages and a constraint
+ *  in /v1/chat/completions' names). onDelta(kind, text) gets each piece of content or reasoning; onTiming(rate) the decode rate so far. Returns {text, finish, tokens, rate}:
+ *  rate is the tokens after the first over the time from the first to the last chunk, in
+ *  tokens/s (null for an answer of one token), from the usage the server reports. */
+async function plainStream(request, signal, onDelta = () => {}, onTiming = () => {}) {
+  const { layer, ...params } = request;
   const started = performance.now();
   const response = await fetch("/v1/chat/completions", {
     method: "POST",
-    signal: conversation.signal,
+    signal,
     headers: apiHeaders(),
-    body: JSON.stringify({ ...params, ...guided(), messages: history, stream: true }),
+    body: JSON.stringify({
+      ...params, stream: true, stream_options: { include_usage: true },
+    }),
   });
   if (!response.ok) throw new Error(await errorMessage(response));
   let text = "";
   let first = null;
+  let last = null;
   let chunks = 0;
-  let thinking = null; // a reasoning model's thinking, folded in a <details> above the answer
+  let finish = null;
+  let tokens = null;
   for await (const chunk of readEvents(response)) {
     if (chunk.error) throw new Error(chunk.error.message);
-    const reasoning = chunk.choices?.[0]?.delta?.reasoning_content;
-    if (reasoning) {
+    const choice = chunk.choices?.[0];
+    if (choice?.finish_reason) {
+      finish = choice.finish_reason;
+      last = performance.now();
+    }
+    if (chunk.usage) tokens = chunk.usage.completion_tokens;
+    const reasoning = choice?.delta?.reasoning_content;
+    if (reasoning) onDelta("reasoning", reasoning);
+    const delta = choice?.delta?.content;
+    if (!delta) continue;
+    first ??= performance.now();
+    chunks += 1;
+    text += delta;
+    onDelta("content", delta, first - started);
+    const elapsed = (performance.now() - first) / 1000;
+    if (chunks > 1 && elapsed > 0) onTiming((chunks - 1) / elapsed);
+  }
+  const span = first != null && last != null ? (last - first) / 1000 : 0;
+  const rate = tokens > 1 && span > 0 ? (tokens - 1) / span : null;
+  return { text, finish, tokens, rate };
+}
+
+const tokPerS = (rate) => `${rate.toFixed(1)} tok/s`;
+
+async function plainAnswer(bubble) {
+  live = run = newRun(null);
+  resetCards();
+  $("phase").textContent = "not traced";
+  $("phase-detail").textContent =
+    "plain chat: nothing to draw (click a traced answer's token to inspect that one again)";
+  const request = { ...settings(), ...guided(), messages: [...history] };
+  let thinking = null; // a reasoning model's thinking, folded in a <details> above the answer
+  const onDelta = (kind, text, firstMs) => {
+    if (kind === "reasoning") {
       if (!thinking) {
         const details = el("details", "thinking");
         details.append(el("summary", "", "thinking"));
         thinking = details.appendChild(el("span", "thought"));
         bubble.append(details);
       }
-      thinking.textContent += reasoning;
+      thinking.textContent += text;
+      return;
     }
-    const delta = chunk.choices?.[0]?.delta?.content;
-    if (!delta) continue;
-    first ??= performance.now();
-    chunks += 1;
-    text += delta;
-    bubble.append(el("span", "tok", delta));
-    $("stat-ttft").textContent = fmtMs(first - started);
-    const elapsed = (performance.now() - first) / 1000;
-    if (chunks > 1 && elapsed > 0) $("stat-tps").textContent = `${((chunks - 1) / elapsed).toFixed(1)} tok/s`;
+    bubble.append(el("span", "tok", text));
+    $("stat-ttft").textContent = fmtMs(firstMs);
+  };
+  const onTiming = (rate) => ($("stat-plain").textContent = tokPerS(rate));
+  const answer = await plainStream(request, conversation.signal, onDelta, onTiming);
+  if (answer.rate) $("stat-plain").textContent = tokPerS(answer.rate);
+  if (answer.finish === "length") bubble.append(cutMark(answer.tokens ?? 0, request.max_tokens));
+  bubble.append(el("span", "meta",
+    "plain chat" + (answer.rate ? ` · ${tokPerS(answer.rate)} untraced` : "") +
+      " · turn tracing on to inspect the engine"));
+  return answer.text;
+}
+
+/** The engine's own decode speed for a traced answer: the same request sent again without a
+ *  trace (at most UNTRACED_TOKENS), timed, and shown beside the traced speed. Tracing runs
+ *  every step on the slow unfused path, so the traced figure alone read as a slow engine. */
+const UNTRACED_TOKENS = 64;
+
+async function timeUntraced(owner, meta) {
+  untraced.abort();
+  untraced = new AbortController();
+  const { signal } = untraced;
+  const request = { ...owner.request, max_tokens: Math.min(owner.request.max_tokens, UNTRACED_TOKENS) };
+  $("stat-plain").textContent = "timing…";
+  $("stat-plain").title = "";
+  try {
+    const { rate } = await plainStream(request, signal);
+    if (signal.aborted || owner !== live) return;
+    $("stat-plain").textContent = rate ? tokPerS(rate) : "–";
+    if (rate) meta.textContent += ` · ${tokPerS(rate)} untraced`;
+  } catch (err) {
+    if (signal.aborted || owner !== live) return;
+    $("stat-plain").textContent = "–";
+    $("stat-plain").title = `the untraced re-run failed: ${err.message}`;
   }
-  bubble.append(el("span", "meta", "plain chat: turn tracing on to inspect the engine"));
-  return text;
 }
 
 async function send(text) {
+  untraced.abort(); // the last answer's untraced re-run must not share the engine with this one
   $("send").disabled = true;
   const { signal } = conversation;
   history.push({ role: "user", content: text });
