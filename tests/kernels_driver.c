@@ -146,6 +146,43 @@ static void six_bit_cases(void) {
     }
 }
 
+/* 5-bit codes (GGUF Q5_0 / Q5_1 / Q5_K): rows of whole groups, float16 scales with and
+ * without mins, and K-quant scale codes */
+static void five_bit_cases(void) {
+    for (int kind = 0; kind < 3; kind++) /* 0: Z = 16, 1: mins, 2: K-quant scales and mins */
+        for (int ki = 1; ki <= 3; ki += 2) {
+            const int k = 256 * ki, n = 9, nb = k / 32;
+            tm_weight w = {fill_bytes((size_t)n * k * 5 / 8), NULL, NULL, 5, 1, n, k};
+            if (kind < 2) {
+                w.scales = fill_scales((size_t)n * nb, 1, 0.01f);
+                w.mins = kind ? fill_scales((size_t)n * nb, 1, 0.01f) : NULL;
+            } else {
+                uint8_t *sc = fill_bytes((size_t)n * nb), *mc = fill_bytes((size_t)n * nb);
+                for (int i = 0; i < n * nb; i++) sc[i] &= 63, mc[i] &= 63;
+                w.scales = sc, w.mins = mc, w.scale_f16 = 0;
+                w.dsup = fill_scales((size_t)n * k / 256, 1, 1e-3f), w.msup = fill_scales((size_t)n * k / 256, 1, 1e-3f);
+            }
+            char name[64];
+            for (int t = 1; t <= 5; t += 4)
+                for (int act16 = 0; act16 < 2; act16++) {
+                    float *x = fill_floats((size_t)t * k, 1.f), *y = malloc((size_t)t * n * 4);
+                    tm_linear(&w, x, t, y, NULL, 2, act16);
+                    snprintf(name, sizeof name, "five c%d k%d t%d a%d", kind, k, t, act16);
+                    emit(name, y, t * n);
+                    tm_gemm(&w, x, t, y, NULL, 2, act16);
+                    snprintf(name, sizeof name, "gemm five c%d k%d t%d a%d", kind, k, t, act16);
+                    emit(name, y, t * n);
+                    free(x), free(y);
+                }
+            float *lanes = malloc((size_t)n * k * 4);
+            tm_dequant_lanes(&w, 0, n, lanes, 2);
+            snprintf(name, sizeof name, "lanes five c%d k%d", kind, k);
+            emit(name, lanes, n * k);
+            free(lanes), free((void *)w.codes), free((void *)w.scales), free((void *)w.mins);
+            free((void *)w.dsup), free((void *)w.msup);
+        }
+}
+
 static void float_cases(void) {
     const int kinds[] = {TM_F16, TM_BF16, TM_F32}, ks[] = {8, 64, 1000};
     for (int ki = 0; ki < 3; ki++)
@@ -315,6 +352,7 @@ int main(int argc, char **argv) {
     linear_cases();
     kquant_cases();
     six_bit_cases();
+    five_bit_cases();
     float_cases();
     attention_cases();
     stack_cases();

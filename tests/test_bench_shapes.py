@@ -19,6 +19,7 @@ from gguf import GGUFReader
 from helpers import assert_same_greedy_but_ties, llama_cpp_greedy
 
 from tokenmill.bench import shapes
+from tokenmill.layers.quant_linear import QuantLinear
 from tokenmill.llm import LLM
 from tokenmill.sampling import SamplingParams
 
@@ -114,16 +115,26 @@ def test_cached_writes_once_under_a_name_of_its_shape(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed")
-@pytest.mark.parametrize("shape", ["tiny", "tiny-moe"])
-@pytest.mark.parametrize("ftype", shapes.FILE_TYPES)
+@pytest.mark.parametrize(
+    "shape, ftype",
+    [(s, f) for s in ("tiny", "tiny-moe") for f in shapes.FILE_TYPES]
+    # rows of 512 and 1024: whole lane groups on every build, so Q5_K and Q5_0/Q5_1 run
+    # as 5-bit codes (on AVX-512 the 256-wide tiny rows hold them as 8-bit ones)
+    + [("tiny-wide", "q5_k_m")],
+)
 def test_tokenmill_and_llama_cpp_read_a_shape_file_alike(tmp_path, monkeypatch, shape, ftype):
     """Each file type of both layouts loads in both engines, and greedy decoding agrees
     but for a near tie (llama.cpp quantizes activations to 8 bits, tokenmill to 16)."""
     monkeypatch.setitem(shapes.DENSE, "tiny", TINY_DENSE)
+    monkeypatch.setitem(shapes.DENSE, "tiny-wide", {**TINY_DENSE, "d": 512, "f": 1024})
     monkeypatch.setitem(shapes.MOE, "tiny-moe", TINY_MOE)
     path = tmp_path / f"{shape}-{ftype}.gguf"
     shapes.write(shape, ftype, path, seed=3)
     prompt = list(range(5, 29))
     greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=5)
-    ours = LLM(path, kv_cache_memory="256tok").generate([prompt], greedy)[0]
+    llm = LLM(path, kv_cache_memory="256tok")
+    if shape == "tiny-wide":  # the Q5_K layers kept at 5 bits (Q6_K's at 6)
+        kept = {m.bits for m in llm.engine.model.modules() if isinstance(m, QuantLinear)}
+        assert kept == {5, 6}, kept
+    ours = llm.generate([prompt], greedy)[0]
     assert_same_greedy_but_ties(ours, llama_cpp_greedy(path, prompt, 10), tol=0.05)

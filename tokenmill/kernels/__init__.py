@@ -72,7 +72,7 @@ __all__ = [
 ]
 
 
-ABI = 16  # tm_info() // 1000 of the sources this module binds
+ABI = 17  # tm_info() // 1000 of the sources this module binds
 F16, BF16, F32 = 16, 17, 32  # tm_weight.bits of float weights (4 and 8: packed blocks)
 Q8_0 = 8  # tm_layer.kv_bits of a KV cache of q8_0 blocks (tokenmill/dtypes.py)
 DEFAULT_GROUP_BLOCKS = 16  # the packing used when no library is loaded (any would do)
@@ -501,11 +501,12 @@ def pack_gguf(
     scales: np.ndarray,
     mins: np.ndarray | None,
     sup: np.ndarray | None,
-    q6_as_8bit: bool = False,
+    as_8bit: bool = False,
 ) -> bool:
     """GGUF blocks src (uint8 [rows, row bytes], C-contiguous) of type `qtype` and k values
     per row into the packed arrays (C-contiguous, [rows, ...] each; pack.c says which
-    shapes; q6_as_8bit: Q6_K requantized to 8-bit blocks), in one pass. False where the
+    shapes; as_8bit: Q5_0/Q5_1/Q5_K as 8-bit codes, Q6_K requantized to 8-bit blocks, where
+    their own codes cannot run), in one pass. False where the
     loaded library does not pack that type or row length (the caller's numpy path does)."""
     lib = library()
     if lib is None:
@@ -514,7 +515,7 @@ def pack_gguf(
     if not all(a.flags.c_contiguous for a in arrays):
         raise ValueError("pack_gguf: arrays must be C-contiguous")
     status = lib.tm_pack_gguf(
-        int(qtype), src.ctypes.data, src.shape[0], k, int(q6_as_8bit), codes.ctypes.data,
+        int(qtype), src.ctypes.data, src.shape[0], k, int(as_8bit), codes.ctypes.data,
         scales.ctypes.data,
         None if mins is None else mins.ctypes.data, None if sup is None else sup.ctypes.data,
         torch.get_num_threads(),

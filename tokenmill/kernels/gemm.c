@@ -77,6 +77,9 @@ static void block_codes(const tm_weight *w, const uint8_t *row, int b, uint8_t o
             out[j] = row[(size_t)(b / TM_GB) * GW + p];
         } else if (w->bits == 4) {
             out[j] = (row[(size_t)(b / TM_GB) * (GW / 2) + (i >> 1) * vbytes + e] >> ((i & 1) * 4)) & 15;
+        } else if (w->bits == 5) {
+            const uint8_t *g = row + (size_t)(b / TM_GB) * group_bytes(5);
+            out[j] = ((g[(i >> 1) * vbytes + e] >> ((i & 1) * 4)) & 15) | (((g[GW / 2 + e] >> i) & 1) << 4);
         } else {
             const uint8_t *g = row + (size_t)(b / TM_GB) * (GW * 3 / 4);
             out[j] = ((g[(i >> 1) * vbytes + e] >> ((i & 1) * 4)) & 15) | (((g[GW / 2 + (i >> 2) * vbytes + e] >> (2 * (i & 3))) & 3) << 4);
@@ -202,14 +205,14 @@ static const micro_fn MICRO[2][2][NT_MAX] = {{MICRO_ROW(0, 0), MICRO_ROW(0, 1)},
 static __thread tm_buf act_buf;  /* the calling thread's int16 activations */
 static __thread tm_buf tile_buf; /* each thread's weight tile */
 
-/* y [T, N] = x [T, K] @ W^T (+ bias) for packed weights (bits 4, 6 or 8; one segment),
+/* y [T, N] = x [T, K] @ W^T (+ bias) for packed weights (bits 4, 5, 6 or 8; one segment),
  * activations quantized per 32-block to 16 bits if act16, else to the 8-bit range.
- * Returns 1, 0 on OOM, -1 for weights it does not take (float, 6-bit rows not in whole
+ * Returns 1, 0 on OOM, -1 for weights it does not take (float, 5- and 6-bit rows not in whole
  * groups). */
 int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads, int act16) {
-    if (w->bits != 4 && w->bits != 6 && w->bits != 8) return -1;
+    if (w->bits != 4 && w->bits != 5 && w->bits != 6 && w->bits != 8) return -1;
     const int K = w->k, N = w->n, nb = K / QK, six = w->bits == 6;
-    if (six && (!w->dsup || nb % TM_GB)) return -1;
+    if ((six && !w->dsup) || (whole_groups_only(w->bits) && nb % TM_GB)) return -1;
     /* ---- x -> int16 [T, K], dx and sx [T, nb] ---- */
     const size_t qbytes = ((size_t)T * K * 2 + 63) & ~(size_t)63, fbytes = (size_t)T * nb * 4;
     char *abuf = tm_buf_get(&act_buf, qbytes + 2 * fbytes);

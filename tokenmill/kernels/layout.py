@@ -84,7 +84,7 @@ def pack_codes(nat: np.ndarray, bits: int, gb: int) -> np.ndarray:
 
 def _vectors6(k: int, gb: int) -> tuple[int, int]:
     if k % (QK * gb):
-        raise ValueError(f"6-bit rows need whole groups: {k} is not a multiple of {QK * gb}")
+        raise ValueError(f"5- and 6-bit rows need whole groups: {k} is not a multiple of {QK * gb}")
     return k // (QK * gb), 4 * gb  # groups per row, bytes per vector
 
 
@@ -111,6 +111,39 @@ def unpack6(codes: np.ndarray, k: int, gb: int) -> np.ndarray:
     lanes[:, :, 0::2], lanes[:, :, 1::2] = g[:, :, :4] & 15, g[:, :, :4] >> 4
     for s in range(4):
         lanes[:, :, s::4] |= ((g[:, :, 4:] >> (2 * s)) & 3) << 4
+    nat = np.empty((rows, k), dtype=np.uint8)
+    nat[:, lane_perm(k, gb)] = lanes.reshape(rows, k)
+    return nat
+
+
+# 5-bit codes (GGUF Q5_0, Q5_1, Q5_K): rows of whole groups, each the low 4 bits as a
+# 4-bit group followed by one vector of top bits, vector i's at bit i (linear.c)
+
+
+def pack5(nat: np.ndarray, gb: int) -> np.ndarray:
+    """Natural-order 5-bit codes uint8 [rows, K] -> [rows, K*5/8]: per group of gb blocks,
+    vectors 2c and 2c+1 in the low and high nibbles of GW/2 bytes, then the top bit of
+    vector i at bit i of GW/8 bytes."""
+    rows, k = nat.shape
+    ng, v = _vectors6(k, gb)
+    lanes = nat[:, lane_perm(k, gb)].reshape(rows, ng, 8, v)
+    lo, hi = lanes & 15, (lanes >> 4) & 1
+    nib = lo[:, :, 0::2] | (lo[:, :, 1::2] << 4)  # [rows, ng, 4, v]
+    top = np.zeros((rows, ng, 1, v), np.uint8)
+    for i in range(8):
+        top[:, :, 0] |= hi[:, :, i] << i
+    return np.ascontiguousarray(np.concatenate([nib, top], axis=2).reshape(rows, k * 5 // 8))
+
+
+def unpack5(codes: np.ndarray, k: int, gb: int) -> np.ndarray:
+    """The inverse of pack5: natural-order codes uint8 [rows, k]."""
+    rows = codes.shape[0]
+    ng, v = _vectors6(k, gb)
+    g = codes.reshape(rows, ng, 5, v)
+    lanes = np.empty((rows, ng, 8, v), dtype=np.uint8)
+    lanes[:, :, 0::2], lanes[:, :, 1::2] = g[:, :, :4] & 15, g[:, :, :4] >> 4
+    for i in range(8):
+        lanes[:, :, i] |= ((g[:, :, 4] >> i) & 1) << 4
     nat = np.empty((rows, k), dtype=np.uint8)
     nat[:, lane_perm(k, gb)] = lanes.reshape(rows, k)
     return nat

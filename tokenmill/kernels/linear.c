@@ -45,6 +45,13 @@
  * plane is q itself as int8, and group_dot8 multiplies it by the codes in one vpdpbusd
  * per vector, half the work, the same integers.
  *
+ * 5-bit codes (GGUF Q5_0, Q5_1, Q5_K, exactly: c = the file's 5-bit q, Z = 16 for Q5_0,
+ * mins for the others, scales as for the 4-bit types): rows of whole groups (other rows
+ * hold them as 8-bit codes). Per group: the low 4 bits as a 4-bit group (GW/2 bytes),
+ * then one plane of top bits (GW/8 bytes, one vector): byte r holds vector i's code at
+ * position r in bit i. 20 bytes per 32 values plus the scales, like the file's 22-24.
+ *   codes   uint8 [N, K*5/8]
+ *
  * 6-bit codes (GGUF Q6_K, exactly): w = d16 * (c - 32) with a scale per 16 values, d16 =
  * dsup * sc (a float16 per 256 values times a signed byte per 16, as the file has them).
  * Rows are whole groups (k a multiple of 32 * TM_GB; other rows hold Q6_K as 8-bit
@@ -198,7 +205,9 @@ static inline __attribute__((always_inline)) vi dot_codes(const vb *c, int n, co
 #if TM_DOT8
     if (xq->one) return group_dot8(c, n, (const int8_t *)xq->ql + xo);
 #endif
-    return group_dot(c, n, xq->q + xo, xq->ql + xo, bits);
+    /* 5-bit codes take the 6-bit way (n even): their sums would overflow the 4-bit one's
+     * int16 (8 pairs of 31 * 128 each) */
+    return group_dot(c, n, xq->q + xo, xq->ql + xo, bits == 5 ? 6 : bits);
 }
 
 static inline __attribute__((always_inline)) void tail_dot(const tm_weight *w, const xq_t *xq, int r,
@@ -358,8 +367,8 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
             }
         }
         float tail[TCHUNK] = {0};
-        if (nbt && bits != 6) /* the tail blocks, natural order, through group_dot too
-                                 (tail_dot); 6-bit rows are whole groups */
+        if (nbt && !whole_groups_only(bits)) /* the tail blocks, natural order, through
+                                                group_dot too (tail_dot) */
             tail_dot(w, xq, r, t0, T, bits, row + (size_t)nfull * GW * bits / 8, tail, acc);
         const float bv = bias ? bias[r] : 0.f;
         for (int t = 0; t < T; t++) y[(size_t)(t0 + t) * w->n + r] = vf_sum(acc[t]) + tail[t] + bv;
@@ -378,6 +387,7 @@ typedef void (*rows_fn)(const tm_weight *, const xq_t *, int, int, int, float *,
     static const rows_fn ROWS_B##B[4] = {rows_b##B##_t1, rows_b##B##_t2, \
                                          rows_b##B##_t4, rows_b##B##_t8};
 DEF_ROWS_ALL(4)
+DEF_ROWS_ALL(5)
 DEF_ROWS_ALL(6)
 DEF_ROWS_ALL(8)
 
@@ -385,7 +395,7 @@ DEF_ROWS_ALL(8)
  * (ROWBLOCK of them) stay in L1 between the pieces. */
 static void rows_any(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, int T,
                      float *y, const float *bias) {
-    const rows_fn *table = w->bits == 4 ? ROWS_B4 : w->bits == 6 ? ROWS_B6 : ROWS_B8;
+    const rows_fn *table = w->bits == 4 ? ROWS_B4 : w->bits == 5 ? ROWS_B5 : w->bits == 6 ? ROWS_B6 : ROWS_B8;
     for (int p = 3; p >= 0; p--)
         if (T & (1 << p)) {
             table[p](w, xq, r0, r1, t0, y, bias);
@@ -432,12 +442,15 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
             for (int t = 0; t < 4; t++) de[4 * k + t] = d, me[4 * k + t] = m;
         }
         float *o = out + (size_t)g * GW;
+        const uint8_t *gp = row + (size_t)g * group_bytes(w->bits);
         for (int i = 0; i < 8; i++) {
-            const uint8_t *p = w->bits == 8 ? row + (size_t)g * GW + i * vb_bytes
-                                            : row + (size_t)g * (GW / 2) + (i >> 1) * vb_bytes;
-            const int shift = w->bits == 4 ? (i & 1) * 4 : 0, mask = w->bits == 4 ? 15 : 255;
-            for (int e = 0; e < vb_bytes; e++)
-                o[i * vb_bytes + e] = (float)(((p[e] >> shift) & mask) - z) * de[e] + me[e];
+            const uint8_t *p = w->bits == 8 ? gp + i * vb_bytes : gp + (i >> 1) * vb_bytes;
+            const int shift = w->bits == 8 ? 0 : (i & 1) * 4, mask = w->bits == 8 ? 255 : 15;
+            const uint8_t *top = gp + GW / 2; /* 5-bit: bit i of byte e, the code's bit 4 */
+            for (int e = 0; e < vb_bytes; e++) {
+                const int c = ((p[e] >> shift) & mask) | (w->bits == 5 ? ((top[e] >> i) & 1) << 4 : 0);
+                o[i * vb_bytes + e] = (float)(c - z) * de[e] + me[e];
+            }
         }
     }
     const uint8_t *tail = row + (size_t)nfull * GW * w->bits / 8;
@@ -570,7 +583,7 @@ int tm_gemm_min_rows(void) { return TM_W >= 8 ? GEMM_MIN_ROWS : 0; }
  * layers (tiles = 1: the caller has a float32 GEMM for TM_PATH_TILES; tm_linear has none
  * and runs the GEMV there). Writes why into reason [cap] (NULL: not asked). */
 int tm_linear_path(int bits, int T, int tiles, char *reason, int cap) {
-    const int packed = bits == 4 || bits == 6 || bits == 8, gemm = tm_gemm_min_rows();
+    const int packed = bits == 4 || bits == 5 || bits == 6 || bits == 8, gemm = tm_gemm_min_rows();
     if (packed && gemm) {
         if (T >= gemm) {
             if (reason) snprintf(reason, cap, "T=%d rows >= %d: the integer GEMM beats the GEMV on %s", T, gemm, TM_SIMD_NAME);
@@ -627,7 +640,7 @@ int tm_linear(const tm_weight *w, const float *x, int T, float *y, const float *
 
 static int linear_one(const tm_weight *w, const float *x, int T, float *y, const float *bias,
                       int nthreads, int act16) {
-    if (w->bits == 6 && (w->k / QK) % TM_GB) return -1; /* 6-bit rows are whole groups */
+    if (whole_groups_only(w->bits) && (w->k / QK) % TM_GB) return -1; /* 5-, 6-bit: whole groups */
     if (w->dsup && w->k / 256 > KSUP_MAX) return -1;     /* ksup_row's buffers */
     const int fw = is_float(w);
     if (tm_linear_path(w->bits, T, 0, NULL, 0) == TM_PATH_GEMM) /* the integer GEMM (gemm.c) */

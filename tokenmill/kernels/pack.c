@@ -7,11 +7,13 @@
  * every type against it).
  *
  * Per row of k values (nb = k / 32 blocks), for GGUF type qtype:
- *   Q8_0, Q5_0, Q5_1      8-bit codes (Q8_0: q + 128; Q5_0: q + 112; Q5_1: q), float16
- *                         scales [nb] (and mins [nb], Q5_1)
+ *   Q8_0                  8-bit codes q + 128, float16 scales [nb]
+ *   Q5_0, Q5_1            5-bit codes q on rows of whole lane groups (Q5_0: Z = 16), float16
+ *                         scales [nb] (and mins [nb], Q5_1); other rows 8-bit codes (Q5_0:
+ *                         q + 112, Z = 128; Q5_1: q)
  *   Q4_0, Q4_1            4-bit codes, float16 scales [nb] (and mins, Q4_1)
  *   Q4_K (4-bit), Q5_K    uint8 scale and min codes [nb], super-block (d, dmin) float16
- *   (8-bit)               [k / 256][2]
+ *   (5-bit, or 8-bit)     [k / 256][2]
  *   Q6_K                  6-bit codes on rows of whole lane groups, int8 scales [k / 16]
  *                         per group [half][block], super-block d float16 [k / 256][1];
  *                         other rows requantized to 8-bit codes with float16 scales [nb]
@@ -43,8 +45,11 @@ static int type_size(int qtype, int *block) {
     return 0;
 }
 
-static int code_bits(int qtype) {
-    return qtype == G_Q4_0 || qtype == G_Q4_1 || qtype == G_Q4_K ? 4 : qtype == G_Q6_K ? 6 : 8;
+/* The packed code bits of a type: its own, or 8 for the 5- and 6-bit types with as_8bit. */
+static int code_bits(int qtype, int as_8bit) {
+    if (qtype == G_Q4_0 || qtype == G_Q4_1 || qtype == G_Q4_K) return 4;
+    if (as_8bit || qtype == G_Q8_0) return 8;
+    return qtype == G_Q6_K ? 6 : 5;
 }
 
 /* Q4_K / Q5_K: the 6-bit scale and min codes of sub-block j < 8 from their 12 bytes. */
@@ -73,9 +78,10 @@ static inline void q6k_codes(const uint8_t *ql, const uint8_t *qh, uint8_t *q) {
     }
 }
 
-/* One row's blocks -> natural codes nat [k], scales and mins (row slices), sup. */
-static void parse_row(int qtype, const uint8_t *src, int k, uint8_t *nat, uint8_t *scales, uint8_t *mins,
-                      uint16_t *sup) {
+/* One row's blocks -> natural codes nat [k] for `bits`-bit packing, scales and mins (row
+ * slices), sup. */
+static void parse_row(int qtype, int bits, const uint8_t *src, int k, uint8_t *nat, uint8_t *scales,
+                      uint8_t *mins, uint16_t *sup) {
     int block;
     const int ts = type_size(qtype, &block), n = k / block;
     uint16_t *sc16 = (uint16_t *)scales, *mn16 = (uint16_t *)mins;
@@ -100,7 +106,8 @@ static void parse_row(int qtype, const uint8_t *src, int k, uint8_t *nat, uint8_
             const int off = qtype == G_Q5_1 ? 4 : 2;
             const uint32_t qh = (uint32_t)p[off] | (uint32_t)p[off + 1] << 8 | (uint32_t)p[off + 2] << 16 |
                                 (uint32_t)p[off + 3] << 24;
-            const uint8_t *qs = p + off + 4, bias = qtype == G_Q5_0 ? 112 : 0;
+            /* Q5_0 as 8-bit codes: d * (q - 16) = d * ((q + 112) - 128) */
+            const uint8_t *qs = p + off + 4, bias = qtype == G_Q5_0 && bits == 8 ? 112 : 0;
             sc16[b] = u16_at(p);
             if (qtype == G_Q5_1) mn16[b] = u16_at(p + 2);
             for (int j = 0; j < 32; j++) {
@@ -208,10 +215,16 @@ static void cut_codes(const uint8_t *lane, int k, int bits, uint8_t *out) {
     }
     for (int g = 0; g < nfull; g++) {
         const uint8_t *L = lane + (size_t)g * GW;
-        uint8_t *o = out + (size_t)g * (bits == 6 ? GW * 3 / 4 : GW / 2);
+        uint8_t *o = out + (size_t)g * group_bytes(bits);
         for (int c = 0; c < 4; c++)
             for (int r = 0; r < v; r++)
                 o[c * v + r] = (uint8_t)((L[2 * c * v + r] & 15) | (L[(2 * c + 1) * v + r] & 15) << 4);
+        if (bits == 5)
+            for (int r = 0; r < v; r++) {
+                uint8_t c = 0;
+                for (int i = 0; i < 8; i++) c |= ((L[i * v + r] >> 4) & 1) << i;
+                o[GW / 2 + r] = c;
+            }
         if (bits == 6)
             for (int h = 0; h < 2; h++)
                 for (int r = 0; r < v; r++) {
@@ -235,16 +248,16 @@ static void cut_codes(const uint8_t *lane, int k, int bits, uint8_t *out) {
  * each, into codes [rows][k * bits / 8], scales and mins (float16 [rows][k / 32]; K-quants
  * uint8 codes [rows][k / 32]; Q6_K int8 [rows][k / 16]; mins NULL where the type has none)
  * and sup (K-quants: float16 [rows][k / 256][2], Q6_K [rows][k / 256][1]; else NULL);
- * Q6_K with q6_as_8bit (the caller's choice: rows not of whole lane groups, or a build
- * without 6-bit kernels): 8-bit codes, float16 scales [rows][k / 32], no sup.
- * Returns 1, 0 for a type or row length this does not pack (the caller's numpy path does),
- * -1 on OOM. */
-int tm_pack_gguf(int qtype, const uint8_t *src, int64_t rows, int k, int q6_as_8bit, uint8_t *codes,
+ * with as_8bit (the caller's choice for rows not of whole lane groups) Q5_0, Q5_1 and
+ * Q5_K as 8-bit codes, and Q6_K requantized to 8-bit codes, float16 scales [rows][k / 32],
+ * no sup. Returns 1, 0 for a type or row length this does not pack (the caller's numpy
+ * path does), -1 on OOM. */
+int tm_pack_gguf(int qtype, const uint8_t *src, int64_t rows, int k, int as_8bit, uint8_t *codes,
                  void *scales, void *mins, uint16_t *sup, int nthreads) {
     int block;
-    const int ts = type_size(qtype, &block), requant = qtype == G_Q6_K && q6_as_8bit;
-    const int bits = requant ? 8 : code_bits(qtype);
-    if (!ts || k <= 0 || k % block || (bits == 6 && k % GW)) return 0;
+    const int ts = type_size(qtype, &block), requant = qtype == G_Q6_K && as_8bit;
+    const int bits = code_bits(qtype, as_8bit);
+    if (!ts || k <= 0 || k % block || (whole_groups_only(bits) && k % GW)) return 0;
     const size_t src_row = (size_t)(k / block) * ts, code_row = (size_t)k * bits / 8;
     size_t sc_row = (size_t)(bits == 6 ? k / 16 : k / QK) * (block == 256 ? 1 : 2);
     size_t sup_row = block == 256 ? (size_t)(k / 256) * (bits == 6 ? 1 : 2) : 0;
@@ -258,7 +271,7 @@ int tm_pack_gguf(int qtype, const uint8_t *src, int64_t rows, int k, int q6_as_8
         if (requant)
             requant_q6k_row(src + (size_t)r * src_row, k, nat, (uint16_t *)((uint8_t *)scales + (size_t)r * sc_row));
         else
-            parse_row(qtype, src + (size_t)r * src_row, k, nat, (uint8_t *)scales + (size_t)r * sc_row,
+            parse_row(qtype, bits, src + (size_t)r * src_row, k, nat, (uint8_t *)scales + (size_t)r * sc_row,
                       mins ? (uint8_t *)mins + (size_t)r * sc_row : NULL, sup ? sup + (size_t)r * sup_row : NULL);
         to_lanes(nat, k, lane);
         cut_codes(lane, k, bits, codes + (size_t)r * code_row);

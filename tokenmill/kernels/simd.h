@@ -31,11 +31,13 @@
  *                         vi_transpose(v[TM_W]): v[k] lane l <- v[l] lane k
  *   vb   4*TM_W bytes     vb_load, vb_nibbles (low and high 4 bits of every byte),
  *                         vb_add_crumbs(c[4], v) (c[s] |= bits 2s..2s+1 of v at bits 4..5:
- *                         the top bits of 6-bit codes), vb_widen_pairs(c, z, &even, &odd)
+ *                         the top bits of 6-bit codes), vb_add_bits(c[8], v) (c[i] |= bit i
+ *                         of v at bit 4: the top bits of 5-bit codes),
+ *                         vb_widen_pairs(c, z, &even, &odd)
  *                         (codes minus z as int16 pairs: lane k of even = codes 4k, 4k+1,
  *                         of odd = 4k+2, 4k+3; the first of a pair in the low half)
  *   group_dot(c, n, xh, xl, bits) -> vi: the integer core of the packed GEMV. c: n (<= 8)
- *                         code vectors (vb, unsigned codes of `bits` 4, 6 or 8); xh / xl: the 16-bit
+ *                         code vectors (vb, unsigned codes of `bits` 4, 6 or 8; 5-bit ones go as 6); xh / xl: the 16-bit
  *                         activations q = 256 hi + lo at the same positions, as signed high
  *                         bytes and unsigned low bytes. Lane k of the result: the exact sum
  *                         of c * q over bytes 4k..4k+3 of every vector (for 8-bit codes,

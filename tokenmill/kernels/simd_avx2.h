@@ -169,6 +169,20 @@ static inline void vb_add_crumbs(vb c[4], vb v) {
     c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_srli_epi16(v, 2), m));
 }
 
+/* c[i] |= bit i of v, moved to bit 4 (i = 0..7): the top bits of eight vectors of 5-bit
+ * codes (16-bit shifts of at most 4: the mask keeps only what stays in its byte) */
+static inline void vb_add_bits(vb c[8], vb v) {
+    const __m256i m = _mm256_set1_epi8(0x10);
+    c[0] = _mm256_or_si256(c[0], _mm256_and_si256(_mm256_slli_epi16(v, 4), m));
+    c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_slli_epi16(v, 3), m));
+    c[2] = _mm256_or_si256(c[2], _mm256_and_si256(_mm256_slli_epi16(v, 2), m));
+    c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_slli_epi16(v, 1), m));
+    c[4] = _mm256_or_si256(c[4], _mm256_and_si256(v, m));
+    c[5] = _mm256_or_si256(c[5], _mm256_and_si256(_mm256_srli_epi16(v, 1), m));
+    c[6] = _mm256_or_si256(c[6], _mm256_and_si256(_mm256_srli_epi16(v, 2), m));
+    c[7] = _mm256_or_si256(c[7], _mm256_and_si256(_mm256_srli_epi16(v, 3), m));
+}
+
 /* n (<= 8) code vectors c (32 codes each, lane k = block k of a group) against the
  * activations q = 256 hi + lo, given as their signed high bytes xh and unsigned low bytes
  * xl at the same positions. Lane k of the result: block k's sum of c * q, exact.

@@ -268,6 +268,20 @@ static inline void vb_add_crumbs(vb c[4], vb v) {
     c[3] = _mm512_or_si512(c[3], _mm512_and_si512(_mm512_srli_epi16(v, 2), m));
 }
 
+/* c[i] |= bit i of v, moved to bit 4 (i = 0..7): the top bits of eight vectors of 5-bit
+ * codes (16-bit shifts of at most 4: the mask keeps only what stays in its byte) */
+static inline void vb_add_bits(vb c[8], vb v) {
+    const __m512i m = _mm512_set1_epi8(0x10);
+    c[0] = _mm512_or_si512(c[0], _mm512_and_si512(_mm512_slli_epi16(v, 4), m));
+    c[1] = _mm512_or_si512(c[1], _mm512_and_si512(_mm512_slli_epi16(v, 3), m));
+    c[2] = _mm512_or_si512(c[2], _mm512_and_si512(_mm512_slli_epi16(v, 2), m));
+    c[3] = _mm512_or_si512(c[3], _mm512_and_si512(_mm512_slli_epi16(v, 1), m));
+    c[4] = _mm512_or_si512(c[4], _mm512_and_si512(v, m));
+    c[5] = _mm512_or_si512(c[5], _mm512_and_si512(_mm512_srli_epi16(v, 1), m));
+    c[6] = _mm512_or_si512(c[6], _mm512_and_si512(_mm512_srli_epi16(v, 2), m));
+    c[7] = _mm512_or_si512(c[7], _mm512_and_si512(_mm512_srli_epi16(v, 3), m));
+}
+
 /* Wide layers only (a vector holds two 32-value blocks): the codes of a natural-order
  * chunk of two tail blocks as one vector, block u in bytes 0-31 and block u + 1 in bytes
  * 32-63. 8-bit codes are 64 bytes as they are; 4-bit ones 32 bytes, low nibbles block u

@@ -101,6 +101,18 @@ static inline void vb_add_crumbs(vb c[4], vb v) {
     c[2] = vorrq_u8(c[2], vandq_u8(v, m));
     c[3] = vorrq_u8(c[3], vandq_u8(vshrq_n_u8(v, 2), m));
 }
+/* c[i] |= bit i of v, moved to bit 4 (i = 0..7) */
+static inline void vb_add_bits(vb c[8], vb v) {
+    const uint8x16_t m = vdupq_n_u8(0x10);
+    c[0] = vorrq_u8(c[0], vandq_u8(vshlq_n_u8(v, 4), m));
+    c[1] = vorrq_u8(c[1], vandq_u8(vshlq_n_u8(v, 3), m));
+    c[2] = vorrq_u8(c[2], vandq_u8(vshlq_n_u8(v, 2), m));
+    c[3] = vorrq_u8(c[3], vandq_u8(vshlq_n_u8(v, 1), m));
+    c[4] = vorrq_u8(c[4], vandq_u8(v, m));
+    c[5] = vorrq_u8(c[5], vandq_u8(vshrq_n_u8(v, 1), m));
+    c[6] = vorrq_u8(c[6], vandq_u8(vshrq_n_u8(v, 2), m));
+    c[7] = vorrq_u8(c[7], vandq_u8(vshrq_n_u8(v, 3), m));
+}
 static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
     *lo = vandq_u8(v, vdupq_n_u8(0x0f));
     *hi = vshrq_n_u8(v, 4);

@@ -105,6 +105,12 @@ static inline void vb_add_crumbs(vb c[4], vb v) {
         for (int i = 0; i < 16; i++) c[s].v[i] |= ((v.v[i] >> (2 * s)) & 3) << 4;
 }
 
+/* c[i] |= bit i of v, moved to bit 4 (i = 0..7) */
+static inline void vb_add_bits(vb c[8], vb v) {
+    for (int s = 0; s < 8; s++)
+        for (int i = 0; i < 16; i++) c[s].v[i] |= ((v.v[i] >> s) & 1) << 4;
+}
+
 /* lane k = block k's sum of c * q, q = 256 hi + lo, over n (<= 8) code vectors */
 static inline vi group_dot(const vb *c, int n, const int8_t *xh, const uint8_t *xl, int bits) {
     (void)bits;

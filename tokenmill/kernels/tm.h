@@ -29,7 +29,7 @@
 
 #define TM_GB TM_W /* blocks per lane-order group: one vector of 32-bit lanes */
 
-#define TM_ABI 16 /* tm_info() / 1000: bumped when a struct or signature changes */
+#define TM_ABI 17 /* tm_info() / 1000: bumped when a struct or signature changes */
 
 #define QK 32            /* values per block */
 #define GW (TM_GB * QK)  /* values per full lane-order group */
@@ -54,8 +54,8 @@ extern int tm_prefetch;
 #define TM_F32 32  /* float32 [n, k], natural order, no scales */
 
 /* One weight, filled once per layer from Python (ctypes.Structure mirror: TmWeight).
- * bits 4, 6 or 8: the packed blocks of linear.c (6: Q6_K, int8 scales per 16 values times
- * dsup, no mins); TM_F16 / TM_BF16 / TM_F32: float rows.
+ * bits 4, 5, 6 or 8: the packed blocks of linear.c (5: Q5_0/Q5_1/Q5_K's codes, whole
+ * groups; 6: Q6_K, int8 scales per 16 values times dsup, no mins); TM_F16 / TM_BF16 / TM_F32: float rows.
  * Block scales (and mins) come in one of two forms:
  *   plain       float16 (scale_f16 = 1) or float32 [n, k/32] each
  *   K-quant     (dsup != NULL) GGUF Q4_K/Q5_K's own: a uint8 code per block [n, k/32]
@@ -66,7 +66,7 @@ typedef struct tm_weight {
     const uint8_t *codes;
     const void *scales;
     const void *mins;  /* NULL: no mins, zero point Z applies */
-    int32_t bits;      /* 4, 6, 8, TM_F16, TM_BF16 or TM_F32 */
+    int32_t bits;      /* 4, 5, 6, 8, TM_F16, TM_BF16 or TM_F32 */
     int32_t scale_f16; /* plain scales: 1 float16, 0 float32 */
     int32_t n;         /* rows (out features) */
     int32_t k;         /* columns (in features); packed: a multiple of 32 */
@@ -155,7 +155,7 @@ int tm_struct_size(int which);
 void tm_dequant_lanes(const tm_weight *w, int r0, int r1, float *out, int nthreads);
 void tm_lanes_f32(const float *x, int T, int K, float *out, int nthreads);
 int tm_dequant_rows(const tm_weight *w, const int64_t *ids, int n, float *out);
-int tm_pack_gguf(int qtype, const uint8_t *src, int64_t rows, int k, int q6_as_8bit, uint8_t *codes,
+int tm_pack_gguf(int qtype, const uint8_t *src, int64_t rows, int k, int as_8bit, uint8_t *codes,
                  void *scales, void *mins, uint16_t *sup, int nthreads);
 int tm_decode_stack(const tm_stack *s, const tm_rows *rows, float *x, int nthreads);
 int tm_linear(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads,
@@ -256,8 +256,14 @@ static inline float tm_block_min(const tm_weight *w, int r, int b) {
 /* ------------------------------------------------------------------------------ */
 
 static inline int zero_point(const tm_weight *w) {
-    return w->mins ? 0 : (w->bits == 4 ? 8 : w->bits == 6 ? 32 : 128);
+    return w->mins ? 0 : (w->bits == 4 ? 8 : w->bits == 5 ? 16 : w->bits == 6 ? 32 : 128);
 }
+
+/* Bytes of one full lane-order group of codes (GW values) of `bits` 4, 5, 6 or 8. */
+static inline size_t group_bytes(int bits) { return (size_t)GW * bits / 8; }
+
+/* 5- and 6-bit codes: rows of whole groups only (their top bits have no tail layout). */
+static inline int whole_groups_only(int bits) { return bits == 5 || bits == 6; }
 
 static inline size_t row_bytes(const tm_weight *w) {
     return (size_t)w->k * (size_t)w->bits / 8;
@@ -289,14 +295,16 @@ static inline void tail_block_codes(const uint8_t *tail, int bits, int u, int nb
 }
 
 /* The 8 code vectors of full group g of a packed row: lane k of vector i holds codes
- * 4i..4i+3 of block k (4-bit: the nibble split; 6-bit: low nibbles plus the top bits). */
+ * 4i..4i+3 of block k (4-bit: the nibble split; 5- and 6-bit: low nibbles plus the top
+ * bits). */
 static inline void tm_group_codes(const uint8_t *row, int g, int bits, vb c[8]) {
     if (bits == 8) {
         for (int i = 0; i < 8; i++) c[i] = vb_load(row + (size_t)g * GW + i * 4 * TM_GB);
         return;
     }
-    const uint8_t *p = row + (size_t)g * (bits == 6 ? GW * 3 / 4 : GW / 2);
+    const uint8_t *p = row + (size_t)g * group_bytes(bits);
     for (int i = 0; i < 4; i++) vb_nibbles(vb_load(p + i * 4 * TM_GB), &c[2 * i], &c[2 * i + 1]);
+    if (bits == 5) vb_add_bits(c, vb_load(p + GW / 2));
     if (bits == 6) {
         vb_add_crumbs(c, vb_load(p + GW / 2));
         vb_add_crumbs(c + 4, vb_load(p + GW / 2 + 4 * TM_GB));

@@ -23,9 +23,11 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
     Q4_1  4-bit, f16 scales + mins               exact, 20 B / 32
     Q4_K  4-bit, K-quant scales + mins            exact, 18.5 B / 32 (file: 18)
     Q8_0  8-bit, Z=128, f16 scales               exact, 34 B / 32
-    Q5_0  8-bit, Z=128, f16 scales               exact, 34 B / 32 (file: 22)
-    Q5_1  8-bit, f16 scales + mins               exact, 36 B / 32 (file: 24)
-    Q5_K  8-bit, K-quant scales + mins            exact, 34.5 B / 32 (file: 22)
+    Q5_0  5-bit, Z=16, f16 scales                exact, 22 B / 32 (file: 22)
+    Q5_1  5-bit, f16 scales + mins               exact, 24 B / 32 (file: 24)
+    Q5_K  5-bit, K-quant scales + mins            exact, 22.5 B / 32 (file: 22)
+          (5-bit codes: codes [N, K*5/8], rows of whole lane-order groups; other rows,
+          e.g. Qwen2.5's 896 on AVX-512, hold them as 8-bit codes: 34-36 B / 32)
     Q6_K  6-bit, Z=32, an int8 scale per 16       exact, 26.25 B / 32 (file: 26.25):
           values times a float16 per 256          codes [N, K*3/4], scales int8 [N, K/16]
                                                   (kernels/linear.c has the layout)
@@ -50,7 +52,16 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from tokenmill import kernels
 from tokenmill.kernels import PREFILL_MIN_T  # re-exported: the tests' and benchmarks' name
-from tokenmill.kernels.layout import QK, half_scale_perm, pack6, pack_codes, unpack6, unpack_index
+from tokenmill.kernels.layout import (
+    QK,
+    half_scale_perm,
+    pack5,
+    pack6,
+    pack_codes,
+    unpack5,
+    unpack6,
+    unpack_index,
+)
 from tokenmill.layers.native_linear import NativeLinear
 from tokenmill.loader.gguf_blocks import (
     EXACT_GGUF_TYPES,
@@ -142,16 +153,27 @@ def _alloc(parsed: tuple, rows: int, in_features: int) -> tuple[int, dict]:
 # File bytes the native packer takes at a time from a big tensor, each chunk's pages
 # released before the next (QuantLinear.from_gguf's release)
 PACK_CHUNK_BYTES = 32 << 20
-# GGUF types the native packer (kernels.pack_gguf) writes, and their code bits
-_NATIVE_BITS = {GT.Q4_0: 4, GT.Q4_1: 4, GT.Q4_K: 4, GT.Q8_0: 8, GT.Q5_0: 8, GT.Q5_1: 8,
-                GT.Q5_K: 8, GT.Q6_K: 6}  # fmt: skip
+# GGUF types the native packer (kernels.pack_gguf) writes, and their code bits (5 and 6:
+# on rows of whole lane groups, else 8)
+_NATIVE_BITS = {GT.Q4_0: 4, GT.Q4_1: 4, GT.Q4_K: 4, GT.Q8_0: 8, GT.Q5_0: 5, GT.Q5_1: 5,
+                GT.Q5_K: 5, GT.Q6_K: 6}  # fmt: skip
+_FIVE = (GT.Q5_0, GT.Q5_1, GT.Q5_K)
+
+
+def _as_8bit(qtype: GT, in_features: int) -> bool:
+    """Whether a 5- or 6-bit type's rows are packed as 8-bit codes (their own cannot run)."""
+    if qtype in _FIVE:
+        return not QuantLinear.runs_5bit(in_features)
+    return qtype == GT.Q6_K and not QuantLinear.runs_6bit(in_features)
 
 
 def _alloc_gguf(qtype: GT, rows: int, in_features: int) -> tuple[int, dict]:
     """(bits, {codes, scales, mins?, sup?}): empty packed arrays for `rows` rows of GGUF
     type `qtype`, as _alloc gives for its parse (the dtypes of gguf_blocks.parse_*)."""
     bits, k = _NATIVE_BITS[qtype], in_features
-    if qtype == GT.Q6_K and not QuantLinear.runs_6bit(k):  # requantized to 8-bit blocks
+    if qtype in _FIVE and _as_8bit(qtype, k):  # the same values as 8-bit codes
+        bits = 8
+    if qtype == GT.Q6_K and _as_8bit(qtype, k):  # requantized to 8-bit blocks
         bits = 8
         scales = np.empty((rows, k // QK), np.float16)
         return bits, {"codes": np.empty((rows, k), np.uint8), "scales": scales}
@@ -175,7 +197,7 @@ def _pack_native(qtype: GT, raw: np.ndarray, in_features: int, arrays: dict) -> 
     return kernels.pack_gguf(
         int(qtype), np.ascontiguousarray(raw), in_features, arrays["codes"], arrays["scales"],
         arrays.get("mins"), arrays.get("sup"),
-        q6_as_8bit=qtype == GT.Q6_K and not QuantLinear.runs_6bit(in_features),
+        as_8bit=_as_8bit(qtype, in_features),
     )  # fmt: skip
 
 
@@ -219,6 +241,8 @@ def _store(dst: dict, parsed: tuple, in_features: int, gb: int) -> None:
     if bits == 6:
         codes = pack6(nat, gb)
         sc = sc[:, half_scale_perm(in_features, gb)]
+    elif bits == 5:
+        codes = pack5(nat, gb)
     else:  # straight into the destination
         out = dst["codes"]
         _pack_lanes(nat.reshape(*out.shape[:-1], in_features), bits, gb, out)
@@ -260,8 +284,8 @@ class QuantLinear(NativeLinear):
         and mins their uint8 codes per block; None: scales and mins are float. 6-bit codes
         (Q6_K): scales int8 [out, in/16] in the kernels' group order, sup d [out, in/256, 1]."""
         super().__init__(in_features, out_features, bias)
-        if in_features % QK or bits not in (4, 6, 8):
-            raise ValueError(f"need in_features % {QK} == 0 and bits in (4, 6, 8)")
+        if in_features % QK or bits not in (4, 5, 6, 8):
+            raise ValueError(f"need in_features % {QK} == 0 and bits in (4, 5, 6, 8)")
         if codes.shape != (out_features, in_features * bits // 8) or codes.dtype != torch.uint8:
             raise ValueError(f"codes: expected uint8 {(out_features, in_features * bits // 8)}")
         per = 16 if bits == 6 else QK  # values per scale
@@ -354,13 +378,14 @@ class QuantLinear(NativeLinear):
         reads them, else requantized to 8 bits. Row by row: any rows, any batch of them."""
         block, type_size = GGML_QUANT_SIZES[qtype]
         six = qtype == GT.Q6_K and cls.runs_6bit(in_features)
+        five = qtype in _FIVE and cls.runs_5bit(in_features)
 
         def parse(rows: np.ndarray):
             blocks = rows.reshape(rows.shape[0], -1, type_size)
             if six:
                 return parse_q6_k(blocks)
             if qtype in EXACT_GGUF_TYPES:
-                return parse_exact(blocks, qtype)
+                return parse_exact(blocks, qtype, five)
             if qtype == GT.Q6_K:  # gguf-py's float32 ops, vectorized (its own: per 16 rows)
                 return _quantize_rows(_dequantize_q6_k(blocks), "q8")
             w = gguf_dequantize(np.ascontiguousarray(rows), qtype).reshape(rows.shape[0], -1)
@@ -465,6 +490,12 @@ class QuantLinear(NativeLinear):
         """Whether the loaded kernels multiply 6-bit codes for rows of this length (whole
         lane-order groups; the AVX-512 build has no 6-bit kernel)."""
         return kernels.reads_kquant_scales() and in_features % (QK * kernels.group_blocks()) == 0
+
+    @staticmethod
+    def runs_5bit(in_features: int) -> bool:
+        """Whether the loaded kernels multiply 5-bit codes for rows of this length (whole
+        lane-order groups, as for 6-bit codes)."""
+        return kernels.library() is not None and in_features % (QK * kernels.group_blocks()) == 0
 
     @classmethod
     def from_float(
@@ -594,6 +625,8 @@ class QuantLinear(NativeLinear):
     def _make_native(self) -> kernels.TmWeight:
         if self.bits == 6 and not self.runs_6bit(self.in_features):
             self._to_8bit()  # a library without 6-bit kernels was loaded since
+        if self.bits == 5 and not self.runs_5bit(self.in_features):
+            self._to_8bit()  # a library of another group width was loaded since
         if self.group_blocks != kernels.group_blocks():
             self._relayout(kernels.group_blocks())
         scales, mins, dsup, msup = self.scales_raw, self.mins_raw, self.dsup_raw, self.msup_raw
@@ -617,9 +650,17 @@ class QuantLinear(NativeLinear):
         )
 
     def _to_8bit(self) -> None:
-        """Requantize 6-bit codes to 8-bit blocks, as from_gguf does where they cannot run."""
-        nat, sc, _, bits, _ = _quantize_rows(self.dequantize(), "q8")
+        """Requantize 6-bit codes to 8-bit blocks, as from_gguf does where they cannot run;
+        5-bit codes become the same values' 8-bit codes."""
         gb = kernels.group_blocks()
+        if self.bits == 5:
+            nat = unpack5(self.codes.numpy(), self.in_features, self.group_blocks)
+            if self.mins_raw is None:  # d * (q - 16) = d * ((q + 112) - 128)
+                nat = nat + np.uint8(112)
+            self.codes = torch.from_numpy(pack_codes(nat, 8, gb))
+            self.bits, self.group_blocks = 8, gb
+            return
+        nat, sc, _, bits, _ = _quantize_rows(self.dequantize(), "q8")
         self.codes = torch.from_numpy(pack_codes(nat, bits, gb))
         self.scales_raw = torch.from_numpy(sc).view(torch.int16)
         self.dsup_raw = None
@@ -633,6 +674,11 @@ class QuantLinear(NativeLinear):
             natural[:, torch.from_numpy(half_scale_perm(k, old))] = self.scales_raw
             self.scales_raw = natural[:, torch.from_numpy(half_scale_perm(k, gb))].contiguous()
             self.codes = torch.from_numpy(pack6(unpack6(self.codes.numpy(), k, old), gb))
+            self.group_blocks = gb
+            return
+        if self.bits == 5:
+            k, old = self.in_features, self.group_blocks
+            self.codes = torch.from_numpy(pack5(unpack5(self.codes.numpy(), k, old), gb))
             self.group_blocks = gb
             return
         byte, shift = unpack_index(self.in_features, self.bits, self.group_blocks)
@@ -658,15 +704,18 @@ class QuantLinear(NativeLinear):
             nat = unpack6(codes.numpy(), self.in_features, self.group_blocks)
             c = torch.from_numpy(nat).reshape(n, -1, 16).to(torch.float32) - 32
             return (scales[..., None] * c).reshape(n, self.in_features)
-        byte, shift = unpack_index(self.in_features, self.bits, self.group_blocks)
-        c = codes[:, byte]
-        if self.bits == 4:
-            c = (c >> shift) & 15
+        if self.bits == 5:
+            c = torch.from_numpy(unpack5(codes.numpy(), self.in_features, self.group_blocks))
+        else:
+            byte, shift = unpack_index(self.in_features, self.bits, self.group_blocks)
+            c = codes[:, byte]
+            if self.bits == 4:
+                c = (c >> shift) & 15
         n = c.shape[0]
         c = c.reshape(n, -1, QK).to(torch.float32)
         d = scales.to(torch.float32)[..., None]
         if mins is None:
-            w = d * (c - (8 if self.bits == 4 else 128))
+            w = d * (c - {4: 8, 5: 16, 8: 128}[self.bits])
         else:
             w = d * c + mins.to(torch.float32)[..., None]
         return w.reshape(n, self.in_features)

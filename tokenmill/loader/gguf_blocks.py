@@ -39,11 +39,12 @@ def _k_scale_min(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scale, mn
 
 
-def parse_exact(blocks: np.ndarray, qtype: GT):
+def parse_exact(blocks: np.ndarray, qtype: GT, five: bool = False):
     """blocks [rows, nblk, type_size] -> (codes [rows, K] u8, scales, mins|None, bits, sup).
 
     sup: None, or for K-quants (d, dmin) float16 [rows, K/256, 2] with scales and mins the
-    uint8 codes that multiply them."""
+    uint8 codes that multiply them. Q5_0, Q5_1 and Q5_K: their 5-bit codes with `five`
+    (Q5_0's zero point 16), else as 8-bit codes (Q5_0's biased to the zero point 128)."""
     rows = blocks.shape[0]
     if qtype in (GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.Q5_0, GT.Q5_1):
         d = _f16(blocks[..., 0:2])
@@ -59,6 +60,8 @@ def parse_exact(blocks: np.ndarray, qtype: GT):
         qh = np.ascontiguousarray(blocks[..., off : off + 4]).view("<u4")  # [rows, nblk, 1]
         high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
         q = _nibbles16(blocks[..., off + 4 : off + 20]) | high
+        if five:
+            return q.reshape(rows, -1), d, m, 5, None
         if qtype == GT.Q5_0:  # value d * (q - 16) = d * ((q + 112) - 128)
             q = q + np.uint8(112)
         return q.reshape(rows, -1), d, m, 8, None
@@ -77,7 +80,7 @@ def parse_exact(blocks: np.ndarray, qtype: GT):
         q = (qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15
         high = (qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
         q = q.reshape(rows, -1, 8, 32) | (high << 4)
-        bits = 8
+        bits = 5 if five else 8
     else:
         raise ValueError(f"not an exactly representable type: {qtype.name}")
     return q.reshape(rows, -1), sc.reshape(rows, -1), mn.reshape(rows, -1), bits, sup
