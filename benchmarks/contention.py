@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from tokenmill.bench.engines import SETTLE_S as BETWEEN_RUNS_S
 from tokenmill.bench.engines import Worker, WorkerError
 from tokenmill.bench.protocol import Workload, latency_prompt
 
@@ -153,6 +154,7 @@ def main(argv: list[str]) -> None:
                 for phase, count in (("quiet", 0), ("busy", args.busy)):
                     with neighbours(count, args.pin):
                         for name in order:
+                            time.sleep(BETWEEN_RUNS_S)  # the last engine's threads spin down
                             s = workers[name].call("latency p")
                             tps = (s["output_tokens"] - 1) / s["decode_s"]
                             runs[name][phase].append(tps)

@@ -91,5 +91,38 @@ def test_engine_steps_follow_the_free_cores(smollm_path):
         finally:
             kernels.adaptive_threads(was)
     assert wait_for(lambda: machine.threads(CORES) == CORES), machine.free
-    llm.generate("The capital of France is", params)
-    assert torch.get_num_threads() == CORES
+
+    def quiet_step() -> bool:  # (a step may still catch a task runnable for a moment)
+        llm.generate("The capital of France is", params)
+        return torch.get_num_threads() == CORES
+
+    assert wait_for(quiet_step)
+
+
+@needs_two
+def test_a_neighbour_that_stopped_gives_its_cores_back_at_once(monkeypatch):
+    """The window looks back 0.3 s; before a step gives threads up it looks at the tasks
+    runnable now. The window is made to say busy: on this quiet machine the look gives
+    the threads back, beside spinning neighbours it keeps them given up."""
+    monkeypatch.setattr(free_cores, "RECHECK_S", 0.0)  # every call looks
+    machine = free_cores.FreeCores()
+    machine._pid = os.getpid()  # as if its sampler ran: none overwrites `free`
+    machine.free = 0.0
+    assert wait_for(lambda: machine.threads(CORES) == CORES)  # a moment with none runnable
+    with spinning(CORES):
+        time.sleep(0.2)  # the spinners started
+        assert machine.threads(CORES) == 1
+        assert free_cores._others_runnable() >= CORES  # each spinner, runnable now
+
+
+@pytest.mark.slow
+@needs_two
+def test_a_prompt_re_decides_its_threads_before_each_layer(smollm_path):
+    llm = LLM(smollm_path, kv_cache_memory="64MiB", threads=CORES)
+    model, calls = llm.engine.model, []
+    hook = model.before_layer
+    model.before_layer = lambda: calls.append(hook())
+    llm.generate([list(range(10, 60))], SamplingParams(max_tokens=1))
+    # one prompt step: a decision per layer (on a quiet machine all threads but where a
+    # look caught another task runnable for a moment)
+    assert len(calls) == model.cfg.num_layers and set(calls) <= set(range(1, CORES + 1))

@@ -9,11 +9,17 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tokenmill.bench.protocol import LLAMA_CPP_CMAKE_ARGS, PEERS, REPLY
 
 # ---------------------------------------------------------------------- driving the workers
+
+# Before each timed run: the previous engine's idle threads spin on for some milliseconds
+# (libgomp's and ggml's spin-waits, ~20 ms), taking a core from the next engine's first
+# step, and tokenmill counts them as a neighbour's load (engine/free_cores.py)
+SETTLE_S = 0.05
 
 
 def log(message: str) -> None:
@@ -169,6 +175,7 @@ class Engines:
                     if progress is not None:
                         what = "warm-up" if r == 0 else f"run {r}/{runs}"
                         progress.begin(f"{name} latency @{p} {what}")
+                    time.sleep(SETTLE_S)
                     sample = self._ask(name, f"latency {p}")
                     if progress is not None:
                         progress.done(name, "latency", p)

@@ -18,11 +18,19 @@ this process's own CPU time (/proc/self/stat). Over the last WINDOW samples:
     free   = cores - others
 
 and each step runs on min(asked, max(1, round(free))) threads (`FreeCores.threads`).
-Beside one spinning process on 2 cores that is 1 thread, beside two it is 1, and when
-they stop the whole team comes back within a WINDOW. Two tokenmill processes on one
-machine each see the other and settle on their share. The figures are clock ticks
-(USER_HZ, 100 a second): over 0.3 s and 2 cores, 60 ticks, fine enough to tell whole
-cores apart.
+Beside one spinning process on 2 cores that is 1 thread, beside two it is 1. Two
+tokenmill processes on one machine each see the other and settle on their share. The
+figures are clock ticks (USER_HZ, 100 a second): over 0.3 s and 2 cores, 60 ticks, fine
+enough to tell whole cores apart.
+
+The window looks back, so right after another process's burst (a benchmark's previous
+engine, a build that just ended) it still counts that process busy. Before a step
+gives threads up, the machine is asked how many other tasks are runnable at this
+moment (/proc/stat's procs_running less this process's threads in state R), and the
+step takes the larger of the two answers' free cores: a neighbour that has stopped
+gives its cores back at the next step (or layer: a prompt's step re-decides before each
+layer), one that still spins keeps them. A look costs ~30 us, so it is taken at most
+every RECHECK_S and only while the window says threads are to be given up.
 
 Off (every step runs on the threads asked for) without /proc (not Linux), for one
 thread, and with TOKENMILL_ADAPTIVE_THREADS=0 or kernels.adaptive_threads(False), which
@@ -43,6 +51,9 @@ from tokenmill import kernels
 
 PERIOD_S = 0.1  # between samples
 WINDOW = 3  # samples the decision looks back over: 0.3 s
+# How long a look at the runnable tasks stands: a look also catches tasks runnable for a
+# moment (the client that just sent the request), so the next layer looks again
+RECHECK_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,27 @@ def free_cores(old: Sample, new: Sample, cores: int) -> float:
 def threads_for(free: float, asked: int) -> int:
     """The threads a step runs on: at most `asked`, at least 1, the free cores rounded."""
     return max(1, min(asked, int(free + 0.5)))
+
+
+def _others_runnable() -> int:
+    """Tasks of other processes runnable at this moment: /proc/stat's procs_running (every
+    core's run queues, the caller's thread included) less this process's threads in
+    state R."""
+    total = 0
+    with open("/proc/stat", "rb") as f:
+        for line in f:
+            if line.startswith(b"procs_running"):
+                total = int(line.split()[1])
+                break
+    ours = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        ours += stat.rsplit(b")", 1)[1].split()[0] == b"R"
+    return max(0, total - ours)
 
 
 def _read_sample(cpus: frozenset[int]) -> Sample:
@@ -102,6 +134,7 @@ class FreeCores:
         self._pid: int | None = None  # the process whose thread samples (a fork has none)
         self._lock = threading.Lock()
         self.applied = 0  # the count apply() last set (0: none yet)
+        self._now: tuple[float, float] = (-1.0, 0.0)  # (when, free cores) of the last look
         self.available = bool(self.cpus) and os.path.exists("/proc/stat")
         if self.available:
             try:
@@ -115,7 +148,22 @@ class FreeCores:
             return max(1, asked)
         if self._pid != os.getpid():
             self._start()
-        return threads_for(self.free, asked)
+        free = self.free
+        if threads_for(free, asked) < asked:  # are the others still busy?
+            free = max(free, self._free_now())
+        return threads_for(free, asked)
+
+    def _free_now(self) -> float:
+        """The cores free of other runnable tasks at this moment (cached RECHECK_S)."""
+        when, free = self._now
+        now = time.monotonic()
+        if now - when > RECHECK_S:
+            try:
+                free = float(max(0, len(self.cpus) - _others_runnable()))
+            except (OSError, ValueError, IndexError):
+                free = 0.0  # unknown: the window's answer stands
+            self._now = (now, free)
+        return free
 
     def apply(self, asked: int) -> int:
         """Set torch's (and so the kernels') threads for the next step to threads(asked),

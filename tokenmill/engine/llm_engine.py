@@ -196,9 +196,11 @@ class LLMEngine:
         self.parallel = run.parallel  # the distributed Runtime of a run over ranks, or None
         self.parallel_plan = run.parallel_plan
         # a parallel run's ranks keep the cores they were pinned to
-        self._threads_asked = (
+        self._threads_asked = asked = (
             torch.get_num_threads() if device == "cpu" and self.parallel is None else 1
         )
+        if asked > 1:  # (holds no reference to the engine: see close)
+            self.model.before_layer = functools.partial(free_cores.machine().apply, asked)
         # The other ranks stop when this engine is closed, dropped or the process exits;
         # the finalizer holds the runtime, not the engine, so dropping the last reference
         # to the engine frees it (an atexit-registered bound method kept it alive).

@@ -21,6 +21,7 @@ concatenates the checkpoint's tensors into them (see FUSED).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -130,6 +131,9 @@ class Transformer(nn.Module):
         # use: the runner attaches the KV cache after construction.
         self._native: NativeModel | None = None
         self._paths_seen: set[paths.DecodePath] = set()  # logged once each (paths.choose)
+        # called before each layer of a step run layer by layer (prompts): the engine
+        # re-decides its threads there, as a long step may outlast a neighbour's burst
+        self.before_layer: Callable[[], None] | None = None
         # Parallel runs (tokenmill/distributed): the rank's TPGroup, or the pipeline stage
         # this model is (the embedding only on the first, the head only on the last).
         self.tp = None
@@ -206,6 +210,8 @@ class Transformer(nn.Module):
                 return x if logits_rows is None else x[logits_rows]
             return self.unembed(x) if last else x
         for layer in self.layers:
+            if self.before_layer is not None:
+                self.before_layer()
             x = layer(x, meta)
         if not last:
             return x
