@@ -121,7 +121,7 @@ def test_thinking_budget_is_checked(url):
         return httpx.post(f"{url}/v1/messages", json=body, timeout=60)
 
     assert budget(1024).status_code == 200  # Anthropic's least budget
-    for tokens in (1023, 0, -100, 1024.5, "2048"):
+    for tokens in (1023, 0, -100, 1024.5, "2048", None):  # None: enabled needs a budget
         response = budget(tokens)
         assert response.status_code == 400, (tokens, response.text)
         body = response.json()

@@ -47,7 +47,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tokenmill.engine.llm_engine import RequestOutput
 from tokenmill.sampling import FinishReason, SamplingParams
@@ -181,6 +181,13 @@ class ThinkingConfig(StrictModel):
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Annotated[int, Field(ge=MIN_THINKING_BUDGET)] | None = None
+
+    @model_validator(mode="after")
+    def _budget_with_enabled(self) -> ThinkingConfig:
+        # Anthropic requires the budget exactly when thinking is "enabled"
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError("thinking.budget_tokens is required when thinking.type is 'enabled'")
+        return self
 
 
 class Metadata(StrictModel):
