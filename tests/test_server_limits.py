@@ -251,6 +251,7 @@ def test_header_block_is_bounded_at_16_kib(url, trickled):
         return _trickle(url, head[:1024], pieces, every_s=0.01)[0]
 
     assert send(_head_of(MAX_HEADER_BYTES)).startswith(b"HTTP/1.1 200")
+    before = _codes(url).get("431", 0)
     for head in (
         _head_of(MAX_HEADER_BYTES + 1),
         b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -260,6 +261,7 @@ def test_header_block_is_bounded_at_16_kib(url, trickled):
         status, error = _status_and_error(send(head))
         assert status == 431 and error["code"] == "request_header_fields_too_large"
         assert f"at most {MAX_HEADER_BYTES}" in error["message"]
+    assert _codes(url).get("431", 0) == before + 2  # counted in /metrics, both ways
 
 
 def test_body_has_a_deadline_as_a_whole(url):

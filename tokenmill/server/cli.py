@@ -531,7 +531,9 @@ def serve(app, engine, sockets: list[socket.socket], limits, log_level: str) -> 
         host=host,
         port=port,
         log_level=log_level,
-        http=header_timeout_protocol(limits.header_timeout_s, limits.max_header_bytes),
+        http=header_timeout_protocol(
+            limits.header_timeout_s, limits.max_header_bytes, app.state.http
+        ),
         h11_max_incomplete_event_size=limits.max_header_bytes,
         timeout_keep_alive=limits.keep_alive_s,
         timeout_graceful_shutdown=limits.shutdown_timeout_s,

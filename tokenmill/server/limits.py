@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 
     from starlette.types import ASGIApp, Receive, Scope, Send
 
+    from tokenmill.server.metrics import HTTPRequests
+
 MIN_BODY_BYTES = 1 << 20
 BODY_BYTES_PER_TOKEN = 64
 CLOSE = {"Connection": "close"}  # a refusal leaves the rest of the request unread
@@ -259,14 +261,17 @@ class HostCheck(HTTPMiddleware):
         await self.app(scope, receive, send)
 
 
-def header_timeout_protocol(header_timeout_s: float, max_header_bytes: int) -> type:
+def header_timeout_protocol(
+    header_timeout_s: float, max_header_bytes: int, requests: HTTPRequests | None = None
+) -> type:
     """uvicorn's h11 protocol class with a deadline for each request's line and headers
     (pass it to uvicorn as `http=`, with `h11_max_incomplete_event_size=max_header_bytes`;
     uvicorn builds the protocol objects itself).
 
     Their size is checked twice: h11 refuses a head that grows past the limit while it
     still arrives (uvicorn answers that with a plain 400; here it is BodyLimit's 431), and
-    BodyLimit one that came whole in a single read, which h11 never measures.
+    BodyLimit one that came whole in a single read, which h11 never measures. The answers
+    given here, before any middleware, are counted in `requests` (/metrics) too.
 
     uvicorn closes an idle keep-alive connection (timeout_keep_alive) but not one that has
     sent part of a request line or header and stalls: that one would hold its connection
@@ -312,7 +317,10 @@ def header_timeout_protocol(header_timeout_s: float, max_header_bytes: int) -> t
 
         def send_400_response(self, msg: str) -> None:
             waiting = len(self.conn.trailing_data[0])
-            if waiting <= max_header_bytes:
+            too_large = waiting > max_header_bytes
+            if requests is not None:
+                requests.by_code[431 if too_large else 400] += 1
+            if not too_large:
                 super().send_400_response(msg)
                 return
             # h11 gave up on a head still incomplete past the limit: no route is known yet
