@@ -264,6 +264,14 @@ def test_header_block_is_bounded_at_16_kib(url, trickled):
     assert _codes(url).get("431", 0) == before + 2  # counted in /metrics, both ways
 
 
+def test_max_header_bytes_sets_the_limit(smollm_path):
+    """--max-header-bytes moves the limit, and the 431 names the flag."""
+    with running_server("--kv-cache-memory", "64MiB", "--max-header-bytes", "20KiB") as base:
+        assert _trickle(base, _head_of(20 << 10), [], every_s=1.0)[0].startswith(b"HTTP/1.1 200")
+        status, error = _status_and_error(_trickle(base, _head_of((20 << 10) + 1), [], 1.0)[0])
+        assert status == 431 and "at most 20480 (serve --max-header-bytes)" in error["message"]
+
+
 def test_body_has_a_deadline_as_a_whole(url):
     """A client sending a byte each second (under the 2 s between chunks) used to hold
     its connection as long as it liked; the body as a whole has BODY_DEADLINE_S."""

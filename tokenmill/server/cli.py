@@ -190,6 +190,12 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         help="largest request body; larger ones get 413 (default: 64 bytes per context "
         "token, at least 1MiB)",
     )
+    p.add_argument(
+        "--max-header-bytes",
+        type=_byte_size,
+        default=ServerLimits.max_header_bytes,
+        help="largest request line and headers together; larger ones get 431 (default: 16KiB)",
+    )
     # the timeouts, all in seconds: (flag, default, what it bounds)
     for flag, default, what in (
         (
@@ -428,6 +434,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         engine.engine.parallel.exit_on_failure = True
     limits = ServerLimits(
         max_body_bytes=args.max_body_bytes,
+        max_header_bytes=args.max_header_bytes,
         body_timeout_s=args.body_timeout,
         body_deadline_s=args.body_deadline,
         header_timeout_s=args.header_timeout,

@@ -169,7 +169,7 @@ class BodyLimit(HTTPMiddleware):
                 send,
                 431,
                 f"the request line and headers have {size} bytes; this server takes at "
-                f"most {self.max_header_bytes}",
+                f"most {self.max_header_bytes} (serve --max-header-bytes)",
                 "request_header_fields_too_large",
                 CLOSE,
             )
@@ -327,7 +327,7 @@ def header_timeout_protocol(
             error = APIError(
                 431,
                 f"the request line and headers have more than {max_header_bytes} bytes; "
-                f"this server takes at most {max_header_bytes}",
+                f"this server takes at most {max_header_bytes} (serve --max-header-bytes)",
                 code="request_header_fields_too_large",
             )
             body = json.dumps(error.body()).encode()
