@@ -1,11 +1,12 @@
-"""README.md, run as a reader runs it, so that it cannot drift from the code again.
+"""README.md and every page of docs/, run as a reader runs them, so that they cannot drift
+from the code again.
 
-Every fenced block is one of three kinds, and each kind is checked:
+Every fenced block of each of those files is one of three kinds, and each kind is checked:
 
   bash    Each `tokenmill ...` command runs on the real default model and must succeed
           (and show what the README says it shows), except the few in NOT_RUN, whose
-          arguments are parsed instead. Install steps must be the ones scripts/test.sh,
-          which CI runs, performs.
+          arguments are parsed instead, as are those of a `torchrun ... -m tokenmill.cli`
+          launch. Install steps must be the ones scripts/test.sh, which CI runs, performs.
   python  Each snippet runs in a fresh interpreter, from a folder outside the clone; one
           that talks to http://127.0.0.1:8000 runs against a real `tokenmill serve` (on a
           free port) with the real `openai` client. Every `# prints: TEXT` comment is
@@ -15,7 +16,10 @@ Every fenced block is one of three kinds, and each kind is checked:
   text    Usage synopses: every option they show exists on that command, and every value
           shown that is not a PLACEHOLDER is the option's default or among its choices.
 
-A block of any other kind fails the test, so nothing in the README escapes checking.
+A block of any other kind fails the test, so nothing in the README or docs/ escapes
+checking. Every relative link of those files (and of CHANGELOG.md) must lead to a file
+that exists, and to a heading of it where it names one; the README stays a front door
+(at most README_MAX_LINES lines) whose index links every page of docs/.
 """
 
 from __future__ import annotations
@@ -38,6 +42,11 @@ from tokenmill import cli
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
+# The pages whose blocks are checked: the README first, then docs/ (a page added there is
+# checked without being listed here).
+PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))]
+TEXTS = {page: (REPO / page).read_text() for page in PAGES}
+README_MAX_LINES = 250
 TEST_SH = (REPO / "scripts" / "test.sh").read_text()
 SERVER_URL = "http://127.0.0.1:8000"
 
@@ -61,17 +70,19 @@ def blocks(text: str) -> list[tuple[int, str, str]]:
     return found
 
 
-BLOCKS = blocks(README)
+# (page, line number, language, code) of every fenced block of every page.
+BLOCKS = [(page, *block) for page in PAGES for block in blocks(TEXTS[page])]
+README_BLOCKS = [(line, lang, code) for page, line, lang, code in BLOCKS if page == "README.md"]
 
 
 def cases(kind: str) -> list:
     """The blocks of one kind as test cases; those that run a model are marked slow."""
     out = []
-    for line, lang, code in BLOCKS:
+    for page, line, lang, code in BLOCKS:
         if lang == kind:
             slow = kind == "python" or (kind == "bash" and _runs_a_model(code))
             marks = [pytest.mark.slow] if slow else []
-            out.append(pytest.param(code, id=f"README.md:{line}", marks=marks))
+            out.append(pytest.param(code, id=f"{page}:{line}", marks=marks))
     return out
 
 
@@ -80,20 +91,97 @@ def _runs_a_model(code: str) -> bool:
 
 
 def test_every_block_is_of_a_kind_this_file_checks():
-    assert BLOCKS, "no code blocks found in README.md"
-    assert {lang for _, lang, _ in BLOCKS} <= {"bash", "python", "text"}, BLOCKS
+    assert README_BLOCKS, "no code blocks found in README.md"
+    assert len(PAGES) > 1, "no pages found in docs/"
+    kinds = {(page, lang) for page, _, lang, _ in BLOCKS}
+    assert {lang for _, lang in kinds} <= {"bash", "python", "text"}, kinds
+
+
+def test_blocks_finds_every_fence():
+    """Every page's fences pair up into blocks: an unclosed or mislabelled fence would hide
+    the code after it from every check here."""
+    for page, text in TEXTS.items():
+        fences = re.findall(r"^```", text, re.M)
+        assert len(fences) == 2 * len(blocks(text)), f"{page}: unpaired ``` fences"
 
 
 def test_quickstart_promise_is_the_one_checked():
     assert f"prints `{PROMISED['generate']}`" in README
 
 
-def test_every_chat_command_is_in_the_readme():
-    """The chat's /help and the README's chat paragraph name the same commands."""
+def test_every_chat_command_is_in_the_docs():
+    """The chat's /help and docs/cli.md's chat paragraph name the same commands."""
     from tokenmill.cli.chat import COMMANDS, EXIT_COMMANDS
 
+    cli_page = TEXTS["docs/cli.md"]
     for command in [*COMMANDS, *EXIT_COMMANDS]:
-        assert f"`{command.split()[0]}" in README, f"README.md never mentions {command}"
+        assert f"`{command.split()[0]}" in cli_page, f"docs/cli.md never mentions {command}"
+
+
+# ---------------------------------------------------------------------- links and the index
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but `-` and `_` dropped,
+    spaces to `-`."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    """The anchors of a markdown file's headings (outside code blocks); a repeated heading
+    gets `-1`, `-2`, ... as on GitHub."""
+    found: set[str] = set()
+    for m in re.finditer(
+        r"^#{1,6} (.+)$", re.sub(r"^```.*?^```", "", text, flags=re.M | re.S), re.M
+    ):
+        base = anchor = slug(m[1])
+        n = 0
+        while anchor in found:
+            n += 1
+            anchor = f"{base}-{n}"
+        found.add(anchor)
+    return found
+
+
+def links(text: str) -> list[str]:
+    """The relative targets of a markdown file's inline links, code blocks left out."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)  # inline code spans hold no links
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    return [t for t in targets if not re.match(r"[a-z]+:", t)]
+
+
+def test_slug_and_links():
+    assert slug("Server (OpenAI-compatible)") == "server-openai-compatible"
+    assert slug("OpenAI's Responses API") == "openais-responses-api"
+    assert slug("Models of a real shape: `tokenmill bench --shape NAME[:TYPE]`") == (
+        "models-of-a-real-shape-tokenmill-bench---shape-nametype"
+    )
+    assert anchors("# A\n```\n# not a heading\n```\n## A\n") == {"a", "a-1"}
+    assert links("[x](a.md#b) [y](https://e.org) `[z](c.md)`") == ["a.md#b"]
+
+
+@pytest.mark.parametrize("page", [*PAGES, "CHANGELOG.md"])
+def test_relative_links_lead_somewhere(page):
+    """Every relative link leads to a file of the repository, and to one of its headings
+    where it names one: moving text between pages cannot leave a dead link behind."""
+    here = (REPO / page).parent
+    for target in links((REPO / page).read_text()):
+        path, _, anchor = target.partition("#")
+        file = (here / path).resolve() if path else REPO / page
+        assert file.exists(), f"{page} links to {target}, which does not exist"
+        assert file.is_relative_to(REPO), f"{page} links outside the repository: {target}"
+        if anchor:
+            assert file.suffix == ".md", f"{page}: an anchor into a non-markdown file: {target}"
+            assert anchor in anchors(file.read_text()), f"{page}: no heading #{anchor} in {path}"
+
+
+def test_readme_is_a_front_door():
+    """The README stays short, and its index links every page of docs/."""
+    assert README.count("\n") <= README_MAX_LINES, "README.md grew: move the detail to docs/"
+    linked = {t.partition("#")[0] for t in links(README)}
+    for page in PAGES[1:]:
+        assert page in linked, f"README.md's index does not link {page}"
 
 
 # ---------------------------------------------------------------------- bash
@@ -167,11 +255,19 @@ def run_tokenmill(words: list[str], tmp_path: Path) -> None:
     assert PROMISED.get(command, "") in r.stdout, r.stdout
 
 
+def check_torchrun(words: list[str]) -> None:
+    """A multi-machine launch cannot run here: its tokenmill arguments are parsed."""
+    assert "-m" in words and words[words.index("-m") + 1] == "tokenmill.cli", words
+    cli.build_parser().parse_args(words[words.index("-m") + 2 :])  # exits if they are wrong
+
+
 @pytest.mark.parametrize("code", cases("bash"))
 def test_bash_block(code, tmp_path):
     for words in commands(code):
         if words[0] == "tokenmill":
             run_tokenmill(words, tmp_path)
+        elif words[0] == "torchrun":
+            check_torchrun(words)
         else:
             check_install_step(words)
 
@@ -249,7 +345,7 @@ NOT_COPIED += ("test-artifacts", "*.gguf", "*.safetensors")
 
 def quickstart_install() -> str:
     """The quickstart's first command up to its first `tokenmill` command: the install."""
-    line = next(code for _, lang, code in BLOCKS if lang == "bash" and "python3 -m venv" in code)
+    line = next(c for _, lang, c in README_BLOCKS if lang == "bash" and "python3 -m venv" in c)
     steps = line.strip().split(" && ")
     return " && ".join(steps[: next(i for i, s in enumerate(steps) if s.startswith("tokenmill"))])
 
@@ -320,7 +416,7 @@ def _subparser(command: str | None) -> argparse.ArgumentParser:
     for action in parser._subparsers._group_actions:
         if command in action.choices:
             return action.choices[command]
-    raise AssertionError(f"README shows `tokenmill {command}`, which does not exist")
+    raise AssertionError(f"the docs show `tokenmill {command}`, which does not exist")
 
 
 @pytest.mark.parametrize("code", cases("text"))
