@@ -183,6 +183,34 @@ static void five_bit_cases(void) {
         }
 }
 
+/* 4-bit codes that index a table (GGUF IQ4_NL, IQ4_XS, MXFP4), tails included */
+static void table_cases(void) {
+    static const uint8_t lut[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+    const int ks[] = {256, 1024 + 480};
+    for (int ki = 0; ki < 2; ki++) {
+        const int k = ks[ki], n = 9;
+        tm_weight w = {fill_bytes((size_t)n * k / 2), fill_scales((size_t)n * k / 32, 1, 0.01f), NULL, 4, 1, n, k};
+        w.lut = lut;
+        char name[64];
+        for (int t = 1; t <= 5; t += 4)
+            for (int act16 = 0; act16 < 2; act16++) {
+                float *x = fill_floats((size_t)t * k, 1.f), *y = malloc((size_t)t * n * 4);
+                tm_linear(&w, x, t, y, NULL, 2, act16);
+                snprintf(name, sizeof name, "table k%d t%d a%d", k, t, act16);
+                emit(name, y, t * n);
+                tm_gemm(&w, x, t, y, NULL, 2, act16);
+                snprintf(name, sizeof name, "gemm table k%d t%d a%d", k, t, act16);
+                emit(name, y, t * n);
+                free(x), free(y);
+            }
+        float *lanes = malloc((size_t)n * k * 4);
+        tm_dequant_lanes(&w, 0, n, lanes, 2);
+        snprintf(name, sizeof name, "lanes table k%d", k);
+        emit(name, lanes, n * k);
+        free(lanes), free((void *)w.codes), free((void *)w.scales);
+    }
+}
+
 static void float_cases(void) {
     const int kinds[] = {TM_F16, TM_BF16, TM_F32}, ks[] = {8, 64, 1000};
     for (int ki = 0; ki < 3; ki++)
@@ -353,6 +381,7 @@ int main(int argc, char **argv) {
     kquant_cases();
     six_bit_cases();
     five_bit_cases();
+    table_cases();
     float_cases();
     attention_cases();
     stack_cases();

@@ -174,8 +174,9 @@ def test_gguf_reads_back_as_the_folder(tmp_path, fused):
 def test_quantized_experts(tmp_path, qtype):
     """Experts stored MXFP4 (gpt-oss's published GGUFs) or Q8_0: the float path reads
     exactly what the file holds (transformers on the round-tripped experts, greedy
-    tokens equal); packed as loaded by default (MXFP4 requantized to 8 bits) the logits
-    of most positions stay within 8-bit rounding of it. Sizes multiple of 32: the blocks'
+    tokens equal); packed as loaded by default (MXFP4's 4-bit codes looked up in its
+    table, Q8_0 as stored) the logits of most positions stay within the activations'
+    rounding of it. Sizes multiple of 32: the blocks'
     width."""
     hf = build_gpt_oss(tmp_path / "hf", hidden_size=64, intermediate_size=32)
     path = tmp_path / "oss.gguf"

@@ -28,6 +28,7 @@ from tokenmill.layers.quant_linear import PREFILL_MIN_T, QuantLinear
 
 SIMPLE = [GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.Q5_0, GT.Q5_1]  # gguf.quants can quantize these
 K_QUANTS = [GT.Q4_K, GT.Q5_K]
+TABLES = [GT.IQ4_NL, GT.IQ4_XS, GT.MXFP4]  # 4-bit codes into a table of 16 values
 # (out, in): odd out sizes; in with no tail, a 1-block tail, a 2-block tail, a 15-block tail
 SHAPES = [(1, 32), (7, 64), (33, 576), (17, 512), (5, 1024 + 480), (64, 1536)]
 K_SHAPES = [(3, 256), (33, 768), (9, 2048 + 256), (5, 1024)]  # 1024: whole groups everywhere
@@ -40,9 +41,14 @@ def gguf_bytes(qtype: GT, n: int, k: int, seed: int = 0) -> np.ndarray:
         return quantize((rng.standard_normal((n, k)) * 0.05).astype(np.float32), qtype)
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    if qtype == GT.MXFP4:  # an E8M0 exponent first: scales 2^-10 .. 2^-3
+        raw[..., 0] = rng.integers(118, 126, size=(n, k // block), dtype=np.uint8)
+        return raw.reshape(n, -1)
     scales = (rng.random((n, k // block, 2)) * 1e-3).astype(np.float16).view(np.uint8)
     if qtype == GT.Q6_K:  # d is the last 2 bytes
         raw[..., -2:] = scales[..., :2]
+    elif qtype in (GT.IQ4_NL, GT.IQ4_XS):  # d first, then (IQ4_XS) random scale codes
+        raw[..., 0:2] = scales[..., :2]
     else:  # d, dmin first
         raw[..., 0:4] = scales.reshape(n, k // block, 4)
     return raw.reshape(n, -1)
@@ -102,10 +108,14 @@ def kbuild(request, monkeypatch):
 # ----------------------------------------------------------------------------------
 
 
+def shapes_for(qtype: GT) -> list[tuple[int, int]]:
+    """Test shapes whose rows hold whole blocks of the type (256 values for K-quants)."""
+    return K_SHAPES if GGML_QUANT_SIZES[qtype][0] == 256 else SHAPES
+
+
 @pytest.mark.parametrize(
     "qtype, shape",
-    [(q, shape) for shape in SHAPES for q in SIMPLE]
-    + [(q, shape) for shape in K_SHAPES for q in K_QUANTS],
+    [(q, shape) for q in SIMPLE + K_QUANTS + TABLES for shape in shapes_for(q)],
 )
 def test_gguf_conversion_is_exact(qtype, shape):
     n, k = shape
@@ -115,6 +125,9 @@ def test_gguf_conversion_is_exact(qtype, shape):
     assert np.array_equal(layer.dequantize().numpy(), ref)
     if qtype in (GT.Q4_0, GT.Q4_1, GT.Q8_0):  # same size as the file: nothing expanded
         assert layer.nbytes == raw.nbytes
+    if qtype in TABLES:  # 4-bit codes and the scales (IQ4_XS, MXFP4: float32), the table
+        per32 = 18 if qtype == GT.IQ4_NL else 20
+        assert layer.bits == 4 and layer.nbytes == n * k // 32 * per32 + 16
 
 
 @pytest.mark.parametrize("k", [256, 512, 768])
@@ -215,10 +228,10 @@ def test_from_float(scheme, bound):
 
 
 @pytest.mark.parametrize("act_bits", [8, 16])
-@pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS + [GT.Q6_K])
+@pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS + [GT.Q6_K] + TABLES)
 def test_decode_kernel_matches_reference(kbuild, qtype, act_bits):
     torch.manual_seed(0)
-    shapes = K_SHAPES if qtype in K_QUANTS + [GT.Q6_K] else SHAPES
+    shapes = shapes_for(qtype)
     for n, k in shapes:
         layer = QuantLinear.from_gguf(gguf_bytes(qtype, n, k), qtype, n, k, bias=torch.randn(n))
         layer.act_bits = act_bits
@@ -231,7 +244,7 @@ def test_decode_kernel_matches_reference(kbuild, qtype, act_bits):
 
 
 @pytest.mark.parametrize("act_bits", [8, 16])
-@pytest.mark.parametrize("qtype", [GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.Q4_K, GT.Q6_K])
+@pytest.mark.parametrize("qtype", [GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.Q4_K, GT.Q6_K, GT.IQ4_NL])
 def test_small_t_rows_equal_one_row_at_a_time(kbuild, qtype, act_bits):
     """The GEMV multiplies each weight block into T <= 16 rows of x while it is in
     registers (a speculative verification's rows): every row's output equals, bit for
@@ -288,12 +301,12 @@ def test_prefill_path_matches_its_reference(kbuild, monkeypatch, qtype, t):
 
 
 @pytest.mark.parametrize("act_bits", [8, 16])
-@pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS + [GT.Q6_K])
+@pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS + [GT.Q6_K] + TABLES)
 def test_integer_gemm_matches_reference_and_gemv(kbuild, qtype, act_bits):
     """The integer GEMM of every build (also where it is not the prefill path): the
     GEMV's integers, row and token counts off its tiles (RT rows, 3 tokens), K tails."""
     torch.manual_seed(7)
-    shapes = K_SHAPES if qtype in K_QUANTS + [GT.Q6_K] else SHAPES
+    shapes = shapes_for(qtype)
     for n, k in shapes:
         layer = QuantLinear.from_gguf(gguf_bytes(qtype, n, k), qtype, n, k, bias=torch.randn(n))
         layer.act_bits = act_bits

@@ -67,7 +67,8 @@ static void tile_scales(const tm_weight *w, int r, float *td, float *tm) {
 static void block_codes(const tm_weight *w, const uint8_t *row, int b, uint8_t out[QK]) {
     const int nb = w->k / QK, nfull = nb / TM_GB;
     if (b >= nfull * TM_GB) {
-        tail_block_codes(row + (size_t)nfull * GW * w->bits / 8, w->bits, b - nfull * TM_GB, nb % TM_GB, out);
+        tail_block_codes(row + (size_t)nfull * GW * w->bits / 8, w->bits, b - nfull * TM_GB, nb % TM_GB, w->lut,
+                         out);
         return;
     }
     for (int j = 0; j < QK; j++) { /* byte / nibble / crumb of lane-order position p */
@@ -77,6 +78,7 @@ static void block_codes(const tm_weight *w, const uint8_t *row, int b, uint8_t o
             out[j] = row[(size_t)(b / TM_GB) * GW + p];
         } else if (w->bits == 4) {
             out[j] = (row[(size_t)(b / TM_GB) * (GW / 2) + (i >> 1) * vbytes + e] >> ((i & 1) * 4)) & 15;
+            if (w->lut) out[j] = w->lut[out[j]];
         } else if (w->bits == 5) {
             const uint8_t *g = row + (size_t)(b / TM_GB) * group_bytes(5);
             out[j] = ((g[(i >> 1) * vbytes + e] >> ((i & 1) * 4)) & 15) | (((g[GW / 2 + e] >> i) & 1) << 4);
@@ -104,7 +106,10 @@ static void build_tile(const tm_weight *w, int r0, int32_t *tw, float *td, float
     for (int s = 0; s < GR; s++) /* TM_W rows at a time */
         for (int g = 0; g < nfull; g++) {
             vb c[TM_W][8];
-            for (int l = 0; l < TM_W; l++) tm_group_codes(rp[s * TM_W + l], g, w->bits, c[l]);
+            for (int l = 0; l < TM_W; l++) {
+                tm_group_codes(rp[s * TM_W + l], g, w->bits, c[l]);
+                if (w->lut) tm_lookup_codes(vb_table(w->lut), c[l]);
+            }
             for (int i = 0; i < 8; i++) { /* codes 4i..4i+3 of block k: pairs 2i, 2i + 1 */
                 vi even[TM_W], odd[TM_W];
                 for (int l = 0; l < TM_W; l++) vb_widen_pairs(c[l][i], z, &even[l], &odd[l]);

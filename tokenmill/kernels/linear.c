@@ -211,18 +211,22 @@ static inline __attribute__((always_inline)) vi dot_codes(const vb *c, int n, co
 }
 
 static inline __attribute__((always_inline)) void tail_dot(const tm_weight *w, const xq_t *xq, int r,
-                                                           int t0, int T, int bits,
+                                                           int t0, int T, int bits, int lut,
                                                            const uint8_t *tc, float *tail, vf *acc) {
     const int nb = w->k / QK, nfull = nb / TM_GB, nbt = nb % TM_GB;
+    /* table codes: 4-bit in the row, 8-bit once looked up (lut: a constant after inlining) */
+    const int db = lut ? 8 : bits;
+    const vb table = vb_table(lut ? w->lut : tm_no_table);
 #if 4 * TM_GB > QK
     for (int u = 0; u < nbt; u += 2) {
         const int n = u + 1 < nbt ? 2 : 1, b = nfull * TM_GB + u;
         vb c;
         if (n == 2) { /* a whole chunk: vb_tail_pair loads it (simd_avx512.h) */
             c = vb_tail_pair(tc + (size_t)QK * u * bits / 8, bits);
+            if (lut) c = vb_lookup(table, c);
         } else { /* the last, lone block: its codes and 32 zero bytes (in-bounds reads) */
             uint8_t cv[4 * TM_GB] __attribute__((aligned(64))) = {0};
-            tail_block_codes(tc, bits, u, nbt, cv);
+            tail_block_codes(tc, bits, u, nbt, lut ? w->lut : NULL, cv);
             c = vb_load(cv);
         }
         float d[2], m[2];
@@ -232,7 +236,7 @@ static inline __attribute__((always_inline)) void tail_dot(const tm_weight *w, c
             for (int t = 0; t < T; t++) {
                 const size_t tt = (size_t)(t0 + t), pi = (tt * xq->npair + u / 2) * TM_W;
                 const size_t xo = tt * xq->kpad + (size_t)b * QK;
-                const vi s = vi_sub(dot_codes(&c, 1, xq, xo, bits), vi_load(xq->tz + pi));
+                const vi s = vi_sub(dot_codes(&c, 1, xq, xo, db), vi_load(xq->tz + pi));
                 acc[t] = vf_fma(vf_mul(vf_from_vi(s), vf_load(xq->tdx + pi)), dv, acc[t]);
                 if (w->mins) acc[t] = vf_fma(mv, vf_load(xq->tsx + pi), acc[t]);
             }
@@ -242,7 +246,7 @@ static inline __attribute__((always_inline)) void tail_dot(const tm_weight *w, c
             const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + b;
             const size_t xo = tt * xq->kpad + (size_t)b * QK;
             int32_t s[2];
-            vi_sum_halves(dot_codes(&c, 1, xq, xo, bits), &s[0], &s[1]);
+            vi_sum_halves(dot_codes(&c, 1, xq, xo, db), &s[0], &s[1]);
             for (int h = 0; h < n; h++)
                 tail[t] += d[h] * (xq->dx[xi + h] * (float)(s[h] - xq->zc[xi + h])) + m[h] * xq->sx[xi + h];
         }
@@ -254,11 +258,14 @@ static inline __attribute__((always_inline)) void tail_dot(const tm_weight *w, c
         if (bits == 8) {
             for (int v = 0; v < TAIL_NV; v++) cb[v] = ca[v] = vb_load(tc + (size_t)QK * u + 4 * TM_GB * v);
         } else if (u + 1 < nbt) { /* a 64-value chunk: two blocks from one nibble split */
-            for (int v = 0; v < TAIL_NV; v++) vb_nibbles(vb_load(tc + QK * (u / 2) + 4 * TM_GB * v), &ca[v], &cb[v]);
+            for (int v = 0; v < TAIL_NV; v++) {
+                vb_nibbles(vb_load(tc + QK * (u / 2) + 4 * TM_GB * v), &ca[v], &cb[v]);
+                if (lut) ca[v] = vb_lookup(table, ca[v]), cb[v] = vb_lookup(table, cb[v]);
+            }
             n = 2;
         } else { /* the last, lone block: 16 bytes, value j low (j < 16) or high nibble */
             uint8_t cv[QK];
-            tail_block_codes(tc, bits, u, nbt, cv);
+            tail_block_codes(tc, bits, u, nbt, lut ? w->lut : NULL, cv);
             for (int v = 0; v < TAIL_NV; v++) cb[v] = ca[v] = vb_load(cv + 4 * TM_GB * v);
         }
         for (int h = 0; h < n; h++) {
@@ -267,13 +274,13 @@ static inline __attribute__((always_inline)) void tail_dot(const tm_weight *w, c
             for (int t = 0; t < T; t++) {
                 const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + b;
                 const size_t xo = tt * xq->kpad + (size_t)b * QK;
-                const int32_t s = vi_sum(dot_codes(h ? cb : ca, TAIL_NV, xq, xo, bits)) - xq->zc[xi];
+                const int32_t s = vi_sum(dot_codes(h ? cb : ca, TAIL_NV, xq, xo, db)) - xq->zc[xi];
                 tail[t] += d * (xq->dx[xi] * (float)s) + m * xq->sx[xi];
             }
         }
         u += n;
     }
-    (void)acc;
+    (void)acc, (void)table;
 #endif
 }
 
@@ -310,8 +317,10 @@ static inline vf sup_lanes(const float *sup, int g) {
  * scales the group's TM_GB blocks at once. */
 static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, const xq_t *xq,
                                                            int r0, int r1, int t0, int T, int bits,
-                                                           float *y, const float *bias) {
+                                                           int lut, float *y, const float *bias) {
     const int nb = w->k / QK, nfull = nb / TM_GB, nbt = nb % TM_GB, f16 = w->scale_f16;
+    const int db = lut ? 8 : bits; /* the dots' code bits (table codes: looked up to 8) */
+    const vb table = vb_table(lut ? w->lut : tm_no_table);
     /* scale bytes per 32 values: K-quant codes 1 (6-bit: 2, one per 16), float16 2, float32 4 */
     const size_t rb = row_bytes(w), es = w->dsup ? (bits == 6 ? 2 : 1) : f16 ? 2 : 4;
     for (int r = r0; r < r1; r++) {
@@ -349,6 +358,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
         for (int g = 0; g < nfull && bits != 6; g++) {
             vb c[8];
             tm_group_codes(row, g, bits, c);
+            if (lut) tm_lookup_codes(table, c);
             vf d, m = vf_zero();
             if (w->dsup) { /* K-quant: codes times the super-block's scale (256 values) */
                 d = vf_mul(vf_load_u8((const uint8_t *)w->scales + srow + (size_t)g * TM_GB), sup_lanes(dsup, g));
@@ -361,7 +371,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
             for (int t = 0; t < T; t++) {
                 const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + (size_t)g * TM_GB;
                 const size_t xo = tt * xq->kpad + (size_t)g * GW;
-                const vi s = vi_sub(dot_codes(c, 8, xq, xo, bits), vi_load(xq->zc + xi));
+                const vi s = vi_sub(dot_codes(c, 8, xq, xo, db), vi_load(xq->zc + xi));
                 acc[t] = vf_fma(vf_mul(vf_from_vi(s), vf_load(xq->dx + xi)), d, acc[t]);
                 if (w->mins) acc[t] = vf_fma(m, vf_load(xq->sx + xi), acc[t]);
             }
@@ -369,7 +379,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
         float tail[TCHUNK] = {0};
         if (nbt && !whole_groups_only(bits)) /* the tail blocks, natural order, through
                                                 group_dot too (tail_dot) */
-            tail_dot(w, xq, r, t0, T, bits, row + (size_t)nfull * GW * bits / 8, tail, acc);
+            tail_dot(w, xq, r, t0, T, bits, lut, row + (size_t)nfull * GW * bits / 8, tail, acc);
         const float bv = bias ? bias[r] : 0.f;
         for (int t = 0; t < T; t++) y[(size_t)(t0 + t) * w->n + r] = vf_sum(acc[t]) + tail[t] + bv;
     }
@@ -378,7 +388,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
 #define DEF_ROWS(B, T)                                                                        \
     static void rows_b##B##_t##T(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, \
                                  float *y, const float *bias) {                               \
-        rows_dot(w, xq, r0, r1, t0, T, B, y, bias);                                           \
+        rows_dot(w, xq, r0, r1, t0, T, B, 0, y, bias);                                        \
     }
 typedef void (*rows_fn)(const tm_weight *, const xq_t *, int, int, int, float *, const float *);
 /* Instantiated for T = 1, 2, 4, 8 only (compile time); other counts are split. */
@@ -387,6 +397,14 @@ typedef void (*rows_fn)(const tm_weight *, const xq_t *, int, int, int, float *,
     static const rows_fn ROWS_B##B[4] = {rows_b##B##_t1, rows_b##B##_t2, \
                                          rows_b##B##_t4, rows_b##B##_t8};
 DEF_ROWS_ALL(4)
+/* 4-bit codes that index a table (tm_weight.lut): the dots of 8-bit codes */
+#define DEF_ROWS_LUT(T)                                                                   \
+    static void rows_lut_t##T(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, \
+                              float *y, const float *bias) {                              \
+        rows_dot(w, xq, r0, r1, t0, T, 4, 1, y, bias);                                    \
+    }
+DEF_ROWS_LUT(1) DEF_ROWS_LUT(2) DEF_ROWS_LUT(4) DEF_ROWS_LUT(8)
+static const rows_fn ROWS_B4L[4] = {rows_lut_t1, rows_lut_t2, rows_lut_t4, rows_lut_t8};
 DEF_ROWS_ALL(5)
 DEF_ROWS_ALL(6)
 DEF_ROWS_ALL(8)
@@ -395,7 +413,11 @@ DEF_ROWS_ALL(8)
  * (ROWBLOCK of them) stay in L1 between the pieces. */
 static void rows_any(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, int T,
                      float *y, const float *bias) {
-    const rows_fn *table = w->bits == 4 ? ROWS_B4 : w->bits == 5 ? ROWS_B5 : w->bits == 6 ? ROWS_B6 : ROWS_B8;
+    const rows_fn *table = w->lut          ? ROWS_B4L /* table codes are 4-bit */
+                           : w->bits == 4 ? ROWS_B4
+                           : w->bits == 5 ? ROWS_B5
+                           : w->bits == 6 ? ROWS_B6
+                                          : ROWS_B8;
     for (int p = 3; p >= 0; p--)
         if (T & (1 << p)) {
             table[p](w, xq, r0, r1, t0, y, bias);
@@ -448,7 +470,8 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
             const int shift = w->bits == 8 ? 0 : (i & 1) * 4, mask = w->bits == 8 ? 255 : 15;
             const uint8_t *top = gp + GW / 2; /* 5-bit: bit i of byte e, the code's bit 4 */
             for (int e = 0; e < vb_bytes; e++) {
-                const int c = ((p[e] >> shift) & mask) | (w->bits == 5 ? ((top[e] >> i) & 1) << 4 : 0);
+                int c = ((p[e] >> shift) & mask) | (w->bits == 5 ? ((top[e] >> i) & 1) << 4 : 0);
+                if (w->lut) c = w->lut[c];
                 o[i * vb_bytes + e] = (float)(c - z) * de[e] + me[e];
             }
         }
@@ -456,7 +479,7 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
     const uint8_t *tail = row + (size_t)nfull * GW * w->bits / 8;
     for (int u = 0; u < nbt; u++) {
         uint8_t cb[QK];
-        tail_block_codes(tail, w->bits, u, nbt, cb);
+        tail_block_codes(tail, w->bits, u, nbt, w->lut, cb);
         const int b = nfull * TM_GB + u;
         const float d = tm_block_scale(w, r, b), m = tm_block_min(w, r, b);
         float *o = out + (size_t)b * QK;
@@ -646,7 +669,7 @@ static int linear_one(const tm_weight *w, const float *x, int T, float *y, const
     if (tm_linear_path(w->bits, T, 0, NULL, 0) == TM_PATH_GEMM) /* the integer GEMM (gemm.c) */
         return tm_gemm(w, x, T, y, bias, nthreads, act16);
     xq_t xq;
-    if (!fw && !quantize_x(x, T, w->k, zero_point(w), w->bits, act16, &xq)) return 0;
+    if (!fw && !quantize_x(x, T, w->k, zero_point(w), dot_bits(w), act16, &xq)) return 0;
     const int n = w->n, nblk = (n + ROWBLOCK - 1) / ROWBLOCK;
     const int nt = tm_team(nthreads, nblk);
     int64_t start = tm_now(), done = start;

@@ -32,7 +32,9 @@
  *   vb   4*TM_W bytes     vb_load, vb_nibbles (low and high 4 bits of every byte),
  *                         vb_add_crumbs(c[4], v) (c[s] |= bits 2s..2s+1 of v at bits 4..5:
  *                         the top bits of 6-bit codes), vb_add_bits(c[8], v) (c[i] |= bit i
- *                         of v at bit 4: the top bits of 5-bit codes),
+ *                         of v at bit 4: the top bits of 5-bit codes), vb_table(t) (a
+ *                         16-byte table in every 16-byte lane), vb_lookup(table, c) (codes
+ *                         0..15 looked up in it: table-coded 4-bit types),
  *                         vb_widen_pairs(c, z, &even, &odd)
  *                         (codes minus z as int16 pairs: lane k of even = codes 4k, 4k+1,
  *                         of odd = 4k+2, 4k+3; the first of a pair in the low half)

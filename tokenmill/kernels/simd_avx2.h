@@ -169,6 +169,10 @@ static inline void vb_add_crumbs(vb c[4], vb v) {
     c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_srli_epi16(v, 2), m));
 }
 
+/* A 16-byte table in both 128-bit lanes, and codes (0..15) looked up in it (vpshufb) */
+static inline vb vb_table(const uint8_t *t) { return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t)); }
+static inline vb vb_lookup(vb table, vb c) { return _mm256_shuffle_epi8(table, c); }
+
 /* c[i] |= bit i of v, moved to bit 4 (i = 0..7): the top bits of eight vectors of 5-bit
  * codes (16-bit shifts of at most 4: the mask keeps only what stays in its byte) */
 static inline void vb_add_bits(vb c[8], vb v) {

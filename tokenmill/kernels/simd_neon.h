@@ -101,6 +101,10 @@ static inline void vb_add_crumbs(vb c[4], vb v) {
     c[2] = vorrq_u8(c[2], vandq_u8(v, m));
     c[3] = vorrq_u8(c[3], vandq_u8(vshrq_n_u8(v, 2), m));
 }
+/* A 16-byte table, and codes (0..15) looked up in it (tbl) */
+static inline vb vb_table(const uint8_t *t) { return vld1q_u8(t); }
+static inline vb vb_lookup(vb table, vb c) { return vqtbl1q_u8(table, c); }
+
 /* c[i] |= bit i of v, moved to bit 4 (i = 0..7) */
 static inline void vb_add_bits(vb c[8], vb v) {
     const uint8x16_t m = vdupq_n_u8(0x10);

@@ -105,6 +105,18 @@ static inline void vb_add_crumbs(vb c[4], vb v) {
         for (int i = 0; i < 16; i++) c[s].v[i] |= ((v.v[i] >> (2 * s)) & 3) << 4;
 }
 
+/* A 16-byte table, and codes (0..15) looked up in it */
+static inline vb vb_table(const uint8_t *t) {
+    vb r;
+    memcpy(r.v, t, 16);
+    return r;
+}
+static inline vb vb_lookup(vb table, vb c) {
+    vb r;
+    for (int i = 0; i < 16; i++) r.v[i] = table.v[c.v[i] & 15];
+    return r;
+}
+
 /* c[i] |= bit i of v, moved to bit 4 (i = 0..7) */
 static inline void vb_add_bits(vb c[8], vb v) {
     for (int s = 0; s < 8; s++)

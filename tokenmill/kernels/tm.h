@@ -29,7 +29,7 @@
 
 #define TM_GB TM_W /* blocks per lane-order group: one vector of 32-bit lanes */
 
-#define TM_ABI 17 /* tm_info() / 1000: bumped when a struct or signature changes */
+#define TM_ABI 18 /* tm_info() / 1000: bumped when a struct or signature changes */
 
 #define QK 32            /* values per block */
 #define GW (TM_GB * QK)  /* values per full lane-order group */
@@ -73,6 +73,9 @@ typedef struct tm_weight {
     const uint16_t *dsup, *msup; /* K-quant super-block scales [n, k/256], or NULL */
     const struct tm_weight *next; /* the next rows, in their own format (a fused layer of
                                      parts that pack differently), or NULL */
+    const uint8_t *lut; /* 4-bit codes that index a table (GGUF IQ4_NL, IQ4_XS, MXFP4): its
+                           16 values + 128, so that w = d * (lut[c] - 128), computed as
+                           8-bit codes with Z = 128 once looked up in registers; or NULL */
 } tm_weight;
 
 /* The model's shapes, shared by every layer (ctypes mirror: TmShape). */
@@ -256,8 +259,12 @@ static inline float tm_block_min(const tm_weight *w, int r, int b) {
 /* ------------------------------------------------------------------------------ */
 
 static inline int zero_point(const tm_weight *w) {
+    if (w->lut) return 128;
     return w->mins ? 0 : (w->bits == 4 ? 8 : w->bits == 5 ? 16 : w->bits == 6 ? 32 : 128);
 }
+
+/* The code bits the dot products see: table codes are looked up to 8-bit ones first. */
+static inline int dot_bits(const tm_weight *w) { return w->lut ? 8 : w->bits; }
 
 /* Bytes of one full lane-order group of codes (GW values) of `bits` 4, 5, 6 or 8. */
 static inline size_t group_bytes(int bits) { return (size_t)GW * bits / 8; }
@@ -276,8 +283,10 @@ static inline size_t lane_pos(int nb, int b, int j) {
     return (size_t)(b / TM_GB) * GW + (size_t)(j >> 2) * 4 * TM_GB + (b % TM_GB) * 4 + (j & 3);
 }
 
-/* The 32 codes of tail block u (of nbt) in natural order, from the row's tail bytes. */
-static inline void tail_block_codes(const uint8_t *tail, int bits, int u, int nbt, uint8_t out[QK]) {
+/* The 32 codes of tail block u (of nbt) in natural order, from the row's tail bytes;
+ * looked up in lut where there is one. */
+static inline void tail_block_codes(const uint8_t *tail, int bits, int u, int nbt, const uint8_t *lut,
+                                    uint8_t out[QK]) {
     if (bits == 8) {
         memcpy(out, tail + (size_t)QK * u, QK);
         return;
@@ -292,6 +301,8 @@ static inline void tail_block_codes(const uint8_t *tail, int bits, int u, int nb
             out[QK / 2 + j] = p[j] >> 4;
         }
     }
+    if (lut)
+        for (int j = 0; j < QK; j++) out[j] = lut[out[j]];
 }
 
 /* The 8 code vectors of full group g of a packed row: lane k of vector i holds codes
@@ -309,6 +320,13 @@ static inline void tm_group_codes(const uint8_t *row, int g, int bits, vb c[8]) 
         vb_add_crumbs(c, vb_load(p + GW / 2));
         vb_add_crumbs(c + 4, vb_load(p + GW / 2 + 4 * TM_GB));
     }
+}
+
+static const uint8_t tm_no_table[16]; /* zeros: the table of weights without one */
+
+/* Table codes: the 8 code vectors of a group looked up (tm_group_codes, then this). */
+static inline void tm_lookup_codes(vb table, vb c[8]) {
+    for (int i = 0; i < 8; i++) c[i] = vb_lookup(table, c[i]);
 }
 
 /* One 32-block of activations v to integers: q = round(v * qmax / amax), ties to even

@@ -31,13 +31,14 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
     Q6_K  6-bit, Z=32, an int8 scale per 16       exact, 26.25 B / 32 (file: 26.25):
           values times a float16 per 256          codes [N, K*3/4], scales int8 [N, K/16]
                                                   (kernels/linear.c has the layout)
-    Q2_K, Q3_K (16-value sub-blocks), and Q6_K on builds without 6-bit kernels (AVX-512)
-          or rows that are not whole groups: requantized to 8-bit Z=128 with a per-32 f16
-          scale (as Q8_0 would): the added error is at most max|w_block| / 254 per value,
-          about a quarter of Q6_K's own step.
-    IQ4_NL, IQ4_XS, MXFP4 (4-bit codes into a 16-value table, which no kernel reads):
-          dequantized by gguf-py and requantized the same way: 34 B / 32 (file: 18, 17,
-          17), so they decode at Q8_0's speed, not at their own size's.
+    Q2_K, Q3_K (16-value sub-blocks), and Q6_K on rows that are not whole groups:
+          requantized to 8-bit Z=128 with a per-32 f16 scale (as Q8_0 would): the added
+          error is at most max|w_block| / 254 per value, about a quarter of Q6_K's own step.
+    IQ4_NL, IQ4_XS, MXFP4 (4-bit codes into a 16-value table: `lut`, the values + 128):
+          4-bit codes as stored, looked up to 8-bit ones in registers, Z=128; exact.
+          IQ4_NL f16 scales: 18 B / 32 (file: 18); IQ4_XS and MXFP4 f32 scales (d * a
+          signed 6-bit code, and powers of two from 2^-128, which f16 cannot hold exactly):
+          20 B / 32 (file: 17).
 """
 
 from __future__ import annotations
@@ -66,11 +67,16 @@ from tokenmill.layers.native_linear import NativeLinear
 from tokenmill.loader.gguf_blocks import (
     EXACT_GGUF_TYPES,
     REQUANT_GGUF_TYPES,
+    TABLE_GGUF_TYPES,
     parse_exact,
     parse_q6_k,
+    parse_table,
+    table_of,
 )
 
-__all__ = ["QuantLinear", "PREFILL_MIN_T", "EXACT_GGUF_TYPES", "REQUANT_GGUF_TYPES"]
+__all__ = [
+    "QuantLinear", "PREFILL_MIN_T", "EXACT_GGUF_TYPES", "REQUANT_GGUF_TYPES", "TABLE_GGUF_TYPES",
+]  # fmt: skip
 
 
 # Activation precision of the decode kernel: 16 (two byte-plane dot passes, ~1.3x the arithmetic,
@@ -325,6 +331,18 @@ class QuantLinear(NativeLinear):
         )
         self._plain: tuple | None = None  # float32 scales for builds that need them
         self.act_bits = DEFAULT_ACT_BITS
+        # table-coded 4-bit weights (IQ4_NL, IQ4_XS, MXFP4): uint8 [16], the values + 128
+        self.register_buffer("lut", None)
+
+    def set_table(self, table: np.ndarray | torch.Tensor) -> None:
+        """Make the 4-bit codes indices into `table` (uint8 [16]: each value + 128), so
+        that w = d * (table[c] - 128)."""
+        table = torch.as_tensor(table)
+        if self.bits != 4 or self.mins_raw is not None or self.kquant:
+            raise ValueError("a table indexes plain 4-bit codes with scales and no mins")
+        if table.shape != (16,) or table.dtype != torch.uint8:
+            raise ValueError(f"table: expected uint8 [16], got {table.dtype} {tuple(table.shape)}")
+        self.lut = table.contiguous()
 
     # -- construction -----------------------------------------------------------------
 
@@ -369,7 +387,12 @@ class QuantLinear(NativeLinear):
                 tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
                 return cls._from_arrays(tensors, bits, in_features, out_features, bias)
         parse_rows = cls._row_parser(qtype, in_features)
-        return cls._assemble(lambda r0, r1: parse_rows(raw[r0:r1]), in_features, out_features, bias)
+        layer = cls._assemble(
+            lambda r0, r1: parse_rows(raw[r0:r1]), in_features, out_features, bias
+        )
+        if qtype in TABLE_GGUF_TYPES:
+            layer.set_table(table_of(qtype))
+        return layer
 
     @classmethod
     def _row_parser(cls, qtype: GT, in_features: int):
@@ -386,6 +409,8 @@ class QuantLinear(NativeLinear):
                 return parse_q6_k(blocks)
             if qtype in EXACT_GGUF_TYPES:
                 return parse_exact(blocks, qtype, five)
+            if qtype in TABLE_GGUF_TYPES:
+                return parse_table(blocks, qtype)
             if qtype == GT.Q6_K:  # gguf-py's float32 ops, vectorized (its own: per 16 rows)
                 return _quantize_rows(_dequantize_q6_k(blocks), "q8")
             w = gguf_dequantize(np.ascontiguousarray(rows), qtype).reshape(rows.shape[0], -1)
@@ -474,10 +499,14 @@ class QuantLinear(NativeLinear):
         stacked = {
             k: torch.from_numpy(v).view(experts, total, *v.shape[1:]) for k, v in arrays.items()
         }
-        return [
+        layers = [
             cls._from_arrays({k: v[j] for k, v in stacked.items()}, bits, in_features, total)
             for j in range(experts)
         ]
+        if qtype in TABLE_GGUF_TYPES:
+            for layer in layers:
+                layer.set_table(table_of(qtype))
+        return layers
 
     @classmethod
     def _packs_natively(cls, qtype: GT, in_features: int) -> bool:
@@ -558,6 +587,8 @@ class QuantLinear(NativeLinear):
                 or (p.mins_raw is None) != (first.mins_raw is None)  # (mins dequantizes)
                 or p.kquant != first.kquant
                 or p.group_blocks != first.group_blocks
+                or (p.lut is None) != (first.lut is None)
+                or (p.lut is not None and not torch.equal(p.lut, first.lut))
             ):
                 raise ValueError("QuantLinear.cat: parts differ in input size or packed format")
         if any(p.bias is not None for p in parts) and not all(p.bias is not None for p in parts):
@@ -574,7 +605,7 @@ class QuantLinear(NativeLinear):
             names = ["dsup_raw"] if first.bits == 6 else ["dsup_raw", "msup_raw"]
             sup = torch.stack([torch.cat([getattr(p, n) for p in parts]) for n in names], -1)
             sup = sup.view(torch.float16)
-        return cls(
+        fused = cls(
             torch.cat([p.codes for p in parts]),
             stored("scales"),
             stored("mins"),
@@ -585,6 +616,9 @@ class QuantLinear(NativeLinear):
             first.group_blocks,
             sup,
         )
+        if first.lut is not None:
+            fused.set_table(first.lut)
+        return fused
 
     @property
     def kquant(self) -> bool:
@@ -647,6 +681,7 @@ class QuantLinear(NativeLinear):
             self.in_features,
             None if dsup is None else dsup.data_ptr(),
             None if dsup is None or msup is None else msup.data_ptr(),
+            lut=None if self.lut is None else self.lut.data_ptr(),
         )
 
     def _to_8bit(self) -> None:
@@ -711,18 +746,27 @@ class QuantLinear(NativeLinear):
             c = codes[:, byte]
             if self.bits == 4:
                 c = (c >> shift) & 15
+        if self.lut is not None:  # table codes: their values + 128
+            c = self.lut[c.long()]
         n = c.shape[0]
         c = c.reshape(n, -1, QK).to(torch.float32)
         d = scales.to(torch.float32)[..., None]
         if mins is None:
-            w = d * (c - {4: 8, 5: 16, 8: 128}[self.bits])
+            w = d * (c - (128 if self.lut is not None else {4: 8, 5: 16, 8: 128}[self.bits]))
         else:
             w = d * c + mins.to(torch.float32)[..., None]
         return w.reshape(n, self.in_features)
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.codes, self.scales_raw, self.mins_raw, self.dsup_raw, self.msup_raw]
+        tensors = [
+            self.codes,
+            self.scales_raw,
+            self.mins_raw,
+            self.dsup_raw,
+            self.msup_raw,
+            self.lut,
+        ]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def extra_repr(self) -> str:
@@ -735,7 +779,7 @@ def _gguf_row_bytes(ggml_type, in_features: int) -> tuple[GT, int]:
     """(the GGUF type, bytes per row of in_features values) for a type QuantLinear holds;
     ValueError naming the type or the width otherwise."""
     qtype = GT(ggml_type)
-    if qtype not in EXACT_GGUF_TYPES | REQUANT_GGUF_TYPES:
+    if qtype not in EXACT_GGUF_TYPES | REQUANT_GGUF_TYPES | TABLE_GGUF_TYPES:
         raise ValueError(f"QuantLinear cannot hold GGUF type {qtype.name}; keep a float Linear")
     block, type_size = GGML_QUANT_SIZES[qtype]
     if in_features % block:

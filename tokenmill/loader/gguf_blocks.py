@@ -15,10 +15,13 @@ import numpy as np
 from gguf import GGMLQuantizationType as GT
 
 EXACT_GGUF_TYPES = frozenset({GT.Q4_0, GT.Q4_1, GT.Q4_K, GT.Q8_0, GT.Q5_0, GT.Q5_1, GT.Q5_K})
+# 4-bit codes that index a table of 16 values (parse_table): held as they are, looked up
+# in registers
+TABLE_GGUF_TYPES = frozenset({GT.IQ4_NL, GT.IQ4_XS, GT.MXFP4})
 # ... and the non-linear 4-bit types (a 16-entry table per value: IQ4_NL, IQ4_XS; gpt-oss's
 # MXFP4, e2m1 values under a power-of-two scale), which the integer kernels have no code
 # for: dequantized by gguf-py, then packed as 8-bit Q8_0-like blocks (2x their bytes).
-REQUANT_GGUF_TYPES = frozenset({GT.Q6_K, GT.Q2_K, GT.Q3_K, GT.IQ4_NL, GT.IQ4_XS, GT.MXFP4})
+REQUANT_GGUF_TYPES = frozenset({GT.Q6_K, GT.Q2_K, GT.Q3_K})
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -103,3 +106,41 @@ def parse_q6_k(blocks: np.ndarray):
     sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8)
     d = np.ascontiguousarray(blocks[..., 208:210]).view(np.float16)  # [rows, nsup, 1]
     return q.reshape(rows, -1), sc.reshape(rows, -1), None, 6, d
+
+
+def table_of(qtype: GT) -> np.ndarray:
+    """A table type's 16 values + 128, uint8 [16]: what a code looks up (gguf-py's
+    kvalues; MXFP4's FP4 values doubled, its scale halved to match, as gguf-py does)."""
+    from gguf import quants
+
+    kvalues = {GT.IQ4_NL: quants.IQ4_NL, GT.IQ4_XS: quants.IQ4_NL, GT.MXFP4: quants.MXFP4}
+    return (np.array(kvalues[qtype].kvalues, np.int16) + 128).astype(np.uint8)
+
+
+def parse_table(blocks: np.ndarray, qtype: GT):
+    """IQ4_NL / IQ4_XS / MXFP4 blocks [rows, nblk, type_size] -> (codes [rows, K] u8 (0..15,
+    table indices), scales [rows, K/32] (float16 for IQ4_NL, as the file; float32 for
+    IQ4_XS's d * (6-bit code - 32) and MXFP4's powers of two, which float16 cannot hold),
+    None, 4, None). The value of code c is scale * (table_of(qtype)[c] - 128), gguf-py's
+    float32 operations."""
+    from gguf import quants
+
+    rows = blocks.shape[0]
+    if qtype == GT.IQ4_NL:  # d, then value j's code in the low nibble of byte j < 16, the
+        d = _f16(blocks[..., 0:2])  # high one for j + 16 (Q4_0's layout)
+        return _nibbles16(blocks[..., 2:18]).reshape(rows, -1), d, None, 4, None
+    if qtype == GT.MXFP4:  # an E8M0 exponent, then Q4_0's nibbles
+        e = np.ascontiguousarray(blocks[..., 0:1]).reshape(-1, 1)
+        d = quants.MXFP4.e8m0_to_fp32_half(e).astype(np.float32).reshape(rows, -1)
+        return _nibbles16(blocks[..., 1:17]).reshape(rows, -1), d, None, 4, None
+    # IQ4_XS: super-blocks of 256: d, 2 bytes of top scale bits, 4 of low ones, 128 of codes
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).astype(np.float32)  # [r, n, 1]
+    high = np.ascontiguousarray(blocks[..., 2:4]).view(np.uint16)  # [rows, nsup, 1]
+    low = blocks[..., 4:8]  # [rows, nsup, 4]: sub-block ib's 4 bits at byte ib/2, nibble ib%2
+    ib = np.arange(8)
+    ls = ((low[..., ib // 2] >> (4 * (ib % 2)).astype(np.uint8)) & 15).astype(np.int8) | (
+        ((high >> (2 * ib).astype(np.uint16)) & 3).astype(np.int8) << 4
+    )
+    scales = d * (ls - np.int8(32)).astype(np.float32)  # [rows, nsup, 8], gguf-py's dl
+    codes = _nibbles16(blocks[..., 8:136].reshape(rows, -1, 8, 16))  # per 32: Q4_0's order
+    return codes.reshape(rows, -1), scales.reshape(rows, -1), None, 4, None
