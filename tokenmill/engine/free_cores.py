@@ -29,8 +29,11 @@ gives threads up, the machine is asked how many other tasks are runnable at this
 moment (/proc/stat's procs_running less this process's threads in state R), and the
 step takes the larger of the two answers' free cores: a neighbour that has stopped
 gives its cores back at the next step (or layer: a prompt's step re-decides before each
-layer), one that still spins keeps them. A look costs ~30 us, so it is taken at most
-every RECHECK_S and only while the window says threads are to be given up.
+layer), one that still spins keeps them. A look costs ~30 us and is taken only while the
+window says threads are to be given up: RECHECK_S after a look that found the cores
+free or found others for the first time (that may be a task runnable for a moment, the
+client that just sent the request), twice as long after each further look that found
+them busy, up to RECHECK_MAX_S.
 
 Off (every step runs on the threads asked for) without /proc (not Linux), for one
 thread, and with TOKENMILL_ADAPTIVE_THREADS=0 or kernels.adaptive_threads(False), which
@@ -51,9 +54,8 @@ from tokenmill import kernels
 
 PERIOD_S = 0.1  # between samples
 WINDOW = 3  # samples the decision looks back over: 0.3 s
-# How long a look at the runnable tasks stands: a look also catches tasks runnable for a
-# moment (the client that just sent the request), so the next layer looks again
-RECHECK_S = 0.002
+RECHECK_S = 0.002  # how long a look at the runnable tasks stands, at first
+RECHECK_MAX_S = 0.05  # ... and at most, while looks keep finding the cores busy
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,7 @@ class FreeCores:
         self._lock = threading.Lock()
         self.applied = 0  # the count apply() last set (0: none yet)
         self._now: tuple[float, float] = (-1.0, 0.0)  # (when, free cores) of the last look
+        self._recheck = RECHECK_S  # how long it stands
         self.available = bool(self.cpus) and os.path.exists("/proc/stat")
         if self.available:
             try:
@@ -154,14 +157,21 @@ class FreeCores:
         return threads_for(free, asked)
 
     def _free_now(self) -> float:
-        """The cores free of other runnable tasks at this moment (cached RECHECK_S)."""
+        """The cores free of other runnable tasks at this moment (a look stands a while:
+        see the module's docstring)."""
         when, free = self._now
         now = time.monotonic()
-        if now - when > RECHECK_S:
+        if now - when > self._recheck:
+            busy_before = when >= 0 and free < len(self.cpus)
             try:
                 free = float(max(0, len(self.cpus) - _others_runnable()))
             except (OSError, ValueError, IndexError):
                 free = 0.0  # unknown: the window's answer stands
+            busy = free < len(self.cpus)
+            # (RECHECK_S read here: the tests set it)
+            self._recheck = (
+                min(RECHECK_MAX_S, 2 * self._recheck) if busy and busy_before else RECHECK_S
+            )
             self._now = (now, free)
         return free
 
