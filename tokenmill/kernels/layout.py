@@ -78,8 +78,8 @@ def pack_codes(nat: np.ndarray, bits: int, gb: int) -> np.ndarray:
     return np.ascontiguousarray(nat[:, lo] | (nat[:, hi] << 4))
 
 
-# 6-bit codes (GGUF Q6_K): rows of whole groups, each the low 4 bits as a 4-bit group
-# followed by the top 2 bits, four lane-order vectors per byte (linear.c)
+# 5- and 6-bit codes (GGUF Q5_0/Q5_1/Q5_K, Q6_K): rows of whole groups, each the low 4
+# bits as a 4-bit group followed by the top bits (linear.c)
 
 
 def _vectors6(k: int, gb: int) -> tuple[int, int]:
@@ -88,65 +88,52 @@ def _vectors6(k: int, gb: int) -> tuple[int, int]:
     return k // (QK * gb), 4 * gb  # groups per row, bytes per vector
 
 
-def pack6(nat: np.ndarray, gb: int) -> np.ndarray:
-    """Natural-order 6-bit codes uint8 [rows, K] -> [rows, K*3/4]: per group of gb blocks,
-    vectors 2c and 2c+1 in the low and high nibbles of GW/2 bytes, then vectors 4c + s at
-    bits 2s of GW/4 bytes."""
+def pack_wide(nat: np.ndarray, bits: int, gb: int) -> np.ndarray:
+    """Natural-order 5- or 6-bit codes uint8 [rows, K] -> [rows, K*bits/8]: per group of gb
+    blocks, vectors 2c and 2c+1 in the low and high nibbles of GW/2 bytes, then the t =
+    bits - 4 top bits in t vectors: top vector h holds vector (8/t) h + s at bits t s
+    (5-bit: vector i's bit at bit i; 6-bit: vectors 4h + s at bits 2s)."""
     rows, k = nat.shape
     ng, v = _vectors6(k, gb)
+    t = bits - 4
     lanes = nat[:, lane_perm(k, gb)].reshape(rows, ng, 8, v)
-    lo, hi = lanes & 15, lanes >> 4
+    lo, hi = lanes & 15, (lanes >> 4).reshape(rows, ng, t, 8 // t, v)
     nib = lo[:, :, 0::2] | (lo[:, :, 1::2] << 4)  # [rows, ng, 4, v]
-    hi = hi.reshape(rows, ng, 2, 4, v)
-    crumbs = hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)
-    return np.ascontiguousarray(np.concatenate([nib, crumbs], axis=2).reshape(rows, k * 3 // 4))
+    top = np.zeros((rows, ng, t, v), np.uint8)
+    for s in range(8 // t):
+        top |= hi[:, :, :, s] << (t * s)
+    return np.ascontiguousarray(np.concatenate([nib, top], axis=2).reshape(rows, k * bits // 8))
+
+
+def unpack_wide(codes: np.ndarray, k: int, bits: int, gb: int) -> np.ndarray:
+    """The inverse of pack_wide: natural-order codes uint8 [rows, k]."""
+    rows = codes.shape[0]
+    ng, v = _vectors6(k, gb)
+    t = bits - 4
+    g = codes.reshape(rows, ng, bits, v)
+    lanes = np.empty((rows, ng, 8, v), dtype=np.uint8)
+    lanes[:, :, 0::2], lanes[:, :, 1::2] = g[:, :, :4] & 15, g[:, :, :4] >> 4
+    for s in range(8 // t):  # vectors s, 8/t + s, ...: top vectors 0, 1, ...
+        lanes[:, :, s :: 8 // t] |= ((g[:, :, 4:] >> (t * s)) & ((1 << t) - 1)) << 4
+    nat = np.empty((rows, k), dtype=np.uint8)
+    nat[:, lane_perm(k, gb)] = lanes.reshape(rows, k)
+    return nat
+
+
+def pack6(nat: np.ndarray, gb: int) -> np.ndarray:
+    return pack_wide(nat, 6, gb)
 
 
 def unpack6(codes: np.ndarray, k: int, gb: int) -> np.ndarray:
-    """The inverse of pack6: natural-order codes uint8 [rows, k]."""
-    rows = codes.shape[0]
-    ng, v = _vectors6(k, gb)
-    g = codes.reshape(rows, ng, 6, v)
-    lanes = np.empty((rows, ng, 8, v), dtype=np.uint8)
-    lanes[:, :, 0::2], lanes[:, :, 1::2] = g[:, :, :4] & 15, g[:, :, :4] >> 4
-    for s in range(4):
-        lanes[:, :, s::4] |= ((g[:, :, 4:] >> (2 * s)) & 3) << 4
-    nat = np.empty((rows, k), dtype=np.uint8)
-    nat[:, lane_perm(k, gb)] = lanes.reshape(rows, k)
-    return nat
-
-
-# 5-bit codes (GGUF Q5_0, Q5_1, Q5_K): rows of whole groups, each the low 4 bits as a
-# 4-bit group followed by one vector of top bits, vector i's at bit i (linear.c)
+    return unpack_wide(codes, k, 6, gb)
 
 
 def pack5(nat: np.ndarray, gb: int) -> np.ndarray:
-    """Natural-order 5-bit codes uint8 [rows, K] -> [rows, K*5/8]: per group of gb blocks,
-    vectors 2c and 2c+1 in the low and high nibbles of GW/2 bytes, then the top bit of
-    vector i at bit i of GW/8 bytes."""
-    rows, k = nat.shape
-    ng, v = _vectors6(k, gb)
-    lanes = nat[:, lane_perm(k, gb)].reshape(rows, ng, 8, v)
-    lo, hi = lanes & 15, (lanes >> 4) & 1
-    nib = lo[:, :, 0::2] | (lo[:, :, 1::2] << 4)  # [rows, ng, 4, v]
-    top = np.zeros((rows, ng, 1, v), np.uint8)
-    for i in range(8):
-        top[:, :, 0] |= hi[:, :, i] << i
-    return np.ascontiguousarray(np.concatenate([nib, top], axis=2).reshape(rows, k * 5 // 8))
+    return pack_wide(nat, 5, gb)
 
 
 def unpack5(codes: np.ndarray, k: int, gb: int) -> np.ndarray:
-    """The inverse of pack5: natural-order codes uint8 [rows, k]."""
-    rows = codes.shape[0]
-    ng, v = _vectors6(k, gb)
-    g = codes.reshape(rows, ng, 5, v)
-    lanes = np.empty((rows, ng, 8, v), dtype=np.uint8)
-    lanes[:, :, 0::2], lanes[:, :, 1::2] = g[:, :, :4] & 15, g[:, :, :4] >> 4
-    for i in range(8):
-        lanes[:, :, i] |= ((g[:, :, 4] >> i) & 1) << 4
-    nat = np.empty((rows, k), dtype=np.uint8)
-    nat[:, lane_perm(k, gb)] = lanes.reshape(rows, k)
-    return nat
+    return unpack_wide(codes, k, 5, gb)
 
 
 @lru_cache(maxsize=64)
