@@ -125,9 +125,9 @@ def test_gguf_conversion_is_exact(qtype, shape):
     assert np.array_equal(layer.dequantize().numpy(), ref)
     if qtype in (GT.Q4_0, GT.Q4_1, GT.Q8_0):  # same size as the file: nothing expanded
         assert layer.nbytes == raw.nbytes
-    if qtype in TABLES:  # 4-bit codes and the scales (IQ4_XS, MXFP4: float32), the table
-        per32 = 18 if qtype == GT.IQ4_NL else 20
-        assert layer.bits == 4 and layer.nbytes == n * k // 32 * per32 + 16
+    if qtype in TABLES:  # 4-bit codes, the scales as the file has them (MXFP4's: float32)
+        per32 = {GT.IQ4_NL: 18, GT.IQ4_XS: 17.25, GT.MXFP4: 20}[qtype]  # file: 18, 17, 17
+        assert layer.bits == 4 and layer.nbytes == n * k // 32 * per32 + 16  # + the table
 
 
 @pytest.mark.parametrize("k", [256, 512, 768])

@@ -361,7 +361,8 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
             if (lut) tm_lookup_codes(table, c);
             vf d, m = vf_zero();
             if (w->dsup) { /* K-quant: codes times the super-block's scale (256 values) */
-                d = vf_mul(vf_load_u8((const uint8_t *)w->scales + srow + (size_t)g * TM_GB), sup_lanes(dsup, g));
+                const vf code = vf_load_u8((const uint8_t *)w->scales + srow + (size_t)g * TM_GB);
+                d = vf_mul(vf_sub(code, vf_set1((float)w->scale_zero)), sup_lanes(dsup, g));
                 if (w->mins)
                     m = vf_mul(vf_load_u8((const uint8_t *)w->mins + srow + (size_t)g * TM_GB), sup_lanes(msup, g));
             } else {

@@ -29,7 +29,7 @@
 
 #define TM_GB TM_W /* blocks per lane-order group: one vector of 32-bit lanes */
 
-#define TM_ABI 18 /* tm_info() / 1000: bumped when a struct or signature changes */
+#define TM_ABI 19 /* tm_info() / 1000: bumped when a struct or signature changes */
 
 #define QK 32            /* values per block */
 #define GW (TM_GB * QK)  /* values per full lane-order group */
@@ -76,6 +76,8 @@ typedef struct tm_weight {
     const uint8_t *lut; /* 4-bit codes that index a table (GGUF IQ4_NL, IQ4_XS, MXFP4): its
                            16 values + 128, so that w = d * (lut[c] - 128), computed as
                            8-bit codes with Z = 128 once looked up in registers; or NULL */
+    int32_t scale_zero; /* K-quant scale codes: d = dsup * (code - scale_zero); 0, or 32
+                           for IQ4_XS's signed 6-bit codes */
 } tm_weight;
 
 /* The model's shapes, shared by every layer (ctypes mirror: TmShape). */
@@ -244,7 +246,8 @@ static inline float tm_scale_at(const void *p, int f16, size_t idx) {
 static inline float tm_block_scale(const tm_weight *w, int r, int b) {
     const size_t i = (size_t)r * (w->k / QK) + b;
     if (!w->dsup) return tm_scale_at(w->scales, w->scale_f16, i);
-    return tm_half_to_float(w->dsup[(size_t)r * (w->k / 256) + b / 8]) * ((const uint8_t *)w->scales)[i];
+    return tm_half_to_float(w->dsup[(size_t)r * (w->k / 256) + b / 8]) *
+           (float)(((const uint8_t *)w->scales)[i] - w->scale_zero);
 }
 
 static inline float tm_block_min(const tm_weight *w, int r, int b) {

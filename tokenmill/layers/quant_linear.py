@@ -36,9 +36,10 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
           error is at most max|w_block| / 254 per value, about a quarter of Q6_K's own step.
     IQ4_NL, IQ4_XS, MXFP4 (4-bit codes into a 16-value table: `lut`, the values + 128):
           4-bit codes as stored, looked up to 8-bit ones in registers, Z=128; exact.
-          IQ4_NL f16 scales: 18 B / 32 (file: 18); IQ4_XS and MXFP4 f32 scales (d * a
-          signed 6-bit code, and powers of two from 2^-128, which f16 cannot hold exactly):
-          20 B / 32 (file: 17).
+          IQ4_NL f16 scales: 18 B / 32 (file: 18); IQ4_XS its 6-bit scale codes as bytes
+          times a f16 per 256 (d * (code - 32): `scale_zero`): 17.25 B / 32 (file: 17);
+          MXFP4 f32 scales (powers of two from 2^-128, which f16 cannot hold): 20 B / 32
+          (file: 17).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from tokenmill.loader.gguf_blocks import (
     EXACT_GGUF_TYPES,
     REQUANT_GGUF_TYPES,
     TABLE_GGUF_TYPES,
+    TABLE_SCALE_ZERO,
     parse_exact,
     parse_q6_k,
     parse_table,
@@ -299,14 +301,16 @@ class QuantLinear(NativeLinear):
             raise ValueError(f"scales: expected shape {(out_features, in_features // per)}")
         if sup is None and scales.dtype not in _RAW:
             raise ValueError(f"scales must be float16 or float32, got {scales.dtype}")
+        # sup's columns: d and dmin, or d alone (6-bit codes, and scale codes without mins)
+        nsup = 1 if bits == 6 or mins is None else 2
         if sup is not None and (
             scales.dtype != (torch.int8 if bits == 6 else torch.uint8)
-            or sup.shape != (out_features, in_features // 256, 1 if bits == 6 else 2)
+            or sup.shape != (out_features, in_features // 256, nsup)
             or sup.dtype != torch.float16
         ):
             raise ValueError(
-                "K-quant scales: uint8 codes and float16 sup [out, in/256, 2] "
-                "(6-bit: int8 per 16 values and sup [out, in/256, 1])"
+                "K-quant scales: uint8 codes and float16 sup [out, in/256, 2] (no mins: "
+                "[out, in/256, 1]; 6-bit: int8 per 16 values and sup [out, in/256, 1])"
             )
         if bits == 6 and (sup is None or mins is not None):
             raise ValueError("6-bit codes need sup and no mins")
@@ -327,22 +331,24 @@ class QuantLinear(NativeLinear):
         )
         self.register_buffer(
             "msup_raw",
-            None if sup is None or bits == 6 else sup[..., 1].contiguous().view(torch.int16),
+            None if sup is None or nsup == 1 else sup[..., 1].contiguous().view(torch.int16),
         )
         self._plain: tuple | None = None  # float32 scales for builds that need them
         self.act_bits = DEFAULT_ACT_BITS
         # table-coded 4-bit weights (IQ4_NL, IQ4_XS, MXFP4): uint8 [16], the values + 128
         self.register_buffer("lut", None)
+        self.scale_zero = 0  # K-quant scale codes: d = dsup * (code - scale_zero)
 
-    def set_table(self, table: np.ndarray | torch.Tensor) -> None:
+    def set_table(self, table: np.ndarray | torch.Tensor, scale_zero: int = 0) -> None:
         """Make the 4-bit codes indices into `table` (uint8 [16]: each value + 128), so
-        that w = d * (table[c] - 128)."""
+        that w = d * (table[c] - 128); scale_zero: K-quant scale codes' zero (IQ4_XS's
+        6-bit codes: d = dsup * (code - 32))."""
         table = torch.as_tensor(table)
-        if self.bits != 4 or self.mins_raw is not None or self.kquant:
-            raise ValueError("a table indexes plain 4-bit codes with scales and no mins")
+        if self.bits != 4 or self.mins_raw is not None or (scale_zero and not self.kquant):
+            raise ValueError("a table indexes 4-bit codes with scales and no mins")
         if table.shape != (16,) or table.dtype != torch.uint8:
             raise ValueError(f"table: expected uint8 [16], got {table.dtype} {tuple(table.shape)}")
-        self.lut = table.contiguous()
+        self.lut, self.scale_zero = table.contiguous(), scale_zero
 
     # -- construction -----------------------------------------------------------------
 
@@ -391,7 +397,7 @@ class QuantLinear(NativeLinear):
             lambda r0, r1: parse_rows(raw[r0:r1]), in_features, out_features, bias
         )
         if qtype in TABLE_GGUF_TYPES:
-            layer.set_table(table_of(qtype))
+            layer.set_table(table_of(qtype), TABLE_SCALE_ZERO.get(qtype, 0))
         return layer
 
     @classmethod
@@ -505,7 +511,7 @@ class QuantLinear(NativeLinear):
         ]
         if qtype in TABLE_GGUF_TYPES:
             for layer in layers:
-                layer.set_table(table_of(qtype))
+                layer.set_table(table_of(qtype), TABLE_SCALE_ZERO.get(qtype, 0))
         return layers
 
     @classmethod
@@ -589,6 +595,7 @@ class QuantLinear(NativeLinear):
                 or p.group_blocks != first.group_blocks
                 or (p.lut is None) != (first.lut is None)
                 or (p.lut is not None and not torch.equal(p.lut, first.lut))
+                or p.scale_zero != first.scale_zero
             ):
                 raise ValueError("QuantLinear.cat: parts differ in input size or packed format")
         if any(p.bias is not None for p in parts) and not all(p.bias is not None for p in parts):
@@ -602,7 +609,7 @@ class QuantLinear(NativeLinear):
 
         sup = None
         if first.kquant:
-            names = ["dsup_raw"] if first.bits == 6 else ["dsup_raw", "msup_raw"]
+            names = ["dsup_raw"] if first.msup_raw is None else ["dsup_raw", "msup_raw"]
             sup = torch.stack([torch.cat([getattr(p, n) for p in parts]) for n in names], -1)
             sup = sup.view(torch.float16)
         fused = cls(
@@ -617,7 +624,7 @@ class QuantLinear(NativeLinear):
             sup,
         )
         if first.lut is not None:
-            fused.set_table(first.lut)
+            fused.set_table(first.lut, first.scale_zero)
         return fused
 
     @property
@@ -640,7 +647,7 @@ class QuantLinear(NativeLinear):
             natural[:, torch.from_numpy(perm)] = self.scales_raw
             return self._expand_sup(self.dsup_raw, 16) * natural.float()
         if self.kquant:
-            return self._expand_sup(self.dsup_raw) * self.scales_raw.float()
+            return self._expand_sup(self.dsup_raw) * (self.scales_raw.float() - self.scale_zero)
         return self.scales_raw.view(_FLOAT[self.scales_raw.dtype])
 
     @property
@@ -682,6 +689,7 @@ class QuantLinear(NativeLinear):
             None if dsup is None else dsup.data_ptr(),
             None if dsup is None or msup is None else msup.data_ptr(),
             lut=None if self.lut is None else self.lut.data_ptr(),
+            scale_zero=self.scale_zero,
         )
 
     def _to_8bit(self) -> None:

@@ -18,6 +18,8 @@ EXACT_GGUF_TYPES = frozenset({GT.Q4_0, GT.Q4_1, GT.Q4_K, GT.Q8_0, GT.Q5_0, GT.Q5
 # 4-bit codes that index a table of 16 values (parse_table): held as they are, looked up
 # in registers
 TABLE_GGUF_TYPES = frozenset({GT.IQ4_NL, GT.IQ4_XS, GT.MXFP4})
+# IQ4_XS's scales are signed 6-bit codes stored + 32: d = the 256-block's d * (code - 32)
+TABLE_SCALE_ZERO = {GT.IQ4_XS: 32}
 # ... and the non-linear 4-bit types (a 16-entry table per value: IQ4_NL, IQ4_XS; gpt-oss's
 # MXFP4, e2m1 values under a power-of-two scale), which the integer kernels have no code
 # for: dequantized by gguf-py, then packed as 8-bit Q8_0-like blocks (2x their bytes).
@@ -119,10 +121,11 @@ def table_of(qtype: GT) -> np.ndarray:
 
 def parse_table(blocks: np.ndarray, qtype: GT):
     """IQ4_NL / IQ4_XS / MXFP4 blocks [rows, nblk, type_size] -> (codes [rows, K] u8 (0..15,
-    table indices), scales [rows, K/32] (float16 for IQ4_NL, as the file; float32 for
-    IQ4_XS's d * (6-bit code - 32) and MXFP4's powers of two, which float16 cannot hold),
-    None, 4, None). The value of code c is scale * (table_of(qtype)[c] - 128), gguf-py's
-    float32 operations."""
+    table indices), scales, None, 4, sup). Scales: float16 [rows, K/32] for IQ4_NL, as the
+    file; IQ4_XS's 6-bit codes uint8 [rows, K/32] with its d per 256 values as sup float16
+    [rows, K/256, 1] (scale = d * (code - 32), TABLE_SCALE_ZERO); float32 for MXFP4's
+    powers of two, which float16 cannot hold. The value of code c is scale *
+    (table_of(qtype)[c] - 128), gguf-py's float32 operations."""
     from gguf import quants
 
     rows = blocks.shape[0]
@@ -134,13 +137,12 @@ def parse_table(blocks: np.ndarray, qtype: GT):
         d = quants.MXFP4.e8m0_to_fp32_half(e).astype(np.float32).reshape(rows, -1)
         return _nibbles16(blocks[..., 1:17]).reshape(rows, -1), d, None, 4, None
     # IQ4_XS: super-blocks of 256: d, 2 bytes of top scale bits, 4 of low ones, 128 of codes
-    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).astype(np.float32)  # [r, n, 1]
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)  # [rows, nsup, 1]
     high = np.ascontiguousarray(blocks[..., 2:4]).view(np.uint16)  # [rows, nsup, 1]
     low = blocks[..., 4:8]  # [rows, nsup, 4]: sub-block ib's 4 bits at byte ib/2, nibble ib%2
     ib = np.arange(8)
-    ls = ((low[..., ib // 2] >> (4 * (ib % 2)).astype(np.uint8)) & 15).astype(np.int8) | (
-        ((high >> (2 * ib).astype(np.uint16)) & 3).astype(np.int8) << 4
-    )
-    scales = d * (ls - np.int8(32)).astype(np.float32)  # [rows, nsup, 8], gguf-py's dl
+    ls = ((low[..., ib // 2] >> (4 * (ib % 2)).astype(np.uint8)) & 15) | (
+        ((high >> (2 * ib).astype(np.uint16)) & 3).astype(np.uint8) << 4
+    )  # [rows, nsup, 8]: 0..63
     codes = _nibbles16(blocks[..., 8:136].reshape(rows, -1, 8, 16))  # per 32: Q4_0's order
-    return codes.reshape(rows, -1), scales.reshape(rows, -1), None, 4, None
+    return codes.reshape(rows, -1), ls.reshape(rows, -1), None, 4, d
