@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 BODY_TIMEOUT_S = 2.0
 BODY_DEADLINE_S = 5.0
 HEADER_TIMEOUT_S = 2.0
-MAX_HEADER_BYTES = 16 << 10  # the README's 16 KiB
+MAX_HEADER_BYTES = 16 << 10  # docs/server.md's 16 KiB (--max-header-bytes' default)
 ARGS = (
     "--kv-cache-memory", "128MiB", "--max-num-seqs", "8", "--max-waiting", "8",
     "--body-timeout", str(BODY_TIMEOUT_S), "--header-timeout", str(HEADER_TIMEOUT_S),
@@ -240,7 +240,7 @@ def test_content_length_beside_transfer_encoding_is_400_and_closes(url):
 
 @pytest.mark.parametrize("trickled", [False, True], ids=["whole", "trickled"])
 def test_header_block_is_bounded_at_16_kib(url, trickled):
-    """The README's 16 KiB of request line and headers is the real limit: a head of
+    """docs/server.md's 16 KiB of request line and headers is the real limit: a head of
     exactly that passes, one byte more is a 431, however the bytes arrive (h11 measured
     only a head still incomplete, so 6,000 headers sent at once got a 200)."""
 
