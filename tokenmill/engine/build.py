@@ -126,13 +126,17 @@ def kv_cache_torch_dtype(name: str, dtype: torch.dtype) -> torch.dtype | str:
 ACTIVATION_BITS = (8, 16)
 
 
+def check_activation_bits(bits: int) -> None:
+    if bits not in ACTIVATION_BITS:
+        raise ParamError.named("activation_bits", f" must be 8 or 16, got {bits!r}")
+
+
 def set_activation_bits(net: torch.nn.Module, bits: int) -> None:
     """What the packed layers quantize activations to, per 32-block, before the integer
     dot: 16 bits (near float32: greedy tokens match the float model's) or 8 (llama.cpp's
     q8 scheme: half the multiply-adds on VNNI CPUs, greedy tokens like llama.cpp's on the
     same file). Every layer alike: the fused decode stack takes one precision."""
-    if bits not in ACTIVATION_BITS:
-        raise ParamError.named("activation_bits", f" must be 8 or 16, got {bits!r}")
+    check_activation_bits(bits)
     packed = [m for m in net.modules() if isinstance(m, QuantLinear)]
     if bits != 16 and not packed:
         raise ParamError.named(
@@ -161,8 +165,7 @@ def build(
     activation_bits: int = 16,
 ) -> EngineParts:
     """LLMEngine's parts for its constructor's arguments (documented there)."""
-    if activation_bits not in ACTIVATION_BITS:  # before loading
-        raise ParamError.named("activation_bits", f" must be 8 or 16, got {activation_bits!r}")
+    check_activation_bits(activation_bits)  # before loading
     if device == "cpu":
         torch.set_num_threads(threads or os.cpu_count() or 1)
     torch_device = torch.device(device)

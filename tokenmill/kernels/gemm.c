@@ -103,12 +103,13 @@ static void build_tile(const tm_weight *w, int r0, int32_t *tw, float *td, float
     int b0 = 0; /* the blocks before b0 are in the tile */
 #if !defined(GEMM_SCALAR_TILES) /* (the define: to test block_codes on whole rows) */
     const int nfull = nb / TM_GB;
+    const vb table = vb_table(w->lut ? w->lut : tm_no_table); /* table codes' (once) */
     for (int s = 0; s < GR; s++) /* TM_W rows at a time */
         for (int g = 0; g < nfull; g++) {
             vb c[TM_W][8];
             for (int l = 0; l < TM_W; l++) {
                 tm_group_codes(rp[s * TM_W + l], g, w->bits, c[l]);
-                if (w->lut) tm_lookup_codes(vb_table(w->lut), c[l]);
+                if (w->lut) tm_lookup_codes(table, c[l]);
             }
             for (int i = 0; i < 8; i++) { /* codes 4i..4i+3 of block k: pairs 2i, 2i + 1 */
                 vi even[TM_W], odd[TM_W];

@@ -168,6 +168,12 @@ _NATIVE_BITS = {GT.Q4_0: 4, GT.Q4_1: 4, GT.Q4_K: 4, GT.Q8_0: 8, GT.Q5_0: 5, GT.Q
 _FIVE = (GT.Q5_0, GT.Q5_1, GT.Q5_K)
 
 
+def _whole_groups(in_features: int) -> bool:
+    """Rows of this length are whole lane-order groups of the loaded kernels: what 5- and
+    6-bit codes need (their top bits have no tail layout)."""
+    return kernels.library() is not None and in_features % (QK * kernels.group_blocks()) == 0
+
+
 def _as_8bit(qtype: GT, in_features: int) -> bool:
     """Whether a 5- or 6-bit type's rows are packed as 8-bit codes (their own cannot run)."""
     if qtype in _FIVE:
@@ -522,15 +528,13 @@ class QuantLinear(NativeLinear):
 
     @staticmethod
     def runs_6bit(in_features: int) -> bool:
-        """Whether the loaded kernels multiply 6-bit codes for rows of this length (whole
-        lane-order groups; the AVX-512 build has no 6-bit kernel)."""
-        return kernels.reads_kquant_scales() and in_features % (QK * kernels.group_blocks()) == 0
+        """Whether the loaded kernels multiply 6-bit codes for rows of this length."""
+        return _whole_groups(in_features)
 
     @staticmethod
     def runs_5bit(in_features: int) -> bool:
-        """Whether the loaded kernels multiply 5-bit codes for rows of this length (whole
-        lane-order groups, as for 6-bit codes)."""
-        return kernels.library() is not None and in_features % (QK * kernels.group_blocks()) == 0
+        """Whether the loaded kernels multiply 5-bit codes for rows of this length."""
+        return _whole_groups(in_features)
 
     @classmethod
     def from_float(
