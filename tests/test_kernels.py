@@ -29,6 +29,10 @@ from tokenmill.layers.quant_linear import PREFILL_MIN_T, QuantLinear
 SIMPLE = [GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.Q5_0, GT.Q5_1]  # gguf.quants can quantize these
 K_QUANTS = [GT.Q4_K, GT.Q5_K]
 TABLES = [GT.IQ4_NL, GT.IQ4_XS, GT.MXFP4]  # 4-bit codes into a table of 16 values
+# grid points times a scale per 32: 4-bit codes into a table of their points
+GRIDS = [GT.IQ2_XXS, GT.IQ3_XXS, GT.IQ3_S, GT.IQ1_S, GT.TQ1_0, GT.TQ2_0]
+# a scale per 16 values: requantized to 8-bit codes, a scale per 32
+REQUANT = [GT.Q2_K, GT.Q3_K, GT.IQ2_XS, GT.IQ2_S, GT.IQ1_M]
 # (out, in): odd out sizes; in with no tail, a 1-block tail, a 2-block tail, a 15-block tail
 SHAPES = [(1, 32), (7, 64), (33, 576), (17, 512), (5, 1024 + 480), (64, 1536)]
 K_SHAPES = [(3, 256), (33, 768), (9, 2048 + 256), (5, 1024)]  # 1024: whole groups everywhere
@@ -45,10 +49,17 @@ def gguf_bytes(qtype: GT, n: int, k: int, seed: int = 0) -> np.ndarray:
         raw[..., 0] = rng.integers(118, 126, size=(n, k // block), dtype=np.uint8)
         return raw.reshape(n, -1)
     scales = (rng.random((n, k // block, 2)) * 1e-3).astype(np.float16).view(np.uint8)
-    if qtype == GT.Q6_K:  # d is the last 2 bytes
+    if qtype in (GT.Q6_K, GT.TQ1_0, GT.TQ2_0, GT.Q3_K):  # d is the last 2 bytes
         raw[..., -2:] = scales[..., :2]
-    elif qtype in (GT.IQ4_NL, GT.IQ4_XS):  # d first, then (IQ4_XS) random scale codes
-        raw[..., 0:2] = scales[..., :2]
+    elif qtype == GT.IQ1_M:  # d's 4 nibbles in the top of the last 4 uint16 scale words
+        d = scales[..., :2].copy().view(np.uint16)  # [n, blocks, 1]
+        words = raw[..., -8:].copy().view(np.uint16) & np.uint16(0x0FFF)
+        nib = (d >> np.array([0, 4, 8, 12], np.uint16)) & np.uint16(15)
+        raw[..., -8:] = (words | (nib << np.uint16(12))).view(np.uint8)
+    elif qtype == GT.Q2_K:  # d, dmin are the last 4 bytes
+        raw[..., -4:] = scales
+    elif qtype in (GT.IQ4_NL, GT.IQ4_XS) or qtype in GRIDS or qtype in REQUANT[2:]:
+        raw[..., 0:2] = scales[..., :2]  # d first, the rest random codes, grids and signs
     else:  # d, dmin first
         raw[..., 0:4] = scales.reshape(n, k // block, 4)
     return raw.reshape(n, -1)
@@ -115,7 +126,7 @@ def shapes_for(qtype: GT) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize(
     "qtype, shape",
-    [(q, shape) for q in SIMPLE + K_QUANTS + TABLES for shape in shapes_for(q)],
+    [(q, shape) for q in SIMPLE + K_QUANTS + TABLES + GRIDS for shape in shapes_for(q)],
 )
 def test_gguf_conversion_is_exact(qtype, shape):
     n, k = shape
@@ -128,6 +139,24 @@ def test_gguf_conversion_is_exact(qtype, shape):
     if qtype in TABLES:  # 4-bit codes, the scales as the file has them (MXFP4's: float32)
         per32 = {GT.IQ4_NL: 18, GT.IQ4_XS: 17.25, GT.MXFP4: 20}[qtype]  # file: 18, 17, 17
         assert layer.bits == 4 and layer.nbytes == n * k // 32 * per32 + 16  # + the table
+    if qtype in GRIDS:  # 4-bit codes, a float32 scale per 32 (TQ: the file's float16 d)
+        per32 = 18 if qtype in (GT.TQ1_0, GT.TQ2_0) else 20
+        assert layer.bits == 4 and layer.nbytes == n * k // 32 * per32 + 16
+
+
+@pytest.mark.parametrize("qtype", REQUANT)
+def test_sixteen_value_sub_block_types_are_requantized_within_bound(qtype):
+    """Q2_K, Q3_K, IQ2_XS, IQ2_S, IQ1_M: 8-bit codes, a float16 scale per 32; each value
+    within half a step (max|w| / 254 of its 32-block) of gguf-py's, plus the float16
+    scale's rounding (relative 2^-11, or 2^-25 absolute where it is subnormal)."""
+    n, k = 9, 512
+    raw = gguf_bytes(qtype, n, k)
+    ref = dequantize(raw, qtype).reshape(n, k)
+    layer = QuantLinear.from_gguf(raw, qtype, n, k)
+    assert layer.bits == 8 and layer.nbytes == n * k // 32 * 34
+    step = np.abs(ref).reshape(n, -1, 32).max(-1, keepdims=True) / 127
+    err = np.abs(layer.dequantize().numpy() - ref).reshape(n, -1, 32)
+    assert (err <= step * (0.5 + 127 * 2**-11) + 127 * 2**-25).all()
 
 
 @pytest.mark.parametrize("k", [256, 512, 768])
@@ -228,7 +257,7 @@ def test_from_float(scheme, bound):
 
 
 @pytest.mark.parametrize("act_bits", [8, 16])
-@pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS + [GT.Q6_K] + TABLES)
+@pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS + [GT.Q6_K] + TABLES + GRIDS[::2])
 def test_decode_kernel_matches_reference(kbuild, qtype, act_bits):
     torch.manual_seed(0)
     shapes = shapes_for(qtype)

@@ -100,11 +100,11 @@ def test_unsupported_quant_type(tmp_path):
         block_count=1, context_length=64, embedding_length=32, feed_forward_length=64, head_count=4
     ).items():
         getattr(w, f"add_{key}")(value)
-    # IQ2_XXS: a 256-value block is 66 bytes
+    # Q8_1 (llama.cpp's activation type, never a weight's): a 32-value block is 40 bytes
     w.add_tensor(
         "token_embd.weight",
-        np.zeros((8, 66), dtype=np.uint8),
-        raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS,
+        np.zeros((8, 40), dtype=np.uint8),
+        raw_dtype=gguf.GGMLQuantizationType.Q8_1,
     )
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -113,7 +113,7 @@ def test_unsupported_quant_type(tmp_path):
     with pytest.raises(LoadError) as err:
         ckpt = open_checkpoint(path)
         ckpt.tensors["embed.weight"]()
-    assert "unsupported quantization type IQ2_XXS" in str(err.value)
+    assert "unsupported quantization type Q8_1" in str(err.value)
 
 
 def test_hf_folder_errors(tmp_path):

@@ -281,7 +281,7 @@ class LLMEngine:
         world = self.parallel.world if self.parallel is not None else None
         return report.describe(
             self.path, self.config, self.dtype, self.quantization, self.cache, world,
-            self.parallel_plan,
+            self.parallel_plan, report.weight_forms(self.model),
         )  # fmt: skip
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:

@@ -3,6 +3,7 @@
     info(...)          {"version", "model", "device", "dtype", "weights", "kernels",
                         "prefill"}: LLMEngine.info(), the labels of tokenmill_build_info
     describe(...)      one line: the model's shape, weights, kernels, ranks, KV pool
+    weight_forms(model) how each GGUF type is held: bits per weight, against the file's
     prefill_path(dev)  how prompt-sized products of packed weights run: the kernels'
                        answer (tm_linear_path in kernels/linear.c decides, for every
                        linear layer too), with its reason
@@ -55,6 +56,34 @@ def info(
     }
 
 
+def weight_forms(model: torch.nn.Module | None) -> str:
+    """How the packed layers hold each GGUF type, largest first: "Q4_K 4.6 bits per weight
+    (file 4.5), Q6_K 6.6 (6.6)"; a type held wider than its file says so (never silently):
+    "IQ2_XS 8.5 (file 2.3: 8-bit codes)". Empty for a model with no GGUF layers."""
+    from gguf import GGMLQuantizationType as GT
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from tokenmill.layers.quant_linear import QuantLinear
+
+    held: dict[str, list[float]] = {}  # type -> [bytes, weights, widest code bits]
+    for m in model.modules() if isinstance(model, torch.nn.Module) else ():
+        if not isinstance(m, QuantLinear) or not m.sources:
+            continue
+        total = sum(m.sources.values())
+        for name, n in m.sources.items():
+            h = held.setdefault(name, [0.0, 0, 0])
+            h[0] += m.nbytes * n / total
+            h[1] += n
+            h[2] = max(h[2], m.bits)
+    parts = []
+    for name, (nbytes, n, bits) in sorted(held.items(), key=lambda kv: -kv[1][0]):
+        block, size = GGML_QUANT_SIZES[GT[name]]
+        ours, file = 8 * nbytes / n, 8 * size / block
+        wide = f": {bits}-bit codes" if ours > 1.05 * file else ""
+        parts.append(f"{name} {ours:.1f} (file {file:.1f}{wide})")
+    return ", ".join(parts[:1] + [p.replace(" (file ", " (") for p in parts[1:]])
+
+
 def describe(
     path: Path,
     config: ModelConfig,
@@ -63,15 +92,17 @@ def describe(
     cache: KVCache,
     world: int | None = None,
     plan: list[str] | None = None,
+    forms: str = "",
 ) -> str:
-    """One line: the model, its weights and kernels, the ranks (world of them, what each
-    holds: plan) of a parallel run, the KV pool."""
+    """One line: the model, its weights (forms: weight_forms') and kernels, the ranks (world
+    of them, what each holds: plan) of a parallel run, the KV pool."""
     c = config
     ranks = f"{world} ranks ({'; '.join(plan or [])}); " if world is not None else ""
+    forms = f" ({forms.replace(' (', ' bits per weight (', 1)})" if forms else ""
     return (
         f"{path.name}: {c.arch}, {c.num_layers} layers, d={c.hidden_size}, "
         f"heads {c.num_heads}/{c.num_kv_heads}, vocab {c.vocab_size}, {dtype}, "
-        f"weights {quantization or 'torch'}, kernels {kernels.isa()}; {ranks}"
+        f"weights {quantization or 'torch'}{forms}, kernels {kernels.isa()}; {ranks}"
         f"KV cache {cache.capacity_tokens} tokens in {cache.num_blocks} blocks "
         f"({cache.nbytes / 2**20:.0f} MiB, {str(cache.dtype).removeprefix('torch.')}, "
         f"{cache.bytes_per_token} bytes per token)"

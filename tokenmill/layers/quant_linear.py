@@ -31,9 +31,13 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
     Q6_K  6-bit, Z=32, an int8 scale per 16       exact, 26.25 B / 32 (file: 26.25):
           values times a float16 per 256          codes [N, K*3/4], scales int8 [N, K/16]
                                                   (kernels/linear.c has the layout)
-    Q2_K, Q3_K (16-value sub-blocks), and Q6_K on rows that are not whole groups:
-          requantized to 8-bit Z=128 with a per-32 f16 scale (as Q8_0 would): the added
-          error is at most max|w_block| / 254 per value, about a quarter of Q6_K's own step.
+    Q2_K, Q3_K, IQ2_XS, IQ2_S, IQ1_M (a scale per 16 values), and Q6_K on rows that are
+          not whole groups: requantized to 8-bit Z=128 with a per-32 f16 scale (as Q8_0
+          would): the added error is at most max|w_block| / 254 per value, about a quarter
+          of Q6_K's own step.
+    IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S, TQ1_0, TQ2_0 (grid points times a scale per 32): 4-bit
+          codes into a table of the type's signed grid points (gguf_blocks.GRID_VALUES),
+          f32 scales (TQ: the file's f16 d): exact, 20 B / 32 (TQ 18).
     IQ4_NL, IQ4_XS, MXFP4 (4-bit codes into a 16-value table: `lut`, the values + 128):
           4-bit codes as stored, looked up to 8-bit ones in registers, Z=128; exact.
           IQ4_NL f16 scales: 18 B / 32 (file: 18); IQ4_XS its 6-bit scale codes as bytes
@@ -67,10 +71,13 @@ from tokenmill.kernels.layout import (
 from tokenmill.layers.native_linear import NativeLinear
 from tokenmill.loader.gguf_blocks import (
     EXACT_GGUF_TYPES,
+    GRID_GGUF_TYPES,
+    QUANT_GGUF_TYPES,
     REQUANT_GGUF_TYPES,
     TABLE_GGUF_TYPES,
     TABLE_SCALE_ZERO,
     parse_exact,
+    parse_grid,
     parse_q6_k,
     parse_table,
     table_of,
@@ -78,6 +85,7 @@ from tokenmill.loader.gguf_blocks import (
 
 __all__ = [
     "QuantLinear", "PREFILL_MIN_T", "EXACT_GGUF_TYPES", "REQUANT_GGUF_TYPES", "TABLE_GGUF_TYPES",
+    "QUANT_GGUF_TYPES",
 ]  # fmt: skip
 
 
@@ -344,6 +352,9 @@ class QuantLinear(NativeLinear):
         # table-coded 4-bit weights (IQ4_NL, IQ4_XS, MXFP4): uint8 [16], the values + 128
         self.register_buffer("lut", None)
         self.scale_zero = 0  # K-quant scale codes: d = dsup * (code - scale_zero)
+        # the GGUF types this layer's weights came from: {type name: weights}, for the load
+        # line's bits per weight against the file's (engine/report.py weight_forms)
+        self.sources: dict[str, int] = {}
 
     def set_table(self, table: np.ndarray | torch.Tensor, scale_zero: int = 0) -> None:
         """Make the 4-bit codes indices into `table` (uint8 [16]: each value + 128), so
@@ -397,13 +408,16 @@ class QuantLinear(NativeLinear):
                     release(rows)
             else:
                 tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
-                return cls._from_arrays(tensors, bits, in_features, out_features, bias)
+                layer = cls._from_arrays(tensors, bits, in_features, out_features, bias)
+                layer.sources = {qtype.name: out_features * in_features}
+                return layer
         parse_rows = cls._row_parser(qtype, in_features)
         layer = cls._assemble(
             lambda r0, r1: parse_rows(raw[r0:r1]), in_features, out_features, bias
         )
-        if qtype in TABLE_GGUF_TYPES:
+        if qtype in TABLE_GGUF_TYPES | GRID_GGUF_TYPES:
             layer.set_table(table_of(qtype), TABLE_SCALE_ZERO.get(qtype, 0))
+        layer.sources = {qtype.name: out_features * in_features}
         return layer
 
     @classmethod
@@ -423,6 +437,8 @@ class QuantLinear(NativeLinear):
                 return parse_exact(blocks, qtype, five)
             if qtype in TABLE_GGUF_TYPES:
                 return parse_table(blocks, qtype)
+            if qtype in GRID_GGUF_TYPES:
+                return parse_grid(blocks, qtype)
             if qtype == GT.Q6_K:  # gguf-py's float32 ops, vectorized (its own: per 16 rows)
                 return _quantize_rows(_dequantize_q6_k(blocks), "q8")
             w = gguf_dequantize(np.ascontiguousarray(rows), qtype).reshape(rows.shape[0], -1)
@@ -476,12 +492,15 @@ class QuantLinear(NativeLinear):
                         packed(j, p)
             if native:
                 stacked = {k: torch.from_numpy(v) for k, v in stack.items()}
-                return [
+                layers = [
                     cls._from_arrays(
                         {k: v[j] for k, v in stacked.items()}, bits, in_features, total
                     )
                     for j in range(experts)
                 ]
+                for layer in layers:
+                    layer.sources = {qtype.name: total * in_features}
+                return layers
         parse_rows = cls._row_parser(qtype, in_features)
         gb = kernels.group_blocks()
         chunk = max(1, (1 << 20) // in_features)  # rows per parse, as _assemble
@@ -515,9 +534,10 @@ class QuantLinear(NativeLinear):
             cls._from_arrays({k: v[j] for k, v in stacked.items()}, bits, in_features, total)
             for j in range(experts)
         ]
-        if qtype in TABLE_GGUF_TYPES:
-            for layer in layers:
+        for layer in layers:
+            if qtype in TABLE_GGUF_TYPES | GRID_GGUF_TYPES:
                 layer.set_table(table_of(qtype), TABLE_SCALE_ZERO.get(qtype, 0))
+            layer.sources = {qtype.name: total * in_features}
         return layers
 
     @classmethod
@@ -629,6 +649,9 @@ class QuantLinear(NativeLinear):
         )
         if first.lut is not None:
             fused.set_table(first.lut, first.scale_zero)
+        for p in parts:
+            for name, n in p.sources.items():
+                fused.sources[name] = fused.sources.get(name, 0) + n
         return fused
 
     @property
@@ -791,7 +814,7 @@ def _gguf_row_bytes(ggml_type, in_features: int) -> tuple[GT, int]:
     """(the GGUF type, bytes per row of in_features values) for a type QuantLinear holds;
     ValueError naming the type or the width otherwise."""
     qtype = GT(ggml_type)
-    if qtype not in EXACT_GGUF_TYPES | REQUANT_GGUF_TYPES | TABLE_GGUF_TYPES:
+    if qtype not in QUANT_GGUF_TYPES:
         raise ValueError(f"QuantLinear cannot hold GGUF type {qtype.name}; keep a float Linear")
     block, type_size = GGML_QUANT_SIZES[qtype]
     if in_features % block:

@@ -18,12 +18,28 @@ EXACT_GGUF_TYPES = frozenset({GT.Q4_0, GT.Q4_1, GT.Q4_K, GT.Q8_0, GT.Q5_0, GT.Q5
 # 4-bit codes that index a table of 16 values (parse_table): held as they are, looked up
 # in registers
 TABLE_GGUF_TYPES = frozenset({GT.IQ4_NL, GT.IQ4_XS, GT.MXFP4})
+# Types whose values are a grid point times a scale per 32 (the 2- and 3-bit i-quants with
+# one scale per 32, IQ1_S, the ternary TQ types): each value's grid point is one of at most
+# 16 integers, so it is held as a 4-bit code into a table like the types above (parse_grid)
+GRID_VALUES = {
+    GT.IQ2_XXS: (8, 25, 43),  # iq2xxs_grid's magnitudes, times a sign per value
+    GT.IQ3_XXS: (4, 12, 20, 28, 36, 44, 52, 62),
+    GT.IQ3_S: (1, 3, 5, 7, 9, 11, 13, 15),
+    GT.IQ1_S: (-9, -7, -1, 1, 7, 9),  # 8 * (grid -1/0/1 + delta +-1/8): scale d * (2s+1) / 8
+    GT.TQ1_0: (-1, 0, 1),
+    GT.TQ2_0: (-1, 0, 1, 2),  # 2-bit codes - 1 (llama.cpp's quantizer writes only -1..1)
+}
+GRID_GGUF_TYPES = frozenset(GRID_VALUES)
 # IQ4_XS's scales are signed 6-bit codes stored + 32: d = the 256-block's d * (code - 32)
 TABLE_SCALE_ZERO = {GT.IQ4_XS: 32}
 # ... and the non-linear 4-bit types (a 16-entry table per value: IQ4_NL, IQ4_XS; gpt-oss's
 # MXFP4, e2m1 values under a power-of-two scale), which the integer kernels have no code
 # for: dequantized by gguf-py, then packed as 8-bit Q8_0-like blocks (2x their bytes).
-REQUANT_GGUF_TYPES = frozenset({GT.Q6_K, GT.Q2_K, GT.Q3_K})
+# IQ2_XS, IQ2_S and IQ1_M scale every 16 values (grid points up to 43 under 4-bit scales:
+# no 4-bit code or 6-bit Q6_K form holds them), like Q2_K and Q3_K.
+REQUANT_GGUF_TYPES = frozenset({GT.Q6_K, GT.Q2_K, GT.Q3_K, GT.IQ2_XS, GT.IQ2_S, GT.IQ1_M})
+# Every quantized type a layer holds (layers/quant_linear.py), one of the four ways above
+QUANT_GGUF_TYPES = EXACT_GGUF_TYPES | TABLE_GGUF_TYPES | GRID_GGUF_TYPES | REQUANT_GGUF_TYPES
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -112,9 +128,15 @@ def parse_q6_k(blocks: np.ndarray):
 
 def table_of(qtype: GT) -> np.ndarray:
     """A table type's 16 values + 128, uint8 [16]: what a code looks up (gguf-py's
-    kvalues; MXFP4's FP4 values doubled, its scale halved to match, as gguf-py does)."""
+    kvalues; MXFP4's FP4 values doubled, its scale halved to match, as gguf-py does; a
+    grid type's signed grid points, sorted, the unused entries 0)."""
     from gguf import quants
 
+    if qtype in GRID_VALUES:
+        table = np.zeros(16, np.int16)
+        points = _grid_points(qtype)
+        table[: len(points)] = points
+        return (table + 128).astype(np.uint8)
     kvalues = {GT.IQ4_NL: quants.IQ4_NL, GT.IQ4_XS: quants.IQ4_NL, GT.MXFP4: quants.MXFP4}
     return (np.array(kvalues[qtype].kvalues, np.int16) + 128).astype(np.uint8)
 
@@ -146,3 +168,55 @@ def parse_table(blocks: np.ndarray, qtype: GT):
     )  # [rows, nsup, 8]: 0..63
     codes = _nibbles16(blocks[..., 8:136].reshape(rows, -1, 8, 16))  # per 32: Q4_0's order
     return codes.reshape(rows, -1), ls.reshape(rows, -1), None, 4, d
+
+
+def _grid_points(qtype: GT) -> np.ndarray:
+    """The signed integers a grid type's values are multiples of, sorted: int16 [<= 16]."""
+    v = np.array(GRID_VALUES[qtype], np.int16)
+    signed = qtype in (GT.IQ2_XXS, GT.IQ3_XXS, GT.IQ3_S)  # magnitudes, times a sign bit
+    return np.unique(np.concatenate([-v, v]) if signed else v)
+
+
+def _grid_scales(blocks: np.ndarray, qtype: GT) -> np.ndarray:
+    """A grid type's scale per 32 values, float32 [rows, nsup, 8] (TQ: float16 [rows, K/32]),
+    with gguf-py's float32 operations, so that value = scale * grid point exactly."""
+    rows, nsup = blocks.shape[:2]
+    f32 = np.float32
+    if qtype in (GT.TQ1_0, GT.TQ2_0):  # one float16 d per 256, at the block's end
+        d = np.ascontiguousarray(blocks[..., -2:]).view(np.float16)  # [rows, nsup, 1]
+        return np.repeat(d, 8, axis=-1).reshape(rows, -1)
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).astype(f32)  # [rows, nsup, 1]
+    if qtype in (GT.IQ2_XXS, GT.IQ3_XXS):  # a 4-bit scale in the top of a uint32 per 32
+        words = np.ascontiguousarray(
+            blocks[..., 2:66] if qtype == GT.IQ2_XXS else blocks[..., 66:98]
+        )
+        aux = words.view(np.uint32)
+        aux = aux[..., 1::2] if qtype == GT.IQ2_XXS else aux  # [rows, nsup, 8]
+        half = f32(0.25) if qtype == GT.IQ2_XXS else f32(0.5)
+        return d * (f32(0.5) + (aux >> 28).astype(f32)) * half
+    if qtype == GT.IQ3_S:  # d, 64 qs, 8 qh, 32 sign bytes, then 4 bytes of 4-bit scales
+        sc = blocks[..., 106:110].reshape(rows, nsup, 4, 1) >> np.array([0, 4], np.uint8)
+        return d * (1 + 2 * (sc & 15).reshape(rows, nsup, 8))
+    # IQ1_S: d, 32 qs, then a uint16 per 32: a 3-bit scale at bit 12 (and the delta's sign)
+    qh = np.ascontiguousarray(blocks[..., 34:50]).view(np.uint16)
+    return d * (2 * ((qh >> 12) & 7) + 1) / f32(8)
+
+
+def parse_grid(blocks: np.ndarray, qtype: GT):
+    """IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S / TQ1_0 / TQ2_0 blocks [rows, nsup, type_size] ->
+    (codes [rows, K] u8: indices into table_of(qtype), scales per 32 (float32; TQ's float16,
+    as the file), None, 4, None). gguf-py decodes the grids and signs; each value divided
+    by its block's scale is an integer grid point, checked to be one of the type's."""
+    from gguf.quants import dequantize
+
+    rows = blocks.shape[0]
+    w = dequantize(np.ascontiguousarray(blocks).reshape(rows, -1), qtype).reshape(rows, -1, 32)
+    scales = _grid_scales(blocks, qtype).reshape(rows, -1)
+    s = scales.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(s == 0, 0, np.rint(w / s))
+    points = _grid_points(qtype)
+    codes = np.searchsorted(points, t).clip(0, len(points) - 1)
+    if not np.array_equal(points[codes] * s, np.where(s == 0, 0, w)):
+        raise ValueError(f"{qtype.name} blocks hold values off the type's grid")
+    return codes.astype(np.uint8).reshape(rows, -1), scales, None, 4, None

@@ -35,6 +35,7 @@ from tokenmill.config import (
 )
 from tokenmill.loader.checkpoint import Checkpoint, LoadError
 from tokenmill.loader.checks import check_checkpoint, part_shape
+from tokenmill.loader.gguf_blocks import QUANT_GGUF_TYPES
 from tokenmill.loader.gguf_reader import GGUFFile, GGUFFormatError, GGUFTensor
 from tokenmill.loader.hf_config import REQUIRED, ConfigFields
 from tokenmill.loader.hf_folder import phi3_rows
@@ -43,19 +44,7 @@ SUPPORTED_TYPES = {
     GGMLQuantizationType.F32,
     GGMLQuantizationType.F16,
     GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q8_0,
-    GGMLQuantizationType.Q4_0,
-    GGMLQuantizationType.Q4_1,
-    GGMLQuantizationType.Q5_0,
-    GGMLQuantizationType.Q5_1,
-    GGMLQuantizationType.Q2_K,
-    GGMLQuantizationType.Q3_K,
-    GGMLQuantizationType.Q4_K,
-    GGMLQuantizationType.Q5_K,
-    GGMLQuantizationType.Q6_K,
-    GGMLQuantizationType.IQ4_NL,
-    GGMLQuantizationType.IQ4_XS,
-    GGMLQuantizationType.MXFP4,
+    *QUANT_GGUF_TYPES,
 }
 SUPPORTED_ARCHS = (
     *("llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt2"),

@@ -24,15 +24,10 @@ from tokenmill import kernels
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.moe import MoE
 from tokenmill.layers.native_linear import FloatLinear, NativeLinear, SegmentedLinear
-from tokenmill.layers.quant_linear import (
-    EXACT_GGUF_TYPES,
-    REQUANT_GGUF_TYPES,
-    TABLE_GGUF_TYPES,
-    QuantLinear,
-)
+from tokenmill.layers.quant_linear import QUANT_GGUF_TYPES, QuantLinear
 from tokenmill.loader import Checkpoint, LoadError
 
-PACKABLE = EXACT_GGUF_TYPES | REQUANT_GGUF_TYPES | TABLE_GGUF_TYPES
+PACKABLE = QUANT_GGUF_TYPES
 FLOAT_GGUF = {GT.F16: torch.float16, GT.BF16: torch.bfloat16, GT.F32: torch.float32}
 SCHEMES = ("gguf", "float", "q8", "q4")
 CHOICES = ("auto", "none", *SCHEMES)  # what LLMEngine(quantization=) and --quantization take
