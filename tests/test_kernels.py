@@ -32,7 +32,7 @@ TABLES = [GT.IQ4_NL, GT.IQ4_XS, GT.MXFP4]  # 4-bit codes into a table of 16 valu
 # grid points times a scale per 32: 4-bit codes into a table of their points
 GRIDS = [GT.IQ2_XXS, GT.IQ3_XXS, GT.IQ3_S, GT.IQ1_S, GT.TQ1_0, GT.TQ2_0]
 # a scale per 16 values: requantized to 8-bit codes, a scale per 32
-REQUANT = [GT.Q2_K, GT.Q3_K, GT.IQ2_XS, GT.IQ2_S, GT.IQ1_M]
+REQUANT = [GT.Q2_K, GT.IQ2_XS, GT.IQ2_S, GT.IQ1_M]
 # (out, in): odd out sizes; in with no tail, a 1-block tail, a 2-block tail, a 15-block tail
 SHAPES = [(1, 32), (7, 64), (33, 576), (17, 512), (5, 1024 + 480), (64, 1536)]
 K_SHAPES = [(3, 256), (33, 768), (9, 2048 + 256), (5, 1024)]  # 1024: whole groups everywhere
@@ -58,7 +58,7 @@ def gguf_bytes(qtype: GT, n: int, k: int, seed: int = 0) -> np.ndarray:
         raw[..., -8:] = (words | (nib << np.uint16(12))).view(np.uint8)
     elif qtype == GT.Q2_K:  # d, dmin are the last 4 bytes
         raw[..., -4:] = scales
-    elif qtype in (GT.IQ4_NL, GT.IQ4_XS) or qtype in GRIDS or qtype in REQUANT[2:]:
+    elif qtype in (GT.IQ4_NL, GT.IQ4_XS) or qtype in GRIDS or qtype in REQUANT[1:]:
         raw[..., 0:2] = scales[..., :2]  # d first, the rest random codes, grids and signs
     else:  # d, dmin first
         raw[..., 0:4] = scales.reshape(n, k // block, 4)
@@ -146,27 +146,25 @@ def test_gguf_conversion_is_exact(qtype, shape):
 
 @pytest.mark.parametrize("qtype", REQUANT)
 def test_sixteen_value_sub_block_types_are_requantized_within_bound(qtype):
-    """Q2_K, Q3_K, IQ2_XS, IQ2_S, IQ1_M: 8-bit codes, a float16 scale per 32; each value
-    within half a step (max|w| / 254 of its 32-block) of gguf-py's, plus the float16
-    scale's rounding (relative 2^-11, or 2^-25 absolute where it is subnormal)."""
+    """Q2_K, IQ2_XS, IQ2_S, IQ1_M: 8-bit codes, a float16 scale per 32 values."""
     n, k = 9, 512
     raw = gguf_bytes(qtype, n, k)
     ref = dequantize(raw, qtype).reshape(n, k)
     layer = QuantLinear.from_gguf(raw, qtype, n, k)
     assert layer.bits == 8 and layer.nbytes == n * k // 32 * 34
-    step = np.abs(ref).reshape(n, -1, 32).max(-1, keepdims=True) / 127
-    err = np.abs(layer.dequantize().numpy() - ref).reshape(n, -1, 32)
-    assert (err <= step * (0.5 + 127 * 2**-11) + 127 * 2**-25).all()
+    _assert_requantized(layer.dequantize().numpy(), ref)
 
 
+@pytest.mark.parametrize("qtype", [GT.Q6_K, GT.Q3_K])
 @pytest.mark.parametrize("k", [256, 512, 768])
-def test_q6_k_is_exact_where_6_bit_kernels_run(k):
+def test_q6_k_is_exact_where_6_bit_kernels_run(k, qtype):
+    """Q6_K as the file holds it, and Q3_K in Q6_K's form (its values are Q6_K values)."""
     n = 9
-    raw = gguf_bytes(GT.Q6_K, n, k)
-    ref = dequantize(raw, GT.Q6_K).reshape(n, k)
-    layer = QuantLinear.from_gguf(raw, GT.Q6_K, n, k)
+    raw = gguf_bytes(qtype, n, k)
+    ref = dequantize(raw, qtype).reshape(n, k)
+    layer = QuantLinear.from_gguf(raw, qtype, n, k)
     if QuantLinear.runs_6bit(k):  # whole lane-order groups on a build with 6-bit kernels
-        assert layer.bits == 6 and layer.nbytes == n * k * 6.5625 / 8  # the file's bytes
+        assert layer.bits == 6 and layer.nbytes == n * k * 6.5625 / 8  # Q6_K's bytes
         assert np.array_equal(layer.dequantize().numpy(), ref)
     else:
         assert layer.bits == 8
@@ -174,10 +172,12 @@ def test_q6_k_is_exact_where_6_bit_kernels_run(k):
 
 
 def _assert_requantized(got: np.ndarray, ref: np.ndarray) -> None:
+    """Each value within half a step (max|w| / 254 of its 32-block) of gguf-py's, plus the
+    float16 scale's rounding (relative 2^-11, or 2^-25 absolute where it is subnormal)."""
     n = ref.shape[0]
-    blocks = np.abs(ref).reshape(n, -1, 32).max(-1, keepdims=True)
-    # half a step of 8-bit codes, plus float16 rounding of the scale
-    assert (np.abs(got - ref).reshape(n, -1, 32) <= blocks / 254 * 1.01 + 1e-12).all()
+    step = np.abs(ref).reshape(n, -1, 32).max(-1, keepdims=True) / 127
+    err = np.abs(got - ref).reshape(n, -1, 32)
+    assert (err <= step * (0.5 + 127 * 2**-11) + 127 * 2**-25).all()
 
 
 def test_q6_k_is_requantized_where_6_bit_kernels_cannot_run(monkeypatch):
@@ -257,7 +257,7 @@ def test_from_float(scheme, bound):
 
 
 @pytest.mark.parametrize("act_bits", [8, 16])
-@pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS + [GT.Q6_K] + TABLES + GRIDS[::2])
+@pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS + [GT.Q6_K, GT.Q3_K] + TABLES + GRIDS[::2])
 def test_decode_kernel_matches_reference(kbuild, qtype, act_bits):
     torch.manual_seed(0)
     shapes = shapes_for(qtype)

@@ -31,8 +31,10 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
     Q6_K  6-bit, Z=32, an int8 scale per 16       exact, 26.25 B / 32 (file: 26.25):
           values times a float16 per 256          codes [N, K*3/4], scales int8 [N, K/16]
                                                   (kernels/linear.c has the layout)
-    Q2_K, Q3_K, IQ2_XS, IQ2_S, IQ1_M (a scale per 16 values), and Q6_K on rows that are
-          not whole groups: requantized to 8-bit Z=128 with a per-32 f16 scale (as Q8_0
+    Q3_K  on rows of whole groups: Q6_K's form (code q + 32, int8 sub-scale - 32, d):
+          exact, 26.25 B / 32 (file: 13.75)
+    Q2_K, IQ2_XS, IQ2_S, IQ1_M (a scale per 16 values), and Q3_K and Q6_K on rows that
+          are not whole groups: requantized to 8-bit Z=128 with a per-32 f16 scale (as Q8_0
           would): the added error is at most max|w_block| / 254 per value, about a quarter
           of Q6_K's own step.
     IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S, TQ1_0, TQ2_0 (grid points times a scale per 32): 4-bit
@@ -78,6 +80,7 @@ from tokenmill.loader.gguf_blocks import (
     TABLE_SCALE_ZERO,
     parse_exact,
     parse_grid,
+    parse_q3_k,
     parse_q6_k,
     parse_table,
     table_of,
@@ -426,13 +429,13 @@ class QuantLinear(NativeLinear):
         None, bits, sup | None) for GGUF type `qtype`: the file's own blocks where a kernel
         reads them, else requantized to 8 bits. Row by row: any rows, any batch of them."""
         block, type_size = GGML_QUANT_SIZES[qtype]
-        six = qtype == GT.Q6_K and cls.runs_6bit(in_features)
+        six = qtype in (GT.Q6_K, GT.Q3_K) and cls.runs_6bit(in_features)
         five = qtype in _FIVE and cls.runs_5bit(in_features)
 
         def parse(rows: np.ndarray):
             blocks = rows.reshape(rows.shape[0], -1, type_size)
-            if six:
-                return parse_q6_k(blocks)
+            if six:  # Q3_K's values are Q6_K's with 3 of the 6 bits used
+                return parse_q6_k(blocks) if qtype == GT.Q6_K else parse_q3_k(blocks)
             if qtype in EXACT_GGUF_TYPES:
                 return parse_exact(blocks, qtype, five)
             if qtype in TABLE_GGUF_TYPES:

@@ -3,10 +3,11 @@
 Parses a tensor's raw blocks ([rows, blocks, type_size] bytes, as the file stores them)
 into the packed format's pieces: unsigned codes per value, a scale (and min) per block
 of 32, and for K-quants the super-block scales they multiply. Exact for the types in
-EXACT_GGUF_TYPES, and for Q6_K as 6-bit codes with a scale per 16 values (parse_q6_k);
-the 16-value sub-block types (Q6_K where 6-bit codes cannot run, Q2_K, Q3_K) and the
-table-coded 4-bit ones (IQ4_NL, IQ4_XS, MXFP4) are requantized by QuantLinear instead
-(REQUANT_GGUF_TYPES).
+EXACT_GGUF_TYPES; for Q6_K and Q3_K as 6-bit codes with a scale per 16 values
+(parse_q6_k, parse_q3_k); for the table-coded 4-bit types (IQ4_NL, IQ4_XS, MXFP4:
+parse_table) and the grid types (IQ3_S, IQ2_XXS, TQ2_0, ...: parse_grid) as 4-bit codes
+into a table. The other 16-value sub-block types (Q2_K, IQ2_XS, IQ2_S, IQ1_M, and Q6_K and
+Q3_K where 6-bit codes cannot run) are requantized by QuantLinear (REQUANT_GGUF_TYPES).
 """
 
 from __future__ import annotations
@@ -32,11 +33,9 @@ GRID_VALUES = {
 GRID_GGUF_TYPES = frozenset(GRID_VALUES)
 # IQ4_XS's scales are signed 6-bit codes stored + 32: d = the 256-block's d * (code - 32)
 TABLE_SCALE_ZERO = {GT.IQ4_XS: 32}
-# ... and the non-linear 4-bit types (a 16-entry table per value: IQ4_NL, IQ4_XS; gpt-oss's
-# MXFP4, e2m1 values under a power-of-two scale), which the integer kernels have no code
-# for: dequantized by gguf-py, then packed as 8-bit Q8_0-like blocks (2x their bytes).
-# IQ2_XS, IQ2_S and IQ1_M scale every 16 values (grid points up to 43 under 4-bit scales:
-# no 4-bit code or 6-bit Q6_K form holds them), like Q2_K and Q3_K.
+# Requantized to 8-bit codes: Q2_K (a min per 16 values), IQ2_XS, IQ2_S and IQ1_M (a
+# scale per 16 values over grid points up to 43: no 4-bit code or 6-bit form holds them),
+# and Q6_K and Q3_K on rows where 6-bit codes cannot run.
 REQUANT_GGUF_TYPES = frozenset({GT.Q6_K, GT.Q2_K, GT.Q3_K, GT.IQ2_XS, GT.IQ2_S, GT.IQ1_M})
 # Every quantized type a layer holds (layers/quant_linear.py), one of the four ways above
 QUANT_GGUF_TYPES = EXACT_GGUF_TYPES | TABLE_GGUF_TYPES | GRID_GGUF_TYPES | REQUANT_GGUF_TYPES
@@ -124,6 +123,27 @@ def parse_q6_k(blocks: np.ndarray):
     sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8)
     d = np.ascontiguousarray(blocks[..., 208:210]).view(np.float16)  # [rows, nsup, 1]
     return q.reshape(rows, -1), sc.reshape(rows, -1), None, 6, d
+
+
+def parse_q3_k(blocks: np.ndarray):
+    """Q3_K blocks [rows, nsup, 110] -> Q6_K's form, parse_q6_k's tuple: a Q3_K value is
+    d * (scale - 32) * q with q in -4..3 and a 6-bit scale per 16 values, so the 6-bit code
+    q + 32 under the int8 sub-scale (scale - 32) and the same d hold it exactly.
+
+    A super-block: 32 bytes of high bits (value 32i + j: bit i of byte j, the offset 4 where
+    it is 0), 64 of 2-bit low parts (per 128-value half, value 32s + j at bits 2s of byte
+    j), 12 of scales (low nibbles in bytes 0-7, top 2 bits in bytes 8-11), then d."""
+    rows, nsup = blocks.shape[:2]
+    hmask, qs, sc = blocks[..., 0:32], blocks[..., 32:96], blocks[..., 96:108]
+    low = sc[..., 0:8].reshape(rows, nsup, 1, 8) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    high = sc[..., 8:12].reshape(rows, nsup, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    scale = (low.reshape(rows, nsup, 16) & 15) | ((high.reshape(rows, nsup, 16) & 3) << 4)
+    ql = qs.reshape(rows, nsup, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    qh = hmask.reshape(rows, nsup, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
+    q = (ql.reshape(rows, nsup, 256) & 3) + 4 * (qh.reshape(rows, nsup, 256) & 1) + 28
+    sub = (scale.astype(np.int16) - 32).astype(np.int8)
+    d = np.ascontiguousarray(blocks[..., 108:110]).view(np.float16)  # [rows, nsup, 1]
+    return q.reshape(rows, -1), sub.reshape(rows, -1), None, 6, d
 
 
 def table_of(qtype: GT) -> np.ndarray:
