@@ -651,10 +651,9 @@ def test_tokenmill_march_picks_the_build(tmp_path):
 
 
 @pytest.mark.skipif(kernels.library() is None, reason="native kernels unavailable")
-def test_prefetch_distance_follows_the_cpu_maker_or_the_environment():
-    """The GEMV prefetches 2 KB ahead on AMD CPUs and 8 KB elsewhere (tm.h: each the faster
-    on the machines measured), unless TOKENMILL_PREFETCH says otherwise; the products are
-    the same at any distance."""
+def test_prefetch_distance_is_8_kb_or_the_environments():
+    """The GEMV prefetches 8 KB ahead (tm.h), unless TOKENMILL_PREFETCH says otherwise; the
+    products are the same at any distance."""
     code = "from tokenmill import kernels; print(kernels.prefetch_bytes())"
 
     def distance(value: str | None) -> int:
@@ -664,19 +663,11 @@ def test_prefetch_distance_follows_the_cpu_maker_or_the_environment():
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         return int(out.stdout.strip() or -1)
 
-    vendor = ""
-    if Path("/proc/cpuinfo").exists():
-        vendor = next(
-            (ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if "vendor_id" in ln), ""
-        )
-    expected = 2048 if "AuthenticAMD" in vendor else 8192
-    if platform.machine() not in ("x86_64", "AMD64"):
-        expected = 8192
-    assert distance(None) == expected
+    assert distance(None) == 8192
     assert distance("4096") == 4096
     assert distance("-5") == 0
     if "TOKENMILL_PREFETCH" not in os.environ:
-        assert kernels.prefetch_bytes() == expected
+        assert kernels.prefetch_bytes() == 8192
 
 
 def test_concurrent_builds_share_one_library(tmp_path):

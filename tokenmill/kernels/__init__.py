@@ -304,8 +304,8 @@ def group_blocks() -> int:
 
 
 def prefetch_bytes() -> int:
-    """How far ahead (in code bytes) the GEMV prefetches packed weights: chosen per CPU maker
-    at load (kernels/tm.h), or TOKENMILL_PREFETCH; 0 without a library."""
+    """How far ahead (in code bytes) the GEMV prefetches packed weights: 8 KB
+    (kernels/tm.h), or TOKENMILL_PREFETCH; 0 without a library."""
     lib = library()
     return 0 if lib is None else lib.tm_prefetch_bytes()
 

@@ -284,6 +284,15 @@ static inline __attribute__((always_inline)) void tail_dot(const tm_weight *w, c
 #endif
 }
 
+/* Software prefetch of the n code bytes PREFETCH ahead of a group's p, into L2 (the codes
+ * run on into the next rows, so the stream crosses rows unbroken). Per group rather than
+ * per row, and into L2 rather than L1: on Zen 4 a row's worth into L1 at its start left
+ * long rows (Q6_K ffn_down's 6.7 KB) at 16-20 GB/s, this streams them at the DRAM limit
+ * (benchmarks/README.md, "The GEMV's prefetch"). */
+static inline void prefetch_codes(const uint8_t *p, size_t n) {
+    for (size_t off = 0; off < n; off += 64) __builtin_prefetch(p + PREFETCH + off, 0, 2);
+}
+
 /* Row r's K-quant super-block scales to float: dsup [k / 256], and msup = -(the mins'
  * super-block scales). k / 256 <= KSUP_MAX (the callers check). */
 enum { KSUP_MAX = 256 }; /* rows of up to 65536 values */
@@ -326,8 +335,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
     for (int r = r0; r < r1; r++) {
         const uint8_t *row = w->codes + (size_t)r * rb;
         const size_t srow = (size_t)r * nb;
-        { /* software prefetch PREFETCH bytes of codes ahead (and the matching scales) */
-            for (size_t off = 0; off < rb; off += 64) __builtin_prefetch(row + PREFETCH + off, 0, 3);
+        { /* the scales matching the codes PREFETCH bytes ahead (those: per group below) */
             const size_t ahead = srow * es + PREFETCH * es / (4 * (size_t)bits);
             __builtin_prefetch((const char *)w->scales + ahead, 0, 3);
             if (w->mins) __builtin_prefetch((const char *)w->mins + ahead, 0, 3);
@@ -340,6 +348,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
         if (w->dsup) ksup_row(w, r, dsup, msup);
         for (int g = 0; g < nfull && bits == 6; g++) { /* Q6_K: two halves per block */
             vb c[8];
+            prefetch_codes(row + (size_t)g * group_bytes(6), group_bytes(6));
             tm_group_codes(row, g, 6, c);
             const vf ds = sup_lanes(dsup, g);
             const int8_t *sc = (const int8_t *)w->scales + (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB;
@@ -357,6 +366,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
         }
         for (int g = 0; g < nfull && bits != 6; g++) {
             vb c[8];
+            prefetch_codes(row + (size_t)g * group_bytes(bits), group_bytes(bits));
             tm_group_codes(row, g, bits, c);
             if (lut) tm_lookup_codes(table, c);
             vf d, m = vf_zero();
@@ -779,10 +789,6 @@ __attribute__((constructor)) static void prefetch_init(void) {
         tm_prefetch = v < 0 ? 0 : v > (1 << 20) ? (1 << 20) : (int)v;
         return;
     }
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_is("amd")) tm_prefetch = 2048;
-#endif
 }
 #endif
 

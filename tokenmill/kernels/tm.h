@@ -35,11 +35,10 @@
 #define GW (TM_GB * QK)  /* values per full lane-order group */
 #define TCHUNK 8         /* activation rows computed together per weight row */
 #define ROWBLOCK 16      /* weight rows a thread keeps hot while looping over T chunks */
-/* Software prefetch distance of the GEMV in code bytes, chosen once per process by the
- * CPU's maker (tm_prefetch_bytes in linear.c): 8 KB ahead on Intel, 2 KB on AMD, from
- * measurements of the whole decode step (benchmarks/README.md: on a Sapphire Rapids Xeon
- * 8 KB beat 1-2 KB by 10-20%; on Zen 4, 2 KB beat 8 KB by 15-20%). TOKENMILL_PREFETCH=N
- * (bytes) overrides it; -DPREFETCH=N fixes it at build time. */
+/* Software prefetch distance of the GEMV in code bytes (prefetch_codes in linear.c: per
+ * group, into L2): 8 KB, where the decode GEMVs of real-size layers reach the DRAM limit on
+ * Zen 4 (benchmarks/README.md: 2 KB and less lose 15-45%, 8-32 KB all stream alike).
+ * TOKENMILL_PREFETCH=N (bytes) overrides it; -DPREFETCH=N fixes it at build time. */
 #ifdef PREFETCH
 #define TM_PREFETCH_FIXED 1
 #else
