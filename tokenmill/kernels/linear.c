@@ -91,17 +91,31 @@ typedef struct {
  * dx), dx = max|x| / qmax, qmax 127 (8-bit) or 32767 (act16), stored in lane order as two
  * byte planes (the operands of byte dot products; see group_dot in simd.h). Returns 0 on
  * OOM. */
-static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, xq_t *xq) {
+static size_t xq_layout(int T, int K, int bits, xq_t *xq, size_t *fbytes, size_t *qbytes,
+                        size_t *base, size_t *pbytes) {
     const int nb = K / QK, full = nb / TM_GB * TM_GB;
     xq->gpad = (nb + TM_GB - 1) / TM_GB * TM_GB;
     xq->kpad = xq->gpad * QK;
-    const size_t fbytes = ((size_t)T * xq->gpad * 4 + 63) & ~(size_t)63;
-    const size_t qbytes = ((size_t)T * xq->kpad + 63) & ~(size_t)63;
-    const size_t base = (bits == 6 ? 5 : 3) * fbytes + 2 * qbytes; /* zh: 6-bit only */
-    xq->npair = 4 * TM_GB > QK ? (nb - full) / 2 : 0; /* whole pairs of tail blocks */
-    const size_t pbytes = (size_t)T * xq->npair * TM_W * 4;
-    const size_t total = base + 3 * pbytes;
-    char *buf = tm_scratch(total);
+    *fbytes = ((size_t)T * xq->gpad * 4 + 63) & ~(size_t)63;
+    *qbytes = ((size_t)T * xq->kpad + 63) & ~(size_t)63;
+    *base = (bits == 6 ? 5 : 3) * *fbytes + 2 * *qbytes; /* zh: 6-bit only */
+    xq->npair = 4 * TM_GB > QK ? (nb - full) / 2 : 0;    /* whole pairs of tail blocks */
+    *pbytes = (size_t)T * xq->npair * TM_W * 4;
+    return *base + 3 * *pbytes;
+}
+
+/* The bytes quantize_x needs for x [T, K] against a weight of `bits` (64-byte multiples) */
+static size_t xq_bytes(int T, int K, int bits) {
+    xq_t xq;
+    size_t f, q, b, p;
+    return (xq_layout(T, K, bits, &xq, &f, &q, &b, &p) + 63) & ~(size_t)63;
+}
+
+static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, xq_t *xq, char *buf) {
+    const int nb = K / QK, full = nb / TM_GB * TM_GB;
+    size_t fbytes, qbytes, base, pbytes;
+    const size_t total = xq_layout(T, K, bits, xq, &fbytes, &qbytes, &base, &pbytes);
+    if (!buf) buf = tm_scratch(total); /* else the caller's, of xq_bytes */
     if (!buf) return 0;
     memset(buf, 0, total);
     xq->tz = (int32_t *)(buf + base);
@@ -680,7 +694,7 @@ static int linear_one(const tm_weight *w, const float *x, int T, float *y, const
     if (tm_linear_path(w->bits, T, 0, NULL, 0) == TM_PATH_GEMM) /* the integer GEMM (gemm.c) */
         return tm_gemm(w, x, T, y, bias, nthreads, act16);
     xq_t xq;
-    if (!fw && !quantize_x(x, T, w->k, zero_point(w), dot_bits(w), act16, &xq)) return 0;
+    if (!fw && !quantize_x(x, T, w->k, zero_point(w), dot_bits(w), act16, &xq, NULL)) return 0;
     const int n = w->n, nblk = (n + ROWBLOCK - 1) / ROWBLOCK;
     const int nt = tm_team(nthreads, nblk);
     int64_t start = tm_now(), done = start;
@@ -698,6 +712,81 @@ static int linear_one(const tm_weight *w, const float *x, int T, float *y, const
                 else
                     rows_any(w, &xq, r0, r1, t0, tc, y, bias);
             }
+        }
+        if (tm_thread_id() == 0) done = tm_now();
+    }
+    tm_team_done(nt, start, done);
+    return 1;
+}
+
+/* Several GEMVs in one parallel region: job j multiplies w[j] (packed, not a chain) by
+ * x[j] [T[j], K_j] into y[j]; bias[j] may be NULL. A MoE layer's active experts as one
+ * stream of row blocks: one region instead of one per expert, a thread's share running
+ * on from one expert's rows into the next's (and the prefetch with it). Each x is
+ * quantized once, into its own buffer (jobs with the same x, T, K and activation format
+ * share it); every output row is tm_linear's. Jobs tm_linear would not run here (float
+ * weights, chains, more than TCHUNK rows, 5- and 6-bit rows of partial groups) make the
+ * call one tm_linear per job. Returns 1, 0 on OOM, or tm_linear's error. */
+static __thread tm_buf jobs_buf;
+
+enum { JOBS_MAX = 64 };
+
+int tm_linear_jobs(const tm_weight *const *w, const float *const *x, const int *T, float *const *y,
+                   const float *const *bias, int n, int nthreads, int act16) {
+    int direct = n == 1;
+    for (int j = 0; j < n && !direct; j++)
+        direct = is_float(w[j]) || w[j]->next || T[j] > TCHUNK ||
+                 tm_linear_path(w[j]->bits, T[j], 0, NULL, 0) == TM_PATH_GEMM ||
+                 (whole_groups_only(w[j]->bits) && (w[j]->k / QK) % TM_GB) ||
+                 (w[j]->dsup && w[j]->k / 256 > KSUP_MAX);
+    if (direct) {
+        for (int j = 0; j < n; j++) {
+            const int rc = tm_linear(w[j], x[j], T[j], y[j], bias[j], nthreads, act16);
+            if (rc != 1) return rc;
+        }
+        return 1;
+    }
+    if (n > JOBS_MAX) { /* in pieces of JOBS_MAX */
+        for (int j0 = 0; j0 < n; j0 += JOBS_MAX) {
+            const int m = n - j0 < JOBS_MAX ? n - j0 : JOBS_MAX;
+            const int rc = tm_linear_jobs(w + j0, x + j0, T + j0, y + j0, bias + j0, m, nthreads, act16);
+            if (rc != 1) return rc;
+        }
+        return 1;
+    }
+    xq_t xq[JOBS_MAX];
+    int src[JOBS_MAX], first[JOBS_MAX + 1]; /* whose quantized x a job reads; its first block */
+    size_t off[JOBS_MAX], total = 0;
+    for (int j = 0; j < n; j++) {
+        src[j] = j;
+        for (int i = 0; i < j && src[j] == j; i++)
+            if (src[i] == i && x[i] == x[j] && T[i] == T[j] && w[i]->k == w[j]->k &&
+                zero_point(w[i]) == zero_point(w[j]) && dot_bits(w[i]) == dot_bits(w[j]))
+                src[j] = i;
+        off[j] = total;
+        if (src[j] == j) total += xq_bytes(T[j], w[j]->k, dot_bits(w[j]));
+    }
+    char *buf = tm_buf_get(&jobs_buf, total);
+    if (!buf) return 0;
+    first[0] = 0;
+    for (int j = 0; j < n; j++) {
+        if (src[j] == j && !quantize_x(x[j], T[j], w[j]->k, zero_point(w[j]), dot_bits(w[j]), act16,
+                                       &xq[j], buf + off[j]))
+            return 0;
+        first[j + 1] = first[j] + (w[j]->n + ROWBLOCK - 1) / ROWBLOCK;
+    }
+    const int nblk = first[n], nt = tm_team(nthreads, nblk);
+    int64_t start = tm_now(), done = start;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int j = 0;
+#pragma omp for schedule(guided) nowait
+        for (int b = 0; b < nblk; b++) {
+            while (b >= first[j + 1]) j++; /* a thread's blocks come in rising order */
+            while (b < first[j]) j--;
+            const int r0 = (b - first[j]) * ROWBLOCK;
+            const int r1 = r0 + ROWBLOCK < w[j]->n ? r0 + ROWBLOCK : w[j]->n;
+            rows_any(w[j], &xq[src[j]], r0, r1, 0, T[j], y[j], bias[j]);
         }
         if (tm_thread_id() == 0) done = tm_now();
     }

@@ -99,28 +99,32 @@ static int gated_mlp(const tm_shape *s, const tm_weight *wu, const tm_weight *wd
 
 /* The MoE MLP of Bd rows h [Bd, d] -> out [Bd, d], as layers/moe.py computes it: the router
  * picks each row's k experts; the rows are grouped by expert, so every active expert is
- * read once for all the rows that chose it (one tm_linear over its rows), and each row
- * adds only its own experts' outputs, in expert order. Returns 1, 0 on OOM, or
- * tm_linear's error code. */
+ * read once for all the rows that chose it (its job in tm_linear_jobs), and each row adds
+ * only its own experts' outputs, in expert order. Returns 1, 0 on OOM, or tm_linear's
+ * error code. */
 static int moe_mlp(const tm_shape *s, const tm_moe *m, const float *h, int Bd, float *out, int nthreads,
                    int act16) {
-    const int d = s->d, E = m->E, k = m->k, fw = m->fe > m->fs ? m->fe : m->fs;
-    /* logits [Bd, E], weights [Bd, k], rows [Bd] (an expert's), x [Bd, d], y [Bd, d],
-     * up [Bd, 2 fw], mid [Bd, fw], ids [Bd, k] (ints, last) */
-    const size_t nf = (size_t)Bd * (E + k + 1 + 2 * d + 3 * fw);
-    float *logits = tm_buf_get(&moe_buf, nf * sizeof(float) + (size_t)Bd * k * sizeof(int));
+    const int d = s->d, E = m->E, k = m->k, fw = m->fe > m->fs ? m->fe : m->fs, R = Bd * k;
+    /* logits [Bd, E], weights [Bd, k], then per chosen (row, expert) pair, grouped by
+     * expert: its weight rw [R], x [R, d], y [R, d], up [R, 2 fw], mid [R, fw]; then ids
+     * [Bd, k] and the pairs' rows [R] (ints, last) */
+    const size_t nf = (size_t)Bd * (E + k) + (size_t)R * (1 + 2 * d + 3 * fw);
+    float *logits = tm_buf_get(&moe_buf, nf * sizeof(float) + (size_t)(Bd * k + R) * sizeof(int));
     if (!logits) return 0;
-    float *wk = logits + (size_t)Bd * E, *rw = wk + (size_t)Bd * k, *x = rw + Bd;
-    float *y = x + (size_t)Bd * d, *up = y + (size_t)Bd * d, *mid = up + (size_t)Bd * 2 * fw;
-    int *ids = (int *)(mid + (size_t)Bd * fw);
+    float *wk = logits + (size_t)Bd * E, *rw = wk + (size_t)Bd * k, *x = rw + R;
+    float *y = x + (size_t)R * d, *up = y + (size_t)R * d, *mid = up + (size_t)R * 2 * fw;
+    int *ids = (int *)(mid + (size_t)R * fw), *rows = ids + (size_t)Bd * k;
     int rc;
-    /* ---- route: each row's k experts and their weights ---- */
+    /* ---- route: each row's k experts and their weights (the experts' logits in
+     * parallel: the router is E x d floats, as much as an expert's weights) ---- */
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && (size_t)Bd * E * d >= 65536)
+    for (int i = 0; i < Bd * E; i++) {
+        const int b = i / E, e = i % E;
+        logits[i] = vf_dot(h + (size_t)b * d, m->router + (size_t)e * d, d) + (m->router_bias ? m->router_bias[e] : 0.f);
+    }
     for (int b = 0; b < Bd; b++) {
-        const float *hb = h + (size_t)b * d;
         float *lg = logits + (size_t)b * E, *w = wk + (size_t)b * k;
         int *id = ids + (size_t)b * k;
-        for (int e = 0; e < E; e++)
-            lg[e] = vf_dot(hb, m->router + (size_t)e * d, d) + (m->router_bias ? m->router_bias[e] : 0.f);
         float mx = lg[0], sum = 0.f;
         for (int e = 1; e < E; e++) mx = lg[e] > mx ? lg[e] : mx;
         if (m->softmax_first) { /* softmax over E, the top k of it, renormalized or not */
@@ -139,29 +143,43 @@ static int moe_mlp(const tm_shape *s, const tm_moe *m, const float *h, int Bd, f
         }
     }
     memset(out, 0, (size_t)Bd * d * sizeof(float));
-    /* ---- each active expert over the rows that chose it ---- */
+    /* ---- the active experts, in expert order, each over the rows that chose it: all
+     * their up-projections in one tm_linear_jobs region, then all their down ones ---- */
+    const tm_weight *wu[E], *wd[E];
+    const float *xs[E], *ub[E], *db[E], *ms[E];
+    float *ups[E], *ys[E];
+    int n[E], at[E], na = 0, R0 = 0;
     for (int e = 0; e < E; e++) {
-        int n = 0;
-        int rows[Bd];
+        int c = 0;
         for (int b = 0; b < Bd; b++)
             for (int j = 0; j < k; j++)
                 if (ids[(size_t)b * k + j] == e) {
-                    rows[n] = b, rw[n] = wk[(size_t)b * k + j];
-                    memcpy(x + (size_t)n * d, h + (size_t)b * d, d * sizeof(float));
-                    n++;
+                    rows[R0 + c] = b, rw[R0 + c] = wk[(size_t)b * k + j];
+                    memcpy(x + (size_t)(R0 + c) * d, h + (size_t)b * d, d * sizeof(float));
+                    c++;
                 }
-        if (!n) continue;
-        const float *ub = m->up_bias ? m->up_bias[e] : NULL;
-        const float *db = m->down_bias ? m->down_bias[e] : NULL;
-        if ((rc = gated_mlp(s, m->up[e], m->down[e], ub, db, m->fe, x, n, up, mid, y, nthreads,
-                            act16)) != 1)
-            return rc;
-        for (int i = 0; i < n; i++) {
-            float *o = out + (size_t)rows[i] * d;
-            const float *yi = y + (size_t)i * d;
-            for (int c = 0; c < d; c++) o[c] += yi[c] * rw[i];
-        }
+        if (!c) continue;
+        /* every row chose it (always at one row): h itself, quantized once for all such experts */
+        xs[na] = c == Bd ? h : x + (size_t)R0 * d;
+        wu[na] = m->up[e], wd[na] = m->down[e];
+        ub[na] = m->up_bias ? m->up_bias[e] : NULL, db[na] = m->down_bias ? m->down_bias[e] : NULL;
+        ups[na] = up + (size_t)R0 * 2 * fw, ms[na] = mid + (size_t)R0 * fw, ys[na] = y + (size_t)R0 * d;
+        n[na] = c, at[na] = R0, na++, R0 += c;
     }
+    if ((rc = tm_linear_jobs(wu, xs, n, ups, ub, na, nthreads, act16)) != 1) return rc;
+    for (int a = 0; a < na; a++)
+        for (int i = 0; i < n[a]; i++) {
+            const float *u = ups[a] + (size_t)i * 2 * m->fe;
+            gated_act(u, u + m->fe, m->fe, s, (float *)ms[a] + (size_t)i * m->fe);
+        }
+    if ((rc = tm_linear_jobs(wd, ms, n, ys, db, na, nthreads, act16)) != 1) return rc;
+    for (int a = 0; a < na; a++)
+        for (int i = 0; i < n[a]; i++) {
+            float *o = out + (size_t)rows[at[a] + i] * d;
+            const float *yi = ys[a] + (size_t)i * d;
+            const float g = rw[at[a] + i];
+            for (int c = 0; c < d; c++) o[c] += yi[c] * g;
+        }
     /* ---- the shared expert, gated per row (Qwen2-MoE), or not at all (Granite-MoE-shared:
      * no gate vector) ---- */
     if (m->shared_up) {

@@ -164,6 +164,8 @@ int tm_pack_gguf(int qtype, const uint8_t *src, int64_t rows, int k, int as_8bit
 int tm_decode_stack(const tm_stack *s, const tm_rows *rows, float *x, int nthreads);
 int tm_linear(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads,
               int act16);
+int tm_linear_jobs(const tm_weight *const *w, const float *const *x, const int *T, float *const *y,
+                   const float *const *bias, int n, int nthreads, int act16);
 int tm_decode_attention(const tm_shape *s, const tm_layer *L, const tm_rows *rows, const float *qkv,
                         float *out, int nthreads);
 int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads,
