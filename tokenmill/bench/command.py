@@ -136,6 +136,14 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         f"default {shapes.DEFAULT_FILE_TYPE}), written once into the cache (bench/shapes.py)",
     )
     p.add_argument(
+        "--types",
+        default=None,
+        metavar="LIST",
+        help="one row per GGUF file type (e.g. q4_k_m,q5_k_m,q6_k,q8_0,q3_k_m,q2_k,iq4_xs,iq3_s): "
+        "--shape's Q8_0 file (or --model's GGUF) re-quantized to each by llama.cpp's quantizer "
+        "(cached), each benched beside the peers, then one table (bench/types.py)",
+    )
+    p.add_argument(
         "--shape-layers",
         type=int_at_least(1),
         default=None,
@@ -263,6 +271,10 @@ def use_shape(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from tokenmill.engine.llm_engine import resolve_model
 
+    if getattr(args, "types", None):
+        from tokenmill.bench.types import cmd_types
+
+        return cmd_types(args, cmd_bench)
     left_out = apply_preset(args)
     use_shape(args)
     if args.device != "cpu":
