@@ -136,12 +136,25 @@ def test_gguf_conversion_is_exact(qtype, shape):
     assert np.array_equal(layer.dequantize().numpy(), ref)
     if qtype in (GT.Q4_0, GT.Q4_1, GT.Q8_0):  # same size as the file: nothing expanded
         assert layer.nbytes == raw.nbytes
-    if qtype in TABLES:  # 4-bit codes, the scales as the file has them (MXFP4's: float32)
-        per32 = {GT.IQ4_NL: 18, GT.IQ4_XS: 17.25, GT.MXFP4: 20}[qtype]  # file: 18, 17, 17
+    if qtype in TABLES:  # 4-bit codes, the scales as the file has them (MXFP4's: float16)
+        per32 = {GT.IQ4_NL: 18, GT.IQ4_XS: 17.25, GT.MXFP4: 18}[qtype]  # file: 18, 17, 17
         assert layer.bits == 4 and layer.nbytes == n * k // 32 * per32 + 16  # + the table
     if qtype in GRIDS:  # 4-bit codes, a float32 scale per 32 (TQ: the file's float16 d)
         per32 = 18 if qtype in (GT.TQ1_0, GT.TQ2_0) else 20
         assert layer.bits == 4 and layer.nbytes == n * k // 32 * per32 + 16
+
+
+def test_mxfp4_scales_float16_cannot_hold_stay_float32():
+    """An MXFP4 block scale below 2^-24 (exponent byte 103) makes the tensor's scales
+    float32: still exact, 20 bytes per 32 values."""
+    n, k = 5, 64
+    raw = gguf_bytes(GT.MXFP4, n, k)
+    raw.reshape(n, -1, 17)[2, 1, 0] = 103
+    layer = QuantLinear.from_gguf(raw, GT.MXFP4, n, k)
+    assert layer.scales.dtype == torch.float32 and layer.nbytes == n * k // 32 * 20 + 16
+    assert np.array_equal(layer.dequantize().numpy(), dequantize(raw, GT.MXFP4).reshape(n, k))
+    experts = QuantLinear.from_gguf_experts([[raw[:2]], [raw[2:4]]], GT.MXFP4, k)
+    assert all(e.scales.dtype == torch.float32 for e in experts)
 
 
 @pytest.mark.parametrize("qtype", REQUANT)

@@ -44,8 +44,8 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
           4-bit codes as stored, looked up to 8-bit ones in registers, Z=128; exact.
           IQ4_NL f16 scales: 18 B / 32 (file: 18); IQ4_XS its 6-bit scale codes as bytes
           times a f16 per 256 (d * (code - 32): `scale_zero`): 17.25 B / 32 (file: 17);
-          MXFP4 f32 scales (powers of two from 2^-128, which f16 cannot hold): 20 B / 32
-          (file: 17).
+          MXFP4 f16 scales where every block's power of two is one f16 holds (2^-24 to
+          2^15: 18 B / 32, file: 17), else f32 (20 B / 32: its scales reach 2^-128).
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ from tokenmill.loader.gguf_blocks import (
     REQUANT_GGUF_TYPES,
     TABLE_GGUF_TYPES,
     TABLE_SCALE_ZERO,
+    mxfp4_scales_fit_half,
     parse_exact,
     parse_grid,
     parse_q3_k,
@@ -414,7 +415,8 @@ class QuantLinear(NativeLinear):
                 layer = cls._from_arrays(tensors, bits, in_features, out_features, bias)
                 layer.sources = {qtype.name: out_features * in_features}
                 return layer
-        parse_rows = cls._row_parser(qtype, in_features)
+        half = qtype == GT.MXFP4 and mxfp4_scales_fit_half(raw)
+        parse_rows = cls._row_parser(qtype, in_features, half)
         layer = cls._assemble(
             lambda r0, r1: parse_rows(raw[r0:r1]), in_features, out_features, bias
         )
@@ -424,10 +426,11 @@ class QuantLinear(NativeLinear):
         return layer
 
     @classmethod
-    def _row_parser(cls, qtype: GT, in_features: int):
+    def _row_parser(cls, qtype: GT, in_features: int, half: bool = False):
         """parse(rows uint8 [n, row_bytes]) -> (natural codes u8 [n, K], scales, mins |
         None, bits, sup | None) for GGUF type `qtype`: the file's own blocks where a kernel
-        reads them, else requantized to 8 bits. Row by row: any rows, any batch of them."""
+        reads them, else requantized to 8 bits. Row by row: any rows, any batch of them.
+        half: MXFP4's scales as float16 (every row's fit: mxfp4_scales_fit_half)."""
         block, type_size = GGML_QUANT_SIZES[qtype]
         six = qtype in (GT.Q6_K, GT.Q3_K) and cls.runs_6bit(in_features)
         five = qtype in _FIVE and cls.runs_5bit(in_features)
@@ -439,7 +442,7 @@ class QuantLinear(NativeLinear):
             if qtype in EXACT_GGUF_TYPES:
                 return parse_exact(blocks, qtype, five)
             if qtype in TABLE_GGUF_TYPES:
-                return parse_table(blocks, qtype)
+                return parse_table(blocks, qtype, half and qtype == GT.MXFP4)
             if qtype in GRID_GGUF_TYPES:
                 return parse_grid(blocks, qtype)
             if qtype == GT.Q6_K:  # gguf-py's float32 ops, vectorized (its own: per 16 rows)
@@ -504,7 +507,8 @@ class QuantLinear(NativeLinear):
                 for layer in layers:
                     layer.sources = {qtype.name: total * in_features}
                 return layers
-        parse_rows = cls._row_parser(qtype, in_features)
+        half = qtype == GT.MXFP4 and mxfp4_scales_fit_half([r for parts in raws for r in parts])
+        parse_rows = cls._row_parser(qtype, in_features, half)
         gb = kernels.group_blocks()
         chunk = max(1, (1 << 20) // in_features)  # rows per parse, as _assemble
         buf: tuple[int, dict] | None = None
