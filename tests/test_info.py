@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 import tokenmill
 from tokenmill.cli import info
 
@@ -43,3 +45,19 @@ def test_a_secret_is_said_to_be_set_but_not_shown(monkeypatch):
     assert "TOKENMILL_DIST_TIMEOUT=90" in rows
     assert "TOKENMILL_API_KEY is set (not shown)" in rows
     assert not any("sk-do-not-print" in value for value in rows)
+
+
+def test_gguf_types_say_their_bits_per_weight_held_and_in_the_file():
+    """Every GGUF type a layer holds, with its bits per weight on this build against the
+    file's; a type held wider than its own bits says so (issue 39: never widen silently)."""
+    from tokenmill import kernels
+
+    if kernels.library() is None:
+        pytest.skip("native kernels unavailable")
+    line = info.gguf_type_forms()
+    assert "Q4_0 4.50 (4.50)" in line and "Q8_0 8.50 (8.50)" in line
+    assert "IQ3_S 5.00 (3.44)" in line and "TQ2_0 4.50 (2.06)" in line
+    assert "Q2_K 8.50 (2.62)" in line and "MXFP4 4.50 (4.25)" in line
+    if kernels.group_blocks() == 16:  # AVX-512: 512-value groups, so 768-wide rows are not
+        assert "Q6_K 6.56 (6.56; 8.50 on rows not a multiple of 512 values)" in line
+        assert "Q3_K 6.56 (3.44; 8.50 on rows not a multiple of 512 values)" in line

@@ -16,10 +16,12 @@ the un-embedding whole, the embedding one row), over the same weights' count.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import ctypes
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -69,15 +71,30 @@ def requantized(source: Path, ftype: str) -> Path:
     params.allow_requantize, params.nthread = True, os.cpu_count() or 1
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        status = llama_cpp.llama_model_quantize(
-            str(source).encode(), str(tmp).encode(), ctypes.byref(params)
-        )
+        with _quiet_stderr():  # llama.cpp logs every tensor it converts
+            status = llama_cpp.llama_model_quantize(
+                str(source).encode(), str(tmp).encode(), ctypes.byref(params)
+            )
         if status != 0:
             raise ValueError(f"llama.cpp's quantizer failed on {source.name} -> {ftype}")
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 to /dev/null for a while: what C code (llama.cpp) writes there."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def decode_weights(path: Path) -> int:

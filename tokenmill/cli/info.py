@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import platform
 import sys
@@ -99,6 +100,33 @@ def cpu_description() -> str:
     return f"{model}, {cores} logical cores" + (f"; {' '.join(have)}" if have else "")
 
 
+def gguf_type_forms() -> str:
+    """Each GGUF type's bits per weight in memory on this build against the file's, and
+    where the kernels hold a type wider than its own bits (5- and 6-bit codes need rows of
+    whole lane-order groups; the types with a scale per 16 values are requantized to 8-bit
+    codes): "Q4_K 4.62 (file 4.50), ..., Q6_K 6.56 (6.56; 8.50 on rows not a multiple of
+    512 values)". Measured on layers packed from zero blocks (QuantLinear.held_bits)."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from tokenmill import kernels
+    from tokenmill.layers.quant_linear import QUANT_GGUF_TYPES, QuantLinear
+
+    group = 32 * kernels.group_blocks()  # values per lane-order group
+    whole = 256 * group // math.gcd(256, group)  # rows of whole groups and of 256-value blocks
+    other = whole + 256 if (whole + 256) % group else None  # 256-multiple rows that are not
+    parts = []
+    for qtype in sorted(QUANT_GGUF_TYPES, key=lambda t: t.name):
+        block, size = GGML_QUANT_SIZES[qtype]
+        held = QuantLinear.held_bits(qtype, whole)
+        note = f"{held:.2f} ({8 * size / block:.2f}"
+        if other is not None:
+            elsewhere = QuantLinear.held_bits(qtype, other)
+            if abs(elsewhere - held) > 0.01:
+                note += f"; {elsewhere:.2f} on rows not a multiple of {group} values"
+        parts.append(f"{qtype.name} {note})")
+    return "bits per weight held (file): " + ", ".join(parts)
+
+
 def _size(path: Path) -> str:
     from tokenmill.units import format_bytes
 
@@ -125,6 +153,8 @@ def facts() -> list[tuple[str, str]]:
     if cuda:
         gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none visible"
         rows.append(("gpu", gpu))
+    if kernel_problem() is None:
+        rows.append(("gguf types", gguf_type_forms()))
     cache = hub.cache_dir()
     rows.append(("cache", str(cache)))
     for model in hub.KNOWN_MODELS.values():

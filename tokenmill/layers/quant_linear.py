@@ -548,6 +548,21 @@ class QuantLinear(NativeLinear):
         return layers
 
     @classmethod
+    def held_bits(cls, qtype: GT | int, in_features: int) -> float:
+        """Bits per weight a layer of GGUF type `qtype` and rows of `in_features` values
+        holds, scales included (its table not): a layer packed from zero blocks, which
+        every type decodes (MXFP4's with in-range exponents, so its float16 scales)."""
+        qtype = GT(qtype)
+        rows = 64
+        _, row_bytes = _gguf_row_bytes(qtype, in_features)
+        raw = np.zeros((rows, row_bytes), np.uint8)
+        if qtype == GT.MXFP4:
+            raw.reshape(-1, 17)[:, 0] = 127
+        layer = cls.from_gguf(raw, qtype, rows, in_features)
+        table = 0 if layer.lut is None else layer.lut.numel()
+        return 8 * (layer.nbytes - table) / (rows * in_features)
+
+    @classmethod
     def _packs_natively(cls, qtype: GT, in_features: int) -> bool:
         """Whether kernels.pack_gguf writes this type's rows (the types packed as stored,
         and Q6_K requantized to 8 bits where 6-bit codes do not run), given a library."""
