@@ -242,14 +242,82 @@ def _grid_scales(blocks: np.ndarray, qtype: GT) -> np.ndarray:
     return d * (2 * ((qh >> 12) & 7) + 1) / f32(8)
 
 
+def _grid_levels(qtype: GT) -> np.ndarray:
+    """A grid type's grid as level indices: uint8 [entries, values per entry], each value's
+    index in gguf-py's grid_map (ascending: the magnitudes, or IQ1_S's -1, 0, 1)."""
+    from gguf import quants
+
+    cls = {GT.IQ2_XXS: quants.IQ2_XXS, GT.IQ3_XXS: quants.IQ3_XXS, GT.IQ3_S: quants.IQ3_S,
+           GT.IQ1_S: quants.IQ1_S}[qtype]  # fmt: skip
+    cls.init_grid()
+    grid = cls.grid.reshape(cls.grid_shape)
+    return np.searchsorted(np.array(cls.grid_map, np.float32), grid).astype(np.uint8)
+
+
+def _bits8(b: np.ndarray) -> np.ndarray:
+    """uint8 [...] -> its bits, low first: [..., 8] of 0/1."""
+    return (b[..., None] >> np.arange(8, dtype=np.uint8)) & 1
+
+
+def _signed_codes(levels: np.ndarray, negative: np.ndarray, n: int) -> np.ndarray:
+    """Table indices of sign * magnitude level l (of n) in _grid_points' order: the
+    negatives' mirror below, the positives above."""
+    return np.where(negative.astype(bool), n - 1 - levels, n + levels).astype(np.uint8)
+
+
+def _grid_codes(blocks: np.ndarray, qtype: GT) -> np.ndarray | None:
+    """A grid type's table indices straight from its bits, as gguf-py's dequantization
+    orders the values: codes uint8 [rows, K]; None for TQ1_0 (the generic way)."""
+    rows, nsup = blocks.shape[:2]
+    if qtype == GT.TQ2_0:  # 2-bit q + 1 per value, 4 planes of 32 bytes per 128 values
+        q = blocks[..., 0:64].reshape(rows, nsup, 2, 1, 32) >> np.array(
+            [0, 2, 4, 6], np.uint8
+        ).reshape(4, 1)
+        return (q & 3).reshape(rows, -1)
+    if qtype == GT.TQ1_0:
+        return None
+    lv = _grid_levels(qtype)
+    if qtype == GT.IQ1_S:  # 32 grid bytes, then per 32 values a uint16: 3 high bits per
+        qh = np.ascontiguousarray(blocks[..., 34:50]).view(np.uint16)  # index, delta's sign
+        idx = blocks[..., 2:34].reshape(rows, nsup, 8, 4).astype(np.uint16) | (
+            ((qh[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & 7) << 8
+        )
+        plus = (qh & 0x8000) == 0  # delta +1/8 -> grid point 8 g + 1
+        return (2 * lv[idx] + plus[..., None, None]).astype(np.uint8).reshape(rows, -1)
+    from gguf import quants
+
+    ksigns = np.frombuffer(quants.IQ2_XXS.ksigns, np.uint8)  # 7-bit index -> 8 sign bits
+    if qtype == GT.IQ3_S:  # 64 low index bytes, 8 bytes of 9th bits, 32 bytes of signs
+        idx = blocks[..., 2:66].astype(np.uint16) | (
+            _bits8(blocks[..., 66:74]).reshape(rows, nsup, 64).astype(np.uint16) << 8
+        )
+        neg = _bits8(blocks[..., 74:106]).reshape(rows, nsup, 64, 4)
+        return _signed_codes(lv[idx], neg, 8).reshape(rows, -1)
+    if qtype == GT.IQ3_XXS:  # 64 index bytes (4 values each), then a uint32 per 32 values
+        aux = np.ascontiguousarray(blocks[..., 66:98]).view(np.uint32)  # 4 x 7 sign bits
+        levels = lv[blocks[..., 2:66]].reshape(rows, nsup, 8, 4, 8)
+        n = 8
+    else:  # IQ2_XXS: per 32 values a uint32 of 4 index bytes (8 values each), one of signs
+        words = np.ascontiguousarray(blocks[..., 2:66]).view(np.uint32).reshape(rows, nsup, 8, 2)
+        aux = words[..., 1]
+        levels = lv[np.ascontiguousarray(words[..., 0]).view(np.uint8).reshape(rows, nsup, 8, 4)]
+        n = 3
+    neg = _bits8(ksigns[(aux[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & 127])
+    return _signed_codes(levels, neg, n).reshape(rows, -1)
+
+
 def parse_grid(blocks: np.ndarray, qtype: GT):
     """IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S / TQ1_0 / TQ2_0 blocks [rows, nsup, type_size] ->
     (codes [rows, K] u8: indices into table_of(qtype), scales per 32 (float32; TQ's float16,
-    as the file), None, 4, None). gguf-py decodes the grids and signs; each value divided
-    by its block's scale is an integer grid point, checked to be one of the type's."""
+    as the file), None, 4, None). The codes come from the grids' and signs' bits
+    (_grid_codes); TQ1_0's base-3 bytes through gguf-py: each value divided by its block's
+    scale is an integer grid point, checked to be one of the type's."""
     from gguf.quants import dequantize
 
     rows = blocks.shape[0]
+    codes = _grid_codes(blocks, qtype)
+    if codes is not None:
+        return codes, _grid_scales(blocks, qtype).reshape(rows, -1), None, 4, None
     w = dequantize(np.ascontiguousarray(blocks).reshape(rows, -1), qtype).reshape(rows, -1, 32)
     scales = _grid_scales(blocks, qtype).reshape(rows, -1)
     s = scales.astype(np.float32)[..., None]
