@@ -267,7 +267,7 @@ def test_state_tracks_prompt_and_output_for_penalties() -> None:
     trace = process_logits(torch.tensor([2.0, -2.0, 1.0, 0.5, 3.0]), s)
     # Token 0 is prompt-only: repetition applies, presence/frequency (output-only) do not.
     torch.testing.assert_close(trace.logits, torch.tensor([1.0, -5.0, -0.25, 0.5, 3.0]))
-    assert s.output_ids == [1, 1, 2]
+    assert s.output_counts.tolist() == [0.0, 2.0, 1.0, 0.0, 0.0]
 
 
 def test_repetition_penalty_changes_greedy_choice() -> None:
@@ -350,11 +350,13 @@ def run_steps(
 ) -> list[list[int]]:
     """Sample `steps` tokens for every state; row i always sees row_logits[i]."""
     sampler = Sampler()
+    tokens: list[list[int]] = [[] for _ in states]
     for _ in range(steps):
         out = sampler(row_logits, states)
-        for s, t in zip(states, out.token_ids, strict=True):
+        for s, t, seen in zip(states, out.token_ids, tokens, strict=True):
             s.append(t)
-    return [s.output_ids for s in states]
+            seen.append(t)
+    return tokens
 
 
 FLAT = torch.zeros(1, 64)  # uniform: every draw is informative

@@ -480,7 +480,7 @@ def memory_rows(
     return rows, baselines
 
 
-TARGET = 1.2  # issue 27: peak memory beyond the weights and the cache <= 1.2x llama.cpp's
+TARGET = 1.2  # the target: peak memory beyond the weights and the cache <= 1.2x llama.cpp's
 
 
 def _mib(n: int | None) -> str:

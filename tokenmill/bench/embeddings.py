@@ -1,6 +1,6 @@
 """`tokenmill bench --embeddings`: embedding throughput, tokenmill beside llama.cpp.
 
-Inputs per second at 32 and 512 tokens an input (issue 25's target): tokenmill's
+Inputs per second at 32 and 512 tokens an input: tokenmill's
 `LLM.embed` and llama-cpp-python's embedding mode (`Llama(..., embedding=True).embed`) on
 the same GGUF file, the same texts and the same number of threads, as a ratio of medians.
 

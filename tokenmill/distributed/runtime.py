@@ -123,10 +123,6 @@ class ParallelSpec:
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
 
-    @classmethod
-    def from_json(cls, text: str) -> ParallelSpec:
-        return cls(**json.loads(text))
-
 
 def timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get("TOKENMILL_DIST_TIMEOUT", "60")))

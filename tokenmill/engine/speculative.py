@@ -218,7 +218,7 @@ class Speculator:
         request_id = f"draft-{seq.request_id}"
         params = SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True)
         # under the sequence's own prefix-cache scope: the draft's cache must not tell one
-        # user's timing about another's prompt either (issue 21)
+        # user's timing about another's prompt either
         draft.add_request(request_id, tokens, params, cache_salt=seq.cache_salt)
         guesses: list[int] = []
         try:

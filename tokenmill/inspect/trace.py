@@ -12,7 +12,7 @@ probability of its guess there, how many were accepted, the K/V rows rolled back
 step's time beside this trace's plain decode steps.
 `tokenmill inspect` prints it, and `POST /v1/inspect` streams it to the web page.
 
-What a trace costs is bounded, whatever the prompt's length (issue 21 item 3: a
+What a trace costs is bounded, whatever the prompt's length (a
 5,800-token prompt once built every layer's full [H, L, C] attention matrix per chunk):
 - the per-layer summaries of a prefill chunk come from its last SUMMARY_ROWS query rows
   (a decode step has one row), so they cost O(SUMMARY_ROWS x C) per layer, not O(L x C);

@@ -7,7 +7,7 @@
  * threads for a whole time slice (1.5-3 ms) about every other slice, and the ~150
  * regions of a decode step (5 per layer, ~20 us each on the default model) each wait
  * for it: decode fell from 290 to 85-99 tok/s on 2 threads, below the 165-170 of one
- * thread beside the same busy core (issue 21, item 16; benchmarks/contention.py).
+ * thread beside the same busy core (benchmarks/contention.py).
  *
  * What: each region's master notes when it finished its own share (`work`) and how long
  * it then waited at the barrier (`wait`). Over a WINDOW of region time, nt threads beat

@@ -50,7 +50,7 @@ log = logging.getLogger("tokenmill.grammar")
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 64  # compiled grammars kept per model, at most
 # ... and at most this many bytes of them: a 20,000-entry guided_choice is ~50 MiB
-# compiled, and 64 of them took RSS from 1 to 4.3 GB (issue 21 item 6). A typical JSON
+# compiled, and 64 of them took RSS from 1 to 4.3 GB. A typical JSON
 # schema compiles to well under 1 MiB, so this still keeps hundreds of them.
 CACHE_BYTES = 64 * 2**20
 CACHE_IDLE_S = 600.0  # an entry unused this long is dropped at the next compile
@@ -66,7 +66,7 @@ PARALLEL_MIN_ROWS = 16
 _LIMITS = {"verbose_errors": False}  # no parser dumps in error messages
 # Depth limits checked before llguidance sees a constraint: its compiler recurses once per
 # level, and a chain of ~1,000 schemas through $ref or ~3,000 grammar rules overflows the
-# native stack (SIGSEGV: the whole server, issue 21). Inline nesting it catches itself.
+# native stack (SIGSEGV: the whole server). Inline nesting it catches itself.
 # objects nested along any path, $ref targets included, counted per JSON object (a
 # property is 3: the schema, its "properties", the property's schema): ~100 levels of
 # nested objects, where 500 chained through $ref compiled and 1,000 crashed
@@ -110,7 +110,7 @@ def grammar_source(kind: str, value: Any) -> str:
         # One regex alternation: a single lexeme, which llguidance's lazy lexer walks as a
         # trie. As Lark alternatives ("a" | "b" | ...) every choice was an Earley item, and
         # past 2,000 of them sharing a first token the parser failed at the first token
-        # ("Current row has 2001 items; max is 2000", issue 21); a 20,000-entry list also
+        # ("Current row has 2001 items; max is 2000"); a 20,000-entry list also
         # compiled 6x slower.
         return llguidance.LLMatcher.grammar_from_regex("|".join(map(_regex_literal, value)))
     if kind == "grammar":
@@ -145,8 +145,8 @@ def _one_line(message: str) -> str:
 
 
 # llguidance reports a panic of its Rust code as an error text: "panic: <assertion>", a
-# backtrace and the build's source paths (a 3.4 KB 400 for a schema of 15,000 patterns,
-# issue 21 item 7). The client gets one line naming the problem; the log keeps the rest.
+# backtrace and the build's source paths (a 3.4 KB 400 for a schema of 15,000 patterns).
+# The client gets one line naming the problem; the log keeps the rest.
 _PANIC = re.compile(r"\bpanic(?:ked at\b|:)")
 MAX_SYMBOLS = 65_535  # llguidance's grammar symbols are u16 indices
 

@@ -71,7 +71,7 @@ class SamplingParams:
         self.max_tokens = _check_int("max_tokens", self.max_tokens, 1)
         # Floats are checked as the float32 they become in the sampler's tensors: top_p
         # 1e-46 passes "> 0" in float64 and is 0 there (a 500 for every request in the
-        # step, issue 21).
+        # step).
         f32 = dict(float32=True)
         self.temperature = _check_float("temperature", self.temperature, 0.0, **f32)
         self.top_p = _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True, **f32)
@@ -208,7 +208,7 @@ class SamplingParams:
         if any(s == "" for s in items):
             raise ParamError.named("stop", " must not contain empty strings")
         # every stop string is searched in every new piece of text of every sequence:
-        # 12,000 of them slowed every client's step by 40% (issue 21)
+        # 12,000 of them slowed every client's step by 40%
         if len(items) > MAX_STOP:
             raise ParamError.named("stop", f" takes at most {MAX_STOP} strings, got {len(items)}")
         if any(len(s) > MAX_STOP_CHARS for s in items):

@@ -34,7 +34,7 @@ and are drawn in one call.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -219,7 +219,6 @@ class SamplingState:
     generator: torch.Generator | None
     prompt_ids: list[int]
     vocab_size: int
-    output_ids: list[int] = field(default_factory=list)
     seen: Tensor | None = None  # [V] bool: in prompt or output (repetition penalty)
     output_counts: Tensor | None = None  # [V] float32: occurrences in output
     bias_ids: Tensor | None = None  # [M] long
@@ -296,8 +295,8 @@ class SamplingState:
         )
 
     def append(self, token_id: int) -> None:
-        """Record the token sampled for this sequence in the last step."""
-        self.output_ids.append(token_id)
+        """Record the token sampled for this sequence in the last step (the penalties'
+        counts, the grammar's position; the sequence keeps the tokens themselves)."""
         if self.seen is not None and self.output_counts is not None:
             self.seen[token_id] = True
             self.output_counts[token_id] += 1

@@ -1,4 +1,4 @@
-"""Anthropic's Messages API over the shared engine (issue 25 item 2).
+"""Anthropic's Messages API over the shared engine.
 
     POST /v1/messages               a conversation -> {"type": "message", "content": [...]},
                                     or with `stream` Anthropic's event stream

@@ -316,7 +316,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     async def too_deep(request: Request, exc: RecursionError) -> JSONResponse:
         # Whatever recursed past Python's stack (JSON nested ~1,000 deep walked somewhere)
-        # was the client's structure: a 400, not a 500 with a traceback (issue 21 item 8).
+        # was the client's structure: a 400, not a 500 with a traceback.
         log.info("%s %s: RecursionError: %s", request.method, request.url.path, exc)
         return _error_response(to_api_error(exc), request)
 

@@ -262,7 +262,7 @@ def _host_list(text: str) -> tuple[str, ...]:
 def allowed_hosts_from(args: argparse.Namespace, api_key: object) -> tuple[str, ...] | None:
     """The Host header values the server answers (None: any). --allowed-hosts when given;
     else, on loopback or one address without a key, the loopback names and --host (a
-    browser on this machine must not be the way in for any web page, issue 21 item 17);
+    browser on this machine must not be the way in for any web page);
     else any: a key guards the server, or it listens on every interface anyway."""
     if args.allowed_hosts is not None:
         return None if "*" in args.allowed_hosts else args.allowed_hosts

@@ -239,7 +239,7 @@ def _path(loc: tuple) -> str:
     return path.lstrip(".")
 
 
-# What no error message may carry to a client, whatever raised it (issue 21 item 7: a
+# What no error message may carry to a client, whatever raised it (a
 # schema made llguidance panic, and its 3.4 KB 400 held the assertion, a backtrace and
 # build paths): a native panic or backtrace, a Python traceback, source and build paths;
 # in a server error also loopback addresses with their port (a distributed rank's).

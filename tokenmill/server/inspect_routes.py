@@ -15,7 +15,7 @@ A step event's summary holds the summary's scalars (Trace.live_summary), so ever
 stays the size of its step; "done" carries the whole summary. With "stream": false the
 whole trace (Trace.to_dict's layout, plus "text") comes back as one JSON body.
 
-A trace's cost is bounded (issue 21 item 3):
+A trace's cost is bounded:
 - attention maps only for the layers and heads asked for (`layers`/`heads`, or `layer`/
   `head`; default the middle layer, every head; `layers: []` for none), of the prompt only
   its last rows (trace.prompt_map_rows);
@@ -33,7 +33,7 @@ A trace's cost is bounded (issue 21 item 3):
 
 Privacy: a traced request gets a private prefix-cache root (a random cache salt), so it
 never reuses another request's cached blocks: `steps[0].kv.written` and `start` cannot
-tell a client which prompts others sent (issue 21 item 4).
+tell a client which prompts others sent.
 """
 
 from __future__ import annotations

@@ -360,7 +360,7 @@ class ChatMessage(StrictModel):
 
 def json_or_text(text: str, where: str, param: str = "messages") -> Any:
     """JSON text as its value (a 400 about `param` naming `where` when it nests too deep
-    for the chat template to walk: "[" * 990 was a 500, issue 21 item 8), other text as it
+    for the chat template to walk: "[" * 990 was a 500), other text as it
     is: a call's arguments in a history, as chat templates read them."""
     try:
         value = json.loads(text)

@@ -64,7 +64,7 @@ T = TypeVar("T")
 # compete with the engine thread. Two lanes: a request whose body has BIG_BODY_BYTES or
 # more runs its jobs on the big lane's own thread, so giant prompts queue behind each
 # other, not ahead of everyone (8 prompts of 1 MB held a normal chat for 13.7 s when all
-# shared one pool: issue 21 item 14).
+# shared one pool).
 PREP_THREADS = 4
 BIG_PREP_THREADS = 1
 BIG_BODY_BYTES = 64 << 10  # ~16k tokens of English; a normal chat is a few KB
