@@ -248,6 +248,20 @@ def _add_sampling_args(
         help="drop tokens below P times the top token's probability (0 = off)",
     )
     p.add_argument(
+        "--typical-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="locally typical sampling: keep the tokens nearest the entropy up to mass P (1 = off)",
+    )
+    p.add_argument(
+        "--top-n-sigma",
+        type=float,
+        default=0.0,
+        metavar="N",
+        help="keep the logits within N standard deviations of the largest (0 = off)",
+    )
+    p.add_argument(
         "--repetition-penalty",
         type=float,
         default=1.0,
@@ -312,6 +326,8 @@ def _params(args: argparse.Namespace):
         top_p=args.top_p,
         top_k=args.top_k,
         min_p=args.min_p,
+        typical_p=args.typical_p,
+        top_n_sigma=args.top_n_sigma,
         repetition_penalty=args.repetition_penalty,
         seed=args.seed,
         stop=args.stop,

@@ -41,6 +41,12 @@ class SamplingParams:
     top_p: float = 1.0  # in (0, 1]
     top_k: int = 0  # 0 or -1 = off (normalised to 0); else >= 1
     min_p: float = 0.0  # in [0, 1]
+    # Locally typical sampling (Meister et al.; transformers' TypicalLogitsWarper, llama.cpp's
+    # typical_p): keep the tokens whose surprisal is closest to the entropy, up to mass P
+    typical_p: float = 1.0  # in (0, 1]; 1 = off
+    # Top-n-sigma (Tang et al.; llama.cpp's top_n_sigma): keep the logits within n standard
+    # deviations of the largest
+    top_n_sigma: float = 0.0  # >= 0; 0 = off
     # HF/vLLM semantics: for tokens seen in prompt or output, divide positive logits
     # by the penalty and multiply negative ones.
     repetition_penalty: float = 1.0  # > 0
@@ -83,6 +89,8 @@ class SamplingParams:
         # int64 tensor (2**63) is clamped, not overflowed
         self.top_k = min(max(self.top_k, 0), TOP_K_MAX)
         self.min_p = _check_float("min_p", self.min_p, 0.0, 1.0, **f32)
+        self.typical_p = _check_float("typical_p", self.typical_p, 0.0, 1.0, lo_open=True, **f32)
+        self.top_n_sigma = _check_float("top_n_sigma", self.top_n_sigma, 0.0, **f32)
         self.repetition_penalty = _check_float(
             "repetition_penalty", self.repetition_penalty, 0.0, lo_open=True, **f32
         )

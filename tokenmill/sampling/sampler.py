@@ -3,7 +3,8 @@
 The pipeline is a chain of small pure tensor functions, applied in this order:
 
     apply_penalties -> apply_logit_bias -> apply_token_mask (grammar) -> apply_temperature
-        -> top_k_mask -> top_p_mask -> min_p_mask -> sample_from_probs
+        -> top_k_mask -> top_p_mask -> min_p_mask -> typical_mask -> top_n_sigma_mask
+        -> sample_from_probs
 
 Each takes and returns batched tensors ([B, V] logits plus [B] per-row
 parameters) and never mutates its inputs, so the inspector can run them one at
@@ -162,6 +163,51 @@ def min_p_mask(logits: Tensor, min_p: Tensor) -> Tensor:
     probs = logits.softmax(-1)  # [B, V]
     threshold = min_p[:, None].to(probs.dtype) * probs.amax(-1, keepdim=True)  # [B, 1]
     return probs >= threshold
+
+
+def typical_mask(logits: Tensor, typical_p: Tensor) -> Tensor:
+    """Locally typical sampling: rank tokens by how far their surprisal -log p lies from
+    the entropy H of the row, and keep them in that order until the mass kept before a
+    token exceeds p (the first always survives), as llama.cpp's typical sampler and
+    transformers' TypicalLogitsWarper do. A full sort of the row (the ranking is not by
+    probability, so top-p's partial topk does not apply).
+    logits: [B, V] (dropped tokens -inf); typical_p: [B] in (0, 1], 1 = off. Returns keep
+    mask [B, V] bool."""
+    p = typical_p.to(logits.dtype)  # [B]
+    off = p >= 1.0
+    if bool(off.all()):
+        return torch.ones_like(logits, dtype=torch.bool)
+    logp = logits.log_softmax(-1)  # [B, V]
+    probs = logp.exp()
+    dropped = probs == 0
+    entropy = -(probs * logp.masked_fill(dropped, 0.0)).sum(-1, keepdim=True)  # [B, 1]
+    distance = (-logp - entropy).abs().masked_fill(dropped, float("inf"))  # [B, V]
+    order = distance.argsort(dim=-1, stable=True)  # [B, V]: most typical first
+    ranked = probs.gather(-1, order)
+    before = ranked.cumsum(-1) - ranked  # [B, V] mass ranked before each token
+    keep_ranked = (before <= p[:, None]) & ~dropped.gather(-1, order)
+    keep_ranked[:, 0] = True
+    keep = torch.zeros_like(keep_ranked).scatter(-1, order, keep_ranked)
+    return keep | off[:, None]
+
+
+def top_n_sigma_mask(logits: Tensor, n: Tensor) -> Tensor:
+    """Top-n-sigma: keep the logits within n standard deviations (over the row's finite
+    logits, population) of its largest, as llama.cpp's top_n_sigma sampler does. A
+    positive temperature scales the logits and their deviation alike, so the mask is the
+    same before or after it.
+    logits: [B, V]; n: [B] >= 0, 0 = off. Returns keep mask [B, V] bool."""
+    off = n <= 0  # [B]
+    if bool(off.all()):
+        return torch.ones_like(logits, dtype=torch.bool)
+    finite = torch.isfinite(logits)
+    count = finite.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
+    zeroed = logits.masked_fill(~finite, 0.0)
+    mean = zeroed.sum(-1, keepdim=True) / count
+    var = ((zeroed - mean).masked_fill(~finite, 0.0) ** 2).sum(-1, keepdim=True) / count
+    top = logits.amax(-1, keepdim=True)  # [B, 1]
+    keep = logits >= top - n[:, None].to(logits.dtype) * var.sqrt()
+    return keep | off[:, None]
 
 
 def mask_logits(logits: Tensor, keep: Tensor) -> Tensor:
@@ -355,7 +401,7 @@ class _Filtered:
     scaled: Tensor  # [B, V] logits after temperature
     keep_top_k: Tensor  # [B, V] bool survivors after top-k
     keep_top_p: Tensor  # [B, V] bool survivors after top-k and top-p
-    keep: Tensor  # [B, V] bool survivors after top-k, top-p and min-p
+    keep: Tensor  # [B, V] bool survivors after top-k, top-p, min-p, typical-p, top-n-sigma
 
 
 def _filter(logits: Tensor, states: Sequence[SamplingState]) -> _Filtered:
@@ -375,6 +421,13 @@ def _filter(logits: Tensor, states: Sequence[SamplingState]) -> _Filtered:
         # No need to mask first: the top token always survives top-k and top-p, and
         # renormalising over survivors leaves every ratio to its probability unchanged.
         keep = keep & min_p_mask(scaled, _per_row([p.min_p for p in params], logits))
+    # transformers' order: typical-p over what top-k, top-p and min-p left
+    if any(p.typical_p < 1.0 for p in params):
+        keep = keep & typical_mask(
+            mask_logits(scaled, keep), _per_row([p.typical_p for p in params], logits)
+        )
+    if any(p.top_n_sigma > 0.0 for p in params):  # over the whole row, as llama.cpp's
+        keep = keep & top_n_sigma_mask(scaled, _per_row([p.top_n_sigma for p in params], logits))
     return _Filtered(scaled, keep_top_k, keep_top_p, keep)
 
 
@@ -392,7 +445,7 @@ class LogitsTrace:
     scaled_probs: Tensor  # after temperature (one-hot at the argmax when greedy)
     keep_top_k: Tensor  # bool survivors after top-k
     keep_top_p: Tensor  # bool survivors after top-k, top-p
-    keep: Tensor  # bool survivors after top-k, top-p, min-p
+    keep: Tensor  # bool survivors after top-k, top-p, min-p, typical-p, top-n-sigma
     final_probs: Tensor  # renormalised over `keep`: what the token is drawn from
 
 

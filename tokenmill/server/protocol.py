@@ -74,6 +74,7 @@ _UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
     "logit_bias", "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
+    "typical_p", "top_n_sigma",
 )  # fmt: skip
 
 
@@ -117,6 +118,9 @@ class _GenerationRequest(ExtraFieldsRequest):
     # Extensions shared with vLLM.
     top_k: int | None = None
     min_p: float | None = None
+    # Extensions as llama.cpp's server names them.
+    typical_p: float | None = None
+    top_n_sigma: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
