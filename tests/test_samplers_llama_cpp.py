@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from tokenmill.sampling.params import ParamError, SamplingParams
-from tokenmill.sampling.sampler import Sampler, SamplingState, top_n_sigma_mask, typical_mask
+from tokenmill.sampling.sampler import (
+    Sampler,
+    SamplingState,
+    _move_mu,
+    mirostat_mask,
+    top_n_sigma_mask,
+    typical_mask,
+    xtc_mask,
+)
 
 needs_llama_cpp = pytest.mark.skipif(
     importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed"
@@ -35,7 +43,8 @@ def llama_cpp_keeps(logits: np.ndarray, sampler) -> set[int]:
         llama_cpp.llama_sampler_apply(sampler, ctypes.byref(arr))
     finally:
         llama_cpp.llama_sampler_free(sampler)
-    return {data[i].id for i in range(arr.size) if np.isfinite(data[i].logit)}
+    kept = arr.data  # a sampler may move the array's start (XTC drops its head)
+    return {kept[i].id for i in range(arr.size) if np.isfinite(kept[i].logit)}
 
 
 def rows(seed: int, n: int = 6, vocab: int = 49152) -> np.ndarray:
@@ -120,12 +129,103 @@ def test_cli_and_openai_body_carry_them():
     from tokenmill.server.protocol import ChatCompletionRequest
 
     args = build_parser().parse_args(
-        ["generate", "hi", "--typical-p", "0.7", "--top-n-sigma", "1.5"]
-    )
+        ["generate", "hi", "--typical-p", "0.7", "--top-n-sigma", "1.5", "--xtc-probability",
+         "0.5", "--xtc-threshold", "0.2", "--mirostat", "2", "--mirostat-tau", "4"]
+    )  # fmt: skip
     params = _params(args)
     assert (params.typical_p, params.top_n_sigma) == (pytest.approx(0.7), 1.5)
-    body = ChatCompletionRequest.model_validate(
-        {"messages": [{"role": "user", "content": "hi"}], "typical_p": 0.5, "top_n_sigma": 2}
+    assert (params.xtc_probability, params.xtc_threshold) == (0.5, pytest.approx(0.2))
+    assert (params.mirostat, params.mirostat_tau, params.mirostat_eta) == (
+        2,
+        4.0,
+        pytest.approx(0.1),
     )
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "typical_p": 0.5, "top_n_sigma": 2,
+         "xtc_probability": 0.3, "mirostat": 2, "mirostat_tau": 3.5}
+    )  # fmt: skip
     fields = body._sampling_kwargs()
     assert (fields["typical_p"], fields["top_n_sigma"]) == (0.5, 2)
+    assert (fields["xtc_probability"], fields["mirostat"], fields["mirostat_tau"]) == (0.3, 2, 3.5)
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("threshold", [0.01, 0.05, 0.1, 0.3])
+def test_xtc_drops_what_llama_cpp_drops(threshold):
+    """XTC with probability 1 (its coin always fires): the same survivors as llama.cpp's."""
+    import llama_cpp
+
+    x = rows(5)
+    x[:, :3] += np.float32(6.0)  # a few tokens above every threshold
+    n = x.shape[0]
+    keep = xtc_mask(
+        torch.from_numpy(x), torch.full((n,), threshold), torch.ones(n, dtype=torch.bool)
+    )
+    for i, row in enumerate(x):
+        theirs = llama_cpp_keeps(row, llama_cpp.llama_sampler_init_xtc(1.0, threshold, 1, 0))
+        assert set(torch.nonzero(keep[i]).flatten().tolist()) == theirs
+    assert xtc_mask(
+        torch.from_numpy(x), torch.full((n,), threshold), torch.zeros(n, dtype=torch.bool)
+    ).all()
+
+
+@needs_llama_cpp
+def test_mirostat_v2_cuts_and_moves_mu_as_llama_cpp_does():
+    """Each step: the tokens llama.cpp's mirostat_v2 keeps (the array it leaves) are the
+    ones mirostat_mask keeps at our mu, and after its draw (its `selected`) our update
+    of mu gives the next step's cut too: five steps on one row, tau 3, eta 0.5."""
+    import llama_cpp
+
+    tau, eta = 3.0, 0.5
+    x = rows(6, n=5, vocab=4096)
+    sampler = llama_cpp.llama_sampler_init_mirostat_v2(7, tau, eta)
+    params = SamplingParams(temperature=1.0, mirostat=2, mirostat_tau=tau, mirostat_eta=eta)
+    state = SamplingState.create(params, [1], vocab_size=4096)
+    assert state.mu == 2 * tau
+    try:
+        for row in x:
+            data = (llama_cpp.llama_token_data * row.shape[0])()
+            for i, v in enumerate(row.tolist()):
+                data[i].id, data[i].logit, data[i].p = i, v, 0.0
+            arr = llama_cpp.llama_token_data_array(
+                data=data, size=row.shape[0], selected=-1, sorted=False
+            )
+            llama_cpp.llama_sampler_apply(sampler, ctypes.byref(arr))
+            theirs = {arr.data[i].id for i in range(arr.size)}
+            drawn = arr.data[arr.selected].id
+            logits = torch.from_numpy(row)[None]
+            keep = mirostat_mask(logits, torch.tensor([state.mu]))
+            # llama.cpp's log2f of float32 probabilities against ours of float32 logs: a
+            # token whose surprise is within 1e-4 bits of mu may part
+            surprise = -(logits[0].double().log_softmax(-1)) / np.log(2)
+            parted = set(torch.nonzero(keep[0]).flatten().tolist()) ^ theirs
+            assert all(abs(float(surprise[t]) - state.mu) < 1e-4 for t in parted), parted
+            probs = logits.masked_fill(~keep, float("-inf")).softmax(-1)
+            _move_mu([state], probs, torch.tensor([drawn]))
+    finally:
+        llama_cpp.llama_sampler_free(sampler)
+    assert state.mu != 2 * tau
+
+
+def test_xtc_and_mirostat_in_the_sampler():
+    """Through the Sampler: an XTC row never draws a top choice once its coin fires (at
+    probability 1), a mirostat row moves its mu each step; a greedy row takes neither."""
+    x = torch.from_numpy(rows(7, n=1, vocab=256)).repeat(3, 1)
+    x[:, :2] += 10.0  # two tokens above any threshold
+    xtc = SamplingParams(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.1, seed=3)
+    miro = SamplingParams(temperature=1.0, mirostat=2, mirostat_tau=2.0, seed=4)
+    states = [
+        SamplingState.create(p, [1], vocab_size=256)
+        for p in (xtc, miro, SamplingParams(temperature=0))
+    ]
+    mus = []
+    for _ in range(20):
+        out = Sampler()(x, states).token_ids
+        assert out[0] != int(x[0].argmax())  # two or more above 0.1: the top one goes
+        mus.append(states[1].mu)
+        assert out[2] == int(x[2].argmax())
+    assert len(set(mus)) > 1
+    with pytest.raises(ParamError, match="mirostat"):
+        SamplingParams(mirostat=1)
+    with pytest.raises(ParamError, match="xtc_probability"):
+        SamplingParams(xtc_probability=1.5)

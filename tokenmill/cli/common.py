@@ -262,6 +262,30 @@ def _add_sampling_args(
         help="keep the logits within N standard deviations of the largest (0 = off)",
     )
     p.add_argument(
+        "--xtc-probability",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="XTC: with probability P per token, drop the likeliest tokens above "
+        "--xtc-threshold but the least of them (0 = off)",
+    )
+    p.add_argument(
+        "--xtc-threshold", type=float, default=0.1, metavar="T", help="XTC's threshold (0.1)"
+    )
+    p.add_argument(
+        "--mirostat",
+        type=int,
+        default=0,
+        choices=(0, 2),
+        help="2: Mirostat v2, which steers each token's surprise toward --mirostat-tau (0 = off)",
+    )
+    p.add_argument(
+        "--mirostat-tau", type=float, default=5.0, metavar="TAU", help="target surprise, bits"
+    )
+    p.add_argument(
+        "--mirostat-eta", type=float, default=0.1, metavar="ETA", help="Mirostat's learning rate"
+    )
+    p.add_argument(
         "--repetition-penalty",
         type=float,
         default=1.0,
@@ -328,6 +352,11 @@ def _params(args: argparse.Namespace):
         min_p=args.min_p,
         typical_p=args.typical_p,
         top_n_sigma=args.top_n_sigma,
+        xtc_probability=args.xtc_probability,
+        xtc_threshold=args.xtc_threshold,
+        mirostat=args.mirostat,
+        mirostat_tau=args.mirostat_tau,
+        mirostat_eta=args.mirostat_eta,
         repetition_penalty=args.repetition_penalty,
         seed=args.seed,
         stop=args.stop,

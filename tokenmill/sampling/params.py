@@ -47,6 +47,16 @@ class SamplingParams:
     # Top-n-sigma (Tang et al.; llama.cpp's top_n_sigma): keep the logits within n standard
     # deviations of the largest
     top_n_sigma: float = 0.0  # >= 0; 0 = off
+    # XTC, "exclude top choices" (llama.cpp's xtc): with this probability per step, drop
+    # every token at least xtc_threshold likely but the least likely of them
+    xtc_probability: float = 0.0  # in [0, 1]; 0 = off
+    xtc_threshold: float = 0.1  # in [0, 1]; above 0.5 it can never drop anything
+    # Mirostat v2 (Basu et al.; llama.cpp's mirostat 2): keep the tokens whose surprise
+    # -log2 p is at most mu, then move mu toward the target surprise tau by eta times the
+    # drawn token's surprise error; mu starts at 2 tau
+    mirostat: int = 0  # 0 = off, 2 = v2
+    mirostat_tau: float = 5.0  # >= 0, bits
+    mirostat_eta: float = 0.1  # >= 0
     # HF/vLLM semantics: for tokens seen in prompt or output, divide positive logits
     # by the penalty and multiply negative ones.
     repetition_penalty: float = 1.0  # > 0
@@ -91,6 +101,16 @@ class SamplingParams:
         self.min_p = _check_float("min_p", self.min_p, 0.0, 1.0, **f32)
         self.typical_p = _check_float("typical_p", self.typical_p, 0.0, 1.0, lo_open=True, **f32)
         self.top_n_sigma = _check_float("top_n_sigma", self.top_n_sigma, 0.0, **f32)
+        self.xtc_probability = _check_float(
+            "xtc_probability", self.xtc_probability, 0.0, 1.0, **f32
+        )
+        self.xtc_threshold = _check_float("xtc_threshold", self.xtc_threshold, 0.0, 1.0, **f32)
+        if self.mirostat not in (0, 2) or not _is_int(self.mirostat):
+            raise ParamError.named(
+                "mirostat", f" must be 0 (off) or 2 (Mirostat v2), got {self.mirostat!r}"
+            )
+        self.mirostat_tau = _check_float("mirostat_tau", self.mirostat_tau, 0.0, **f32)
+        self.mirostat_eta = _check_float("mirostat_eta", self.mirostat_eta, 0.0, **f32)
         self.repetition_penalty = _check_float(
             "repetition_penalty", self.repetition_penalty, 0.0, lo_open=True, **f32
         )

@@ -4,7 +4,7 @@ The pipeline is a chain of small pure tensor functions, applied in this order:
 
     apply_penalties -> apply_logit_bias -> apply_token_mask (grammar) -> apply_temperature
         -> top_k_mask -> top_p_mask -> min_p_mask -> typical_mask -> top_n_sigma_mask
-        -> sample_from_probs
+        -> xtc_mask -> mirostat_mask -> sample_from_probs (-> the mirostat rows' mu update)
 
 Each takes and returns batched tensors ([B, V] logits plus [B] per-row
 parameters) and never mutates its inputs, so the inspector can run them one at
@@ -34,6 +34,7 @@ and are drawn in one call.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -210,6 +211,27 @@ def top_n_sigma_mask(logits: Tensor, n: Tensor) -> Tensor:
     return keep | off[:, None]
 
 
+def xtc_mask(logits: Tensor, threshold: Tensor, fire: Tensor) -> Tensor:
+    """XTC, "exclude top choices", as llama.cpp's xtc sampler: in rows where it fires, of
+    the tokens at least `threshold` likely drop all but the least likely, when there are
+    two or more. logits: [B, V] (dropped tokens -inf); threshold: [B]; fire: [B] bool (the
+    row's coin came up, drawn by the caller). Returns keep mask [B, V] bool."""
+    probs = logits.softmax(-1)  # [B, V]
+    above = probs >= threshold[:, None].to(probs.dtype)
+    least = probs.masked_fill(~above, float("inf")).amin(-1, keepdim=True)  # [B, 1]
+    drop = above & (probs > least) & (fire & (above.sum(-1) >= 2))[:, None]
+    return ~drop
+
+
+def mirostat_mask(logits: Tensor, mu: Tensor) -> Tensor:
+    """Mirostat v2's cut, as llama.cpp's mirostat_v2 sampler: keep the tokens whose
+    surprise -log2 p is at most mu (the most likely always). logits: [B, V] (dropped
+    tokens -inf); mu: [B]. Returns keep mask [B, V] bool."""
+    logp = logits.log_softmax(-1)  # [B, V]
+    keep = -logp / math.log(2) <= mu[:, None].to(logp.dtype)
+    return keep | (logp == logp.amax(-1, keepdim=True))
+
+
 def mask_logits(logits: Tensor, keep: Tensor) -> Tensor:
     """Set dropped tokens to -inf, so a softmax renormalises over the survivors."""
     return logits.masked_fill(~keep, float("-inf"))
@@ -270,6 +292,7 @@ class SamplingState:
     bias_ids: Tensor | None = None  # [M] long
     bias_values: Tensor | None = None  # [M] float32
     grammar: GrammarMatcher | None = None  # the structured-output constraint's position
+    mu: float | None = None  # Mirostat v2's current maximum surprise (bits); None: off
 
     @classmethod
     def create(
@@ -312,6 +335,8 @@ class SamplingState:
             generator = torch.Generator(device=device)
             generator.manual_seed(_derive_seed(params.seed, completion_index))
         state = cls(params, generator, list(prompt_ids), vocab_size)
+        if params.mirostat == 2:
+            state.mu = 2.0 * params.mirostat_tau
         if grammar is not None:
             state.grammar = grammar.matcher()
         uses_penalties = (
@@ -404,7 +429,7 @@ class _Filtered:
     keep: Tensor  # [B, V] bool survivors after top-k, top-p, min-p, typical-p, top-n-sigma
 
 
-def _filter(logits: Tensor, states: Sequence[SamplingState]) -> _Filtered:
+def _filter(logits: Tensor, states: Sequence[SamplingState], draw: bool = False) -> _Filtered:
     """Temperature and the three truncations for non-greedy rows. logits: [B, V]."""
     params = [s.params for s in states]
     scaled = apply_temperature(logits, _per_row([p.temperature for p in params], logits))
@@ -428,7 +453,36 @@ def _filter(logits: Tensor, states: Sequence[SamplingState]) -> _Filtered:
         )
     if any(p.top_n_sigma > 0.0 for p in params):  # over the whole row, as llama.cpp's
         keep = keep & top_n_sigma_mask(scaled, _per_row([p.top_n_sigma for p in params], logits))
+    # XTC's coin and Mirostat's mu change from step to step: only a step that samples
+    # (draw) applies them, so the inspector's replay of a row (process_logits) draws no
+    # random number from a request's generator and moves no mu
+    if draw and any(p.xtc_probability > 0.0 for p in params):
+        fire = torch.tensor(
+            [
+                p.xtc_probability > 0.0 and _uniform(s.generator) <= p.xtc_probability
+                for s, p in zip(states, params, strict=True)
+            ]  # fmt: skip
+        )
+        thresholds = _per_row([p.xtc_threshold for p in params], logits)
+        keep = keep & xtc_mask(mask_logits(scaled, keep), thresholds, fire)
+    if draw and any(s.mu is not None for s in states):
+        mu = _per_row([s.mu if s.mu is not None else math.inf for s in states], logits)
+        keep = keep & mirostat_mask(mask_logits(scaled, keep), mu)
     return _Filtered(scaled, keep_top_k, keep_top_p, keep)
+
+
+def _uniform(generator: torch.Generator | None) -> float:
+    """One draw from U[0, 1) on a row's generator (torch's default without one)."""
+    return float(torch.rand(1, generator=generator))
+
+
+def _move_mu(states: Sequence[SamplingState], probs: Tensor, token_ids: Tensor) -> None:
+    """Mirostat v2's update after a draw: mu -= eta * (-log2 p(token) - tau), p the drawn
+    token's probability in the distribution it was drawn from. probs: [B, V]."""
+    for i, s in enumerate(states):
+        if s.mu is not None:
+            surprise = -math.log2(float(probs[i, token_ids[i]]))
+            s.mu -= s.params.mirostat_eta * (surprise - s.params.mirostat_tau)
 
 
 # --------------------------------------------------------------------------- inspector view
@@ -538,6 +592,7 @@ class Sampler:
         if any(s.vocab_size != logits.shape[-1] for s in states):
             raise ValueError(f"logits have width {logits.shape[-1]}, states expect another vocab")
         raw = logits.float()
+        moved = None  # the mirostat rows' (states, final probs, drawn tokens)
         if all(s.plain_greedy for s in states):
             token_ids = first_argmax(raw)  # [B] fast path: nothing to process
         else:
@@ -547,8 +602,12 @@ class Sampler:
             if rows:
                 sub = [states[i] for i in rows]
                 idx = torch.tensor(rows, device=raw.device)
-                f = _filter(adjusted if len(rows) == len(states) else adjusted[idx], sub)
+                f = _filter(adjusted if len(rows) == len(states) else adjusted[idx], sub, True)
                 probs = mask_logits(f.scaled, f.keep).softmax(-1)  # [R, V]
-                token_ids[idx] = sample_from_probs(probs, [s.generator for s in sub])
+                drawn = sample_from_probs(probs, [s.generator for s in sub])
+                token_ids[idx] = drawn
+                moved = (sub, probs, drawn)
         chosen, top = _logprobs(raw, token_ids, states)
+        if moved is not None:  # last: a step that raised before here moved no mu
+            _move_mu(*moved)
         return SampleOutput(token_ids.tolist(), chosen, top)

@@ -74,7 +74,8 @@ _UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
     "logit_bias", "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
-    "typical_p", "top_n_sigma",
+    "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "mirostat", "mirostat_tau",
+    "mirostat_eta",
 )  # fmt: skip
 
 
@@ -121,6 +122,11 @@ class _GenerationRequest(ExtraFieldsRequest):
     # Extensions as llama.cpp's server names them.
     typical_p: float | None = None
     top_n_sigma: float | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
