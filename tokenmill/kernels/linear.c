@@ -300,9 +300,10 @@ static inline __attribute__((always_inline)) void tail_dot(const tm_weight *w, c
 
 /* Software prefetch of the n code bytes PREFETCH ahead of a group's p, into L2 (the codes
  * run on into the next rows, so the stream crosses rows unbroken). Per group rather than
- * per row, and into L2 rather than L1: on Zen 4 a row's worth into L1 at its start left
- * long rows (Q6_K ffn_down's 6.7 KB) at 16-20 GB/s, this streams them at the DRAM limit
- * (benchmarks/README.md, "The GEMV's prefetch"). */
+ * per row, and into L2 rather than L1: a row's worth into L1 at its start prefetched, for
+ * long rows (Q6_K ffn_down's 6.7 KB), lines of the row already being read, and left them
+ * well under the DRAM rate; this streams them at it (benchmarks/README.md, "The GEMV's
+ * prefetch"). */
 static inline void prefetch_codes(const uint8_t *p, size_t n) {
     for (size_t off = 0; off < n; off += 64) __builtin_prefetch(p + PREFETCH + off, 0, 2);
 }

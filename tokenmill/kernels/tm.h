@@ -36,8 +36,8 @@
 #define TCHUNK 8         /* activation rows computed together per weight row */
 #define ROWBLOCK 16      /* weight rows a thread keeps hot while looping over T chunks */
 /* Software prefetch distance of the GEMV in code bytes (prefetch_codes in linear.c: per
- * group, into L2): 8 KB, where the decode GEMVs of real-size layers reach the DRAM limit on
- * Zen 4 (benchmarks/README.md: 2 KB and less lose 15-45%, 8-32 KB all stream alike).
+ * group, into L2): 8 KB, the shortest at which the decode GEMVs of real-size layers reach
+ * the DRAM rate (benchmarks/README.md: shorter ones fall short, longer ones stream alike).
  * TOKENMILL_PREFETCH=N (bytes) overrides it; -DPREFETCH=N fixes it at build time. */
 #ifdef PREFETCH
 #define TM_PREFETCH_FIXED 1
