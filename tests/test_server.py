@@ -299,6 +299,21 @@ def test_prompt_forms_logit_bias_and_extensions(client, smollm_path):
         user="alice",
     )
     assert out.usage.completion_tokens == 8
+    # llama.cpp's sampler names: typical-p, top-n-sigma, XTC, Mirostat v2
+    for extra in (
+        {"typical_p": 0.9, "top_n_sigma": 1.5},
+        {"xtc_probability": 0.5, "xtc_threshold": 0.1},
+        {"mirostat": 2, "mirostat_tau": 4.0, "mirostat_eta": 0.2},
+    ):
+        out = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0.8, seed=3,
+            extra_body={**extra, "ignore_eos": True},
+        )  # fmt: skip
+        assert out.usage.completion_tokens == 8
+    with pytest.raises(openai.BadRequestError, match="mirostat"):
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=8, extra_body={"mirostat": 1}
+        )
 
 
 # --------------------------------------------------------------------------- concurrency
