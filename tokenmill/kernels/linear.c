@@ -304,8 +304,16 @@ static inline __attribute__((always_inline)) void tail_dot(const tm_weight *w, c
  * long rows (Q6_K ffn_down's 6.7 KB), lines of the row already being read, and left them
  * well under the DRAM rate; this streams them at it (benchmarks/README.md, "The GEMV's
  * prefetch"). */
-static inline void prefetch_codes(const uint8_t *p, size_t n) {
-    for (size_t off = 0; off < n; off += 64) __builtin_prefetch(p + PREFETCH + off, 0, 2);
+static inline void prefetch_codes(const uint8_t *p, size_t n, size_t ahead) {
+    for (size_t off = 0; off < n; off += 64) __builtin_prefetch(p + ahead + off, 0, 2);
+}
+
+/* How far ahead a GEMV over rows of rb code bytes prefetches (codes, and scales to match):
+ * PREFETCH, but at most 2 KB for rows under 1 KB (SmolLM2's 576- and 1536-wide ones: 8 KB
+ * there decoded slower than 2 KB on Zen 4, while Llama 3's 2048-wide rows and longer
+ * want the 8 KB; benchmarks/README.md) */
+static inline size_t prefetch_ahead(size_t rb) {
+    return rb < 1024 && PREFETCH > 2048 ? 2048 : (size_t)PREFETCH;
 }
 
 /* Row r's K-quant super-block scales to float: dsup [k / 256], and msup = -(the mins'
@@ -347,13 +355,14 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
     const vb table = vb_table(lut ? w->lut : tm_no_table);
     /* scale bytes per 32 values: K-quant codes 1 (6-bit: 2, one per 16), float16 2, float32 4 */
     const size_t rb = row_bytes(w), es = w->dsup ? (bits == 6 ? 2 : 1) : f16 ? 2 : 4;
+    const size_t ahead = prefetch_ahead(rb);
     for (int r = r0; r < r1; r++) {
         const uint8_t *row = w->codes + (size_t)r * rb;
         const size_t srow = (size_t)r * nb;
-        { /* the scales matching the codes PREFETCH bytes ahead (those: per group below) */
-            const size_t ahead = srow * es + PREFETCH * es / (4 * (size_t)bits);
-            __builtin_prefetch((const char *)w->scales + ahead, 0, 3);
-            if (w->mins) __builtin_prefetch((const char *)w->mins + ahead, 0, 3);
+        { /* the scales matching the codes `ahead` bytes on (those: per group below) */
+            const size_t at = srow * es + ahead * es / (4 * (size_t)bits);
+            __builtin_prefetch((const char *)w->scales + at, 0, 3);
+            if (w->mins) __builtin_prefetch((const char *)w->mins + at, 0, 3);
         }
         vf acc[TCHUNK];
         for (int t = 0; t < T; t++) acc[t] = vf_zero();
@@ -363,7 +372,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
         if (w->dsup) ksup_row(w, r, dsup, msup);
         for (int g = 0; g < nfull && bits == 6; g++) { /* Q6_K: two halves per block */
             vb c[8];
-            prefetch_codes(row + (size_t)g * group_bytes(6), group_bytes(6));
+            prefetch_codes(row + (size_t)g * group_bytes(6), group_bytes(6), ahead);
             tm_group_codes(row, g, 6, c);
             const vf ds = sup_lanes(dsup, g);
             const int8_t *sc = (const int8_t *)w->scales + (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB;
@@ -381,7 +390,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
         }
         for (int g = 0; g < nfull && bits != 6; g++) {
             vb c[8];
-            prefetch_codes(row + (size_t)g * group_bytes(bits), group_bytes(bits));
+            prefetch_codes(row + (size_t)g * group_bytes(bits), group_bytes(bits), ahead);
             tm_group_codes(row, g, bits, c);
             if (lut) tm_lookup_codes(table, c);
             vf d, m = vf_zero();
