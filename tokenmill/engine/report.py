@@ -59,7 +59,7 @@ def info(
 def weight_forms(model: torch.nn.Module | None) -> str:
     """How the packed layers hold each GGUF type, largest first: "Q4_K 4.6 bits per weight
     (file 4.5), Q6_K 6.6 (6.6)"; a type held wider than its file says so (never silently):
-    "IQ2_XS 8.5 (file 2.3: 8-bit codes)". Empty for a model with no GGUF layers."""
+    "IQ2_XS 8.5 (2.3: 8-bit codes)". Empty for a model with no GGUF layers."""
     from gguf import GGMLQuantizationType as GT
     from gguf.constants import GGML_QUANT_SIZES
 
@@ -80,8 +80,9 @@ def weight_forms(model: torch.nn.Module | None) -> str:
         block, size = GGML_QUANT_SIZES[GT[name]]
         ours, file = 8 * nbytes / n, 8 * size / block
         wide = f": {bits}-bit codes" if ours > 1.05 * file else ""
-        parts.append(f"{name} {ours:.1f} (file {file:.1f}{wide})")
-    return ", ".join(parts[:1] + [p.replace(" (file ", " (") for p in parts[1:]])
+        unit, of = (" bits per weight", "file ") if not parts else ("", "")  # said once
+        parts.append(f"{name} {ours:.1f}{unit} ({of}{file:.1f}{wide})")
+    return ", ".join(parts)
 
 
 def describe(
@@ -98,7 +99,7 @@ def describe(
     of them, what each holds: plan) of a parallel run, the KV pool."""
     c = config
     ranks = f"{world} ranks ({'; '.join(plan or [])}); " if world is not None else ""
-    forms = f" ({forms.replace(' (', ' bits per weight (', 1)})" if forms else ""
+    forms = f" ({forms})" if forms else ""
     return (
         f"{path.name}: {c.arch}, {c.num_layers} layers, d={c.hidden_size}, "
         f"heads {c.num_heads}/{c.num_kv_heads}, vocab {c.vocab_size}, {dtype}, "

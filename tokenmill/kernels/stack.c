@@ -153,14 +153,13 @@ static int moe_mlp(const tm_shape *s, const tm_moe *m, const float *h, int Bd, f
         int c = 0;
         for (int b = 0; b < Bd; b++)
             for (int j = 0; j < k; j++)
-                if (ids[(size_t)b * k + j] == e) {
-                    rows[R0 + c] = b, rw[R0 + c] = wk[(size_t)b * k + j];
-                    memcpy(x + (size_t)(R0 + c) * d, h + (size_t)b * d, d * sizeof(float));
-                    c++;
-                }
+                if (ids[(size_t)b * k + j] == e) rows[R0 + c] = b, rw[R0 + c] = wk[(size_t)b * k + j], c++;
         if (!c) continue;
-        /* every row chose it (always at one row): h itself, quantized once for all such experts */
+        /* every row chose it (always at one row): h itself, quantized once for all such
+         * experts; else its rows gathered */
         xs[na] = c == Bd ? h : x + (size_t)R0 * d;
+        for (int i = 0; i < c && c < Bd; i++)
+            memcpy(x + (size_t)(R0 + i) * d, h + (size_t)rows[R0 + i] * d, d * sizeof(float));
         wu[na] = m->up[e], wd[na] = m->down[e];
         ub[na] = m->up_bias ? m->up_bias[e] : NULL, db[na] = m->down_bias ? m->down_bias[e] : NULL;
         ups[na] = up + (size_t)R0 * 2 * fw, ms[na] = mid + (size_t)R0 * fw, ys[na] = y + (size_t)R0 * d;
