@@ -314,6 +314,20 @@ def test_prompt_forms_logit_bias_and_extensions(client, smollm_path):
         client.completions.create(
             model=MODEL, prompt=PROMPT, max_tokens=8, extra_body={"mirostat": 1}
         )
+    # DRY by llama.cpp's names: a strong one turns greedy away from the phrase it copies
+    echo = "Say it again and again: the cat sat on the mat, the cat sat on the mat, the cat"
+    plain = client.completions.create(model=MODEL, prompt=echo, max_tokens=24, temperature=0)
+    dry = client.completions.create(
+        model=MODEL, prompt=echo, max_tokens=24, temperature=0,
+        extra_body={"dry_multiplier": 100.0, "dry_base": 1.75, "dry_allowed_length": 2,
+                    "dry_penalty_last_n": -1, "dry_sequence_breakers": ["\n"]},
+    )  # fmt: skip
+    assert "sat on the mat" in plain.choices[0].text
+    assert "sat on the mat" not in dry.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="dry_sequence_breakers"):
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=8, extra_body={"dry_sequence_breakers": [""]}
+        )
 
 
 # --------------------------------------------------------------------------- concurrency

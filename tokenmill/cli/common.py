@@ -286,6 +286,36 @@ def _add_sampling_args(
         "--mirostat-eta", type=float, default=0.1, metavar="ETA", help="Mirostat's learning rate"
     )
     p.add_argument(
+        "--dry-multiplier",
+        type=float,
+        default=0.0,
+        metavar="M",
+        help="DRY: penalise tokens that would extend a repeat of the context by "
+        "M * base ** (run - allowed length) (0 = off)",
+    )
+    p.add_argument("--dry-base", type=float, default=1.75, metavar="B", help="DRY's base (1.75)")
+    p.add_argument(
+        "--dry-allowed-length",
+        type=int,
+        default=2,
+        metavar="N",
+        help="DRY: repeats up to N tokens go unpenalised (2)",
+    )
+    p.add_argument(
+        "--dry-penalty-last-n",
+        type=int,
+        default=-1,
+        metavar="N",
+        help="DRY looks at the last N tokens of the context (-1 = all, 0 = off)",
+    )
+    p.add_argument(
+        "--dry-sequence-breaker",
+        action="append",
+        metavar="TEXT",
+        help="a string no DRY repeat reaches back across; repeat the flag for several "
+        "(default: newline, ':', '\"', '*'; 'none' for none)",
+    )
+    p.add_argument(
         "--repetition-penalty",
         type=float,
         default=1.0,
@@ -357,6 +387,13 @@ def _params(args: argparse.Namespace):
         mirostat=args.mirostat,
         mirostat_tau=args.mirostat_tau,
         mirostat_eta=args.mirostat_eta,
+        dry_multiplier=args.dry_multiplier,
+        dry_base=args.dry_base,
+        dry_allowed_length=args.dry_allowed_length,
+        dry_penalty_last_n=args.dry_penalty_last_n,
+        dry_sequence_breakers=(
+            [] if args.dry_sequence_breaker == ["none"] else args.dry_sequence_breaker
+        ),
         repetition_penalty=args.repetition_penalty,
         seed=args.seed,
         stop=args.stop,

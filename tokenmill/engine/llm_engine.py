@@ -54,9 +54,11 @@ from tokenmill.sampling import (
     SamplingParams,
     SamplingState,
     StopStringMatcher,
+    dry,
     finish_reason,
     is_stop_token,
 )
+from tokenmill.sampling.dry import Breakers
 from tokenmill.sampling.grammar import CompiledGrammar, GrammarCompiler, GrammarError
 from tokenmill.tokenizer import IncrementalDetokenizer
 from tokenmill.tokenizer.chat import ToolOffer, encode_chat
@@ -216,6 +218,8 @@ class LLMEngine:
         self.max_model_len = min(self.config.max_position, self.cache.capacity_tokens)
         self.requests: dict[str, _Request] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
+        self._token_bytes: list[bytes] | None = None  # [vocab] each id's text, once DRY asks
+        self._dry_breakers: dict[tuple[str, ...], Breakers] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens_computed": 0}
         self.speculator = None
         if spec_config is not None:
@@ -299,6 +303,21 @@ class LLMEngine:
         constraint = params.constraint
         return None if constraint is None else self.grammars.compile(*constraint)
 
+    def dry_breakers(self, params: SamplingParams) -> Breakers | None:
+        """params' DRY sequence breakers found in this model's vocabulary (None when DRY
+        is off); cached by breaker list, since finding them reads every token's text."""
+        if not params.dry:
+            return None
+        key = tuple(params.dry_sequence_breakers)
+        if key not in self._dry_breakers:
+            if self._token_bytes is None:
+                self._token_bytes = self.tokenizer.token_bytes()
+            encode = functools.partial(
+                self.tokenizer.encode, add_special_tokens=False, parse_special=False
+            )
+            self._dry_breakers[key] = dry.sequence_breakers(self._token_bytes, encode, key)
+        return self._dry_breakers[key]
+
     def encode_chat(
         self,
         messages: list[dict],
@@ -379,6 +398,7 @@ class LLMEngine:
                 vocab_size=self.config.vocab_size,
                 completion_index=completion_index,
                 grammar=grammar,
+                dry_breakers=self.dry_breakers(params),
             )
         except ValueError as e:  # GrammarError included
             raise RequestError(str(e), getattr(e, "param", None)) from None

@@ -18,6 +18,7 @@ from typing import Any
 from tokenmill.checks import ParamError
 from tokenmill.checks import check_float as _check_float
 from tokenmill.checks import check_int as _check_int
+from tokenmill.sampling.dry import DEFAULT_BREAKERS
 
 # The structured-output constraints (tokenmill/sampling/grammar.py compiles them); a
 # request sets at most one.
@@ -26,6 +27,7 @@ MAX_LOGPROBS = 20  # OpenAI's and vLLM's cap on top-N alternatives
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax
 MAX_STOP, MAX_STOP_CHARS = 64, 1000  # stop strings per request, characters per string
 MAX_STOP_TOKEN_IDS = 1024
+MAX_BREAKERS = 16  # DRY's sequence breakers per request
 TOP_K_MAX = 2**31 - 1  # any k past the vocabulary is "off"; int64 tensors take this
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
@@ -57,6 +59,15 @@ class SamplingParams:
     mirostat: int = 0  # 0 = off, 2 = v2
     mirostat_tau: float = 5.0  # >= 0, bits
     mirostat_eta: float = 0.1  # >= 0
+    # DRY (llama.cpp's dry; tokenmill/sampling/dry.py): subtract multiplier * base **
+    # (n - allowed_length) from each token that would extend a run of n >= allowed_length
+    # tokens repeated from the last penalty_last_n of the context (-1: all of it); a run
+    # does not reach back across a sequence breaker
+    dry_multiplier: float = 0.0  # >= 0; 0 = off
+    dry_base: float = 1.75  # >= 1
+    dry_allowed_length: int = 2  # >= 0
+    dry_penalty_last_n: int = -1  # -1 = the whole context, 0 = off, else the last N tokens
+    dry_sequence_breakers: list[str] | None = None  # None: DEFAULT_BREAKERS
     # HF/vLLM semantics: for tokens seen in prompt or output, divide positive logits
     # by the penalty and multiply negative ones.
     repetition_penalty: float = 1.0  # > 0
@@ -111,6 +122,11 @@ class SamplingParams:
             )
         self.mirostat_tau = _check_float("mirostat_tau", self.mirostat_tau, 0.0, **f32)
         self.mirostat_eta = _check_float("mirostat_eta", self.mirostat_eta, 0.0, **f32)
+        self.dry_multiplier = _check_float("dry_multiplier", self.dry_multiplier, 0.0, **f32)
+        self.dry_base = _check_float("dry_base", self.dry_base, 1.0, **f32)
+        self.dry_allowed_length = _check_int("dry_allowed_length", self.dry_allowed_length, 0)
+        self.dry_penalty_last_n = _check_int("dry_penalty_last_n", self.dry_penalty_last_n, -1)
+        self.dry_sequence_breakers = self._checked_breakers(self.dry_sequence_breakers)
         self.repetition_penalty = _check_float(
             "repetition_penalty", self.repetition_penalty, 0.0, lo_open=True, **f32
         )
@@ -147,6 +163,11 @@ class SamplingParams:
                 "reasoning", f" must be a reasoning format's name or None, got {self.reasoning!r}"
             )
         self._check_constraint()
+
+    @property
+    def dry(self) -> bool:
+        """Whether the DRY penalty is on."""
+        return self.dry_multiplier > 0.0 and self.dry_penalty_last_n != 0
 
     @property
     def greedy(self) -> bool:
@@ -225,6 +246,24 @@ class SamplingParams:
                 raise ParamError.named("logit_bias", f" keys must be token ids >= 0, got {key!r}")
             checked[token] = _check_float("logit_bias", value, -100.0, 100.0, at=f"[{token}]")
         return checked
+
+    @staticmethod
+    def _checked_breakers(breakers: Any) -> list[str]:
+        if breakers is None:
+            return list(DEFAULT_BREAKERS)
+        if not isinstance(breakers, (list, tuple)) or not all(isinstance(s, str) for s in breakers):
+            raise ParamError.named(
+                "dry_sequence_breakers", f" must be a list of strings, got {breakers!r}"
+            )
+        if any(s == "" for s in breakers):
+            raise ParamError.named("dry_sequence_breakers", " must not contain empty strings")
+        # each breaker is looked for in every token's text once per vocabulary
+        if len(breakers) > MAX_BREAKERS:
+            raise ParamError.named(
+                "dry_sequence_breakers",
+                f" takes at most {MAX_BREAKERS} strings, got {len(breakers)}",
+            )
+        return list(breakers)
 
     @staticmethod
     def _checked_stop(stop: Any) -> list[str]:

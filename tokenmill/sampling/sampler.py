@@ -2,7 +2,7 @@
 
 The pipeline is a chain of small pure tensor functions, applied in this order:
 
-    apply_penalties -> apply_logit_bias -> apply_token_mask (grammar) -> apply_temperature
+    apply_penalties -> apply_logit_bias -> apply_dry -> apply_token_mask (grammar) -> apply_temperature
         -> top_k_mask -> top_p_mask -> min_p_mask -> typical_mask -> top_n_sigma_mask
         -> xtc_mask -> mirostat_mask -> sample_from_probs (-> the mirostat rows' mu update)
 
@@ -39,11 +39,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from tokenmill.checks import ParamError
+from tokenmill.sampling import dry
+from tokenmill.sampling.dry import Breakers
 from tokenmill.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -293,6 +296,9 @@ class SamplingState:
     bias_values: Tensor | None = None  # [M] float32
     grammar: GrammarMatcher | None = None  # the structured-output constraint's position
     mu: float | None = None  # Mirostat v2's current maximum surprise (bits); None: off
+    dry_breakers: Breakers | None = None  # DRY's sequence breakers; None: DRY is off
+    dry_context: np.ndarray | None = None  # [capacity] int64: prompt, then output, for DRY
+    dry_length: int = 0  # how many of dry_context's entries are tokens
 
     @classmethod
     def create(
@@ -304,6 +310,7 @@ class SamplingState:
         vocab_size: int,
         completion_index: int = 0,
         grammar: CompiledGrammar | None = None,
+        dry_breakers: Breakers | None = None,
     ) -> SamplingState:
         """Build the state for one completion of a request.
 
@@ -313,6 +320,8 @@ class SamplingState:
         completion_index (0..n-1) decorrelates the n completions of a seeded request.
         grammar: params' constraint compiled (LLMEngine.compile_grammar); each completion
         gets its own matcher on it.
+        dry_breakers: params' dry_sequence_breakers found in the vocabulary
+        (dry.sequence_breakers); needed, and only used, when params turn DRY on.
         """
         if (params.constraint is None) != (grammar is None):
             raise ValueError("a constrained request needs its compiled grammar, and only it")
@@ -337,6 +346,13 @@ class SamplingState:
         state = cls(params, generator, list(prompt_ids), vocab_size)
         if params.mirostat == 2:
             state.mu = 2.0 * params.mirostat_tau
+        if params.dry:
+            if dry_breakers is None:
+                raise ValueError("a DRY request needs its sequence breakers")
+            state.dry_breakers = dry_breakers
+            state.dry_context = np.empty(max(64, 2 * len(state.prompt_ids)), np.int64)
+            state.dry_context[: len(state.prompt_ids)] = state.prompt_ids
+            state.dry_length = len(state.prompt_ids)
         if grammar is not None:
             state.grammar = grammar.matcher()
         uses_penalties = (
@@ -363,6 +379,7 @@ class SamplingState:
             and self.seen is None
             and self.bias_ids is None
             and self.grammar is None
+            and self.dry_breakers is None
         )
 
     def append(self, token_id: int) -> None:
@@ -373,6 +390,17 @@ class SamplingState:
             self.output_counts[token_id] += 1
         if self.grammar is not None:
             self.grammar.consume(token_id)
+        if self.dry_context is not None:
+            if self.dry_length == len(self.dry_context):
+                self.dry_context = np.concatenate([self.dry_context, self.dry_context])
+            self.dry_context[self.dry_length] = token_id
+            self.dry_length += 1
+
+    def dry_window(self) -> np.ndarray:
+        """[N] int64: the last dry_penalty_last_n tokens of prompt and output (all when -1)."""
+        last_n = self.params.dry_penalty_last_n
+        start = 0 if last_n < 0 else max(0, self.dry_length - last_n)
+        return self.dry_context[start : self.dry_length]
 
 
 # --------------------------------------------------------------------------- shared batch logic
@@ -405,9 +433,35 @@ def _adjust(logits: Tensor, states: Sequence[SamplingState], constrain: bool = T
         row_idx = torch.cat([torch.full_like(t, i) for i, t in zip(rows, ids, strict=True)])
         values = torch.cat([states[i].bias_values for i in rows])
         logits = apply_logit_bias(logits, row_idx, torch.cat(ids), values)
+    rows = [i for i, s in enumerate(states) if s.dry_breakers is not None]
+    if rows:
+        logits = apply_dry(logits, rows, [states[i] for i in rows])
     if constrain:
         logits = _constrain(logits, states)
     return logits
+
+
+def apply_dry(logits: Tensor, rows: list[int], states: Sequence[SamplingState]) -> Tensor:
+    """Subtract each row's DRY penalties (dry.penalties over its context) from its
+    logits. logits: [B, V]; rows: the rows states describe. Returns new [B, V] logits."""
+    row_idx, token_ids, amounts = [], [], []
+    for i, s in zip(rows, states, strict=True):
+        p = s.params
+        ids, values = dry.penalties(
+            s.dry_window(), s.dry_breakers, p.dry_multiplier, p.dry_base, p.dry_allowed_length
+        )
+        keep = ids < logits.shape[-1]
+        row_idx.append(np.full(int(keep.sum()), i, np.int64))
+        token_ids.append(ids[keep])
+        amounts.append(-values[keep])
+    if not sum(len(t) for t in token_ids):
+        return logits
+    return apply_logit_bias(
+        logits,
+        torch.from_numpy(np.concatenate(row_idx)).to(logits.device),
+        torch.from_numpy(np.concatenate(token_ids)).to(logits.device),
+        torch.from_numpy(np.concatenate(amounts)).to(logits.device),
+    )
 
 
 def _constrain(logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
@@ -493,7 +547,7 @@ class LogitsTrace:
     """Every intermediate of the pipeline for one row, all [V]."""
 
     raw_logits: Tensor  # model output
-    logits: Tensor  # after penalties and logit_bias (before the grammar mask)
+    logits: Tensor  # after penalties, logit_bias and DRY (before the grammar mask)
     allowed: Tensor | None  # bool: what the grammar allows; None without a constraint
     probs: Tensor  # softmax of the logits left by the grammar: before temperature
     scaled_probs: Tensor  # after temperature (one-hot at the argmax when greedy)

@@ -75,7 +75,8 @@ _SAMPLING_FIELDS = (
     "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
     "logit_bias", "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
     "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "mirostat", "mirostat_tau",
-    "mirostat_eta",
+    "mirostat_eta", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+    "dry_sequence_breakers",
 )  # fmt: skip
 
 
@@ -127,6 +128,11 @@ class _GenerationRequest(ExtraFieldsRequest):
     mirostat: int | None = None
     mirostat_tau: float | None = None
     mirostat_eta: float | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[Text] | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
