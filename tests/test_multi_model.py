@@ -32,6 +32,7 @@ from tokenmill.server.model_pool import ModelPool, ServedModel, engine_bytes
 
 PROMPT = "t5 t6 t7 t8"
 GREEDY = {"max_tokens": 6, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+OLLAMA_GREEDY = {"num_predict": 6, "temperature": 0.0}
 KV = "512tok"
 
 
@@ -262,7 +263,25 @@ def test_an_unknown_model_is_a_404_in_each_apis_shape(folders):
         assert r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"
         r = httpx.post(f"{url}/v1/responses", json={"model": "c", "input": "t1"})
         assert r.status_code == 404 and "'c' does not exist" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/api/chat", json=chat)
+        assert r.status_code == 404 and "'c' does not exist" in r.json()["error"]
     assert loads.count == {"a": 1, "b": 0}  # nothing loaded for them
+
+
+def test_ollama_lists_every_model_and_runs_the_loaded(folders, alone):
+    import ollama
+
+    pool = ModelPool(Loads(folders).models())
+    with serving(pool) as url:
+        c = ollama.Client(host=url, timeout=300)
+        listed = {m.model: m for m in c.list().models}
+        assert set(listed) == {"a", "b"} and listed["b"].details.family is None  # not loaded
+        assert [m.model for m in c.ps().models] == ["a"]
+        out = c.generate(model="b-alias", prompt=PROMPT, raw=True, options=OLLAMA_GREEDY)
+        # (Ollama has no ignore_eos: an answer may end sooner)
+        assert out.model == "b" and out.response and alone["b"].startswith(out.response)
+        assert {m.model for m in c.ps().models} == {"a", "b"}
+        assert c.show("b").modelinfo["general.architecture"] == "llama"
 
 
 def test_without_the_api_key_nothing_loads(folders):

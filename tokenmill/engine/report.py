@@ -85,6 +85,17 @@ def weight_forms(model: torch.nn.Module | None) -> str:
     return ", ".join(parts)
 
 
+def num_weights(model: torch.nn.Module) -> int:
+    """How many weights the model has: its float parameters and each packed layer's
+    in x out (what a model's "135M" or "8B" counts)."""
+    from tokenmill.layers.quant_linear import QuantLinear
+
+    packed = sum(
+        m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantLinear)
+    )
+    return packed + sum(p.numel() for p in model.parameters())
+
+
 def describe(
     path: Path,
     config: ModelConfig,

@@ -72,6 +72,7 @@ from tokenmill.sampling import SamplingParams
 from tokenmill.server import (
     anthropic_routes,
     embeddings_routes,
+    ollama_routes,
     responses_routes,
     tokenize_routes,
 )
@@ -246,6 +247,7 @@ def create_app(
     routers = [
         router,
         anthropic_routes.router,
+        ollama_routes.router,
         responses_routes.router,
         embeddings_routes.router,
         tokenize_routes.router,

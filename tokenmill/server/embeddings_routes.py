@@ -18,7 +18,8 @@ from __future__ import annotations
 import base64
 import struct
 import uuid
-from typing import Annotated, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
@@ -111,24 +112,7 @@ async def create_embeddings(
             f"dimensions is {body.dimensions}, more than the model's {size}", "dimensions"
         )
     prompts = await off_loop(request, encode_inputs, engine.engine, body.input)
-    if engine.max_waiting is not None and len(prompts) > engine.max_waiting:
-        raise invalid(
-            f"input has {len(prompts)} items, more than this server ever queues at once "
-            f"({engine.max_waiting}, --max-waiting)",
-            "input",
-        )
-    request_id = f"embd-{uuid.uuid4().hex}"
-    try:
-        stream = await engine.generate(
-            request_id,
-            prompts,
-            SamplingParams(),
-            cache_salt=cache_salt_for(request, None),
-            embed=True,
-        )
-    except (QueueFull, ShuttingDown, RequestError) as e:
-        raise to_api_error(e, fields=EmbeddingRequest.model_fields) from None
-    vectors = await unless_disconnected(request, _collect(stream, len(prompts)))
+    vectors = await embed_prompts(request, prompts, EmbeddingRequest.model_fields)
     if vectors is None:  # the client left: its requests are aborted
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     data = []
@@ -146,6 +130,32 @@ async def create_embeddings(
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
     )
+
+
+async def embed_prompts(
+    request: Request, prompts: list[list[int]], fields: Mapping[str, Any]
+) -> list[list[float]] | None:
+    """Each prompt's pooled vector, in order (None: the client left, and the prompts were
+    aborted). fields: the request model's, to name a refused parameter as it was sent."""
+    engine = engine_of(request)
+    if engine.max_waiting is not None and len(prompts) > engine.max_waiting:
+        raise invalid(
+            f"input has {len(prompts)} items, more than this server ever queues at once "
+            f"({engine.max_waiting}, --max-waiting)",
+            "input",
+        )
+    request_id = f"embd-{uuid.uuid4().hex}"
+    try:
+        stream = await engine.generate(
+            request_id,
+            prompts,
+            SamplingParams(),
+            cache_salt=cache_salt_for(request, None),
+            embed=True,
+        )
+    except (QueueFull, ShuttingDown, RequestError) as e:
+        raise to_api_error(e, fields=fields) from None
+    return await unless_disconnected(request, _collect(stream, len(prompts)))
 
 
 async def _collect(stream: RequestStream, count: int) -> list[list[float]]:

@@ -106,11 +106,17 @@ def format_anthropic(error: APIError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
+def format_ollama(error: APIError) -> dict[str, Any]:
+    """Ollama's error shape, {"error": "message"}: the status says the rest."""
+    return {"error": clean_message(error.message, internal=error.status >= 500)}
+
+
 # The error shape of each API that is not OpenAI's, by the path its routes live under
 # (that path itself, or below it): a route's errors, including FastAPI's validation
 # errors, the API key's 401 and an unknown path's 404 under it, come out in its shape.
 FORMATTERS: dict[str, Callable[[APIError], dict[str, Any]]] = {
     "/v1/messages": format_anthropic,
+    "/api": format_ollama,
 }
 
 
