@@ -44,6 +44,13 @@ class Timings:
 
 
 @dataclass
+class RerankResult:
+    index: int  # the document's place in the list given
+    score: float  # its relevance to the query, in [0, 1]
+    document: str
+
+
+@dataclass
 class Completion:
     text: str
     token_ids: list[int]
@@ -197,12 +204,44 @@ class LLM:
         (engine/pooling.py: sentence-transformers' modules.json, else the last token,
         L2-normalized). All run batched through the engine's prefill; nothing decodes."""
         self._check_open()
-        texts = _as_batch(texts, "texts")
+        return self._pooled(_as_batch(texts, "texts"), "embed")
+
+    def rerank(
+        self,
+        query: str,
+        documents: list[str],
+        *,
+        top_n: int | None = None,
+        instruction: str | None = None,
+    ) -> list[RerankResult]:
+        """The documents ordered by their relevance to `query`, most relevant first (at
+        most top_n of them): a reranker's score of each pair (engine/scoring.py: a
+        *ForSequenceClassification head, or a yes/no model's P(yes)), all pairs batched
+        through the prefill. instruction: a yes/no reranker's task line."""
+        self._check_open()
+        scores = self.score(query, documents, instruction=instruction)
+        ranked = sorted(range(len(documents)), key=lambda i: -scores[i])[:top_n]
+        return [RerankResult(i, scores[i], documents[i]) for i in ranked]
+
+    def score(
+        self, query: str, documents: str | list[str], *, instruction: str | None = None
+    ) -> list[float]:
+        """The relevance in [0, 1] of each document to `query`, in the documents' order."""
+        self._check_open()
+        documents = [documents] if isinstance(documents, str) else list(documents)
+        if not isinstance(query, str) or not all(isinstance(d, str) for d in documents):
+            raise ValueError("score takes a query string and document strings")
+        scorer = self.engine.scorer
+        prompts = [scorer.prompt(query, d, instruction) for d in documents]
+        return [v[0] for v in self._pooled(prompts, "score")]
+
+    def _pooled(self, prompts: list[Prompt], kind: str) -> list[list[float]]:
+        """Each prompt's pooled vector (kind "embed") or [score] (kind "score"), in order."""
         vectors: dict[str, list[float] | None] = {}
         try:
-            for text in texts:
-                rid = f"embed-{next(self._ids)}"
-                self.engine.add_request(rid, text, embed=True)
+            for prompt in prompts:
+                rid = f"{kind}-{next(self._ids)}"
+                self.engine.add_request(rid, prompt, embed=kind == "embed", score=kind == "score")
                 vectors[rid] = None
             left = set(vectors)
             while left:
@@ -211,7 +250,7 @@ class LLM:
                         left.discard(out.request_id)
                         if out.embedding is None:  # e.g. a prompt larger than the KV pool
                             raise RuntimeError(
-                                f"embedding {out.request_id} ended without a vector "
+                                f"{kind} {out.request_id} ended without a vector "
                                 f"({out.finish_reason})"
                             )
                         vectors[out.request_id] = out.embedding

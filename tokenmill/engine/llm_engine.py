@@ -45,6 +45,7 @@ from tokenmill.engine.inputs import RequestError  # re-exported (the server, the
 from tokenmill.engine.kv_cache import BLOCK_SIZE
 from tokenmill.engine.pooling import Pooling, PoolingError, PoolState, read_pooling
 from tokenmill.engine.scheduler import ScheduledChunk, Scheduler
+from tokenmill.engine.scoring import Scorer, ScoringError, classifier_architecture, read_scorer
 from tokenmill.engine.sequence import Sequence, Status
 from tokenmill.engine.speculative import SpeculativeConfig, Speculator
 from tokenmill.hub import resolve_model  # re-exported (tokenmill bench)
@@ -240,6 +241,9 @@ class LLMEngine:
             self.speculator = Speculator(spec_config, draft)
             self.scheduler.propose = self._propose
         self._pooling: Pooling | None = None
+        self._scorer: Scorer | None = None
+        # a *ForSequenceClassification checkpoint's architecture: it scores, never generates
+        self.classifier = classifier_architecture(self.path)
 
     def close(self) -> None:
         """Stop the other ranks of a parallel run, wait for their processes to end and
@@ -365,6 +369,7 @@ class LLMEngine:
         cache_salt: int | None = None,
         group: str | None = None,
         embed: bool = False,
+        score: bool = False,
     ) -> int:
         """Queue a request; returns its prompt length in tokens.
 
@@ -376,12 +381,20 @@ class LLMEngine:
         grammar: params' constraint already compiled by compile_grammar; compiled here
         (on the caller's thread) when not given.
         embed: run the prompt only and answer its pooled final hidden state
-        (RequestOutput.embedding, engine/pooling.py); params are not used."""
+        (RequestOutput.embedding, engine/pooling.py); params are not used.
+        score: run the prompt only and answer its relevance (a reranker's pair, built by
+        scorer.prompt) as RequestOutput.embedding = [score] (engine/scoring.py)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running", "request_id")
         ids = self.encode_prompt(prompt)
-        pool = self._pool_state(len(ids)) if embed else None
+        pool = self._pool_state(len(ids), score) if embed or score else None
+        if pool is None and self.classifier is not None:
+            raise RequestError(
+                f"{self.path.name} is a sequence classifier ({self.classifier}): it "
+                "scores pairs (rerank, score), it does not generate",
+                "model",
+            )
         if pool is None and len(ids) >= self.max_model_len:
             raise RequestError(
                 f"prompt has {len(ids)} tokens, more than the model's context of "
@@ -418,7 +431,15 @@ class LLMEngine:
         self.stats["prompt_tokens"] += len(ids)
         return len(ids)
 
-    def _pool_state(self, num_tokens: int) -> PoolState:
+    @property
+    def scorer(self) -> Scorer:
+        """How this model ranks documents (engine/scoring.py); ScoringError (a ValueError)
+        when it cannot."""
+        if self._scorer is None:
+            self._scorer = read_scorer(self.path, self.tokenizer, self.model.unembed, self.dtype)
+        return self._scorer
+
+    def _pool_state(self, num_tokens: int, score: bool = False) -> PoolState:
         """An embedding request's pooling state, once its prompt is known to fit (no token
         is generated, so the whole context is the limit)."""
         if self.parallel is not None:
@@ -430,8 +451,10 @@ class LLMEngine:
                 "input",
             )
         try:
+            if score:  # the last token's state, as it is, through the scorer's head
+                return PoolState(Pooling("last", normalize=False), self.scorer.score)
             return PoolState(self.pooling)
-        except PoolingError as e:
+        except (PoolingError, ScoringError) as e:
             raise RequestError(str(e), "model") from None
 
     def _reasoning(self, params: SamplingParams, ids: list[int]) -> ReasoningParser | None:

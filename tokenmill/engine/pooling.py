@@ -22,6 +22,7 @@ them: last token, normalized (what decoder-based embedding models use).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,8 +122,9 @@ class PoolState:
     hidden states of those rows to `add`. A chunk that starts at position 0 starts over
     (a preempted sequence recomputes its prompt)."""
 
-    def __init__(self, pooling: Pooling):
+    def __init__(self, pooling: Pooling, score: Callable[[torch.Tensor], float] | None = None):
         self.pooling = pooling
+        self.score = score  # a reranker's head: the pooled vector [d] -> its relevance
         self.total: torch.Tensor | None = None  # [d] float32: the sum of the kept rows
         self.count = 0
 
@@ -150,6 +152,8 @@ class PoolState:
         if self.total is None:
             raise RuntimeError("no hidden state was pooled for this sequence")
         vector = self.total / self.count
+        if self.score is not None:
+            return [self.score(vector)]
         if self.pooling.normalize:
             vector = torch.nn.functional.normalize(vector, dim=0)
         return vector.tolist()

@@ -73,6 +73,7 @@ from tokenmill.server import (
     anthropic_routes,
     embeddings_routes,
     ollama_routes,
+    rerank_routes,
     responses_routes,
     tokenize_routes,
 )
@@ -250,6 +251,7 @@ def create_app(
         ollama_routes.router,
         responses_routes.router,
         embeddings_routes.router,
+        rerank_routes.router,
         tokenize_routes.router,
         _inspect_router(),
         ops_router,

@@ -175,6 +175,7 @@ class _Add:
     grammar: CompiledGrammar | None = None
     cache_salt: int | None = None
     embed: bool = False  # embeddings (LLMEngine.add_request(embed=True)): prefill only
+    score: bool = False  # a reranker's scores (LLMEngine.add_request(score=True)): likewise
 
 
 @dataclass
@@ -276,11 +277,13 @@ class AsyncEngine:
         grammar: CompiledGrammar | None = None,
         cache_salt: int | None = None,
         embed: bool = False,
+        score: bool = False,
         constraint_param: str | None = None,
     ) -> RequestStream:
         """Queue a request (params.n engine requests per prompt) and wait until the engine
         has taken it. embed: each prompt's pooled embedding (RequestOutput.embedding, one
-        finished output each) instead of generated text. Raises QueueFull, ShuttingDown,
+        finished output each) instead of generated text; score: each prompt's relevance, as
+        [score] in RequestOutput.embedding (a reranker's pair). Raises QueueFull, ShuttingDown,
         EngineFailure, or RequestError for one that could never be queued or that the engine refuses.
 
         cache_salt: the request's prefix-cache scope (block_manager.salt_root).
@@ -314,7 +317,9 @@ class AsyncEngine:
         stream = RequestStream(request_ids, lambda ids: self._commands.put(_Abort(ids)))
         stream.constraint_param = constraint_param
         per_choice = [prompt for prompt in prompts for _ in range(params.n)]
-        self._commands.put(_Add(stream, per_choice, params, trace, grammar, cache_salt, embed))
+        self._commands.put(
+            _Add(stream, per_choice, params, trace, grammar, cache_salt, embed, score)
+        )
         await stream.admitted()
         return stream
 
@@ -410,6 +415,7 @@ class AsyncEngine:
                     cache_salt=command.cache_salt,
                     group=stream.request_ids[0],  # the API request: its n choices share it
                     embed=command.embed,
+                    score=command.score,
                 )
                 added.append(request_id)
         except Exception as e:  # RequestError is the client's fault; others are ours

@@ -133,10 +133,11 @@ async def create_embeddings(
 
 
 async def embed_prompts(
-    request: Request, prompts: list[list[int]], fields: Mapping[str, Any]
+    request: Request, prompts: list[list[int]], fields: Mapping[str, Any], score: bool = False
 ) -> list[list[float]] | None:
     """Each prompt's pooled vector, in order (None: the client left, and the prompts were
-    aborted). fields: the request model's, to name a refused parameter as it was sent."""
+    aborted); score: each prompt's [relevance], a reranker's pair. fields: the request
+    model's, to name a refused parameter as it was sent."""
     engine = engine_of(request)
     if engine.max_waiting is not None and len(prompts) > engine.max_waiting:
         raise invalid(
@@ -151,7 +152,8 @@ async def embed_prompts(
             prompts,
             SamplingParams(),
             cache_salt=cache_salt_for(request, None),
-            embed=True,
+            embed=not score,
+            score=score,
         )
     except (QueueFull, ShuttingDown, RequestError) as e:
         raise to_api_error(e, fields=fields) from None

@@ -89,7 +89,9 @@ class Tokenizer:
     ) -> None:
         """Usually built by `from_gguf` or `from_pretrained`. Takes `backend` over: its
         post-processor, padding and truncation are turned off."""
-        backend.post_processor = None  # BOS/EOS are added in `encode`
+        # BOS/EOS are added in `encode`; the post-processor joins a pair (`encode_pair`)
+        self._pair_processor = backend.post_processor
+        backend.post_processor = None
         backend.no_padding()
         backend.no_truncation()
         self._backend = backend
@@ -191,6 +193,16 @@ class Tokenizer:
         if add_special_tokens and self.add_eos:
             ids.append(self.eos_token_id)
         return ids
+
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """Token ids of two texts joined as the tokenizer's pair template joins them (a
+        cross-encoder's query and document: transformers' tokenizer(first, second)); without
+        a template, BOS (when the model wants one), then the first, then the second."""
+        a, b = _encode(self._backend, first), _encode(self._backend, second)
+        if self._pair_processor is not None:
+            return self._pair_processor.process(a, b, add_special_tokens=True).ids
+        bos = [self.bos_token_id] if self.add_bos else []
+        return bos + a.ids + b.ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """The text of `ids`; incomplete or invalid UTF-8 shows as U+FFFD."""
