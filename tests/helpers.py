@@ -286,12 +286,13 @@ def _permute_qk(w, n_head: int):
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_writer(cfg, path: Path, arch: str):
+def _gguf_writer(cfg, path: Path, arch: str, split_max_tensors: int = 0):
     """A GGUFWriter for `arch` with the header keys every family's file has, from the HF
-    config `cfg`."""
+    config `cfg`; split_max_tensors > 0 writes llama.cpp's split parts of that many tensors
+    each (path NAME.gguf becomes NAME-00001-of-0000N.gguf ...)."""
     import gguf
 
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -349,7 +350,14 @@ def quantize_iq4(data, qtype):
 
 
 def write_llama_gguf(
-    model, path: Path, qtype=None, arch: str = "llama", drop=(), reshape=(), metadata=None
+    model,
+    path: Path,
+    qtype=None,
+    arch: str = "llama",
+    drop=(),
+    reshape=(),
+    metadata=None,
+    split_max_tensors: int = 0,
 ):
     """Write a tiny HF Llama model as a GGUF file the way llama.cpp's converter does.
 
@@ -363,7 +371,7 @@ def write_llama_gguf(
     from gguf.quants import dequantize, quantize
 
     cfg = model.config
-    w = _gguf_writer(cfg, path, arch)
+    w = _gguf_writer(cfg, path, arch, split_max_tensors)
     # a small SentencePiece-style vocabulary so an engine can run on the file
     tokens = ["<unk>", "<s>", "</s>"] + [f"▁t{i}" for i in range(3, cfg.vocab_size)]
     w.add_tokenizer_model("llama")

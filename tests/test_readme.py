@@ -54,6 +54,7 @@ SERVER_URL = "http://127.0.0.1:8000"
 NOT_RUN = {
     "bench": "takes long and pip-installs its peers; tests/test_bench_quick.py runs --quick",
     "serve": "runs until stopped; the server snippets run against one instead",
+    "pull": "reaches the Hugging Face Hub; tests/test_hf_names.py pulls from a stand-in",
 }
 # What the README promises a command prints (stdout), checked when it runs.
 PROMISED = {

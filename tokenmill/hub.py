@@ -18,6 +18,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tokenmill import hf
 from tokenmill.cache import cache_dir  # hub.cache_dir stays: info, the tests and scripts read it
 
 
@@ -78,7 +79,10 @@ def display_name(model: str | Path | None) -> str:
     if model is None:
         return DEFAULT_MODEL
     known = lookup(str(model))
-    return known.name if known else Path(model).name
+    if known is not None:
+        return known.name
+    name = None if Path(model).exists() else hf.parse(str(model))
+    return name.display if name is not None else Path(model).name
 
 
 def names_for(model: str | Path | None, path: Path) -> list[str]:
@@ -112,7 +116,19 @@ def resolve_model(model: str | Path | None) -> Path:
     if lookup(str(model)) is not None:
         return fetch(str(model))
     known = ", ".join(KNOWN_MODELS)
-    raise LoadError(model, f"no such file or folder, and not a known model name ({known})")
+    if hf.is_hub_name(str(model)):
+        try:
+            return hf.resolve(str(model))
+        except hf.HubError as e:
+            raise LoadError(
+                model,
+                f"no such file or folder, not a known model name ({known}), and on the Hub: {e}",
+            ) from None
+    raise LoadError(
+        model,
+        f"no such file or folder, not a known model name ({known}), and not a Hub name "
+        "(hf:ORG/REPO[:QUANT])",
+    )
 
 
 def _pip_download(spec: str, dest: Path) -> Path:

@@ -1,4 +1,4 @@
-"""The `tokenmill` command: generate, chat, serve, inspect, bench, info.
+"""The `tokenmill` command: generate, chat, serve, inspect, bench, pull, list, rm, info.
 
 This package is the command line, the top layer (pyproject.toml's [tool.importlinter]):
     __init__.py   the parser and the dispatch (`main`, the `tokenmill` entry point)
@@ -7,6 +7,7 @@ This package is the command line, the top layer (pyproject.toml's [tool.importli
     generate.py   `generate`, and the streaming that `chat` shares
     chat.py       `chat`'s conversation loop
     inspect.py    `inspect`'s options and run (the view it prints is tokenmill/inspect/)
+    models.py     `pull`, `list`, `rm`: models by name in the Hugging Face cache
     info.py       `info` (alias `doctor`): what a bug report needs
 `serve` and `bench` register from tokenmill/server/cli.py and tokenmill/bench/.
 
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         "tokenmill.cli.generate",
         "tokenmill.cli.chat",
         *_OPTIONAL_COMMANDS,
+        "tokenmill.cli.models",
         "tokenmill.cli.info",
     ):
         register = _registrar(module)

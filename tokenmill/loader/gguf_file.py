@@ -36,7 +36,13 @@ from tokenmill.config import (
 from tokenmill.loader.checkpoint import Checkpoint, LoadError
 from tokenmill.loader.checks import check_checkpoint, part_shape
 from tokenmill.loader.gguf_blocks import QUANT_GGUF_TYPES
-from tokenmill.loader.gguf_reader import GGUFFile, GGUFFormatError, GGUFTensor
+from tokenmill.loader.gguf_reader import (
+    GGUFFile,
+    GGUFFormatError,
+    GGUFShards,
+    GGUFTensor,
+    open_gguf_file,
+)
 from tokenmill.loader.hf_config import REQUIRED, ConfigFields
 from tokenmill.loader.hf_folder import phi3_rows
 
@@ -103,7 +109,7 @@ _TOP_NAMES = {
 }
 
 
-def _config(reader: GGUFFile, path: Path) -> ModelConfig:
+def _config(reader: GGUFFile | GGUFShards, path: Path) -> ModelConfig:
     """The ModelConfig a GGUF header describes. Every number is checked (type, range) under
     its own key name before it is used: ConfigError, which open_gguf turns into LoadError."""
     arch = reader.metadata.get("general.architecture")
@@ -348,7 +354,9 @@ def _yarn(rope: RopeConfig, arch: str, meta_int, meta_float) -> None:
     rope.truncate = arch != "gpt-oss"
 
 
-def _phi3_rope(reader: GGUFFile, path: Path, rope: RopeConfig, meta_int, meta_float) -> None:
+def _phi3_rope(
+    reader: GGUFFile | GGUFShards, path: Path, rope: RopeConfig, meta_int, meta_float
+) -> None:
     """Phi-3's LongRoPE, which llama.cpp's converter stores as two tensors of per-frequency
     factors (rope_factors_short, rope_factors_long) beside the original context length and
     the attention factor in the header. Without the tensors: plain RoPE."""
@@ -480,7 +488,7 @@ def read_tensor(t, path: Path) -> np.ndarray:
 
 def open_gguf(path: Path) -> Checkpoint:
     try:
-        reader = GGUFFile(path)
+        reader = open_gguf_file(path)
     except GGUFFormatError as e:
         raise LoadError(path, str(e).removeprefix(f"{path}: ")) from None
     try:

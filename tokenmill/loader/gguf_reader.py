@@ -15,6 +15,7 @@ the next multiple of `general.alignment` (default 32).
 from __future__ import annotations
 
 import mmap
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -341,3 +342,53 @@ class GGUFFile:
             raw = np.frombuffer(self._map, np.uint8, n_bytes, begin)
             data = raw.reshape(*shape[:-1], shape[-1] // block * type_size)
         return GGUFTensor(name, shape, qtype, begin, n_bytes, data)
+
+
+_SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+class GGUFShards:
+    """A model split over several GGUF files (llama.cpp's gguf-split: NAME-00001-of-0000N.gguf,
+    each with its own header and a share of the tensors), read as one: the first file's
+    metadata (less the split.* keys) and every file's tensors, each still mapped from its
+    own file."""
+
+    def __init__(self, files: list[GGUFFile]):
+        self.files = files
+        self.path = files[0].path
+        self.metadata = {k: v for k, v in files[0].metadata.items() if not k.startswith("split.")}
+        self.tensors = [t for f in files for t in f.tensors]
+        self._owner = {id(t): f for f in files for t in f.tensors}
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise _error(self.path, f"tensor {_label(dup)} appears in two parts of the split model")
+
+    def release(self, tensor: GGUFTensor) -> None:
+        self._owner[id(tensor)].release(tensor)
+
+    def release_view(self, view: np.ndarray) -> None:
+        for f in self.files:  # each drops pages only where the view lies in its mapping
+            f.release_view(view)
+
+
+def open_gguf_file(path: str | Path) -> GGUFFile | GGUFShards:
+    """A GGUF file, or every part of a split model given its first part (the others are
+    found beside it by llama.cpp's naming; split.count in the header says how many)."""
+    first = GGUFFile(path)
+    count = first.metadata.get("split.count", 1)
+    if not isinstance(count, int) or count <= 1:
+        return first
+    match = _SPLIT_NAME.match(first.path.name)
+    if match is None or int(match["no"]) != 1 or int(match["count"]) != count:
+        raise _error(
+            first.path,
+            f"split.count is {count}: open the first part, named NAME-00001-of-{count:05d}.gguf",
+        )
+    files = [first]
+    for no in range(2, count + 1):
+        part = first.path.with_name(f"{match['stem']}-{no:05d}-of-{count:05d}.gguf")
+        if not part.is_file():
+            raise _error(first.path, f"part {no} of {count} is missing: {part.name}")
+        files.append(GGUFFile(part))
+    return GGUFShards(files)

@@ -85,10 +85,11 @@ def _byte_size(text: str) -> int:
 def register(subparsers, add_model_args, add_sampling_args) -> None:
     p = subparsers.add_parser(
         "serve",
-        help="serve the OpenAI, Anthropic and Responses APIs and the inspector page over HTTP",
+        help="serve the OpenAI, Anthropic, Ollama and rerank APIs and the inspector page over HTTP",
         description="Serve models over HTTP: OpenAI's /v1/completions, /v1/chat/completions, "
         "/v1/embeddings and /v1/responses, Anthropic's /v1/messages (streamed or not, with "
-        "tools, structured output and reasoning), /tokenize, /health and /metrics, and at / "
+        "tools, structured output and reasoning), Ollama's /api/chat, /api/generate and "
+        "the rest of its API, /v1/rerank and /v1/score, /tokenize, /health and /metrics, and at / "
         "the inspector page, which shows each request's pipeline as it runs. The banner "
         "names both addresses.",
         conflict_handler="resolve",  # serve's --model below replaces the shared one
