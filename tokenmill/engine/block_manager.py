@@ -19,8 +19,10 @@ nor time another's cached prompt.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 
 class OutOfBlocks(RuntimeError):
@@ -36,16 +38,36 @@ class Block:
     parent: int | None = None  # the hash chained before them (so is the whole prefix)
 
 
+_SHARED_ROOT = 0x746F6B656E6D696C  # the shared cache's root in the chain: hash(None) is
+# an address before Python 3.12, a different one in every process, and names must outlive it
+
+
 def chain_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
-    return hash((prev, tokens))
+    """The name of a block of `tokens` after the block named `prev` (None: the first block
+    of the shared cache). Python's hash of a tuple of ints: the same in every process of
+    one Python version, so names survive a restart (engine/disk_cache.py)."""
+    return hash((_SHARED_ROOT if prev is None else prev, tokens))
 
 
 def salt_root(*parts: str | None) -> int | None:
     """The hash-chain root for a cache scope named by `parts` (e.g. an API key's index and
-    a request's cache_salt); None, the shared cache, when every part is None."""
+    a request's cache_salt); None, the shared cache, when every part is None. A SHA-256,
+    not Python's string hash (salted per process), so a scope names the same blocks after
+    a restart (the prefix cache on disk, engine/disk_cache.py)."""
     if all(part is None for part in parts):
         return None
-    return hash(("tokenmill-cache-salt", *parts))
+    text = "\0".join("" if p is None else f"={p}" for p in ("tokenmill-cache-salt", *parts))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+
+class BlockStore(Protocol):
+    """Where named blocks also live beyond the pool (engine/disk_cache.py)."""
+
+    def has(self, h: int) -> bool: ...
+
+    def load(self, h: int, parent: int | None, tokens: tuple[int, ...], block_id: int) -> bool: ...
+
+    def store(self, h: int, parent: int | None, tokens: tuple[int, ...], block_id: int) -> None: ...
 
 
 class BlockManager:
@@ -61,6 +83,10 @@ class BlockManager:
         # once per request, not per lookup (lookups repeat while a request waits).
         self.query_tokens = 0
         self.hit_tokens = 0
+        # Named blocks beyond the pool: a miss in memory is looked up there (filling a free
+        # block), and each newly named block is stored there. None: memory only.
+        self.store: BlockStore | None = None
+        self.store_hit_tokens = 0  # prompt tokens served from it
 
     # ---- counts ----
     @property
@@ -109,6 +135,8 @@ class BlockManager:
             h = chain_hash(prev, tokens)
             block_id = self.cached.get(h)
             if block_id is None:
+                block_id = self._from_store(h, prev, tokens)
+            if block_id is None:
                 break
             block = self.blocks[block_id]
             if block.tokens != tokens or block.parent != prev:  # a hash collision
@@ -119,6 +147,25 @@ class BlockManager:
             taken.append(block_id)
             prev = h
         return taken, prev
+
+    def _from_store(self, h: int, parent: int | None, tokens: tuple[int, ...]) -> int | None:
+        """A free block filled from the store with the block named h, named so (ref 0: the
+        caller takes it as it takes a cached one); None when the store lacks it."""
+        if self.store is None or not self.free or not self.store.has(h):
+            return None
+        block_id = next(iter(self.free))  # the least recently freed, as _take_free takes
+        self._take_free()
+        if not self.store.load(h, parent, tokens, block_id):
+            self.blocks[block_id].ref_count = 0
+            self.free[block_id] = None
+            self.free.move_to_end(block_id, last=False)  # first in line again
+            return None
+        block = self.blocks[block_id]
+        block.hash, block.tokens, block.parent, block.ref_count = h, tokens, parent, 0
+        self.free[block_id] = None
+        self.cached[h] = block_id
+        self.store_hit_tokens += len(tokens)
+        return block_id
 
     def can_grow(self, table: list[int], num_tokens: int) -> bool:
         return self.blocks_for(num_tokens) - len(table) <= self.num_free
@@ -172,6 +219,8 @@ class BlockManager:
             if block.hash is None:
                 block.hash, block.tokens, block.parent = h, tokens, seq.last_hash
                 self.cached.setdefault(h, block.id)
+                if self.store is not None:
+                    self.store.store(h, seq.last_hash, tokens, block.id)
             seq.last_hash = h
             seq.committed_blocks += 1
 

@@ -40,6 +40,7 @@ from tokenmill.checks import ParamError
 from tokenmill.engine import build, free_cores, inputs, report
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.build import load_tokenizer, model_eos_ids  # re-exported (the CLI)
+from tokenmill.engine.disk_cache import DiskPrefixCache, model_key
 from tokenmill.engine.hooks import EngineView
 from tokenmill.engine.inputs import RequestError  # re-exported (the server, the tests)
 from tokenmill.engine.kv_cache import BLOCK_SIZE
@@ -65,6 +66,7 @@ from tokenmill.tokenizer import IncrementalDetokenizer
 from tokenmill.tokenizer.chat import ToolOffer, encode_chat
 from tokenmill.tokenizer.reasoning import ReasoningParser, start_parser
 from tokenmill.tokenizer.tokenizer import TextTooLong
+from tokenmill.units import parse_memory
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -162,6 +164,8 @@ class LLMEngine:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         speculative: str | dict | SpeculativeConfig | None = None,
+        prefix_cache_dir: str | Path | None = None,
+        prefix_cache_disk_size: int | str = "10GiB",
     ):
         """quantization: "auto" keeps a GGUF file's weights as stored (packed blocks, 16-bit
         floats) and a float checkpoint's in its own dtype, for the native CPU kernels;
@@ -180,7 +184,10 @@ class LLMEngine:
         "prompt_lookup_max": 4, "prompt_lookup_min": 1, "max_running": 4} or {"draft":
         PATH, "k": 4, "draft_kv_cache_memory": "128MiB"} (engine/speculative.py); None:
         off. A draft model must have this model's tokenizer; it runs as an engine of its
-        own, on the same device, dtype, threads and quantization."""
+        own, on the same device, dtype, threads and quantization.
+        prefix_cache_dir: also keep the prefix cache's full blocks in this folder, read back
+        after a restart (engine/disk_cache.py), at most prefix_cache_disk_size bytes of
+        them (least recently used evicted); None: in memory only."""
         spec_config = SpeculativeConfig.parse(speculative)  # a bad value fails before loading
         parts = build.build(
             model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory,
@@ -214,6 +221,24 @@ class LLMEngine:
 
         # ---- block manager, scheduler ----
         self.blocks = BlockManager(self.cache.num_blocks, block_size, enable_prefix_caching)
+        self.disk_cache: DiskPrefixCache | None = None
+        if prefix_cache_dir is not None and enable_prefix_caching:
+            if self.parallel is not None:
+                raise ParamError.named(
+                    "prefix_cache_dir", " is not supported on a tensor- or pipeline-parallel run"
+                )
+            try:
+                limit = parse_memory(prefix_cache_disk_size)
+            except ValueError:
+                limit = -1
+            if limit is None or limit < 1:
+                raise ParamError.named(
+                    "prefix_cache_disk_size",
+                    f" must be a size like '10GiB' or '500MB', got {prefix_cache_disk_size!r}",
+                )
+            key = model_key(self.path, self.cache)
+            self.disk_cache = DiskPrefixCache(prefix_cache_dir, self.cache, key, limit)
+            self.blocks.store = self.disk_cache
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self.sampler = Sampler()
         self.max_model_len = min(self.config.max_position, self.cache.capacity_tokens)
@@ -248,7 +273,10 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the other ranks of a parallel run, wait for their processes to end and
         release the process group, so that another parallel engine can start in this
-        process (nothing to do on one process). Idempotent."""
+        process (nothing to do on one process); write the prefix cache's queued blocks to
+        disk. Idempotent."""
+        if self.disk_cache is not None:
+            self.disk_cache.flush()
         if self._stop_parallel is not None:
             self._stop_parallel()  # runs once: later calls do nothing
 
@@ -767,6 +795,10 @@ class LLMEngine:
             "block_size": b.block_size,
             "prefix_cache_query_tokens": b.query_tokens,
             "prefix_cache_hit_tokens": b.hit_tokens,
+            "prefix_cache_disk_hit_tokens": b.store_hit_tokens,
+            "prefix_cache_disk_blocks": (
+                self.disk_cache.num_blocks if self.disk_cache is not None else 0
+            ),
             "preemptions": self.scheduler.num_preemptions,
             # what a token costs in the pool: K and V of every layer, in the cache's dtype
             "kv_cache_dtype": str(self.cache.dtype).removeprefix("torch."),

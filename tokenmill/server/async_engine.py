@@ -354,6 +354,8 @@ class AsyncEngine:
             blocks_free=kv["blocks_free"],
             blocks_held=held,
             prefix_cache_hit_rate=kv["prefix_cache_hit_tokens"] / queries if queries else 0.0,
+            prefix_cache_disk_hit_tokens=kv["prefix_cache_disk_hit_tokens"],
+            prefix_cache_disk_blocks=kv["prefix_cache_disk_blocks"],
             prompt_tokens=self.engine.stats["prompt_tokens"],
             generation_tokens=self.engine.stats["generation_tokens"],
             kv_bytes_per_token=self.engine.cache.bytes_per_token,

@@ -153,6 +153,21 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         "narrows it further",
     )
     p.add_argument(
+        "--prefix-cache-dir",
+        default=None,
+        metavar="PATH",
+        help="also keep the prefix cache's full KV blocks in this folder, so a restarted "
+        "server reuses the prompts it has seen (keyed by the model, the KV dtype and the "
+        "tokens, under each request's cache scope)",
+    )
+    p.add_argument(
+        "--prefix-cache-disk-size",
+        default="10GiB",
+        metavar="SIZE",
+        help="the most the --prefix-cache-dir folder holds; the least recently used blocks "
+        "go first (default 10GiB)",
+    )
+    p.add_argument(
         "--allowed-hosts",
         type=_host_list,
         default=None,
@@ -360,8 +375,35 @@ def check_serve_args(args: argparse.Namespace) -> None:
     api_key_from(args)
     if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
         raise ArgumentError("--served-model-name", "a name is empty; give names clients can send")
+    check_prefix_cache_dir(args)
     args.sockets = bind_sockets(args.host, args.port)
     check_models(args)  # after the address: its errors come first, as with one model
+
+
+def check_prefix_cache_dir(args: argparse.Namespace) -> None:
+    """--prefix-cache-dir must be a folder this process can write (made if missing), and
+    --prefix-cache-disk-size a size: refused before the model loads."""
+    from tokenmill.units import parse_memory
+
+    try:
+        size = parse_memory(args.prefix_cache_disk_size)
+    except ValueError:
+        size = None
+    if size is None or size < 1:
+        raise ArgumentError(
+            "--prefix-cache-disk-size",
+            f"must be a size like 10GiB or 500MB, got {args.prefix_cache_disk_size!r}",
+        )
+    if args.prefix_cache_dir is None:
+        return
+    folder = Path(args.prefix_cache_dir).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ArgumentError("--prefix-cache-dir", f"cannot make {folder}: {e.strerror}") from None
+    if not os.access(folder, os.W_OK):
+        raise ArgumentError("--prefix-cache-dir", f"{folder} is not writable")
+    args.prefix_cache_dir = str(folder)
 
 
 def bind_sockets(host: str, port: int) -> list[socket.socket]:
@@ -480,6 +522,8 @@ def load_engine(args: argparse.Namespace, path: Path):
         argparse.Namespace(**{**vars(args), "model_path": path}),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        prefix_cache_dir=args.prefix_cache_dir,
+        prefix_cache_disk_size=args.prefix_cache_disk_size,
     )
     return AsyncEngine(
         llm.engine, max_waiting=args.max_waiting, stall_timeout=args.health_stall_timeout

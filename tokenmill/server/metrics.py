@@ -108,6 +108,10 @@ class EngineStats:
     prompt_tokens: int  # prompt tokens of every sequence added
     generation_tokens: int  # tokens generated
     kv_bytes_per_token: int = 0  # K and V of one token, all layers, at the cache's dtype
+    # the prefix cache on disk (--prefix-cache-dir): prompt tokens read back from it, and
+    # the blocks it holds
+    prefix_cache_disk_hit_tokens: int = 0
+    prefix_cache_disk_blocks: int = 0
     # LLMEngine.speculative_stats(): {} while speculation is off
     speculative: dict[str, int | float | str] = field(default_factory=dict)
 
@@ -240,6 +244,11 @@ def engine_samples(stats: EngineStats) -> list[Sample]:
         ("tokenmill_kv_cache_bytes_per_token",
          "Bytes one token's K and V take in the KV cache, over all layers.", "gauge",
          stats.kv_bytes_per_token),
+        ("tokenmill_prefix_cache_disk_hit_tokens_total",
+         "Prompt tokens whose KV blocks were read back from the prefix cache on disk.",
+         "counter", stats.prefix_cache_disk_hit_tokens),
+        ("tokenmill_prefix_cache_disk_blocks",
+         "KV blocks the prefix cache on disk holds.", "gauge", stats.prefix_cache_disk_blocks),
     ]  # fmt: skip
     samples: list[Sample] = [(*sample, {}) for sample in plain]
     spec = stats.speculative
