@@ -882,3 +882,40 @@ def test_a_long_prompt_scrolls_with_a_hint(browser, server: str) -> None:
     )
     assert "more-below" in box.get_attribute("class")
     assert not errors, errors
+
+
+def test_the_kv_card_shows_the_prefix_cache_read_back_from_disk(
+    browser, smollm_path: Path, tmp_path: Path
+) -> None:
+    """A server restarted on its --prefix-cache-dir: a chat it saw before is read back from
+    disk, and the KV card says how much of the prompts the cache served and how many
+    tokens came from disk."""
+    import httpx
+    from server_fixture import server_process
+
+    env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_API_KEY"}
+    args = ("--model", str(smollm_path), "--kv-cache-memory", "128MiB",
+            "--prefix-cache-dir", str(tmp_path / "kv"))  # fmt: skip
+    rules = " ".join(f"Rule {i}: be brief." for i in range(40))
+    chat = {"messages": [{"role": "system", "content": rules}, {"role": "user", "content": "Hi"}],
+            "max_tokens": 2}  # fmt: skip
+    for restarted in (False, True):
+        with server_process(*args, env=env) as served:
+            r = httpx.post(f"{served.base_url}/v1/chat/completions", json=chat, timeout=120)
+            assert r.status_code == 200, r.text
+            if not restarted:
+                continue
+            page, errors = open_inspector(browser, served.base_url)
+            shown_model(page, served.base_url)
+            page.fill("#max_tokens", "2")
+            page.fill("#prompt", "Hello")
+            page.click("#send")
+            page.wait_for_selector("#phase.done", timeout=180_000)
+            page.wait_for_function(
+                "() => document.getElementById('kv-cache-text').innerText.includes('on disk')"
+            )
+            text = page.locator("#kv-cache-text").inner_text()
+            assert "% of prompt tokens served from it" in text and "read back" in text
+            read = int(re.search(r"([\d,]+) prompt tokens read back", text)[1].replace(",", ""))
+            assert read >= 16 * (r.json()["usage"]["prompt_tokens"] // 16) - 16
+            assert not errors, errors

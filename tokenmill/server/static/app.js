@@ -223,6 +223,7 @@ async function onStep(step, summary) {
 }
 
 function onDone(event) {
+  learnCacheRates();
   const n = live.tokens.filter((t) => t.generated).length;
   $("phase").className = "phase done";
   $("phase").textContent = "done";
@@ -1013,6 +1014,7 @@ async function showServedModel() {
     line.textContent = `model: unknown (GET /v1/models failed: ${err.message})`;
   }
   await learnSpeculation();
+  await learnCacheRates();
 }
 
 /** Whether the chosen model speculates, from GET /metrics (open even behind an API key): a
@@ -1040,6 +1042,37 @@ async function learnSpeculation() {
   }
   $("card-spec").dataset.server = speculation === null ? "no speculation" : "speculates";
   showSpecCard();
+}
+
+/** What the prefix cache does for the whole server, from GET /metrics: the share of prompt
+ *  tokens it served and, with --prefix-cache-dir, the blocks on disk and the prompt tokens
+ *  read back from them (after a restart). An inspected request itself never hits: it runs
+ *  under a private cache root. */
+async function learnCacheRates() {
+  try {
+    const response = await fetch("/metrics");
+    if (!response.ok) return;
+    const chosen = $("model-picker").value;
+    const values = {};
+    const series = /^(tokenmill_prefix_cache_(?:hit_rate|disk_hit_tokens_total|disk_blocks))(?:\{([^}]*)\})? (\S+)$/;
+    for (const line of (await response.text()).split("\n")) {
+      const found = series.exec(line);
+      if (!found) continue;
+      const model = found[2] ? /model="((?:[^"\\]|\\.)*)"/.exec(found[2])?.[1] : undefined;
+      if (model === undefined || model === chosen) values[found[1]] = Number(found[3]);
+    }
+    const rate = values.tokenmill_prefix_cache_hit_rate;
+    if (rate === undefined) return;
+    let text = `prefix cache (all requests): ${(rate * 100).toFixed(0)}% of prompt tokens served from it`;
+    const onDisk = values.tokenmill_prefix_cache_disk_blocks;
+    if (onDisk) {
+      const read = values.tokenmill_prefix_cache_disk_hit_tokens_total ?? 0;
+      text += ` · on disk: ${plural(onDisk, "block")}, ${plural(read, "prompt token")} read back`;
+    }
+    $("kv-cache-text").textContent = text;
+  } catch {
+    // no /metrics to read: the line stays empty
+  }
 }
 
 /** The speculative-decoding card only where it can ever show something: on a server that
