@@ -176,3 +176,34 @@ def test_rerank_and_score_routes(classifier):
         completion = {"model": "rr", "prompt": "t5", "max_tokens": 2}
         r = httpx.post(f"{url}/v1/completions", json=completion, timeout=60)
         assert r.status_code == 400 and "does not generate" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("labels", [1, 2])
+def test_gguf_reranker_scores_as_transformers(labels, tmp_path):
+    """llama.cpp's reranker file: the language model plus its head as cls.output (one
+    label: a classifier's score; two: a converted yes/no reranker's no and yes rows, the
+    score P(yes) on the judging prompt)."""
+    import transformers as tf
+    from helpers import write_gguf
+
+    hf = build("qwen3", "classifier", tmp_path / "hf", labels=labels)
+    causal = tf.Qwen3ForCausalLM(
+        tf.Qwen3Config(**{**hf.config.to_dict(), "tie_word_embeddings": True})
+    )
+    causal.model.load_state_dict(hf.model.state_dict())
+    path = tmp_path / "reranker.gguf"
+    head = hf.score.weight.detach().float().numpy()
+    write_gguf(causal.eval(), path, "qwen3", extra={"cls.output.weight": head})
+    llm = LLM(str(path), kv_cache_memory="512tok", threads=1)
+    scorer = llm.engine.scorer
+    assert scorer.kind == "classifier" and scorer.judge == (labels == 2)
+    ids = [scorer.prompt(QUERY, d) for d in DOCUMENTS]
+    with torch.no_grad():
+        logits = [hf(torch.tensor([i])).logits[0].float() for i in ids]
+    expected = [
+        torch.sigmoid(x[0]).item() if labels == 1 else torch.softmax(x, 0)[1].item() for x in logits
+    ]
+    assert llm.score(QUERY, DOCUMENTS) == pytest.approx(expected, abs=2e-3)
+    with pytest.raises(RequestError, match="reranker .*does not generate"):
+        llm.generate("t5 t6")
+    llm.close()

@@ -11,6 +11,10 @@ Two kinds of reranker, told apart by the checkpoint:
     yes/no      a causal LM trained to answer "yes" or "no" (Qwen3-Reranker): the pair is
                 written into its judging prompt (YES_NO_TEMPLATE) and relevance =
                 P(yes) over {yes, no} = sigmoid(logit_yes - logit_no) from the LM head
+    GGUF        llama.cpp's reranker files carry the head as `cls.output` [labels, d]: one
+                label is a classifier's score, two a converted yes/no reranker's rows
+                (no, yes), scored P(yes) on the judging prompt (or the file's own
+                tokenizer.chat_template.rerank)
 
     read_scorer(path, arch, tokenizer, unembed)  -> Scorer (ScoringError if it cannot rank)
     Scorer.prompt(query, document, instruction)  -> the pair's token ids
@@ -50,10 +54,15 @@ class Scorer:
     tokenizer: Any
     head: Callable[[torch.Tensor], torch.Tensor]  # hidden [1, d] -> [1, 1] logit
     architecture: str = ""
+    judge: bool = False  # the pair goes into the judging prompt (a yes/no model's)
+    template: str | None = None  # a GGUF's rerank template: {query}, {document} replaced
 
     def prompt(self, query: str, document: str, instruction: str | None = None) -> list[int]:
         """The token ids the model scores for one (query, document) pair."""
-        if self.kind == "yes_no":
+        if self.template is not None:
+            text = self.template.replace("{query}", query).replace("{document}", document)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if self.judge:
             text = YES_NO_TEMPLATE.format(
                 system=YES_NO_SYSTEM,
                 instruction=instruction or DEFAULT_INSTRUCTION,
@@ -82,6 +91,8 @@ def read_scorer(
     *ForSequenceClassification, else the yes/no rows of its LM head (`unembed`: [B, d] ->
     [B, vocab] logits)."""
     architecture = classifier_architecture(path)
+    if architecture is not None and path.suffix == ".gguf":
+        return _gguf_scorer(path, tokenizer, architecture)
     if architecture is not None:
         weight = _score_weight(path, architecture)
         if weight.shape[0] != 1:
@@ -97,12 +108,52 @@ def read_scorer(
         logits = unembed(h.to(dtype))  # [1, vocab]
         return (logits[:, yes] - logits[:, no])[:, None]
 
-    return Scorer("yes_no", tokenizer, yes_minus_no, "a causal LM")
+    return Scorer("yes_no", tokenizer, yes_minus_no, "a causal LM", judge=True)
+
+
+def _gguf_scorer(path: Path, tokenizer: Any, architecture: str) -> Scorer:
+    """llama.cpp's reranker files: a `cls.output` head [labels, d] on the last token. One
+    label is a classifier's score (sigmoid); two are a converted yes/no reranker's
+    (Qwen3-Reranker: rows no, yes; llama.cpp takes their softmax), so the score is
+    P(yes) = sigmoid(l_yes - l_no), on the judging prompt. The file's own rerank template
+    (tokenizer.chat_template.rerank) is used when it has one."""
+    from tokenmill.loader.gguf_file import read_tensor
+    from tokenmill.loader.gguf_reader import open_gguf_file
+
+    f = open_gguf_file(path)
+    t = next(t for t in f.tensors if t.name == "cls.output.weight")
+    weight = torch.from_numpy(read_tensor(t, path).copy()).to(torch.float32)  # [labels, d]
+    labels = weight.shape[0]
+    if labels not in (1, 2):
+        raise ScoringError(f"{architecture} has {labels} labels: it classifies, it does not rank")
+    if labels == 1:
+        diff = weight
+    else:
+        diff = weight[1:2] - weight[0:1]  # yes - no
+    template = f.metadata.get("tokenizer.chat_template.rerank")
+    template = template if isinstance(template, str) and "{document}" in template else None
+    return Scorer(
+        "classifier",
+        tokenizer,
+        lambda h: h.float() @ diff.t(),
+        architecture,
+        judge=labels == 2,
+        template=template,
+    )
 
 
 def classifier_architecture(path: Path) -> str | None:
     """The *ForSequenceClassification architecture a model folder's config.json names, or
-    None (a causal LM, or a GGUF file)."""
+    a GGUF file's reranker head (cls.output, as llama.cpp's converter writes it); None for
+    a causal LM."""
+    if path.suffix == ".gguf" and path.is_file():
+        from tokenmill.loader.gguf_reader import open_gguf_file
+
+        f = open_gguf_file(path)
+        if any(t.name == "cls.output.weight" for t in f.tensors):
+            arch = f.metadata.get("general.architecture", "gguf")
+            return f"{arch} reranker (cls.output)"
+        return None
     config = path / "config.json" if path.is_dir() else None
     if config is None or not config.is_file():
         return None
