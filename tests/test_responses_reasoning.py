@@ -253,3 +253,22 @@ def test_with_several_models_served_the_reasoning_is_split_too(tmp_path):
         response = pair.responses.create(input="t5 t6", **{**GREEDY, "model": "thinking"})
         assert [item.type for item in response.output] == ["reasoning", "message"]
         assert response.output_text == CONTENT
+
+
+def test_ollama_chat_splits_the_thinking(served):
+    """Ollama's /api/chat through the ollama client: the thinking in message.thinking,
+    whole and streamed, the answer in content; /api/show names the capability."""
+    import ollama
+
+    client = ollama.Client(host=served, timeout=120)
+    messages = [{"role": "user", "content": "t5 t6"}]
+    options = {"temperature": 0, "num_predict": 20}
+    answer = client.chat(model="tiny", messages=messages, think=True, options=options)
+    assert answer.message.thinking == REASONING and answer.message.content == CONTENT
+    parts = list(client.chat(model="tiny", messages=messages, think=True, options=options,
+                             stream=True))  # fmt: skip
+    assert "".join(p.message.thinking or "" for p in parts) == REASONING
+    assert "".join(p.message.content or "" for p in parts) == CONTENT
+    generated = client.generate(model="tiny", prompt="t5 t6", think=True, options=options)
+    assert generated.thinking == REASONING and generated.response == CONTENT
+    assert "thinking" in client.show("tiny").capabilities
