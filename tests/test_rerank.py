@@ -207,3 +207,25 @@ def test_gguf_reranker_scores_as_transformers(labels, tmp_path):
     with pytest.raises(RequestError, match="reranker .*does not generate"):
         llm.generate("t5 t6")
     llm.close()
+
+
+@pytest.mark.slow
+def test_llama_cpp_scores_a_real_shape_reranker_alike():
+    """Random weights of Qwen3-Reranker-0.6B's shape as llama.cpp's converter lays a
+    reranker out (cls.output rows no, yes; rank pooling): llama.cpp's reranking mode and
+    tokenmill give each pair the same P(yes), up to llama.cpp's 8-bit activations, and
+    rank the documents alike (bench/rerank.py's engines, as `tokenmill bench --rerank`)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from tokenmill.bench import rerank, shapes
+
+    path = shapes.cached(rerank.DEFAULT_SHAPE, reranker=True)
+    ours = rerank.Tokenmill(path, threads=2, context=4096)
+    prompts = rerank.pairs(ours.engine.config.vocab_size, ours.engine.tokenizer.bos_token_id,
+                           n=8, length=64)  # fmt: skip
+    mine = ours.scores(prompts)
+    ours.llm.close()
+    theirs = rerank.LlamaCpp(path, threads=2, context=128).scores(prompts)
+    assert mine == pytest.approx(theirs, abs=0.03)
+    assert max(mine) - min(mine) > 0.05  # the documents do score differently
+    order = sorted(range(8), key=lambda i: -mine[i])
+    assert order[:2] == sorted(range(8), key=lambda i: -theirs[i])[:2]

@@ -228,6 +228,13 @@ def register(subparsers, add_model_args, add_sampling_args) -> None:
         help="measure embedding throughput instead (inputs/s at 32 and 512 tokens, beside "
         "llama.cpp's embedding mode on the same GGUF; bench/embeddings.py)",
     )
+    p.add_argument(
+        "--rerank",
+        action="store_true",
+        help="measure reranking instead (documents/s and the scores' agreement, beside "
+        "llama.cpp's reranking mode on the same reranker GGUF: --model's, or a random "
+        "Qwen3-Reranker-0.6B shape; bench/rerank.py)",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write the full report as JSON")
     p.add_argument(
         "--plot", default=None, metavar="PATH", help="write a PNG bar chart (needs matplotlib)"
@@ -275,6 +282,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
         from tokenmill.bench.types import cmd_types
 
         return cmd_types(args, cmd_bench)
+    if getattr(args, "rerank", False):
+        from tokenmill.bench.rerank import cmd_rerank
+
+        return cmd_rerank(args)
     left_out = apply_preset(args)
     use_shape(args)
     if args.device != "cpu":

@@ -49,6 +49,9 @@ DENSE = {
                          theta=500000.0, qkv_bias=False, tied=True),
     "llama-3.1-8b": dict(arch="llama", d=4096, f=14336, layers=32, heads=32, kv=8, vocab=128256,
                          theta=500000.0, qkv_bias=False, tied=False),
+    # Qwen3-0.6B (and Qwen3-Reranker-0.6B's tower): heads of 128 over d = 1024, Q/K norms
+    "qwen3-0.6b": dict(arch="qwen3", d=1024, f=3072, layers=28, heads=16, kv=8, hd=128,
+                       vocab=151669, theta=1000000.0, qkv_bias=False, tied=True),
 }  # fmt: skip
 # Mixture-of-experts shapes: E experts of width fe, top k; Q/K norms per head or over the
 # whole projection; an untied un-embedding.
@@ -200,8 +203,13 @@ def _vocab(w: gguf.GGUFWriter, vocab: int) -> None:
 
 
 def _dense(w: gguf.GGUFWriter, s: dict, plan: _Plan, family: str) -> None:
-    d, f, n_layers, hd = s["d"], s["f"], plan.n_layers, s["d"] // s["heads"]
+    d, f, n_layers = s["d"], s["f"], plan.n_layers
+    hd = s.get("hd") or d // s["heads"]
+    q_rows = s["heads"] * hd
     w.add_feed_forward_length(f)
+    if "hd" in s:
+        w.add_key_length(hd)
+        w.add_value_length(hd)
     if family == "gemma2":
         w.add_key_length(hd)
         w.add_value_length(hd)
@@ -225,14 +233,17 @@ def _dense(w: gguf.GGUFWriter, s: dict, plan: _Plan, family: str) -> None:
         if family == "phi3":  # [q; k; v] in one matrix
             plan.matrix(f"{blk}.attn_qkv.weight", d + 2 * kv, d, "attn_v", i)
         else:
-            for part, rows in (("attn_q", d), ("attn_k", kv), ("attn_v", kv)):
+            for part, rows in (("attn_q", q_rows), ("attn_k", kv), ("attn_v", kv)):
                 plan.matrix(f"{blk}.{part}.weight", rows, d, part, i)
                 if s["qkv_bias"]:
                     plan.vector(f"{blk}.{part}.bias", (rows,), None)
         if family == "olmo2":
             plan.vector(f"{blk}.attn_q_norm.weight", (d,))
             plan.vector(f"{blk}.attn_k_norm.weight", (kv,))
-        plan.matrix(f"{blk}.attn_output.weight", d, d, "attn_output", i)
+        if s["arch"] == "qwen3":  # per head
+            plan.vector(f"{blk}.attn_q_norm.weight", (hd,))
+            plan.vector(f"{blk}.attn_k_norm.weight", (hd,))
+        plan.matrix(f"{blk}.attn_output.weight", d, q_rows, "attn_output", i)
         if family in ("gemma2", "olmo2"):
             plan.vector(f"{blk}.post_attention_norm.weight", (d,))
         if family != "olmo2":
@@ -309,6 +320,18 @@ def plan(
     return w, tensors
 
 
+def reranker_plan(shape: str, ftype: str) -> tuple[gguf.GGUFWriter, _Plan]:
+    """`plan`'s file made a reranker as llama.cpp's converter makes Qwen3-Reranker: its
+    head as cls.output [2, d] (the LM head's "no" and "yes" rows, random here), the labels
+    as <arch>.classifier.output_labels, and rank pooling."""
+    w, tensors = plan(shape, ftype)
+    w.add_classifier_output_labels(["no", "yes"])
+    w.add_pooling_type(gguf.PoolingType.RANK)
+    d = (DENSE.get(shape) or MOE[shape])["d"]
+    tensors.vector("cls.output.weight", (2, d), None)
+    return w, tensors
+
+
 def tensor_bytes(shape: str, ftype: str, layers: int | None = None) -> int:
     """Bytes of the file's tensors, without writing it."""
     return sum(t.nbytes for t in plan(shape, ftype, layers)[1].tensors)
@@ -321,9 +344,11 @@ def write(
     layers: int | None = None,
     seed: int = 0,
     family: str = "llama",
+    reranker: bool = False,
 ) -> None:
-    """Write the file `plan` describes to `path`, one tensor in memory at a time."""
-    w, tensors = plan(shape, ftype, layers, family)
+    """Write the file `plan` (or `reranker_plan`) describes to `path`, one tensor in memory
+    at a time."""
+    w, tensors = reranker_plan(shape, ftype) if reranker else plan(shape, ftype, layers, family)
     rng = np.random.default_rng(seed)
     for t in tensors.tensors:
         w.add_tensor_info(t.name, t.shape, t.dtype, t.nbytes, raw_dtype=t.qtype)
@@ -335,9 +360,12 @@ def write(
     w.close()
 
 
-def cached(spec: str, layers: int | None = None, seed: int = 0, log=None) -> Path:
+def cached(
+    spec: str, layers: int | None = None, seed: int = 0, log=None, reranker: bool = False
+) -> Path:
     """The cached file of 'NAME[:TYPE]' (written first if missing): `layers` of the
-    model's (default: an MoE shape's bench_layers, a dense shape's all)."""
+    model's (default: an MoE shape's bench_layers, a dense shape's all); with `reranker`,
+    the shape made a reranker (reranker_plan), all its layers."""
     shape, ftype = parse_spec(spec)
     s = DENSE.get(shape) or MOE[shape]
     n = layers or s.get("bench_layers") or s["layers"]
@@ -345,14 +373,17 @@ def cached(spec: str, layers: int | None = None, seed: int = 0, log=None) -> Pat
         raise ValueError(f"--shape-layers must be at least 1, got {n}")
     folder = cache_dir() / "shapes"
     folder.mkdir(exist_ok=True)
-    path = folder / f"{shape}-{ftype}-{n}of{s['layers']}-seed{seed}.gguf"
+    kind = "-reranker" if reranker else ""
+    if reranker:
+        n = s["layers"]
+    path = folder / f"{shape}{kind}-{ftype}-{n}of{s['layers']}-seed{seed}.gguf"
     if path.exists():
         return path
     if log:
         log(f"writing {path.name}: random weights of {shape}'s shape as {ftype} (once)")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        write(shape, ftype, tmp, n, seed)
+        write(shape, ftype, tmp, n, seed, reranker=reranker)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
