@@ -12,6 +12,8 @@ Q3_K where 6-bit codes cannot run) are requantized by QuantLinear (REQUANT_GGUF_
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from gguf import GGMLQuantizationType as GT
 
@@ -291,19 +293,32 @@ def _grid_codes(blocks: np.ndarray, qtype: GT) -> np.ndarray | None:
         idx = blocks[..., 2:66].astype(np.uint16) | (
             _bits8(blocks[..., 66:74]).reshape(rows, nsup, 64).astype(np.uint16) << 8
         )
-        neg = _bits8(blocks[..., 74:106]).reshape(rows, nsup, 64, 4)
-        return _signed_codes(lv[idx], neg, 8).reshape(rows, -1)
+        signs = blocks[..., 74:106]  # a byte per 8 values: a nibble per grid entry of 4
+        nibbles = np.stack([signs & 15, signs >> 4], axis=-1).reshape(rows, nsup, 64)
+        return _entry_codes(qtype, 8)[idx, nibbles].view(np.uint8).reshape(rows, -1)
     if qtype == GT.IQ3_XXS:  # 64 index bytes (4 values each), then a uint32 per 32 values
         aux = np.ascontiguousarray(blocks[..., 66:98]).view(np.uint32)  # 4 x 7 sign bits
-        levels = lv[blocks[..., 2:66]].reshape(rows, nsup, 8, 4, 8)
-        n = 8
-    else:  # IQ2_XXS: per 32 values a uint32 of 4 index bytes (8 values each), one of signs
-        words = np.ascontiguousarray(blocks[..., 2:66]).view(np.uint32).reshape(rows, nsup, 8, 2)
-        aux = words[..., 1]
-        levels = lv[np.ascontiguousarray(words[..., 0]).view(np.uint8).reshape(rows, nsup, 8, 4)]
-        n = 3
-    neg = _bits8(ksigns[(aux[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & 127])
-    return _signed_codes(levels, neg, n).reshape(rows, -1)
+        signs = ksigns[(aux[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & 127]
+        nibbles = np.stack([signs & 15, signs >> 4], axis=-1).reshape(rows, nsup, 64)
+        return _entry_codes(qtype, 8)[blocks[..., 2:66], nibbles].view(np.uint8).reshape(rows, -1)
+    # IQ2_XXS: per 32 values a uint32 of 4 index bytes (8 values each), one of signs
+    words = np.ascontiguousarray(blocks[..., 2:66]).view(np.uint32).reshape(rows, nsup, 8, 2)
+    idx = np.ascontiguousarray(words[..., 0]).view(np.uint8).reshape(rows, nsup, 8, 4)
+    signs = ksigns[(words[..., 1, None] >> np.array([0, 7, 14, 21], np.uint32)) & 127]
+    return _entry_codes(qtype, 3)[idx, signs].view(np.uint8).reshape(rows, -1)
+
+
+@functools.cache
+def _entry_codes(qtype: GT, n: int) -> np.ndarray:
+    """Every grid entry's table indices under every sign pattern, packed one entry per
+    word: [entries, 2 ** per] of uint32 (4 values per entry) or uint64 (8), its bytes the
+    entry's values in order (bit v of the pattern: value v is negative). One gather per
+    entry then decodes a row, instead of sign bits expanded value by value."""
+    lv = _grid_levels(qtype)  # [entries, per]
+    per = lv.shape[1]
+    negative = ((np.arange(2**per)[:, None] >> np.arange(per)) & 1).astype(bool)  # [2^per, per]
+    codes = _signed_codes(lv[:, None, :], negative[None], n)  # [entries, 2^per, per]
+    return np.ascontiguousarray(codes).view(np.uint32 if per == 4 else np.uint64)[..., 0]
 
 
 def parse_grid(blocks: np.ndarray, qtype: GT):
