@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_samplers_llama_cpp import llama_cpp_apply
 
 from tokenmill.sampling import dry
 from tokenmill.sampling.params import ParamError, SamplingParams
@@ -160,21 +161,10 @@ def test_penalties_match_llama_cpp(smollm_path, allowed, last_n, breakers):
 
 
 def llama_cpp_logits(logits: np.ndarray, sampler) -> np.ndarray:
-    """The logits [V] after a llama.cpp sampler; the sampler is freed."""
-    import llama_cpp
-
-    v = logits.shape[0]
-    data = (llama_cpp.llama_token_data * v)()
-    for i, x in enumerate(logits.tolist()):
-        data[i].id, data[i].logit, data[i].p = i, x, 0.0
-    arr = llama_cpp.llama_token_data_array(data=data, size=v, selected=-1, sorted=False)
-    try:
-        llama_cpp.llama_sampler_apply(sampler, ctypes.byref(arr))
-    finally:
-        llama_cpp.llama_sampler_free(sampler)
-    out = np.empty(v, np.float32)
-    for i in range(arr.size):
-        out[arr.data[i].id] = arr.data[i].logit
+    """The logits [V] after a llama.cpp sampler that drops nothing (DRY)."""
+    out = np.full(logits.shape[0], np.nan, np.float32)
+    for i, x in llama_cpp_apply(logits, sampler).items():
+        out[i] = x
     return out
 
 

@@ -29,9 +29,9 @@ needs_llama_cpp = pytest.mark.skipif(
 )
 
 
-def llama_cpp_keeps(logits: np.ndarray, sampler) -> set[int]:
-    """The token ids a llama.cpp sampler leaves (with a finite logit) in an array of
-    `logits` [V]; the sampler is freed."""
+def llama_cpp_apply(logits: np.ndarray, sampler) -> dict[int, float]:
+    """A llama.cpp sampler applied to an array of `logits` [V]: the token ids it leaves,
+    each with its logit after it (the sampler is freed)."""
     import llama_cpp
 
     v = logits.shape[0]
@@ -44,7 +44,12 @@ def llama_cpp_keeps(logits: np.ndarray, sampler) -> set[int]:
     finally:
         llama_cpp.llama_sampler_free(sampler)
     kept = arr.data  # a sampler may move the array's start (XTC drops its head)
-    return {kept[i].id for i in range(arr.size) if np.isfinite(kept[i].logit)}
+    return {kept[i].id: kept[i].logit for i in range(arr.size)}
+
+
+def llama_cpp_keeps(logits: np.ndarray, sampler) -> set[int]:
+    """The token ids a llama.cpp sampler leaves with a finite logit in `logits` [V]."""
+    return {i for i, x in llama_cpp_apply(logits, sampler).items() if np.isfinite(x)}
 
 
 def rows(seed: int, n: int = 6, vocab: int = 49152) -> np.ndarray:
