@@ -1014,7 +1014,6 @@ async function showServedModel() {
     line.textContent = `model: unknown (GET /v1/models failed: ${err.message})`;
   }
   await learnSpeculation();
-  await learnCacheRates();
 }
 
 /** Whether the chosen model speculates, from GET /metrics (open even behind an API key): a
@@ -1046,8 +1045,8 @@ async function learnSpeculation() {
 
 /** What the prefix cache does for the whole server, from GET /metrics: the share of prompt
  *  tokens it served and, with --prefix-cache-dir, the blocks on disk and the prompt tokens
- *  read back from them (after a restart). An inspected request itself never hits: it runs
- *  under a private cache root. */
+ *  read back from them (after a restart); after each answer, as the pool line beside it.
+ *  An inspected request itself never hits: it runs under a private cache root. */
 async function learnCacheRates() {
   try {
     const response = await fetch("/metrics");
@@ -1121,7 +1120,7 @@ function fillModelPicker(cards) {
 const PRISTINE = [
   "phase", "phase-detail", "stat-ttft", "stat-tps", "stat-plain", "stat-kv", "sequence", "seq-count",
   "choice-where", "choice-title", "funnel", "alternatives", "att-where", "heads", "att-hover",
-  "att-top", "kv-text", "kv-blocks", "kv-pool-text", "timing-text", "token-where", "token-detail",
+  "att-top", "kv-text", "kv-blocks", "kv-pool-text", "kv-cache-text", "timing-text", "token-where", "token-detail",
   "layers-where", "layers",
 ].map((id) => [$(id), $(id).innerHTML, $(id).className]);
 const PRISTINE_SHAPES = [...document.querySelectorAll("[data-shape]")].map((n) => [n, n.textContent]);
