@@ -148,3 +148,7 @@ def test_a_restarted_server_reads_a_long_system_prompt_from_disk(smollm_path, tm
     assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
     hits = re.search(r"^tokenmill_prefix_cache_disk_hit_tokens_total (\S+)", metrics, re.M)
     assert hits is not None and float(hits[1]) >= prompt_tokens - 16 - 16
+    # OpenAI's usage says so too: the restarted server computed only the last partial block
+    assert answers[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = answers[1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (prompt_tokens - 1) // 16 * 16

@@ -577,13 +577,13 @@ async def _run(
         fields=type(body).model_fields,
     )
     if body.stream:
-        events = _events(request, fmt, stream, num_prompt, body.include_usage)
+        events = _events(request, fmt, stream, num_prompt, body.include_usage, params.n)
         return EventStream(events, stream, fmt.id)
     generations = await unless_disconnected(request, stream.collect())
     if generations is None:
         log.info("%s: client disconnected; aborted", fmt.id)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONResponse(fmt.response(generations, num_prompt))
+    return JSONResponse(fmt.response(generations, num_prompt, params.n))
 
 
 async def _events(
@@ -592,14 +592,19 @@ async def _events(
     stream: RequestStream,
     num_prompt: int,
     include_usage: bool,
+    n: int = 1,
 ) -> AsyncIterator[str]:
-    """The SSE body: opening chunks, one chunk per engine output, usage, [DONE]."""
+    """The SSE body: opening chunks, one chunk per engine output, usage, [DONE]. n:
+    choices per prompt (each prompt's first choice counts the prompt's cached tokens)."""
     for chunk in fmt.opening_chunks(len(stream.request_ids)):
         yield sse(chunk)
     num_completion = 0
+    cached: dict[int, int] = {}  # the first choice of each prompt -> its cached tokens
     try:
         async for index, out in stream:
             num_completion += len(out.token_ids)
+            if index % n == 0:
+                cached[index] = max(cached.get(index, 0), out.num_cached_tokens)
             chunk = fmt.chunk(index, out)
             if chunk is not None:
                 yield sse(chunk)
@@ -615,5 +620,5 @@ async def _events(
         yield sse("[DONE]")
         return
     if include_usage:
-        yield sse(fmt.usage_chunk(num_prompt, num_completion))
+        yield sse(fmt.usage_chunk(num_prompt, num_completion, sum(cached.values())))
     yield sse("[DONE]")

@@ -85,8 +85,10 @@ class Generation:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     reasoning: str = ""  # with SamplingParams.reasoning: the thinking (text is the answer)
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (not computed)
 
     def add(self, out: RequestOutput) -> None:
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         self.text += out.text
         self.reasoning += out.reasoning
         self.token_ids += out.token_ids

@@ -526,11 +526,14 @@ def check_fits(
 # --------------------------------------------------------------------------- responses
 
 
-def usage(num_prompt: int, num_completion: int) -> dict[str, int]:
+def usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict[str, Any]:
+    """OpenAI's usage, with prompt_tokens_details.cached_tokens: the prompt tokens the
+    prefix cache (in memory or on disk) served, which were not computed again."""
     return {
         "prompt_tokens": num_prompt,
         "completion_tokens": num_completion,
         "total_tokens": num_prompt + num_completion,
+        "prompt_tokens_details": {"cached_tokens": num_cached},
     }
 
 
@@ -570,13 +573,23 @@ class _Format:
             **extra,
         }
 
-    def response(self, generations: list[Generation], num_prompt: int) -> dict[str, Any]:
+    def response(
+        self, generations: list[Generation], num_prompt: int, n: int = 1
+    ) -> dict[str, Any]:
+        """The whole answer; n: choices per prompt (each prompt's first choice says how
+        much of it the cache served)."""
         choices = [self._choice(i, g) for i, g in enumerate(generations)]
         num_completion = sum(len(g.token_ids) for g in generations)
-        return self._envelope(self.object_name, choices, usage=usage(num_prompt, num_completion))
+        cached = sum(g.num_cached_tokens for g in generations[::n])
+        return self._envelope(
+            self.object_name, choices, usage=usage(num_prompt, num_completion, cached)
+        )
 
-    def usage_chunk(self, num_prompt: int, num_completion: int) -> dict[str, Any]:
-        return self._envelope(self.chunk_object_name, [], usage=usage(num_prompt, num_completion))
+    def usage_chunk(
+        self, num_prompt: int, num_completion: int, num_cached: int = 0
+    ) -> dict[str, Any]:
+        usage_ = usage(num_prompt, num_completion, num_cached)
+        return self._envelope(self.chunk_object_name, [], usage=usage_)
 
     def _choice(self, index: int, generation: Generation) -> dict[str, Any]:
         raise NotImplementedError
