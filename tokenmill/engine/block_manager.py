@@ -153,8 +153,7 @@ class BlockManager:
         caller takes it as it takes a cached one); None when the store lacks it."""
         if self.store is None or not self.free or not self.store.has(h):
             return None
-        block_id = next(iter(self.free))  # the least recently freed, as _take_free takes
-        self._take_free()
+        block_id = self._take_free()  # the least recently freed
         if not self.store.load(h, parent, tokens, block_id):
             self.blocks[block_id].ref_count = 0
             self.free[block_id] = None

@@ -244,7 +244,6 @@ class LLMEngine:
         self.max_model_len = min(self.config.max_position, self.cache.capacity_tokens)
         self.requests: dict[str, _Request] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
-        self._token_bytes: list[bytes] | None = None  # [vocab] each id's text, once DRY asks
         self._dry_breakers: dict[tuple[str, ...], Breakers] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens_computed": 0}
         self.speculator = None
@@ -267,8 +266,6 @@ class LLMEngine:
             self.scheduler.propose = self._propose
         self._pooling: Pooling | None = None
         self._scorer: Scorer | None = None
-        # a *ForSequenceClassification checkpoint's architecture: it scores, never generates
-        self.classifier = classifier_architecture(self.path)
 
     def close(self) -> None:
         """Stop the other ranks of a parallel run, wait for their processes to end and
@@ -342,12 +339,11 @@ class LLMEngine:
             return None
         key = tuple(params.dry_sequence_breakers)
         if key not in self._dry_breakers:
-            if self._token_bytes is None:
-                self._token_bytes = self.tokenizer.token_bytes()
             encode = functools.partial(
                 self.tokenizer.encode, add_special_tokens=False, parse_special=False
             )
-            self._dry_breakers[key] = dry.sequence_breakers(self._token_bytes, encode, key)
+            token_bytes = self.tokenizer.token_bytes()
+            self._dry_breakers[key] = dry.sequence_breakers(token_bytes, encode, key)
         return self._dry_breakers[key]
 
     def encode_chat(
@@ -458,6 +454,13 @@ class LLMEngine:
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(ids)
         return len(ids)
+
+    @functools.cached_property
+    def classifier(self) -> str | None:
+        """A *ForSequenceClassification checkpoint's architecture (or a GGUF reranker's):
+        it scores, never generates. Read on the first request, not at every start (a GGUF
+        is parsed again for it)."""
+        return classifier_architecture(self.path)
 
     @property
     def scorer(self) -> Scorer:

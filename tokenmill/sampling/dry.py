@@ -20,6 +20,7 @@ context (prompt and output).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,11 @@ class Breakers:
     must follow it to complete a breaker (an empty tail: the head is one by itself)."""
 
     tails: dict[int, tuple[tuple[int, ...], ...]]
+
+    @functools.cached_property
+    def heads(self) -> np.ndarray:
+        """[H] int64: the head token ids, for the search of a context."""
+        return np.fromiter(self.tails, np.int64, len(self.tails))
 
     def single_token(self, token_id: int) -> bool:
         return () in self.tails.get(token_id, ())
@@ -89,7 +95,7 @@ def penalties(
     back = context[::-1]  # [L] back[0] is the newest token
     # The newest breaker bounds every run: a run may not reach back across it
     limit = n_ctx
-    heads = np.flatnonzero(np.isin(back, np.fromiter(breakers.tails, np.int64)))
+    heads = np.flatnonzero(np.isin(back, breakers.heads))
     for i in heads.tolist():
         longest = -1
         for tail in breakers.tails[int(back[i])]:

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from tokenmill.engine import report
@@ -63,6 +63,7 @@ from tokenmill.server.metrics import CLIENT_CLOSED_REQUEST
 from tokenmill.server.model_pool import ModelPool, engine_bytes
 from tokenmill.server.protocol import check_fits, function_tool, make_sampling_params, resolve_tools
 from tokenmill.server.running import (
+    EventStream,
     chat_prompt,
     check_model,
     engine_of,
@@ -371,7 +372,9 @@ async def _answer(
         fields=type(body).model_fields,
     )
     if body.stream:
-        return _NDJSONStream(_lines(request, fmt, stream), stream, request_id)
+        return EventStream(
+            _lines(request, fmt, stream), stream, request_id, media_type="application/x-ndjson"
+        )
     parts = await unless_disconnected(request, _whole(fmt, stream))
     if parts is None:
         log.info("%s: client disconnected; aborted", request_id)
@@ -494,21 +497,6 @@ async def _lines(request: Request, fmt: OllamaFormat, stream: RequestStream) -> 
     except Exception:  # a line that could not be made: the stream still ends cleanly
         log.exception("the Ollama stream failed")
         yield json.dumps(format_ollama(to_api_error(InternalError()))) + "\n"
-
-
-class _NDJSONStream(StreamingResponse):
-    """Newline-delimited JSON that aborts its request however the response ends."""
-
-    def __init__(self, lines: AsyncIterator[str], stream: RequestStream, request_id: str):
-        super().__init__(lines, media_type="application/x-ndjson")
-        self._stream, self._request_id = stream, request_id
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            if self._stream.abort():
-                log.info("%s: client disconnected mid-stream; aborted", self._request_id)
 
 
 # --------------------------------------------------------------------------- embeddings

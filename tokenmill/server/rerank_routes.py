@@ -137,28 +137,26 @@ async def score(
     model = check_model(request, body.model)
     firsts = [body.text_1] if isinstance(body.text_1, str) else body.text_1
     seconds = [body.text_2] if isinstance(body.text_2, str) else body.text_2
-    if len(firsts) != 1:
-        # vLLM pairs text_1[i] with text_2[i]; one query against documents is what ranks
-        if len(firsts) != len(seconds):
-            raise invalid(
-                f"text_1 has {len(firsts)} texts and text_2 {len(seconds)}: give one text_1, "
-                "or as many as text_2",
-                "text_1",
-            )
-    pairs = [(firsts[0] if len(firsts) == 1 else firsts[i], t) for i, t in enumerate(seconds)]
-    scores, tokens = [], 0
-    for query in dict.fromkeys(q for q, _ in pairs):
-        # the pairs of one query go as one batch; their order is kept below
-        docs = [t for q, t in pairs if q == query]
+    if len(firsts) not in (1, len(seconds)):  # vLLM pairs text_1[i] with text_2[i]
+        raise invalid(
+            f"text_1 has {len(firsts)} texts and text_2 {len(seconds)}: give one text_1, "
+            "or as many as text_2",
+            "text_1",
+        )
+    queries = firsts * len(seconds) if len(firsts) == 1 else firsts
+    by_query: dict[str, list[int]] = {}  # each query's pairs go as one batch
+    for i, query in enumerate(queries):
+        by_query.setdefault(query, []).append(i)
+    scores, tokens = [0.0] * len(seconds), 0
+    for query, indices in by_query.items():
+        docs = [seconds[i] for i in indices]
         scored = await _scores(request, query, docs, body.instruction, ScoreRequest.model_fields)
         if scored is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        scores.append(dict(zip(docs, scored[0], strict=True)))
+        for i, value in zip(indices, scored[0], strict=True):
+            scores[i] = value
         tokens += scored[1]
-    by_query = dict(zip(dict.fromkeys(q for q, _ in pairs), scores, strict=True))
-    data = [
-        {"index": i, "object": "score", "score": by_query[q][t]} for i, (q, t) in enumerate(pairs)
-    ]
+    data = [{"index": i, "object": "score", "score": v} for i, v in enumerate(scores)]
     return JSONResponse(
         {
             "id": f"score-{uuid.uuid4().hex}",

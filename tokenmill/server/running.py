@@ -261,13 +261,20 @@ async def start_request(
 
 
 class EventStream(StreamingResponse):
-    """An SSE response that aborts its request however the response ends: finished,
+    """A streamed response (SSE by default) that aborts its request however the response ends: finished,
     client gone (Starlette cancels the body iterator), or never started."""
 
-    def __init__(self, events: AsyncIterator[str], stream: RequestStream, request_id: str):
+    def __init__(
+        self,
+        events: AsyncIterator[str],
+        stream: RequestStream,
+        request_id: str,
+        media_type: str = "text/event-stream",
+    ):
+        """media_type: what the events are (Ollama's API streams NDJSON lines)."""
         super().__init__(
             events,
-            media_type="text/event-stream",
+            media_type=media_type,
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self._stream, self._request_id = stream, request_id
