@@ -23,6 +23,12 @@
  *
  * Exactness: |c - Z| <= 128 and |q| <= 32767, so a 32-value unit sums to < 2^31; 6-bit
  * units are 16 values (|c - 32| <= 32).
+ *
+ * 8-bit activations on VNNI builds (TM_DOT8): the codes stay unsigned bytes, four per
+ * int32 ("quads": tw8 uint32 [K/4, RT]), the activations int8, and vpdpbusd adds four
+ * products per lane: half the instructions per unit of the 16-bit path, and half the tile.
+ * The zero point leaves as an integer: sum (c - Z) q = sum c q - Z sum q, with sum q per
+ * unit and token computed once per call. |c| <= 255, |q| <= 127: exact in int32.
  */
 #include "tm.h"
 
@@ -204,12 +210,196 @@ DEF_MICRO_N(1, 0)
 /* [six][mins][n - 1] (6-bit codes have no mins); the first NT of each row are used */
 static const micro_fn MICRO[2][2][NT_MAX] = {{MICRO_ROW(0, 0), MICRO_ROW(0, 1)}, {MICRO_ROW(1, 0), MICRO_ROW(1, 0)}};
 
+#if TM_DOT8
+/* ------------------------------------------------------------------------------ */
+/* 8-bit activations: code quads and vpdpbusd                                      */
+/* ------------------------------------------------------------------------------ */
+
+/* The 8-bit tile of rows [r0, r0 + RT): codes (unsigned, zero point not taken) four to an
+ * int32, quad q (values 4q..4q+3) of row r0 + l at tw[q * RT + l]; scales and mins as
+ * build_tile's. A lane-order group's code vector i holds quad i of each of its TM_W
+ * blocks in lane k: one transpose over TM_W rows puts block k's quad i of every row in
+ * one vector. */
+static void build_tile8(const tm_weight *w, int r0, uint32_t *tw, float *td, float *tm) {
+    const int nb = w->k / QK, nfull = nb / TM_GB;
+    const size_t rb = row_bytes(w);
+    const uint8_t *rp[RT];
+    for (int l = 0; l < RT; l++) rp[l] = w->codes + (size_t)(r0 + l < w->n ? r0 + l : w->n - 1) * rb;
+    const vb table = vb_table(w->lut ? w->lut : tm_no_table);
+    for (int s = 0; s < GR; s++)
+        for (int g = 0; g < nfull; g++) {
+            vb c[TM_W][8];
+            for (int l = 0; l < TM_W; l++) {
+                tm_group_codes(rp[s * TM_W + l], g, w->bits, c[l]);
+                if (w->lut) tm_lookup_codes(table, c[l]);
+            }
+            for (int i = 0; i < 8; i++) {
+                vi v[TM_W];
+                for (int l = 0; l < TM_W; l++) v[l] = c[l][i];
+                vi_transpose(v); /* v[k] lane l: row l's quad i of block k */
+                for (int k = 0; k < TM_W; k++)
+                    vi_store((int32_t *)tw + ((size_t)(g * TM_W + k) * (QK / 4) + i) * RT + s * TM_W, v[k]);
+            }
+        }
+    for (int l = 0; l < RT; l++) {
+        for (int b = nfull * TM_GB; b < nb; b++) { /* the tail blocks */
+            uint8_t c[QK];
+            block_codes(w, rp[l], b, c);
+            uint32_t *d = tw + (size_t)b * (QK / 4) * RT + l;
+            for (int j = 0; j < QK / 4; j++)
+                d[j * RT] = c[4 * j] | (uint32_t)c[4 * j + 1] << 8 | (uint32_t)c[4 * j + 2] << 16 | (uint32_t)c[4 * j + 3] << 24;
+        }
+        tile_scales(w, r0 + l < w->n ? r0 + l : w->n - 1, td + l, tm + l);
+    }
+}
+
+/* micro's 8-bit twin: xq int8 [n, K], xs the int sums of q per unit [n, nu] (for the zero
+ * point z; MINS weights have z = 0 and need none). */
+static inline __attribute__((always_inline)) void micro8(const uint32_t *tw, const float *td, const float *tm,
+                                                         const int8_t *xq, const int32_t *xs, const float *dx,
+                                                         const float *sx, int K, int z, int n, int SIX, int MINS,
+                                                         float *out) {
+    const int nb = K / QK, S = SIX ? QK / 8 : QK / 4, upb = SIX ? 2 : 1, nu = nb * upb; /* S: quads per unit */
+    const int32_t *xp[NT_MAX];
+    for (int t = 0; t < n; t++) xp[t] = (const int32_t *)(xq + (size_t)t * K);
+    vf acc[GR][NT_MAX];
+    for (int g = 0; g < GR; g++)
+        for (int t = 0; t < n; t++) acc[g][t] = vf_zero();
+    for (int b = 0; b < nb; b++) {
+        for (int h = 0; h < upb; h++) {
+            const int u = b * upb + h;
+            const int32_t *wu = (const int32_t *)tw + (size_t)u * S * RT;
+            const size_t pu = (size_t)u * S;
+            vi s[GR][NT_MAX];
+            for (int g = 0; g < GR; g++)
+                for (int t = 0; t < n; t++) s[g][t] = vi_zero();
+#pragma GCC unroll 1
+            for (int st = 0; st < S; st++) {
+                vi wv[GR];
+                for (int g = 0; g < GR; g++) wv[g] = vi_load(wu + st * RT + g * TM_W);
+                for (int t = 0; t < n; t++) {
+                    const int32_t x4 = xp[t][pu + st];
+                    for (int g = 0; g < GR; g++) s[g][t] = vi_dot8(s[g][t], wv[g], x4);
+                }
+            }
+            for (int g = 0; g < GR; g++) {
+                const vf d = vf_load(td + (size_t)u * RT + g * TM_W);
+                for (int t = 0; t < n; t++) {
+                    vf sf = vf_from_vi(s[g][t]); /* < 2^21 in magnitude: exact in float */
+                    if (!MINS) sf = vf_sub(sf, vf_set1((float)(z * xs[(size_t)t * nu + u])));
+                    acc[g][t] = vf_fma(sf, vf_mul(d, vf_set1(dx[(size_t)t * nb + b])), acc[g][t]);
+                }
+            }
+        }
+        if (MINS)
+            for (int g = 0; g < GR; g++) {
+                const vf m = vf_load(tm + (size_t)b * RT + g * TM_W);
+                for (int t = 0; t < n; t++) acc[g][t] = vf_fma(m, vf_set1(sx[(size_t)t * nb + b]), acc[g][t]);
+            }
+    }
+    for (int t = 0; t < n; t++)
+        for (int g = 0; g < GR; g++) vf_store(out + t * RT + g * TM_W, acc[g][t]);
+}
+
+typedef void (*micro8_fn)(const uint32_t *, const float *, const float *, const int8_t *, const int32_t *,
+                          const float *, const float *, int, int, float *);
+#define DEF_MICRO8(N, SIX, MINS)                                                                              \
+    static void micro8_##N##_##SIX##_##MINS(const uint32_t *tw, const float *td, const float *tm,             \
+                                            const int8_t *xq, const int32_t *xs, const float *dx,             \
+                                            const float *sx, int K, int z, float *out) {                      \
+        micro8(tw, td, tm, xq, xs, dx, sx, K, z, N, SIX, MINS, out);                                          \
+    }
+#define DEF_MICRO8_N(SIX, MINS) \
+    DEF_MICRO8(1, SIX, MINS) DEF_MICRO8(2, SIX, MINS) DEF_MICRO8(3, SIX, MINS) DEF_MICRO8(4, SIX, MINS)
+DEF_MICRO8_N(0, 0)
+DEF_MICRO8_N(0, 1)
+DEF_MICRO8_N(1, 0)
+#define MICRO8_ROW(SIX, MINS) \
+    {micro8_1_##SIX##_##MINS, micro8_2_##SIX##_##MINS, micro8_3_##SIX##_##MINS, micro8_4_##SIX##_##MINS}
+static const micro8_fn MICRO8[2][2][NT_MAX] = {{MICRO8_ROW(0, 0), MICRO8_ROW(0, 1)},
+                                               {MICRO8_ROW(1, 0), MICRO8_ROW(1, 0)}};
+#endif
+
 /* ------------------------------------------------------------------------------ */
 /* The entry point                                                                 */
 /* ------------------------------------------------------------------------------ */
 
 static __thread tm_buf act_buf;  /* the calling thread's int16 activations */
 static __thread tm_buf tile_buf; /* each thread's weight tile */
+
+#if TM_DOT8
+static __thread tm_buf act8_buf; /* the calling thread's int8 activations and unit sums */
+
+/* tm_gemm with 8-bit activations on a VNNI build: the same quantization (tm_quant_block,
+ * qmax 127), the activations narrowed to int8 and summed per unit, code-quad tiles. */
+static int gemm8(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads) {
+    const int K = w->k, N = w->n, nb = K / QK, six = w->bits == 6, nu = six ? 2 * nb : nb, z = zero_point(w);
+    /* ---- x -> int8 [T, K], xs int32 [T, nu], dx and sx float [T, nb] ---- */
+    const size_t qbytes = ((size_t)T * K + 63) & ~(size_t)63, sbytes = (size_t)T * nu * 4, fbytes = (size_t)T * nb * 4;
+    char *abuf = tm_buf_get(&act8_buf, qbytes + sbytes + 2 * fbytes);
+    if (!abuf) return 0;
+    int8_t *xq = (int8_t *)abuf;
+    int32_t *xs = (int32_t *)(abuf + qbytes);
+    float *dx = (float *)(abuf + qbytes + sbytes), *sx = dx + (size_t)T * nb;
+    int nt = tm_team(nthreads, T);
+    (void)nt;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int t = 0; t < T; t++)
+        for (int b = 0; b < nb; b++) {
+            const size_t o = (size_t)t * K + (size_t)b * QK, i = (size_t)t * nb + b;
+            int16_t q[QK];
+            tm_quant_block(x + o, 127.f, q, dx + i, sx + i);
+            int32_t hs[2] = {0, 0};
+            for (int j = 0; j < QK; j++) {
+                xq[o + j] = (int8_t)q[j];
+                hs[j >= QK / 2] += q[j];
+            }
+            if (six) {
+                xs[(size_t)t * nu + 2 * b] = hs[0];
+                xs[(size_t)t * nu + 2 * b + 1] = hs[1];
+            } else {
+                xs[(size_t)t * nu + b] = hs[0] + hs[1];
+            }
+        }
+    /* ---- tiles of RT rows, one thread each, every token ---- */
+    const int ntiles = (N + RT - 1) / RT;
+    const size_t twords = (size_t)K / 4 * RT, tfloats = (size_t)(nu + nb) * RT;
+    const micro8_fn *mk = MICRO8[six][w->mins != NULL];
+    int oom = 0;
+    for (int tp = 0; tp < T; tp += TOKEN_PASS) {
+        const int tend = T - tp < TOKEN_PASS ? T : tp + TOKEN_PASS;
+        nt = tm_team(nthreads, ntiles);
+        int64_t start = tm_now(), done = start;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+        {
+#pragma omp for schedule(dynamic) nowait
+            for (int tile = 0; tile < ntiles; tile++) {
+                uint32_t *tw = tm_buf_get(&tile_buf, twords * 4 + tfloats * 4);
+                if (!tw) {
+                    oom = 1;
+                    continue;
+                }
+                float *td = (float *)(tw + twords), *tm = td + (size_t)nu * RT;
+                const int r0 = tile * RT, rows = N - r0 < RT ? N - r0 : RT;
+                build_tile8(w, r0, tw, td, tm);
+                float out[NT * RT];
+                for (int t0 = tp; t0 < tend; t0 += NT) {
+                    const int n = tend - t0 < NT ? tend - t0 : NT;
+                    mk[n - 1](tw, td, tm, xq + (size_t)t0 * K, xs + (size_t)t0 * nu, dx + (size_t)t0 * nb,
+                              sx + (size_t)t0 * nb, K, z, out);
+                    for (int t = 0; t < n; t++) {
+                        float *yr = y + (size_t)(t0 + t) * N + r0;
+                        for (int l = 0; l < rows; l++) yr[l] = out[t * RT + l] + (bias ? bias[r0 + l] : 0.f);
+                    }
+                }
+            }
+            if (tm_thread_id() == 0) done = tm_now();
+        }
+        tm_team_done(nt, start, done);
+    }
+    return oom ? 0 : 1;
+}
+#endif
 
 /* y [T, N] = x [T, K] @ W^T (+ bias) for packed weights (bits 4, 5, 6 or 8; one segment),
  * activations quantized per 32-block to 16 bits if act16, else to the 8-bit range.
@@ -219,6 +409,9 @@ int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bi
     if (w->bits != 4 && w->bits != 5 && w->bits != 6 && w->bits != 8) return -1;
     const int K = w->k, N = w->n, nb = K / QK, six = w->bits == 6;
     if ((six && !w->dsup) || (whole_groups_only(w->bits) && nb % TM_GB)) return -1;
+#if TM_DOT8
+    if (!act16) return gemm8(w, x, T, y, bias, nthreads);
+#endif
     /* ---- x -> int16 [T, K], dx and sx [T, nb] ---- */
     const size_t qbytes = ((size_t)T * K * 2 + 63) & ~(size_t)63, fbytes = (size_t)T * nb * 4;
     char *abuf = tm_buf_get(&act_buf, qbytes + 2 * fbytes);

@@ -50,6 +50,8 @@
  *   group_dot8(c, n, x) -> vi: group_dot for 8-bit activations q (|q| <= 127) read as
  *                         int8 x: the exact sum of c * q, no term left out; layers with
  *                         VNNI only (TM_DOT8 1), where it takes half group_dot's work.
+ *   vi_dot8(acc, w, x4) -> vi: acc + per lane the lane's four unsigned bytes times x4's
+ *                         four signed bytes, summed (vpdpbusd; TM_DOT8 layers only).
  * Wide layers only (4 TM_W > 32: a vector holds two blocks, AVX-512):
  *   vb_tail_pair(p, bits) two natural-order tail blocks as one code vector (linear.c),
  *   vi_sum_halves(v, &lo, &hi) the sums of the lower and the upper half of the lanes,

@@ -222,6 +222,9 @@ static inline vi group_dot8(const vb *c, int n, const int8_t *x) {
         a[i & 1] = vnni_dpbusd(a[i & 1], c[i], _mm256_loadu_si256((const __m256i *)(x + 32 * i)));
     return _mm256_add_epi32(a[0], a[1]);
 }
+/* acc + per lane: the lane's four unsigned bytes (codes) times x4's four signed bytes,
+ * summed (32 MACs): the 8-bit GEMM's core (gemm.c). */
+static inline vi vi_dot8(vi acc, vi w, int32_t x4) { return vnni_dpbusd(acc, w, _mm256_set1_epi32(x4)); }
 #else
 static inline vi group_dot(const vb *c, int n, const int8_t *xh, const uint8_t *xl, int bits) {
     const __m256i zero = _mm256_setzero_si256();

@@ -385,4 +385,14 @@ static inline vi group_dot8(const vb *c, int n, const int8_t *x) {
     for (int i = 0; i < n; i++) a[i & 1] = _mm512_dpbusd_epi32(a[i & 1], c[i], _mm512_loadu_si512(x + 64 * i));
     return _mm512_add_epi32(a[0], a[1]);
 }
+/* acc + per lane: the lane's four unsigned bytes (codes) times x4's four signed bytes,
+ * summed (64 MACs): the 8-bit GEMM's core (gemm.c). Written out in place like vi_madd16. */
+static inline vi vi_dot8(vi acc, vi w, int32_t x4) {
+#if !defined(TM_SIMDE_AVX512)
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(_mm512_set1_epi32(x4)));
+    return acc;
+#else
+    return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4));
+#endif
+}
 #endif
