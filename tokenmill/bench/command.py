@@ -64,7 +64,7 @@ def build_workload(args: argparse.Namespace, path: Path, threads: int) -> Worklo
         skip=args.skip,
         kv_cache_memory=args.kv_cache_memory,
         peer_batch_size=args.peer_batch_size,
-        activation_bits=getattr(args, "activation_bits", "auto"),
+        activation_bits=getattr(args, "activation_bits", 16),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
     )

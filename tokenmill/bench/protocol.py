@@ -71,7 +71,7 @@ class Workload:
     skip: list[str]
     kv_cache_memory: str | None
     peer_batch_size: int
-    activation_bits: int | str = "auto"  # tokenmill only: its kernels' activation precision
+    activation_bits: int = 16  # tokenmill only: its kernels' activation precision
     tensor_parallel_size: int = 1  # tokenmill only: its ranks (peers run on one process)
     pipeline_parallel_size: int = 1
 

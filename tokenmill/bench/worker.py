@@ -50,7 +50,6 @@ class TokenmillRunner:
             "notes": [
                 "prefix caching off",
                 f"prefill of packed weights: {engine.info()['prefill']}",
-                f"{engine.activation_bits}-bit activations",
                 f"GEMV prefetch {kernels.prefetch_bytes()} bytes ahead",
             ],
         }

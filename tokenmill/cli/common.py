@@ -187,14 +187,13 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
     them."""
     p.add_argument(
         "--activation-bits",
-        type=lambda v: v if v == "auto" else int(v),
-        choices=("auto", 8, 16),
-        default="auto",
-        metavar="{auto,8,16}",
-        help="what packed weights' kernels quantize activations to, per 32 values: 8 "
-        "(llama.cpp's q8 scheme: faster on VNNI CPUs, above all for prefill and batches), "
-        "16 (greedy tokens match the float model's) or auto (the default: 8 for a GGUF "
-        "file, 16 for weights quantized from a float checkpoint)",
+        type=int,
+        choices=(8, 16),
+        default=16,
+        metavar="{8,16}",
+        help="what packed weights' kernels quantize activations to, per 32 values: 16 (the "
+        "default: greedy tokens match the float model's) or 8 (llama.cpp's q8 scheme: "
+        "faster on VNNI CPUs, above all for batches and prefill)",
     )
     p.add_argument(
         "--kv-cache-dtype",

@@ -96,7 +96,6 @@ class EngineParts:
     eos_token_ids: list[int]  # model_eos_ids
     quantization: str | None  # models/quantize.py's scheme, None: torch Linears
     model: ModelParts
-    activation_bits: int  # what packed kernels quantize activations to ("auto" resolved)
 
 
 ParallelBuilder = Callable[[ParallelRequest], ModelParts]
@@ -124,24 +123,12 @@ def kv_cache_torch_dtype(name: str, dtype: torch.dtype) -> torch.dtype | str:
     return dtype if name == "auto" else DTYPES[name]
 
 
-ACTIVATION_BITS = ("auto", 8, 16)
+ACTIVATION_BITS = (8, 16)
 
 
-def check_activation_bits(bits: int | str) -> None:
+def check_activation_bits(bits: int) -> None:
     if bits not in ACTIVATION_BITS:
-        raise ParamError.named("activation_bits", f" must be auto, 8 or 16, got {bits!r}")
-
-
-def resolve_activation_bits(bits: int | str, net: torch.nn.Module, fmt: str) -> int:
-    """What "auto" means for this model: 8 for a GGUF file's packed blocks (llama.cpp's
-    own q8 scheme, so llama.cpp on the same file is the oracle; on VNNI CPUs half the
-    integer work of 16 bits, which prefill and batched steps are bound by), 16 for weights
-    packed from a float checkpoint (quantization q8 / q4: their oracle is the float model,
-    whose greedy tokens 16 bits keep) and for float weights (no packed kernels)."""
-    if bits != "auto":
-        return int(bits)
-    packed = any(isinstance(m, QuantLinear) for m in net.modules())
-    return 8 if packed and fmt == "gguf" else 16
+        raise ParamError.named("activation_bits", f" must be 8 or 16, got {bits!r}")
 
 
 def set_activation_bits(net: torch.nn.Module, bits: int) -> None:
@@ -175,7 +162,7 @@ def build(
     progress: Callable[[int, int], None] | None,
     tensor_parallel_size: int,
     pipeline_parallel_size: int,
-    activation_bits: int | str = "auto",
+    activation_bits: int = 16,
 ) -> EngineParts:
     """LLMEngine's parts for its constructor's arguments (documented there)."""
     check_activation_bits(activation_bits)  # before loading
@@ -197,9 +184,8 @@ def build(
             raise ParamError.named(
                 "kv_cache_dtype", " other than the activations' is not supported in parallel runs"
             )
-        if activation_bits == 8:
+        if activation_bits != 16:
             raise ParamError.named("activation_bits", " 8 is not supported in parallel runs")
-        bits = 16
         if _parallel_builder is None:
             raise RuntimeError(
                 "tensor_parallel_size/pipeline_parallel_size need the parallel runtime: "
@@ -213,12 +199,11 @@ def build(
     else:
         net = Transformer(config)
         net.load_weights(ckpt, dtype, progress, scheme)
-        bits = resolve_activation_bits(activation_bits, net, ckpt.format)
-        set_activation_bits(net, bits)
+        set_activation_bits(net, activation_bits)
         net.to(torch_device).eval()
         cache = KVCache(config, block_size, kv_dtype, torch_device, kv_cache_memory)
         parts = ModelParts(net, cache, ModelRunner(net, cache, torch_device))
     return EngineParts(
         path, torch_device, dtype, config, tokenizer, model_eos_ids(tokenizer, config), scheme,
-        parts, bits,
+        parts,
     )  # fmt: skip

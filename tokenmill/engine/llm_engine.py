@@ -153,7 +153,7 @@ class LLMEngine:
         device: str = "cpu",
         kv_cache_memory: int | str | None = None,
         kv_cache_dtype: str = "auto",
-        activation_bits: int | str = "auto",
+        activation_bits: int = 16,
         block_size: int = BLOCK_SIZE,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
@@ -175,10 +175,9 @@ class LLMEngine:
         kv_cache_dtype: "auto" (the activations' dtype), "float32", "float16", "bfloat16"
         or "q8_0" (llama.cpp's 8-bit blocks, 34 bytes per 32 values): what the KV cache
         stores (16 bits hold twice the tokens in the same memory, q8_0 3.76 times).
-        activation_bits: "auto" (the default), 8 or 16: what packed weights' kernels
-        quantize activations to (engine/build.py's set_activation_bits). 16 keeps greedy
-        output the float model's; 8 is llama.cpp's q8 scheme, faster where the CPU has
-        VNNI; auto is 8 for a GGUF file's blocks, 16 elsewhere (resolve_activation_bits).
+        activation_bits: 16 (the default) or 8: what packed weights' kernels quantize
+        activations to (engine/build.py's set_activation_bits). 16 keeps greedy output
+        the float model's; 8 is llama.cpp's q8 scheme, faster where the CPU has VNNI.
         tensor_parallel_size / pipeline_parallel_size: run the model over that many
         processes (tokenmill/distributed: spawned on this machine, or torchrun's).
         speculative: "ngram", "draft:PATH", or {"method": "ngram", "k": 4,
@@ -201,7 +200,7 @@ class LLMEngine:
         self.path, self.device, self.dtype = parts.path, parts.device, parts.dtype
         self.config, self.tokenizer = parts.config, parts.tokenizer
         self.eos_token_ids, self.quantization = parts.eos_token_ids, parts.quantization
-        self.activation_bits = parts.activation_bits
+        self.activation_bits = activation_bits
         run = parts.model
         self.model, self.cache, self.runner = run.model, run.cache, run.runner
         self.parallel = run.parallel  # the distributed Runtime of a run over ranks, or None
