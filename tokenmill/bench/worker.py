@@ -50,6 +50,7 @@ class TokenmillRunner:
             "notes": [
                 "prefix caching off",
                 f"prefill of packed weights: {engine.info()['prefill']}",
+                f"{engine.activation_bits}-bit activations",
                 f"GEMV prefetch {kernels.prefetch_bytes()} bytes ahead",
             ],
         }
