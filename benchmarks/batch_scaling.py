@@ -1,7 +1,7 @@
 """How aggregate decode speed grows with the number of requests decoded together.
 
     python benchmarks/batch_scaling.py [--batches 1,2,4,8,16] [--gen 128] [--runs 3]
-                                       [--model PATH] [--activation-bits auto|8|16]
+                                       [--model PATH] [--activation-bits 16|8]
                                        [--threads 2] [--json out.json]
 
 B greedy requests (short, different prompts) are submitted at once and decoded together,
@@ -44,12 +44,16 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default=None, help="default: the default model")
-    ap.add_argument("--activation-bits", default="auto")
+    ap.add_argument("--activation-bits", type=int, choices=(8, 16), default=16)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    bits = args.activation_bits if args.activation_bits == "auto" else int(args.activation_bits)
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model, threads=args.threads, activation_bits=bits, enable_prefix_caching=False)
+    llm = LLM(
+        args.model,
+        threads=args.threads,
+        activation_bits=args.activation_bits,
+        enable_prefix_caching=False,
+    )
     batches = [int(b) for b in args.batches.split(",")]
     greedy = SamplingParams(max_tokens=args.gen, temperature=0, ignore_eos=True)
     texts = prompts(max(batches))
