@@ -28,6 +28,9 @@ TINY_DENSE = dict(arch="llama", d=256, f=512, layers=3, heads=4, kv=2, vocab=300
                   theta=10000.0, qkv_bias=False, tied=True)  # fmt: skip
 TINY_MOE = dict(arch="qwen3moe", d=256, heads=4, kv=2, hd=64, experts=8, fe=256, top=2,
                 vocab=300, theta=10000.0, qk_norm="head", layers=3, bench_layers=2)  # fmt: skip
+# gpt-oss's layout (biases, sinks, sliding and full layers, YaRN) at a tiny size
+TINY_GPT_OSS = dict(shapes.MOE["gpt-oss-20b"], d=256, heads=4, kv=2, hd=64, experts=8, fe=256,
+                    top=2, vocab=300, layers=2, sliding=8)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -66,7 +69,7 @@ def test_tensor_types_follow_llama_cpps_rules():
 def test_spec_errors_name_the_problem():
     assert shapes.parse_spec("llama-3.2-1b") == ("llama-3.2-1b", "q4_k_m")
     assert shapes.parse_spec("qwen3-30b-a3b:Q8_0") == ("qwen3-30b-a3b", "q8_0")
-    with pytest.raises(ValueError, match=r"unknown shape 'llama-9b' \(known: llama-3.1-8b"):
+    with pytest.raises(ValueError, match=r"unknown shape 'llama-9b' \(known: gpt-oss-20b, llama-3.1-8b"):
         shapes.parse_spec("llama-9b")
     with pytest.raises(ValueError, match=r"unknown file type 'iq3_s' \(known: q8_0"):
         shapes.parse_spec("llama-3.2-1b:iq3_s")
@@ -120,7 +123,7 @@ def test_cached_writes_once_under_a_name_of_its_shape(tmp_path, monkeypatch):
     [(s, f) for s in ("tiny", "tiny-moe") for f in shapes.FILE_TYPES]
     # rows of 512 and 1024: whole lane groups on every build, so Q5_K and Q5_0/Q5_1 run
     # as 5-bit codes (on AVX-512 the 256-wide tiny rows hold them as 8-bit ones)
-    + [("tiny-wide", "q5_k_m")],
+    + [("tiny-wide", "q5_k_m"), ("tiny-gpt-oss", "mxfp4_moe"), ("tiny-gpt-oss", "q8_0")],
 )
 def test_tokenmill_and_llama_cpp_read_a_shape_file_alike(tmp_path, monkeypatch, shape, ftype):
     """Each file type of both layouts loads in both engines, and greedy decoding agrees
@@ -128,6 +131,7 @@ def test_tokenmill_and_llama_cpp_read_a_shape_file_alike(tmp_path, monkeypatch, 
     monkeypatch.setitem(shapes.DENSE, "tiny", TINY_DENSE)
     monkeypatch.setitem(shapes.DENSE, "tiny-wide", {**TINY_DENSE, "d": 512, "f": 1024})
     monkeypatch.setitem(shapes.MOE, "tiny-moe", TINY_MOE)
+    monkeypatch.setitem(shapes.MOE, "tiny-gpt-oss", TINY_GPT_OSS)
     path = tmp_path / f"{shape}-{ftype}.gguf"
     shapes.write(shape, ftype, path, seed=3)
     prompt = list(range(5, 29))
@@ -136,5 +140,12 @@ def test_tokenmill_and_llama_cpp_read_a_shape_file_alike(tmp_path, monkeypatch, 
     if shape == "tiny-wide":  # the Q5_K layers kept at 5 bits (Q6_K's at 6)
         kept = {m.bits for m in llm.engine.model.modules() if isinstance(m, QuantLinear)}
         assert kept == {5, 6}, kept
+    if ftype == "mxfp4_moe" and shape != "tiny":  # experts at 4.25 bits, a table of FP4 values
+        experts = [
+            m
+            for m in llm.engine.model.modules()
+            if isinstance(m, QuantLinear) and "MXFP4" in m.sources
+        ]
+        assert experts and all(m.bits == 4 and m.lut is not None for m in experts)
     ours = llm.generate([prompt], greedy)[0]
     assert_same_greedy_but_ties(ours, llama_cpp_greedy(path, prompt, 10), tol=0.05)

@@ -62,8 +62,14 @@ MOE = {
     "olmoe-1b-7b": dict(arch="olmoe", d=2048, heads=16, kv=16, hd=128, experts=64, fe=1024,
                         top=8, vocab=50304, theta=10000.0, qk_norm="full", layers=16,
                         bench_layers=4),
+    # gpt-oss-20b: biases everywhere, attention sinks, every other layer a 128-token
+    # sliding window, YaRN; as released, its experts MXFP4 (file type mxfp4_moe)
+    "gpt-oss-20b": dict(arch="gpt-oss", d=2880, heads=64, kv=8, hd=64, experts=32, fe=2880,
+                        top=4, vocab=201088, theta=150000.0, layers=24, bench_layers=4,
+                        sliding=128, yarn=(32.0, 4096, 32.0, 1.0)),
 }  # fmt: skip
-FILE_TYPES = ("q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k")
+# mxfp4_moe: llama.cpp's MXFP4_MOE, experts MXFP4 and every other matrix Q8_0 (gpt-oss's files)
+FILE_TYPES = ("q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k", "mxfp4_moe")
 DEFAULT_FILE_TYPE = "q4_k_m"
 FALLBACK = {GT.Q4_K: GT.Q5_0, GT.Q5_K: GT.Q5_1, GT.Q6_K: GT.Q8_0}
 # Dense layouts of other families at a dense shape (benchmarks/dense_families.py):
@@ -101,8 +107,13 @@ def more_bits(layer: int, n: int) -> bool:
     return layer < n // 8 or layer >= 7 * n // 8 or (layer - n // 8) % 3 == 2
 
 
-def pick_type(ftype: str, role: str, cols: int, layer: int, n_layers: int) -> GT:
-    """The type llama.cpp's quantizer gives a [rows, cols] matrix of `role` in `ftype`."""
+def pick_type(
+    ftype: str, role: str, cols: int, layer: int, n_layers: int, expert: bool = False
+) -> GT:
+    """The type llama.cpp's quantizer gives a [rows, cols] matrix of `role` in `ftype`
+    (`expert`: a stack of experts' matrices)."""
+    if ftype == "mxfp4_moe":
+        return GT.MXFP4 if expert else GT.Q8_0
     if ftype == "q8_0":
         qtype = GT.Q8_0
     elif role == "output" or ftype == "q6_k":
@@ -125,6 +136,9 @@ def pick_type(ftype: str, role: str, cols: int, layer: int, n_layers: int) -> GT
 # and logits huge and every rounding difference a flipped token.
 TYPICAL_D = {GT.Q8_0: 3e-4, GT.Q4_0: 5e-3, GT.Q4_1: 2.5e-3, GT.Q5_0: 2.5e-3, GT.Q5_1: 1.3e-3,
              GT.Q4_K: 8e-5, GT.Q5_K: 4e-5, GT.Q6_K: 2e-5}  # fmt: skip
+# MXFP4: the E8M0 exponent byte e scales codes (ggml's doubled FP4 values, |v| <= 12) by
+# 2^(e - 128): e 120-121 makes weights of about 0.02
+MXFP4_EXPONENTS = (120, 122)
 
 
 def random_blocks(rng: np.random.Generator, qtype: GT, rows: int, cols: int) -> np.ndarray:
@@ -132,6 +146,9 @@ def random_blocks(rng: np.random.Generator, qtype: GT, rows: int, cols: int) -> 
     f16 scales (and mins) of about TYPICAL_D."""
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    if qtype == GT.MXFP4:  # the exponent byte first
+        raw[..., 0] = rng.integers(*MXFP4_EXPONENTS, size=(rows, cols // block), dtype=np.uint8)
+        return raw.reshape(rows, -1)
     d = TYPICAL_D[qtype]
     scale = (rng.random((rows, cols // block, 2)) * d + d * 0.5).astype(np.float16)
     scale = scale.view(np.uint8).reshape(rows, cols // block, 4)
@@ -171,7 +188,7 @@ class _Plan:
 
     def matrix(self, name: str, rows: int, cols: int, role: str, layer: int = 0, n: int = 0):
         """A [rows, cols] matrix, or n experts' [n, rows, cols], of the file type's type."""
-        qtype = pick_type(self.ftype, role, cols, layer, self.n_layers)
+        qtype = pick_type(self.ftype, role, cols, layer, self.n_layers, expert=n > 0)
         block, size = GGML_QUANT_SIZES[qtype]
         row_bytes = cols // block * size
         shape = (n, rows, row_bytes) if n else (rows, row_bytes)
@@ -259,6 +276,45 @@ def _dense(w: gguf.GGUFWriter, s: dict, plan: _Plan, family: str) -> None:
     plan.vector("output_norm.weight", (d,))
 
 
+def _gpt_oss(w: gguf.GGUFWriter, s: dict, plan: _Plan) -> None:
+    """gpt-oss's tensors and keys under llama.cpp's names (tests/test_gpt_oss_gguf.py)."""
+    d, hd, E, fe, H = s["d"], s["hd"], s["experts"], s["fe"], s["heads"]
+    q_rows, kv_rows = H * hd, s["kv"] * hd
+    w.add_feed_forward_length(fe)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_expert_count(E)
+    w.add_expert_used_count(s["top"])
+    w.add_expert_feed_forward_length(fe)
+    w.add_sliding_window(s["sliding"])
+    factor, orig, beta_fast, beta_slow = s["yarn"]
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(factor)
+    w.add_rope_scaling_orig_ctx_len(orig)
+    w.add_rope_scaling_yarn_beta_fast(beta_fast)
+    w.add_rope_scaling_yarn_beta_slow(beta_slow)
+    plan.matrix("token_embd.weight", s["vocab"], d, "token_embd")
+    for i in range(plan.n_layers):
+        blk = f"blk.{i}"
+        plan.vector(f"{blk}.attn_norm.weight", (d,))
+        for part, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
+            plan.matrix(f"{blk}.{part}.weight", rows, d, part, i)
+            plan.vector(f"{blk}.{part}.bias", (rows,), None)
+        plan.matrix(f"{blk}.attn_output.weight", d, q_rows, "attn_output", i)
+        plan.vector(f"{blk}.attn_output.bias", (d,), None)
+        plan.vector(f"{blk}.attn_sinks.weight", (H,), None)
+        plan.vector(f"{blk}.post_attention_norm.weight", (d,))
+        plan.vector(f"{blk}.ffn_gate_inp.weight", (E, d), None)  # the router, F32
+        plan.vector(f"{blk}.ffn_gate_inp.bias", (E,), None)
+        for part in ("ffn_gate", "ffn_up"):
+            plan.matrix(f"{blk}.{part}_exps.weight", fe, d, part, i, n=E)
+            plan.vector(f"{blk}.{part}_exps.bias", (E, fe), None)
+        plan.matrix(f"{blk}.ffn_down_exps.weight", d, fe, "ffn_down", i, n=E)
+        plan.vector(f"{blk}.ffn_down_exps.bias", (E, d), None)
+    plan.vector("output_norm.weight", (d,))
+    plan.matrix("output.weight", s["vocab"], d, "output")
+
+
 def _moe(w: gguf.GGUFWriter, s: dict, plan: _Plan) -> None:
     d, hd, E, fe = s["d"], s["hd"], s["experts"], s["fe"]
     q_rows, kv_rows = s["heads"] * hd, s["kv"] * hd
@@ -315,6 +371,8 @@ def plan(
     tensors = _Plan(ftype, n_layers)
     if dense:
         _dense(w, s, tensors, family)
+    elif s["arch"] == "gpt-oss":
+        _gpt_oss(w, s, tensors)
     else:
         _moe(w, s, tensors)
     return w, tensors
