@@ -69,7 +69,9 @@ def test_tensor_types_follow_llama_cpps_rules():
 def test_spec_errors_name_the_problem():
     assert shapes.parse_spec("llama-3.2-1b") == ("llama-3.2-1b", "q4_k_m")
     assert shapes.parse_spec("qwen3-30b-a3b:Q8_0") == ("qwen3-30b-a3b", "q8_0")
-    with pytest.raises(ValueError, match=r"unknown shape 'llama-9b' \(known: gpt-oss-20b, llama-3.1-8b"):
+    with pytest.raises(
+        ValueError, match=r"unknown shape 'llama-9b' \(known: gpt-oss-20b, llama-3.1-8b"
+    ):
         shapes.parse_spec("llama-9b")
     with pytest.raises(ValueError, match=r"unknown file type 'iq3_s' \(known: q8_0"):
         shapes.parse_spec("llama-3.2-1b:iq3_s")

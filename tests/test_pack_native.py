@@ -32,6 +32,8 @@ WIDTHS = {  # row lengths: whole groups, groups and a tail, a tail only, a lone 
     GT.Q8_0: [GW, GW + 32, 576],
     GT.Q5_0: [2 * GW, GW + 96],
     GT.Q5_1: [GW, 160],
+    GT.IQ4_NL: [GW, GW + 64, 96, 576],
+    GT.MXFP4: [GW, GW + 32 * 3, 2880],
     GT.Q4_K: [256, SUPER_GW, 3 * 256, 2048],
     GT.Q5_K: [256, 3 * 256, 2048],
     GT.Q6_K: [
@@ -71,6 +73,22 @@ def test_dense_layer_packs_the_same_bytes(monkeypatch, qtype, k):
     _same(native, _python_pack(monkeypatch, lambda: QuantLinear.from_gguf(raw, qtype, rows, k)))
 
 
+def test_mxfp4_scales_no_float16_holds_take_the_numpy_path(monkeypatch):
+    """An MXFP4 exponent outside float16's range: the native packer refuses the rows, and
+    the layer keeps float32 scales, as numpy packs them."""
+    raw = random_blocks(np.random.default_rng(3), GT.MXFP4, 9, GW)
+    raw.reshape(-1, 17)[5, 0] = 200  # 2^72
+    assert not kernels.pack_gguf(int(GT.MXFP4), raw, GW, *_scratch(9, GW))
+    native = QuantLinear.from_gguf(raw, GT.MXFP4, 9, GW)
+    assert native.scales_raw.element_size() == 4  # float32 scales (held as their bits)
+    _same(native, _python_pack(monkeypatch, lambda: QuantLinear.from_gguf(raw, GT.MXFP4, 9, GW)))
+
+
+def _scratch(rows: int, k: int) -> tuple[np.ndarray, np.ndarray, None, None]:
+    """Packed arrays of 4-bit codes and float16 scales for rows of k values."""
+    return np.empty((rows, k // 2), np.uint8), np.empty((rows, k // 32), np.float16), None, None
+
+
 def test_permuted_rows_pack_from_a_copy(monkeypatch):
     """Rows reordered before packing (llama's Q/K un-permute: a non-contiguous view)."""
     raw = random_blocks(np.random.default_rng(0), GT.Q4_K, 64, 512)
@@ -80,7 +98,7 @@ def test_permuted_rows_pack_from_a_copy(monkeypatch):
 
 
 @pytest.mark.parametrize("qtype, k", [(GT.Q4_K, 512), (GT.Q6_K, 2 * SUPER_GW), (GT.Q6_K, 768),
-                                      (GT.Q8_0, 512), (GT.Q5_K, 512)])  # fmt: skip
+                                      (GT.Q8_0, 512), (GT.Q5_K, 512), (GT.MXFP4, 2880)])  # fmt: skip
 def test_experts_pack_the_same_bytes(monkeypatch, qtype, k):
     """Four experts of two parts (gate, up) into one [E, rows, ...] stack, each expert's
     layer a view of it; the release callback hears of every part."""

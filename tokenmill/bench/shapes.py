@@ -135,7 +135,7 @@ def pick_type(
 # not depend on it; agreement between engines does, as huge weights make activations
 # and logits huge and every rounding difference a flipped token.
 TYPICAL_D = {GT.Q8_0: 3e-4, GT.Q4_0: 5e-3, GT.Q4_1: 2.5e-3, GT.Q5_0: 2.5e-3, GT.Q5_1: 1.3e-3,
-             GT.Q4_K: 8e-5, GT.Q5_K: 4e-5, GT.Q6_K: 2e-5}  # fmt: skip
+             GT.Q4_K: 8e-5, GT.Q5_K: 4e-5, GT.Q6_K: 2e-5, GT.IQ4_NL: 3e-4}  # fmt: skip
 # MXFP4: the E8M0 exponent byte e scales codes (ggml's doubled FP4 values, |v| <= 12) by
 # 2^(e - 128): e 120-121 makes weights of about 0.02
 MXFP4_EXPONENTS = (120, 122)

@@ -12,6 +12,11 @@
  *                         scales [nb] (and mins [nb], Q5_1); other rows 8-bit codes (Q5_0:
  *                         q + 112, Z = 128; Q5_1: q)
  *   Q4_0, Q4_1            4-bit codes, float16 scales [nb] (and mins, Q4_1)
+ *   IQ4_NL, MXFP4         4-bit codes (indices into the type's table, looked up by the
+ *                         kernels), float16 scales [nb]: IQ4_NL's d, MXFP4's E8M0 power of
+ *                         two halved (gguf-py's e8m0_to_fp32_half, as the doubled FP4 table
+ *                         wants), rows of exponents outside [104, 143] refused (no float16
+ *                         holds their scale: the numpy path keeps float32 scales)
  *   Q4_K (4-bit), Q5_K    uint8 scale and min codes [nb], super-block (d, dmin) float16
  *   (5-bit, or 8-bit)     [k / 256][2]
  *   Q6_K                  6-bit codes on rows of whole lane groups, int8 scales [k / 16]
@@ -22,7 +27,8 @@
  */
 #include "tm.h"
 
-enum { G_Q4_0 = 2, G_Q4_1 = 3, G_Q5_0 = 6, G_Q5_1 = 7, G_Q8_0 = 8, G_Q4_K = 12, G_Q5_K = 13, G_Q6_K = 14 };
+enum { G_Q4_0 = 2, G_Q4_1 = 3, G_Q5_0 = 6, G_Q5_1 = 7, G_Q8_0 = 8, G_Q4_K = 12, G_Q5_K = 13, G_Q6_K = 14,
+       G_IQ4_NL = 20, G_MXFP4 = 39 };
 
 static inline uint16_t u16_at(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 
@@ -35,6 +41,8 @@ static int type_size(int qtype, int *block) {
     case G_Q5_0: return 22;
     case G_Q5_1: return 24;
     case G_Q8_0: return 34;
+    case G_IQ4_NL: return 18;
+    case G_MXFP4: return 17;
     }
     *block = 256;
     switch (qtype) {
@@ -47,7 +55,7 @@ static int type_size(int qtype, int *block) {
 
 /* The packed code bits of a type: its own, or 8 for the 5- and 6-bit types with as_8bit. */
 static int code_bits(int qtype, int as_8bit) {
-    if (qtype == G_Q4_0 || qtype == G_Q4_1 || qtype == G_Q4_K) return 4;
+    if (qtype == G_Q4_0 || qtype == G_Q4_1 || qtype == G_Q4_K || qtype == G_IQ4_NL || qtype == G_MXFP4) return 4;
     if (as_8bit || qtype == G_Q8_0) return 8;
     return qtype == G_Q6_K ? 6 : 5;
 }
@@ -78,6 +86,19 @@ static inline void q6k_codes(const uint8_t *ql, const uint8_t *qh, uint8_t *q) {
     }
 }
 
+/* The float16 bits of 2^(e - 128), MXFP4's halved block scale, for e in [104, 143]. */
+static inline uint16_t e8m0_half_bits(int e) {
+    const int x = e - 128;
+    return (uint16_t)(x >= -14 ? (x + 15) << 10 : 1 << (x + 24)); /* normal, or subnormal */
+}
+
+/* Whether every MXFP4 block of a row has a scale float16 holds (e8m0_half_bits). */
+static int mxfp4_row_fits_half(const uint8_t *src, int k) {
+    for (int b = 0; b < k / 32; b++)
+        if (src[(size_t)b * 17] < 104 || src[(size_t)b * 17] > 143) return 0;
+    return 1;
+}
+
 /* One row's blocks -> natural codes nat [k] for `bits`-bit packing, scales and mins (row
  * slices), sup. */
 static void parse_row(int qtype, int bits, const uint8_t *src, int k, uint8_t *nat, uint8_t *scales,
@@ -98,6 +119,13 @@ static void parse_row(int qtype, int bits, const uint8_t *src, int k, uint8_t *n
             const int off = qtype == G_Q4_1 ? 4 : 2;
             sc16[b] = u16_at(p);
             if (qtype == G_Q4_1) mn16[b] = u16_at(p + 2);
+            for (int j = 0; j < 16; j++) q[j] = p[off + j] & 15, q[16 + j] = p[off + j] >> 4;
+            break;
+        }
+        case G_IQ4_NL:
+        case G_MXFP4: { /* Q4_0's nibbles after a float16 d, or after an exponent byte */
+            const int off = qtype == G_MXFP4 ? 1 : 2;
+            sc16[b] = qtype == G_MXFP4 ? e8m0_half_bits(p[0]) : u16_at(p);
             for (int j = 0; j < 16; j++) q[j] = p[off + j] & 15, q[16 + j] = p[off + j] >> 4;
             break;
         }
@@ -251,7 +279,7 @@ static void cut_codes(const uint8_t *lane, int k, int bits, uint8_t *out) {
  * with as_8bit (the caller's choice for rows not of whole lane groups) Q5_0, Q5_1 and
  * Q5_K as 8-bit codes, and Q6_K requantized to 8-bit codes, float16 scales [rows][k / 32],
  * no sup. Returns 1, 0 for a type or row length this does not pack (the caller's numpy
- * path does), -1 on OOM. */
+ * path does; also MXFP4 rows with a scale float16 cannot hold), -1 on OOM. */
 int tm_pack_gguf(int qtype, const uint8_t *src, int64_t rows, int k, int as_8bit, uint8_t *codes,
                  void *scales, void *mins, uint16_t *sup, int nthreads) {
     int block;
@@ -262,6 +290,9 @@ int tm_pack_gguf(int qtype, const uint8_t *src, int64_t rows, int k, int as_8bit
     size_t sc_row = (size_t)(bits == 6 ? k / 16 : k / QK) * (block == 256 ? 1 : 2);
     size_t sup_row = block == 256 ? (size_t)(k / 256) * (bits == 6 ? 1 : 2) : 0;
     if (requant) sc_row = (size_t)(k / QK) * 2, sup_row = 0; /* float16 scales, no sup */
+    if (qtype == G_MXFP4)
+        for (int64_t r = 0; r < rows; r++)
+            if (!mxfp4_row_fits_half(src + (size_t)r * src_row, k)) return 0;
     const int nt = tm_threads(nthreads);
     uint8_t *buf = malloc((size_t)nt * 2 * (size_t)k); /* per thread: nat [k], lane [k] */
     if (!buf) return -1;

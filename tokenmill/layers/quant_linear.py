@@ -176,7 +176,7 @@ PACK_CHUNK_BYTES = 32 << 20
 # GGUF types the native packer (kernels.pack_gguf) writes, and their code bits (5 and 6:
 # on rows of whole lane groups, else 8)
 _NATIVE_BITS = {GT.Q4_0: 4, GT.Q4_1: 4, GT.Q4_K: 4, GT.Q8_0: 8, GT.Q5_0: 5, GT.Q5_1: 5,
-                GT.Q5_K: 5, GT.Q6_K: 6}  # fmt: skip
+                GT.Q5_K: 5, GT.Q6_K: 6, GT.IQ4_NL: 4, GT.MXFP4: 4}  # fmt: skip
 _FIVE = (GT.Q5_0, GT.Q5_1, GT.Q5_K)
 
 
@@ -413,6 +413,8 @@ class QuantLinear(NativeLinear):
             else:
                 tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
                 layer = cls._from_arrays(tensors, bits, in_features, out_features, bias)
+                if qtype in TABLE_GGUF_TYPES:
+                    layer.set_table(table_of(qtype), TABLE_SCALE_ZERO.get(qtype, 0))
                 layer.sources = {qtype.name: out_features * in_features}
                 return layer
         half = qtype == GT.MXFP4 and mxfp4_scales_fit_half(raw)
@@ -505,6 +507,8 @@ class QuantLinear(NativeLinear):
                     for j in range(experts)
                 ]
                 for layer in layers:
+                    if qtype in TABLE_GGUF_TYPES:
+                        layer.set_table(table_of(qtype), TABLE_SCALE_ZERO.get(qtype, 0))
                     layer.sources = {qtype.name: total * in_features}
                 return layers
         half = qtype == GT.MXFP4 and mxfp4_scales_fit_half([r for parts in raws for r in parts])
