@@ -324,117 +324,75 @@ static const micro8_fn MICRO8[2][2][NT_MAX] = {{MICRO8_ROW(0, 0), MICRO8_ROW(0, 
 /* The entry point                                                                 */
 /* ------------------------------------------------------------------------------ */
 
-static __thread tm_buf act_buf;  /* the calling thread's int16 activations */
+static __thread tm_buf act_buf;  /* the calling thread's quantized activations */
 static __thread tm_buf tile_buf; /* each thread's weight tile */
 
-#if TM_DOT8
-static __thread tm_buf act8_buf; /* the calling thread's int8 activations and unit sums */
+/* One call's quantized activations, as the micro-kernels read them. */
+typedef struct {
+    const int16_t *xq16; /* 16-bit path: int16 [T, K] */
+    const int8_t *xq8;   /* 8-bit path (TM_DOT8): int8 [T, K] */
+    const int32_t *xs;   /* 8-bit path: sum of q per unit [T, nu] */
+    const float *dx, *sx; /* block scales and float sums [T, nb] */
+} acts;
 
-/* tm_gemm with 8-bit activations on a VNNI build: the same quantization (tm_quant_block,
- * qmax 127), the activations narrowed to int8 and summed per unit, code-quad tiles. */
-static int gemm8(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads) {
-    const int K = w->k, N = w->n, nb = K / QK, six = w->bits == 6, nu = six ? 2 * nb : nb, z = zero_point(w);
-    /* ---- x -> int8 [T, K], xs int32 [T, nu], dx and sx float [T, nb] ---- */
-    const size_t qbytes = ((size_t)T * K + 63) & ~(size_t)63, sbytes = (size_t)T * nu * 4, fbytes = (size_t)T * nb * 4;
-    char *abuf = tm_buf_get(&act8_buf, qbytes + sbytes + 2 * fbytes);
+/* Quantize x [T, K] per 32-block with qmax (tm_quant_block) into act_buf: int16 codes,
+ * or with eight (a TM_DOT8 build's 8-bit path) int8 codes and their sums per unit of
+ * `upb` units per block. Returns 0 on OOM. */
+static int quantize_acts(const float *x, int T, int K, float qmax, int eight, int upb, int nthreads, acts *a) {
+    const int nb = K / QK, nu = nb * upb;
+    const size_t qbytes = ((size_t)T * K * (eight ? 1 : 2) + 63) & ~(size_t)63;
+    const size_t sbytes = eight ? (size_t)T * nu * 4 : 0, fbytes = (size_t)T * nb * 4;
+    char *abuf = tm_buf_get(&act_buf, qbytes + sbytes + 2 * fbytes);
     if (!abuf) return 0;
-    int8_t *xq = (int8_t *)abuf;
     int32_t *xs = (int32_t *)(abuf + qbytes);
     float *dx = (float *)(abuf + qbytes + sbytes), *sx = dx + (size_t)T * nb;
-    int nt = tm_team(nthreads, T);
+    *a = (acts){eight ? NULL : (const int16_t *)abuf, eight ? (const int8_t *)abuf : NULL, xs, dx, sx};
+    const int nt = tm_team(nthreads, T);
     (void)nt;
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int t = 0; t < T; t++)
         for (int b = 0; b < nb; b++) {
             const size_t o = (size_t)t * K + (size_t)b * QK, i = (size_t)t * nb + b;
+            if (!eight) {
+                tm_quant_block(x + o, qmax, (int16_t *)abuf + o, dx + i, sx + i);
+                continue;
+            }
             int16_t q[QK];
-            tm_quant_block(x + o, 127.f, q, dx + i, sx + i);
-            int32_t hs[2] = {0, 0};
+            tm_quant_block(x + o, qmax, q, dx + i, sx + i);
+            int32_t us[2] = {0, 0}; /* the sums of the block's halves (6-bit units) */
             for (int j = 0; j < QK; j++) {
-                xq[o + j] = (int8_t)q[j];
-                hs[j >= QK / 2] += q[j];
+                ((int8_t *)abuf)[o + j] = (int8_t)q[j];
+                us[j >= QK / 2] += q[j];
             }
-            if (six) {
-                xs[(size_t)t * nu + 2 * b] = hs[0];
-                xs[(size_t)t * nu + 2 * b + 1] = hs[1];
-            } else {
-                xs[(size_t)t * nu + b] = hs[0] + hs[1];
-            }
+            int32_t *u = xs + (size_t)t * nu + (size_t)b * upb;
+            if (upb == 2)
+                u[0] = us[0], u[1] = us[1];
+            else
+                u[0] = us[0] + us[1];
         }
-    /* ---- tiles of RT rows, one thread each, every token ---- */
-    const int ntiles = (N + RT - 1) / RT;
-    const size_t twords = (size_t)K / 4 * RT, tfloats = (size_t)(nu + nb) * RT;
-    const micro8_fn *mk = MICRO8[six][w->mins != NULL];
-    int oom = 0;
-    for (int tp = 0; tp < T; tp += TOKEN_PASS) {
-        const int tend = T - tp < TOKEN_PASS ? T : tp + TOKEN_PASS;
-        nt = tm_team(nthreads, ntiles);
-        int64_t start = tm_now(), done = start;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-        {
-#pragma omp for schedule(dynamic) nowait
-            for (int tile = 0; tile < ntiles; tile++) {
-                uint32_t *tw = tm_buf_get(&tile_buf, twords * 4 + tfloats * 4);
-                if (!tw) {
-                    oom = 1;
-                    continue;
-                }
-                float *td = (float *)(tw + twords), *tm = td + (size_t)nu * RT;
-                const int r0 = tile * RT, rows = N - r0 < RT ? N - r0 : RT;
-                build_tile8(w, r0, tw, td, tm);
-                float out[NT * RT];
-                for (int t0 = tp; t0 < tend; t0 += NT) {
-                    const int n = tend - t0 < NT ? tend - t0 : NT;
-                    mk[n - 1](tw, td, tm, xq + (size_t)t0 * K, xs + (size_t)t0 * nu, dx + (size_t)t0 * nb,
-                              sx + (size_t)t0 * nb, K, z, out);
-                    for (int t = 0; t < n; t++) {
-                        float *yr = y + (size_t)(t0 + t) * N + r0;
-                        for (int l = 0; l < rows; l++) yr[l] = out[t * RT + l] + (bias ? bias[r0 + l] : 0.f);
-                    }
-                }
-            }
-            if (tm_thread_id() == 0) done = tm_now();
-        }
-        tm_team_done(nt, start, done);
-    }
-    return oom ? 0 : 1;
+    return 1;
 }
-#endif
 
 /* y [T, N] = x [T, K] @ W^T (+ bias) for packed weights (bits 4, 5, 6 or 8; one segment),
- * activations quantized per 32-block to 16 bits if act16, else to the 8-bit range.
+ * activations quantized per 32-block to 16 bits if act16, else to the 8-bit range (on
+ * TM_DOT8 builds multiplied as int8 by vpdpbusd, elsewhere widened to int16).
  * Returns 1, 0 on OOM, -1 for weights it does not take (float, 5- and 6-bit rows not in whole
  * groups). */
 int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads, int act16) {
     if (w->bits != 4 && w->bits != 5 && w->bits != 6 && w->bits != 8) return -1;
-    const int K = w->k, N = w->n, nb = K / QK, six = w->bits == 6;
+    const int K = w->k, N = w->n, nb = K / QK, six = w->bits == 6, nu = six ? 2 * nb : nb;
     if ((six && !w->dsup) || (whole_groups_only(w->bits) && nb % TM_GB)) return -1;
-#if TM_DOT8
-    if (!act16) return gemm8(w, x, T, y, bias, nthreads);
-#endif
-    /* ---- x -> int16 [T, K], dx and sx [T, nb] ---- */
-    const size_t qbytes = ((size_t)T * K * 2 + 63) & ~(size_t)63, fbytes = (size_t)T * nb * 4;
-    char *abuf = tm_buf_get(&act_buf, qbytes + 2 * fbytes);
-    if (!abuf) return 0;
-    int16_t *xq = (int16_t *)abuf;
-    float *dx = (float *)(abuf + qbytes), *sx = dx + (size_t)T * nb;
-    const float qmax = act16 ? 32767.f : 127.f;
-    int nt = tm_team(nthreads, T);
-    (void)nt;
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-    for (int t = 0; t < T; t++)
-        for (int b = 0; b < nb; b++) {
-            const size_t o = (size_t)t * K + (size_t)b * QK, i = (size_t)t * nb + b;
-            tm_quant_block(x + o, qmax, xq + o, dx + i, sx + i);
-        }
+    const int eight = TM_DOT8 && !act16, mins = w->mins != NULL, z = zero_point(w);
+    (void)z; /* the 8-bit micro-kernels' only */
+    acts a;
+    if (!quantize_acts(x, T, K, act16 ? 32767.f : 127.f, eight, six ? 2 : 1, nthreads, &a)) return 0;
     /* ---- tiles of RT rows, one thread each, every token ---- */
-    const int ntiles = (N + RT - 1) / RT, nu = six ? 2 * nb : nb;
-    const size_t twords = (size_t)K / 2 * RT, tfloats = (size_t)(nu + nb) * RT;
-    const micro_fn *mk = MICRO[six][w->mins != NULL];
+    const int ntiles = (N + RT - 1) / RT;
+    const size_t twords = (size_t)K / (eight ? 4 : 2) * RT, tfloats = (size_t)(nu + nb) * RT;
     int oom = 0;
     for (int tp = 0; tp < T; tp += TOKEN_PASS) {
         const int tend = T - tp < TOKEN_PASS ? T : tp + TOKEN_PASS;
-        nt = tm_team(nthreads, ntiles);
+        const int nt = tm_team(nthreads, ntiles);
         int64_t start = tm_now(), done = start;
 #pragma omp parallel num_threads(nt) if (nt > 1)
         {
@@ -447,12 +405,24 @@ int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bi
                 }
                 float *td = (float *)(tw + twords), *tm = td + (size_t)nu * RT;
                 const int r0 = tile * RT, rows = N - r0 < RT ? N - r0 : RT;
-                build_tile(w, r0, tw, td, tm);
+#if TM_DOT8
+                if (eight)
+                    build_tile8(w, r0, (uint32_t *)tw, td, tm);
+                else
+#endif
+                    build_tile(w, r0, tw, td, tm);
                 float out[NT * RT];
                 for (int t0 = tp; t0 < tend; t0 += NT) {
                     const int n = tend - t0 < NT ? tend - t0 : NT;
                     const size_t ti = (size_t)t0 * nb;
-                    mk[n - 1](tw, td, tm, xq + (size_t)t0 * K, dx + ti, sx + ti, K, out);
+#if TM_DOT8
+                    if (eight)
+                        MICRO8[six][mins][n - 1]((const uint32_t *)tw, td, tm, a.xq8 + (size_t)t0 * K,
+                                                 a.xs + (size_t)t0 * nu, a.dx + ti, a.sx + ti, K, z, out);
+                    else
+#endif
+                        MICRO[six][mins][n - 1](tw, td, tm, a.xq16 + (size_t)t0 * K, a.dx + ti, a.sx + ti, K,
+                                                out);
                     for (int t = 0; t < n; t++) {
                         float *yr = y + (size_t)(t0 + t) * N + r0;
                         for (int l = 0; l < rows; l++) yr[l] = out[t * RT + l] + (bias ? bias[r0 + l] : 0.f);
