@@ -276,16 +276,21 @@ def _dense(w: gguf.GGUFWriter, s: dict, plan: _Plan, family: str) -> None:
     plan.vector("output_norm.weight", (d,))
 
 
+def _moe_keys(w: gguf.GGUFWriter, s: dict) -> None:
+    """The header keys every MoE shape has: head size, expert count, width and top k."""
+    w.add_feed_forward_length(s["fe"])
+    w.add_key_length(s["hd"])
+    w.add_value_length(s["hd"])
+    w.add_expert_count(s["experts"])
+    w.add_expert_used_count(s["top"])
+    w.add_expert_feed_forward_length(s["fe"])
+
+
 def _gpt_oss(w: gguf.GGUFWriter, s: dict, plan: _Plan) -> None:
     """gpt-oss's tensors and keys under llama.cpp's names (tests/test_gpt_oss_gguf.py)."""
     d, hd, E, fe, H = s["d"], s["hd"], s["experts"], s["fe"], s["heads"]
     q_rows, kv_rows = H * hd, s["kv"] * hd
-    w.add_feed_forward_length(fe)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    w.add_expert_count(E)
-    w.add_expert_used_count(s["top"])
-    w.add_expert_feed_forward_length(fe)
+    _moe_keys(w, s)
     w.add_sliding_window(s["sliding"])
     factor, orig, beta_fast, beta_slow = s["yarn"]
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -318,12 +323,7 @@ def _gpt_oss(w: gguf.GGUFWriter, s: dict, plan: _Plan) -> None:
 def _moe(w: gguf.GGUFWriter, s: dict, plan: _Plan) -> None:
     d, hd, E, fe = s["d"], s["hd"], s["experts"], s["fe"]
     q_rows, kv_rows = s["heads"] * hd, s["kv"] * hd
-    w.add_feed_forward_length(fe)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    w.add_expert_count(E)
-    w.add_expert_used_count(s["top"])
-    w.add_expert_feed_forward_length(fe)
+    _moe_keys(w, s)
     plan.matrix("token_embd.weight", s["vocab"], d, "token_embd")
     norm = hd if s["qk_norm"] == "head" else None
     for i in range(plan.n_layers):

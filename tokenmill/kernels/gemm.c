@@ -25,7 +25,7 @@
  * units are 16 values (|c - 32| <= 32).
  *
  * 8-bit activations on VNNI builds (TM_DOT8): the codes stay unsigned bytes, four per
- * int32 ("quads": tw8 uint32 [K/4, RT]), the activations int8, and vpdpbusd adds four
+ * int32 ("quads": tw [K/4, RT]), the activations int8, and vpdpbusd adds four
  * products per lane: half the instructions per unit of the 16-bit path, and half the tile.
  * The zero point leaves as an integer: sum (c - Z) q = sum c q - Z sum q, with sum q per
  * unit and token computed once per call. |c| <= 255, |q| <= 127: exact in int32.
@@ -95,14 +95,18 @@ static void block_codes(const tm_weight *w, const uint8_t *row, int b, uint8_t o
     }
 }
 
-/* The tile of rows [r0, r0 + RT): codes minus the zero point as int16 pairs in natural
- * order, pair p (values 2p, 2p + 1) of row r0 + l at tw[p * RT + l], unit scales at
- * td[u * RT + l], block mins at tm[b * RT + l]. Rows past N repeat row N - 1 (computed,
- * never stored). Full groups: the code vectors of TM_W rows widened to pairs and
- * transposed in registers, so that the tile is written a vector at a time (plain C
- * took 1.1 ns per weight on Zen 3, ~10% of a 512-token prefill and ~30% at 128 tokens). */
-static void build_tile(const tm_weight *w, int r0, int32_t *tw, float *td, float *tm) {
-    const int nb = w->k / QK, z = zero_point(w);
+/* The tile of rows [r0, r0 + RT), one int32 word per pair or quad of codes in natural
+ * order: 16-bit (eight = 0): codes minus the zero point as int16 pairs, pair p (values
+ * 2p, 2p + 1) of row r0 + l at tw[p * RT + l]; 8-bit (eight, TM_DOT8 builds): the codes as
+ * stored (unsigned, zero point not taken) four to a word, quad q (values 4q..4q+3) at
+ * tw[q * RT + l]. Unit scales at td[u * RT + l], block mins at tm[b * RT + l]. Rows past
+ * N repeat row N - 1 (computed, never stored). Full groups: a group's code vector i holds
+ * quad i of each of its TM_W blocks in lane k, so TM_W rows' vectors, widened to pairs or
+ * as they are, transposed in registers give block k's words of every row in one vector,
+ * and the tile is written a vector at a time (plain C took 1.1 ns per weight on Zen 3,
+ * ~10% of a 512-token prefill and ~30% at 128 tokens). */
+static void build_tile(const tm_weight *w, int r0, int32_t *tw, float *td, float *tm, int eight) {
+    const int nb = w->k / QK, z = zero_point(w), words = QK / (eight ? 4 : 2); /* per block */
     const size_t rb = row_bytes(w);
     const uint8_t *rp[RT];
     for (int l = 0; l < RT; l++) rp[l] = w->codes + (size_t)(r0 + l < w->n ? r0 + l : w->n - 1) * rb;
@@ -117,15 +121,24 @@ static void build_tile(const tm_weight *w, int r0, int32_t *tw, float *td, float
                 tm_group_codes(rp[s * TM_W + l], g, w->bits, c[l]);
                 if (w->lut) tm_lookup_codes(table, c[l]);
             }
-            for (int i = 0; i < 8; i++) { /* codes 4i..4i+3 of block k: pairs 2i, 2i + 1 */
+            for (int i = 0; i < 8; i++) { /* codes 4i..4i+3 of block k: quad i, pairs 2i, 2i + 1 */
+                int32_t *d = tw + ((size_t)g * TM_W * words + (eight ? i : 2 * i)) * RT + s * TM_W;
+#if TM_DOT8 /* (where code vectors are int32 vectors: the x86 layers) */
+                if (eight) {
+                    vi v[TM_W];
+                    for (int l = 0; l < TM_W; l++) v[l] = c[l][i];
+                    vi_transpose(v); /* v[k] lane l: row l's quad i of block k */
+                    for (int k = 0; k < TM_W; k++) vi_store(d + (size_t)k * words * RT, v[k]);
+                    continue;
+                }
+#endif
                 vi even[TM_W], odd[TM_W];
                 for (int l = 0; l < TM_W; l++) vb_widen_pairs(c[l][i], z, &even[l], &odd[l]);
                 vi_transpose(even); /* lane l: row l */
                 vi_transpose(odd);
                 for (int k = 0; k < TM_W; k++) {
-                    int32_t *d = tw + ((size_t)(g * TM_W + k) * (QK / 2) + 2 * i) * RT + s * TM_W;
-                    vi_store(d, even[k]);
-                    vi_store(d + RT, odd[k]);
+                    vi_store(d + (size_t)k * words * RT, even[k]);
+                    vi_store(d + (size_t)k * words * RT + RT, odd[k]);
                 }
             }
         }
@@ -135,8 +148,11 @@ static void build_tile(const tm_weight *w, int r0, int32_t *tw, float *td, float
         for (int b = b0; b < nb; b++) { /* the tail blocks */
             uint8_t c[QK];
             block_codes(w, rp[l], b, c);
-            int32_t *d = tw + (size_t)b * (QK / 2) * RT + l;
-            for (int j = 0; j < QK / 2; j++) d[j * RT] = tm_code_pair(c + 2 * j, z);
+            int32_t *d = tw + (size_t)b * words * RT + l;
+            for (int j = 0; j < words; j++)
+                d[j * RT] = eight ? (int32_t)(c[4 * j] | (uint32_t)c[4 * j + 1] << 8 | (uint32_t)c[4 * j + 2] << 16 |
+                                              (uint32_t)c[4 * j + 3] << 24)
+                                  : tm_code_pair(c + 2 * j, z);
         }
         tile_scales(w, r0 + l < w->n ? r0 + l : w->n - 1, td + l, tm + l);
     }
@@ -146,16 +162,29 @@ static void build_tile(const tm_weight *w, int r0, int32_t *tw, float *td, float
 /* The micro-kernel: RT rows x n (<= NT) tokens over all of K                      */
 /* ------------------------------------------------------------------------------ */
 
-/* n tokens from the one whose row xq, dx, sx point at (row strides K and nb); n, SIX
- * (6-bit: 16-value units) and MINS are constants after inlining. out: [n, RT]. (Slicing K
- * so that a slice of the tile stays in L1 measured slower: the tile streams from L2 fine.) */
+/* acc + one step's products: int16 pairs (vpdpwssd / vpmaddwd), or with EIGHT (TM_DOT8
+ * builds only) unsigned code quads times int8 activations (vpdpbusd) */
+static inline __attribute__((always_inline)) vi madd_step(vi acc, vi w, int32_t x, int EIGHT) {
+#if TM_DOT8
+    if (EIGHT) return vi_dot8(acc, w, x);
+#endif
+    (void)EIGHT;
+    return vi_madd16(acc, w, x);
+}
+
+/* n tokens from the one whose row xq, dx, sx (and xs) point at (row strides K and nb, nu);
+ * n, SIX (6-bit: 16-value units), MINS and EIGHT are constants after inlining. xq: int16
+ * [n, K], or with EIGHT int8 [n, K] and xs the int sums of q per unit [n, nu], for the zero
+ * point z (MINS weights have z = 0). out: [n, RT]. (Slicing K so that a slice of the tile
+ * stays in L1 measured slower: the tile streams from L2 fine.) */
 static inline __attribute__((always_inline)) void micro(const int32_t *tw, const float *td, const float *tm,
-                                                        const int16_t *xq, const float *dx, const float *sx,
-                                                        int K, int n, int SIX, int MINS,
-                                                        float *out) {
-    const int nb = K / QK, S = SIX ? QK / 4 : QK / 2, upb = SIX ? 2 : 1; /* steps, units per block */
+                                                        const void *xq, const int32_t *xs, const float *dx,
+                                                        const float *sx, int K, int z, int n, int SIX, int MINS,
+                                                        int EIGHT, float *out) {
+    const int nb = K / QK, upb = SIX ? 2 : 1, nu = nb * upb;  /* units per block, per row */
+    const int S = QK / upb / (EIGHT ? 4 : 2);                 /* steps (words) per unit */
     const int32_t *xp[NT_MAX];
-    for (int t = 0; t < n; t++) xp[t] = (const int32_t *)(xq + (size_t)t * K);
+    for (int t = 0; t < n; t++) xp[t] = (const int32_t *)((const char *)xq + (size_t)t * K * (EIGHT ? 1 : 2));
     vf acc[GR][NT_MAX];
     for (int g = 0; g < GR; g++)
         for (int t = 0; t < n; t++) acc[g][t] = vf_zero();
@@ -172,121 +201,16 @@ static inline __attribute__((always_inline)) void micro(const int32_t *tw, const
                 vi wv[GR];
                 for (int g = 0; g < GR; g++) wv[g] = vi_load(wu + st * RT + g * TM_W);
                 for (int t = 0; t < n; t++) {
-                    const int32_t x2 = xp[t][pu + st];
-                    for (int g = 0; g < GR; g++) s[g][t] = vi_madd16(s[g][t], wv[g], x2);
-                }
-            }
-            for (int g = 0; g < GR; g++) {
-                const vf d = vf_load(td + (size_t)u * RT + g * TM_W);
-                for (int t = 0; t < n; t++)
-                    acc[g][t] = vf_fma(vf_from_vi(s[g][t]), vf_mul(d, vf_set1(dx[(size_t)t * nb + b])), acc[g][t]);
-            }
-        }
-        if (MINS)
-            for (int g = 0; g < GR; g++) {
-                const vf m = vf_load(tm + (size_t)b * RT + g * TM_W);
-                for (int t = 0; t < n; t++) acc[g][t] = vf_fma(m, vf_set1(sx[(size_t)t * nb + b]), acc[g][t]);
-            }
-    }
-    for (int t = 0; t < n; t++)
-        for (int g = 0; g < GR; g++) vf_store(out + t * RT + g * TM_W, acc[g][t]);
-}
-
-typedef void (*micro_fn)(const int32_t *, const float *, const float *, const int16_t *, const float *,
-                         const float *, int, float *);
-#define DEF_MICRO(N, SIX, MINS)                                                                          \
-    static void micro_##N##_##SIX##_##MINS(const int32_t *tw, const float *td, const float *tm,          \
-                                           const int16_t *xq, const float *dx, const float *sx, int K,   \
-                                           float *out) {                                                 \
-        micro(tw, td, tm, xq, dx, sx, K, N, SIX, MINS, out);                                             \
-    }
-#define DEF_MICRO_N(SIX, MINS) \
-    DEF_MICRO(1, SIX, MINS) DEF_MICRO(2, SIX, MINS) DEF_MICRO(3, SIX, MINS) DEF_MICRO(4, SIX, MINS)
-DEF_MICRO_N(0, 0)
-DEF_MICRO_N(0, 1)
-DEF_MICRO_N(1, 0)
-#define MICRO_ROW(SIX, MINS) \
-    {micro_1_##SIX##_##MINS, micro_2_##SIX##_##MINS, micro_3_##SIX##_##MINS, micro_4_##SIX##_##MINS}
-/* [six][mins][n - 1] (6-bit codes have no mins); the first NT of each row are used */
-static const micro_fn MICRO[2][2][NT_MAX] = {{MICRO_ROW(0, 0), MICRO_ROW(0, 1)}, {MICRO_ROW(1, 0), MICRO_ROW(1, 0)}};
-
-#if TM_DOT8
-/* ------------------------------------------------------------------------------ */
-/* 8-bit activations: code quads and vpdpbusd                                      */
-/* ------------------------------------------------------------------------------ */
-
-/* The 8-bit tile of rows [r0, r0 + RT): codes (unsigned, zero point not taken) four to an
- * int32, quad q (values 4q..4q+3) of row r0 + l at tw[q * RT + l]; scales and mins as
- * build_tile's. A lane-order group's code vector i holds quad i of each of its TM_W
- * blocks in lane k: one transpose over TM_W rows puts block k's quad i of every row in
- * one vector. */
-static void build_tile8(const tm_weight *w, int r0, uint32_t *tw, float *td, float *tm) {
-    const int nb = w->k / QK, nfull = nb / TM_GB;
-    const size_t rb = row_bytes(w);
-    const uint8_t *rp[RT];
-    for (int l = 0; l < RT; l++) rp[l] = w->codes + (size_t)(r0 + l < w->n ? r0 + l : w->n - 1) * rb;
-    const vb table = vb_table(w->lut ? w->lut : tm_no_table);
-    for (int s = 0; s < GR; s++)
-        for (int g = 0; g < nfull; g++) {
-            vb c[TM_W][8];
-            for (int l = 0; l < TM_W; l++) {
-                tm_group_codes(rp[s * TM_W + l], g, w->bits, c[l]);
-                if (w->lut) tm_lookup_codes(table, c[l]);
-            }
-            for (int i = 0; i < 8; i++) {
-                vi v[TM_W];
-                for (int l = 0; l < TM_W; l++) v[l] = c[l][i];
-                vi_transpose(v); /* v[k] lane l: row l's quad i of block k */
-                for (int k = 0; k < TM_W; k++)
-                    vi_store((int32_t *)tw + ((size_t)(g * TM_W + k) * (QK / 4) + i) * RT + s * TM_W, v[k]);
-            }
-        }
-    for (int l = 0; l < RT; l++) {
-        for (int b = nfull * TM_GB; b < nb; b++) { /* the tail blocks */
-            uint8_t c[QK];
-            block_codes(w, rp[l], b, c);
-            uint32_t *d = tw + (size_t)b * (QK / 4) * RT + l;
-            for (int j = 0; j < QK / 4; j++)
-                d[j * RT] = c[4 * j] | (uint32_t)c[4 * j + 1] << 8 | (uint32_t)c[4 * j + 2] << 16 | (uint32_t)c[4 * j + 3] << 24;
-        }
-        tile_scales(w, r0 + l < w->n ? r0 + l : w->n - 1, td + l, tm + l);
-    }
-}
-
-/* micro's 8-bit twin: xq int8 [n, K], xs the int sums of q per unit [n, nu] (for the zero
- * point z; MINS weights have z = 0 and need none). */
-static inline __attribute__((always_inline)) void micro8(const uint32_t *tw, const float *td, const float *tm,
-                                                         const int8_t *xq, const int32_t *xs, const float *dx,
-                                                         const float *sx, int K, int z, int n, int SIX, int MINS,
-                                                         float *out) {
-    const int nb = K / QK, S = SIX ? QK / 8 : QK / 4, upb = SIX ? 2 : 1, nu = nb * upb; /* S: quads per unit */
-    const int32_t *xp[NT_MAX];
-    for (int t = 0; t < n; t++) xp[t] = (const int32_t *)(xq + (size_t)t * K);
-    vf acc[GR][NT_MAX];
-    for (int g = 0; g < GR; g++)
-        for (int t = 0; t < n; t++) acc[g][t] = vf_zero();
-    for (int b = 0; b < nb; b++) {
-        for (int h = 0; h < upb; h++) {
-            const int u = b * upb + h;
-            const int32_t *wu = (const int32_t *)tw + (size_t)u * S * RT;
-            const size_t pu = (size_t)u * S;
-            vi s[GR][NT_MAX];
-            for (int g = 0; g < GR; g++)
-                for (int t = 0; t < n; t++) s[g][t] = vi_zero();
-#pragma GCC unroll 1
-            for (int st = 0; st < S; st++) {
-                vi wv[GR];
-                for (int g = 0; g < GR; g++) wv[g] = vi_load(wu + st * RT + g * TM_W);
-                for (int t = 0; t < n; t++) {
-                    const int32_t x4 = xp[t][pu + st];
-                    for (int g = 0; g < GR; g++) s[g][t] = vi_dot8(s[g][t], wv[g], x4);
+                    const int32_t x = xp[t][pu + st];
+                    for (int g = 0; g < GR; g++) s[g][t] = madd_step(s[g][t], wv[g], x, EIGHT);
                 }
             }
             for (int g = 0; g < GR; g++) {
                 const vf d = vf_load(td + (size_t)u * RT + g * TM_W);
                 for (int t = 0; t < n; t++) {
-                    vf sf = vf_from_vi(s[g][t]); /* < 2^21 in magnitude: exact in float */
-                    if (!MINS) sf = vf_sub(sf, vf_set1((float)(z * xs[(size_t)t * nu + u])));
+                    vf sf = vf_from_vi(s[g][t]);
+                    if (EIGHT && !MINS) /* sum (c - z) q = sum c q - z sum q: < 2^21, exact */
+                        sf = vf_sub(sf, vf_set1((float)(z * xs[(size_t)t * nu + u])));
                     acc[g][t] = vf_fma(sf, vf_mul(d, vf_set1(dx[(size_t)t * nb + b])), acc[g][t]);
                 }
             }
@@ -301,23 +225,28 @@ static inline __attribute__((always_inline)) void micro8(const uint32_t *tw, con
         for (int g = 0; g < GR; g++) vf_store(out + t * RT + g * TM_W, acc[g][t]);
 }
 
-typedef void (*micro8_fn)(const uint32_t *, const float *, const float *, const int8_t *, const int32_t *,
-                          const float *, const float *, int, int, float *);
-#define DEF_MICRO8(N, SIX, MINS)                                                                              \
-    static void micro8_##N##_##SIX##_##MINS(const uint32_t *tw, const float *td, const float *tm,             \
-                                            const int8_t *xq, const int32_t *xs, const float *dx,             \
-                                            const float *sx, int K, int z, float *out) {                      \
-        micro8(tw, td, tm, xq, xs, dx, sx, K, z, N, SIX, MINS, out);                                          \
+typedef void (*micro_fn)(const int32_t *, const float *, const float *, const void *, const int32_t *,
+                         const float *, const float *, int, int, float *);
+#define DEF_MICRO(E, N, SIX, MINS)                                                                            \
+    static void micro_##E##_##N##_##SIX##_##MINS(const int32_t *tw, const float *td, const float *tm,         \
+                                                 const void *xq, const int32_t *xs, const float *dx,          \
+                                                 const float *sx, int K, int z, float *out) {                 \
+        micro(tw, td, tm, xq, xs, dx, sx, K, z, N, SIX, MINS, E, out);                                        \
     }
-#define DEF_MICRO8_N(SIX, MINS) \
-    DEF_MICRO8(1, SIX, MINS) DEF_MICRO8(2, SIX, MINS) DEF_MICRO8(3, SIX, MINS) DEF_MICRO8(4, SIX, MINS)
-DEF_MICRO8_N(0, 0)
-DEF_MICRO8_N(0, 1)
-DEF_MICRO8_N(1, 0)
-#define MICRO8_ROW(SIX, MINS) \
-    {micro8_1_##SIX##_##MINS, micro8_2_##SIX##_##MINS, micro8_3_##SIX##_##MINS, micro8_4_##SIX##_##MINS}
-static const micro8_fn MICRO8[2][2][NT_MAX] = {{MICRO8_ROW(0, 0), MICRO8_ROW(0, 1)},
-                                               {MICRO8_ROW(1, 0), MICRO8_ROW(1, 0)}};
+#define DEF_MICRO_N(E, SIX, MINS) \
+    DEF_MICRO(E, 1, SIX, MINS) DEF_MICRO(E, 2, SIX, MINS) DEF_MICRO(E, 3, SIX, MINS) DEF_MICRO(E, 4, SIX, MINS)
+#define DEF_MICROS(E) DEF_MICRO_N(E, 0, 0) DEF_MICRO_N(E, 0, 1) DEF_MICRO_N(E, 1, 0)
+#define MICRO_ROW(E, SIX, MINS)                                                                  \
+    {micro_##E##_1_##SIX##_##MINS, micro_##E##_2_##SIX##_##MINS, micro_##E##_3_##SIX##_##MINS, \
+     micro_##E##_4_##SIX##_##MINS}
+#define MICRO_TABLE(E) {{MICRO_ROW(E, 0, 0), MICRO_ROW(E, 0, 1)}, {MICRO_ROW(E, 1, 0), MICRO_ROW(E, 1, 0)}}
+DEF_MICROS(0)
+#if TM_DOT8
+DEF_MICROS(1)
+/* [eight][six][mins][n - 1] (6-bit codes have no mins); the first NT of each row are used */
+static const micro_fn MICRO[2][2][2][NT_MAX] = {MICRO_TABLE(0), MICRO_TABLE(1)};
+#else
+static const micro_fn MICRO[1][2][2][NT_MAX] = {MICRO_TABLE(0)};
 #endif
 
 /* ------------------------------------------------------------------------------ */
@@ -329,8 +258,7 @@ static __thread tm_buf tile_buf; /* each thread's weight tile */
 
 /* One call's quantized activations, as the micro-kernels read them. */
 typedef struct {
-    const int16_t *xq16; /* 16-bit path: int16 [T, K] */
-    const int8_t *xq8;   /* 8-bit path (TM_DOT8): int8 [T, K] */
+    const char *xq;      /* int16 [T, K], or for the 8-bit path (TM_DOT8) int8 [T, K] */
     const int32_t *xs;   /* 8-bit path: sum of q per unit [T, nu] */
     const float *dx, *sx; /* block scales and float sums [T, nb] */
 } acts;
@@ -346,7 +274,7 @@ static int quantize_acts(const float *x, int T, int K, float qmax, int eight, in
     if (!abuf) return 0;
     int32_t *xs = (int32_t *)(abuf + qbytes);
     float *dx = (float *)(abuf + qbytes + sbytes), *sx = dx + (size_t)T * nb;
-    *a = (acts){eight ? NULL : (const int16_t *)abuf, eight ? (const int8_t *)abuf : NULL, xs, dx, sx};
+    *a = (acts){abuf, xs, dx, sx};
     const int nt = tm_team(nthreads, T);
     (void)nt;
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
@@ -383,7 +311,6 @@ int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bi
     const int K = w->k, N = w->n, nb = K / QK, six = w->bits == 6, nu = six ? 2 * nb : nb;
     if ((six && !w->dsup) || (whole_groups_only(w->bits) && nb % TM_GB)) return -1;
     const int eight = TM_DOT8 && !act16, mins = w->mins != NULL, z = zero_point(w);
-    (void)z; /* the 8-bit micro-kernels' only */
     acts a;
     if (!quantize_acts(x, T, K, act16 ? 32767.f : 127.f, eight, six ? 2 : 1, nthreads, &a)) return 0;
     /* ---- tiles of RT rows, one thread each, every token ---- */
@@ -405,24 +332,13 @@ int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bi
                 }
                 float *td = (float *)(tw + twords), *tm = td + (size_t)nu * RT;
                 const int r0 = tile * RT, rows = N - r0 < RT ? N - r0 : RT;
-#if TM_DOT8
-                if (eight)
-                    build_tile8(w, r0, (uint32_t *)tw, td, tm);
-                else
-#endif
-                    build_tile(w, r0, tw, td, tm);
+                build_tile(w, r0, tw, td, tm, eight);
                 float out[NT * RT];
                 for (int t0 = tp; t0 < tend; t0 += NT) {
                     const int n = tend - t0 < NT ? tend - t0 : NT;
                     const size_t ti = (size_t)t0 * nb;
-#if TM_DOT8
-                    if (eight)
-                        MICRO8[six][mins][n - 1]((const uint32_t *)tw, td, tm, a.xq8 + (size_t)t0 * K,
-                                                 a.xs + (size_t)t0 * nu, a.dx + ti, a.sx + ti, K, z, out);
-                    else
-#endif
-                        MICRO[six][mins][n - 1](tw, td, tm, a.xq16 + (size_t)t0 * K, a.dx + ti, a.sx + ti, K,
-                                                out);
+                    MICRO[eight][six][mins][n - 1](tw, td, tm, a.xq + (size_t)t0 * K * (eight ? 1 : 2),
+                                                   a.xs + (size_t)t0 * nu, a.dx + ti, a.sx + ti, K, z, out);
                     for (int t = 0; t < n; t++) {
                         float *yr = y + (size_t)(t0 + t) * N + r0;
                         for (int l = 0; l < rows; l++) yr[l] = out[t * RT + l] + (bias ? bias[r0 + l] : 0.f);

@@ -308,12 +308,15 @@ static inline void prefetch_codes(const uint8_t *p, size_t n, size_t ahead) {
     for (size_t off = 0; off < n; off += 64) __builtin_prefetch(p + ahead + off, 0, 2);
 }
 
+/* Rows of 1 KB of codes and more: Llama 3's 2048-wide and longer. */
+static inline int long_row(size_t rb) { return rb >= 1024; }
+
 /* How far ahead a GEMV over rows of rb code bytes prefetches (codes, and scales to match):
- * PREFETCH, but at most 2 KB for rows under 1 KB (SmolLM2's 576- and 1536-wide ones: 8 KB
- * there decoded slower than 2 KB on Zen 4, while Llama 3's 2048-wide rows and longer
- * want the 8 KB; benchmarks/README.md) */
+ * PREFETCH, but at most 2 KB for short rows (SmolLM2's 576- and 1536-wide ones: 8 KB
+ * there decoded slower than 2 KB on Zen 4, while long rows want the 8 KB;
+ * benchmarks/README.md) */
 static inline size_t prefetch_ahead(size_t rb) {
-    return rb < 1024 && PREFETCH > 2048 ? 2048 : (size_t)PREFETCH;
+    return !long_row(rb) && PREFETCH > 2048 ? 2048 : (size_t)PREFETCH;
 }
 
 /* Row r's K-quant super-block scales to float: dsup [k / 256], and msup = -(the mins'
@@ -419,7 +422,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
              * on long rows the tail bytes of every row came from DRAM on demand (2880 Q8_0
              * values, a 10-block tail: 19 GB/s against 35 for 2560 or 3072; 28-30 with it).
              * Short rows' tails (SmolLM2's 576: 2 blocks) share lines the stream brings. */
-            if (rb >= 1024) prefetch_codes(tc, (size_t)nbt * QK * bits / 8, ahead);
+            if (long_row(rb)) prefetch_codes(tc, (size_t)nbt * QK * bits / 8, ahead);
             tail_dot(w, xq, r, t0, T, bits, lut, tc, tail, acc);
         }
         const float bv = bias ? bias[r] : 0.f;

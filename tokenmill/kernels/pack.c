@@ -290,15 +290,18 @@ int tm_pack_gguf(int qtype, const uint8_t *src, int64_t rows, int k, int as_8bit
     size_t sc_row = (size_t)(bits == 6 ? k / 16 : k / QK) * (block == 256 ? 1 : 2);
     size_t sup_row = block == 256 ? (size_t)(k / 256) * (bits == 6 ? 1 : 2) : 0;
     if (requant) sc_row = (size_t)(k / QK) * 2, sup_row = 0; /* float16 scales, no sup */
-    if (qtype == G_MXFP4)
-        for (int64_t r = 0; r < rows; r++)
-            if (!mxfp4_row_fits_half(src + (size_t)r * src_row, k)) return 0;
     const int nt = tm_threads(nthreads);
     uint8_t *buf = malloc((size_t)nt * 2 * (size_t)k); /* per thread: nat [k], lane [k] */
     if (!buf) return -1;
+    int unfit = 0; /* an MXFP4 row whose scales float16 cannot hold: the caller repacks */
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         uint8_t *nat = buf + (size_t)tm_thread_id() * 2 * k, *lane = nat + k;
+        if (qtype == G_MXFP4 && !mxfp4_row_fits_half(src + (size_t)r * src_row, k)) {
+#pragma omp atomic write
+            unfit = 1;
+            continue;
+        }
         if (requant)
             requant_q6k_row(src + (size_t)r * src_row, k, nat, (uint16_t *)((uint8_t *)scales + (size_t)r * sc_row));
         else
@@ -308,5 +311,5 @@ int tm_pack_gguf(int qtype, const uint8_t *src, int64_t rows, int k, int as_8bit
         cut_codes(lane, k, bits, codes + (size_t)r * code_row);
     }
     free(buf);
-    return 1;
+    return unfit ? 0 : 1;
 }

@@ -412,20 +412,13 @@ class QuantLinear(NativeLinear):
                     release(rows)
             else:
                 tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
-                layer = cls._from_arrays(tensors, bits, in_features, out_features, bias)
-                if qtype in TABLE_GGUF_TYPES:
-                    layer.set_table(table_of(qtype), TABLE_SCALE_ZERO.get(qtype, 0))
-                layer.sources = {qtype.name: out_features * in_features}
-                return layer
+                return cls._from_arrays(tensors, bits, in_features, out_features, bias)._of(qtype)
         half = qtype == GT.MXFP4 and mxfp4_scales_fit_half(raw)
         parse_rows = cls._row_parser(qtype, in_features, half)
         layer = cls._assemble(
             lambda r0, r1: parse_rows(raw[r0:r1]), in_features, out_features, bias
         )
-        if qtype in TABLE_GGUF_TYPES | GRID_GGUF_TYPES:
-            layer.set_table(table_of(qtype), TABLE_SCALE_ZERO.get(qtype, 0))
-        layer.sources = {qtype.name: out_features * in_features}
-        return layer
+        return layer._of(qtype)
 
     @classmethod
     def _row_parser(cls, qtype: GT, in_features: int, half: bool = False):
@@ -500,17 +493,12 @@ class QuantLinear(NativeLinear):
                         packed(j, p)
             if native:
                 stacked = {k: torch.from_numpy(v) for k, v in stack.items()}
-                layers = [
+                return [
                     cls._from_arrays(
                         {k: v[j] for k, v in stacked.items()}, bits, in_features, total
-                    )
+                    )._of(qtype)
                     for j in range(experts)
                 ]
-                for layer in layers:
-                    if qtype in TABLE_GGUF_TYPES:
-                        layer.set_table(table_of(qtype), TABLE_SCALE_ZERO.get(qtype, 0))
-                    layer.sources = {qtype.name: total * in_features}
-                return layers
         half = qtype == GT.MXFP4 and mxfp4_scales_fit_half([r for parts in raws for r in parts])
         parse_rows = cls._row_parser(qtype, in_features, half)
         gb = kernels.group_blocks()
@@ -541,15 +529,12 @@ class QuantLinear(NativeLinear):
         stacked = {
             k: torch.from_numpy(v).view(experts, total, *v.shape[1:]) for k, v in arrays.items()
         }
-        layers = [
-            cls._from_arrays({k: v[j] for k, v in stacked.items()}, bits, in_features, total)
+        return [
+            cls._from_arrays({k: v[j] for k, v in stacked.items()}, bits, in_features, total)._of(
+                qtype
+            )
             for j in range(experts)
         ]
-        for layer in layers:
-            if qtype in TABLE_GGUF_TYPES | GRID_GGUF_TYPES:
-                layer.set_table(table_of(qtype), TABLE_SCALE_ZERO.get(qtype, 0))
-            layer.sources = {qtype.name: total * in_features}
-        return layers
 
     @classmethod
     def held_bits(cls, qtype: GT | int, in_features: int) -> float:
@@ -626,6 +611,14 @@ class QuantLinear(NativeLinear):
         gb = kernels.group_blocks()
         codes, scales, mins, sup = t["codes"], t["scales"], t.get("mins"), t.get("sup")
         return cls(codes, scales, mins, bits, in_features, out_features, bias, gb, sup)
+
+    def _of(self, qtype: GT) -> QuantLinear:
+        """This layer marked as packed from GGUF type `qtype` (its sources), with the
+        type's table where its codes index one; returns it."""
+        if qtype in TABLE_GGUF_TYPES | GRID_GGUF_TYPES:
+            self.set_table(table_of(qtype), TABLE_SCALE_ZERO.get(qtype, 0))
+        self.sources = {qtype.name: self.out_features * self.in_features}
+        return self
 
     @classmethod
     def cat(cls, parts: list[QuantLinear]) -> QuantLinear:
