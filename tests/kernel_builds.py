@@ -11,9 +11,12 @@ executed on any x86-64 CI machine, whatever its own CPU:
     avx512-simde        the AVX-512 layer without VNNI (x86-64-v4's instructions) over
                         SIMDe (Debian's libsimde-dev), on any AVX2 host
     avx512-vnni-simde   the AVX-512 layer with VNNI over SIMDe
+    amx-emulated        that build with the integer GEMM on the AMX tile layer
+                        (simd_amx.h) over its plain-C emulation
     x86-64-v4           the AVX-512 layer without VNNI, on real AVX-512, where the CPU has it
     avx512-vnni         with VNNI (and BF16 enabled), on a CPU that has them
-    sapphirerapids      -march=sapphirerapids (every AVX-512 extension gcc knows, AMX)
+    sapphirerapids      -march=sapphirerapids (every AVX-512 extension gcc knows, and
+                        the GEMM on AMX tiles)
 
 Every build is compiled with -Wall -Wextra -Werror on every host, and a build that does
 not compile or load fails the test, never skips it. A real-instruction build the host
@@ -51,6 +54,11 @@ X86_BUILDS = {
     "avx-vnni": (("-march=x86-64-v3", "-mavxvnni"), (*V3, "avx_vnni"), "avx2+vnni"),
     "avx512-simde": (SIMDE, V3, "avx512(simde)"),
     "avx512-vnni-simde": ((*SIMDE, "-DTM_SIMDE_AVX512VNNI"), V3, "avx512+vnni(simde)"),
+    "amx-emulated": (
+        (*SIMDE, "-DTM_SIMDE_AVX512VNNI", "-DTM_EMULATE_AMX"),
+        V3,
+        "avx512+vnni(simde)+amx(emulated)",
+    ),
     "x86-64-v4": (("-march=x86-64-v4",), V4, "avx512"),
     "avx512-vnni": (
         ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"),
@@ -60,8 +68,8 @@ X86_BUILDS = {
     # the target the AVX-512 breakage of a5b9eb1 was first seen on (compiled on every host)
     "sapphirerapids": (
         ("-march=sapphirerapids",),
-        (*V4, "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "avx_vnni"),
-        "avx512+vnni",
+        (*V4, "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "avx_vnni"),
+        "avx512+vnni+amx",
     ),
 }
 BUILDS = list(X86_BUILDS) if platform.machine() in ("x86_64", "AMD64") else ["native"]

@@ -364,6 +364,39 @@ def test_integer_gemm_matches_reference_and_gemv(kbuild, qtype, act_bits):
             assert ((y - gemv).double().abs() <= 1e-6 * scale).all(), (n, k, t)
 
 
+# (the build whose GEMM runs on AMX tiles, the same build's layer without them)
+AMX_PAIRS = [("amx-emulated", "avx512-vnni-simde"), ("sapphirerapids", "avx512-vnni")]
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 targets")
+@pytest.mark.parametrize("pair", AMX_PAIRS, ids=[p[0] for p in AMX_PAIRS])
+@pytest.mark.parametrize("act_bits", [8, 16])
+def test_amx_gemm_equals_the_vnni_gemm_bit_for_bit(monkeypatch, pair, act_bits):
+    """The GEMM on AMX tiles (simd_amx.h: real, or its plain-C emulation on any host)
+    computes the VNNI micro-kernel's integers per block, 16-bit activations as a high and
+    a low byte product, and applies the scales in its order: the same floats, bit for bit,
+    for every type (6-bit codes stay on VNNI), whole 16- and 8-token chunks and the rest,
+    and K tails."""
+    tiles, plain = pair
+    for name in (tiles, plain):
+        use_build(monkeypatch, name)  # skips the real pair where the CPU lacks AMX
+    assert library_for(tiles).tm_amx().decode().startswith("+amx")
+    assert library_for(plain).tm_amx().decode() == ""
+    torch.manual_seed(3)
+    for qtype in SIMPLE + K_QUANTS + [GT.Q6_K] + TABLES:
+        n, k = shapes_for(qtype)[2]
+        layer = QuantLinear.from_gguf(gguf_bytes(qtype, n, k), qtype, n, k, bias=torch.randn(n))
+        for t in [1, 7, 8, 9, 16, 17, 40]:
+            x = torch.randn(t, k)
+            x[0, :32] = 0  # an all-zero block (scale 0)
+            x[-1, -32:] *= 1000  # an outlier block
+            ys = []
+            for name in pair:
+                use_build(monkeypatch, name)
+                ys.append(kernels.gemm(layer.native(), x, layer.bias, act_bits))
+            assert torch.equal(ys[0], ys[1]), (qtype.name, t)
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 targets")
 def test_integer_gemm_plain_c_tiles(monkeypatch):
     """The plain-C tile builder (every block on AVX-512 builds, the tails elsewhere), forced

@@ -197,6 +197,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tm_kquant_scales.restype = i32
     lib.tm_prefetch_bytes.restype = i32
     lib.tm_isa.restype = ctypes.c_char_p
+    lib.tm_amx.restype = ctypes.c_char_p
     lib.tm_struct_size.argtypes = [i32]
     lib.tm_struct_size.restype = i32
     lib.tm_team_adapt.argtypes = [i32]

@@ -29,8 +29,16 @@
  * products per lane: half the instructions per unit of the 16-bit path, and half the tile.
  * The zero point leaves as an integer: sum (c - Z) q = sum c q - Z sum q, with sum q per
  * unit and token computed once per call. |c| <= 255, |q| <= 127: exact in int32.
+ *
+ * AMX builds (simd_amx.h: AMX-TILE and AMX-INT8, where the OS grants the tiles) take the
+ * same tile of code quads as the B operand of a tile product per block and 16 tokens'
+ * activations as A, for both precisions: int8 q as they are, 16-bit q as a high and a low
+ * byte row (q = 256 h + l + 128). The integers per block are the micro-kernel's, and the
+ * float steps after them the same in the same order, so outputs are equal bit for bit
+ * (amx_tokens).
  */
 #include "tm.h"
+#include "simd_amx.h"
 
 #ifndef GR
 #define GR 2             /* row vectors per micro-tile */
@@ -258,47 +266,157 @@ static __thread tm_buf tile_buf; /* each thread's weight tile */
 
 /* One call's quantized activations, as the micro-kernels read them. */
 typedef struct {
-    const char *xq;      /* int16 [T, K], or for the 8-bit path (TM_DOT8) int8 [T, K] */
-    const int32_t *xs;   /* 8-bit path: sum of q per unit [T, nu] */
+    const char *xq;       /* rows of q: see the forms */
+    const int32_t *xs;    /* INT8 and HILO: sum of q per unit [T, nu] */
     const float *dx, *sx; /* block scales and float sums [T, nb] */
 } acts;
 
-/* Quantize x [T, K] per 32-block with qmax (tm_quant_block) into act_buf: int16 codes,
- * or with eight (a TM_DOT8 build's 8-bit path) int8 codes and their sums per unit of
- * `upb` units per block. Returns 0 on OOM. */
-static int quantize_acts(const float *x, int T, int K, float qmax, int eight, int upb, int nthreads, acts *a) {
+/* The forms of quantized activations: INT16 int16 [T, K] (the 16-bit micro-kernel); INT8
+ * int8 [T, K] (vpdpbusd); for the tiles, TILE8 as INT8 and HILO, 16-bit q = 256 h + l + 128
+ * as two int8 rows, h (the high byte) and l (the low byte - 128), 8 tokens' h rows then
+ * their l rows: token t's h at row 16 (t / 8) + t % 8, its l 8 rows further. Rows past T
+ * exist (the tiles read 16 rows) and hold nothing of use. The tiles' forms keep the scales
+ * and sums token-minor (dx [nb, T], xs [nu, T]): a unit's 16 tokens' at one address. */
+enum { INT16, INT8, TILE8, HILO };
+
+/* Quantize x [T, K] per 32-block with qmax (tm_quant_block) into act_buf, in `form`; INT8
+ * and HILO also get the sums of q per unit, `upb` units per block. Returns 0 on OOM. */
+static int quantize_acts(const float *x, int T, int K, float qmax, int form, int upb, int nthreads, acts *a) {
     const int nb = K / QK, nu = nb * upb;
-    const size_t qbytes = ((size_t)T * K * (eight ? 1 : 2) + 63) & ~(size_t)63;
-    const size_t sbytes = eight ? (size_t)T * nu * 4 : 0, fbytes = (size_t)T * nb * 4;
+    const size_t qbytes = ((size_t)(T + 16) * K * 2 + 63) & ~(size_t)63;
+    const size_t sbytes = form != INT16 ? (size_t)T * nu * 4 : 0, fbytes = (size_t)T * nb * 4;
     char *abuf = tm_buf_get(&act_buf, qbytes + sbytes + 2 * fbytes);
     if (!abuf) return 0;
     int32_t *xs = (int32_t *)(abuf + qbytes);
     float *dx = (float *)(abuf + qbytes + sbytes), *sx = dx + (size_t)T * nb;
+    int8_t *q8 = (int8_t *)abuf;
+    const int tr = form >= TILE8; /* token-minor scales and sums */
     *a = (acts){abuf, xs, dx, sx};
     const int nt = tm_team(nthreads, T);
     (void)nt;
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int t = 0; t < T; t++)
         for (int b = 0; b < nb; b++) {
-            const size_t o = (size_t)t * K + (size_t)b * QK, i = (size_t)t * nb + b;
-            if (!eight) {
+            const size_t o = (size_t)t * K + (size_t)b * QK, i = tr ? (size_t)b * T + t : (size_t)t * nb + b;
+            if (form == INT16) {
                 tm_quant_block(x + o, qmax, (int16_t *)abuf + o, dx + i, sx + i);
                 continue;
             }
             int16_t q[QK];
             tm_quant_block(x + o, qmax, q, dx + i, sx + i);
             int32_t us[2] = {0, 0}; /* the sums of the block's halves (6-bit units) */
+            const size_t h = ((size_t)16 * (t / 8) + t % 8) * K + (size_t)b * QK; /* HILO */
             for (int j = 0; j < QK; j++) {
-                ((int8_t *)abuf)[o + j] = (int8_t)q[j];
+                if (form != HILO) {
+                    q8[o + j] = (int8_t)q[j];
+                } else { /* arithmetic shift: q = 256 (q >> 8) + (q & 255) */
+                    q8[h + j] = (int8_t)(q[j] >> 8);
+                    q8[h + 8 * (size_t)K + j] = (int8_t)((q[j] & 255) - 128);
+                }
                 us[j >= QK / 2] += q[j];
             }
-            int32_t *u = xs + (size_t)t * nu + (size_t)b * upb;
+            const size_t u = tr ? (size_t)b * upb * T + t : (size_t)t * nu + (size_t)b * upb, us1 = tr ? T : 1;
             if (upb == 2)
-                u[0] = us[0], u[1] = us[1];
+                xs[u] = us[0], xs[u + us1] = us[1];
             else
-                u[0] = us[0] + us[1];
+                xs[u] = us[0] + us[1];
         }
     return 1;
+}
+
+#if TM_AMX
+/* ------------------------------------------------------------------------------ */
+/* The tile path (simd_amx.h): RT rows x n (<= 16) tokens per call                 */
+/* ------------------------------------------------------------------------------ */
+
+/* 128 times the sum of each row's codes per block, c128 [nb, RT]: the term that HILO's
+ * low bytes, stored less 128, leave out. */
+static void tile_code_sums(const int32_t *tw, int nb, int32_t *c128) {
+    for (int u = 0; u < nb; u++)
+        for (int g = 0; g < GR; g++) {
+            vi s = vi_zero();
+            for (int st = 0; st < QK / 4; st++)
+                s = vi_dot8(s, vi_load(tw + ((size_t)u * (QK / 4) + st) * RT + g * TM_W), 0x01010101);
+            for (int i = 0; i < 7; i++) s = vi_add(s, s);
+            vi_store(c128 + (size_t)u * RT + g * TM_W, s);
+        }
+}
+
+/* The micro-kernel's float arithmetic, in its order, over the tiles' exact integer sums:
+ * per block s = sum (c - z) q (the codes' tile holds c; z sum q leaves as an integer, which
+ * is exact for 16-bit q too, where the float subtraction of the 8-bit path would not be),
+ * acc += float(s) * (d_block * dx), then the mins. So the tiles give the VNNI GEMM's
+ * outputs bit for bit. Tokens t0 .. t0 + n - 1 (n <= 16, HILO n <= 8, t0 a multiple of 8
+ * there); n == the chunk lets the compiler keep acc in registers.
+ *
+ * Where the time goes (Sapphire Rapids class core): a block's tile product is ~5 ns, its
+ * store to c ~4 ns, and reading c back into 16 tokens' floats ~10 ns, and the three barely
+ * overlap, so the tiles reach ~1.3x vpdpbusd's GEMM with 8-bit activations and ~1.1-1.3x
+ * the 16-bit one (two products per 16 tokens). 6-bit codes (16-value units: twice the
+ * stores and reads per product) stay on VNNI, where they are faster. */
+static inline __attribute__((always_inline)) void amx_tokens(const int32_t *tw, const float *td, const float *tm,
+                                                             const int32_t *c128, const acts *a, size_t t0, int n,
+                                                             int T, int K, int z, int mins, int hilo, float *out) {
+    const int nb = K / QK;
+    int32_t c[2][16 * 16] __attribute__((aligned(64))); /* [set]: amx_dots */
+    const int8_t *rows = (const int8_t *)a->xq + (hilo ? 2 * t0 : t0) * K;
+    const int32_t *xs = a->xs + t0; /* [nu, T] */
+    const float *dx = a->dx + t0, *sx = a->sx + t0; /* [nb, T] */
+#define AMX_UNIT(set, b) amx_dots(set, c[set], rows + (size_t)(b) * QK, K, tw + (size_t)(b) * (QK / 4) * RT + g * TM_W, RT * 4)
+    for (int g = 0; g < GR; g++) {
+        vf acc[16];
+#pragma GCC unroll 16
+        for (int t = 0; t < n; t++) acc[t] = vf_zero();
+        AMX_UNIT(0, 0);
+        for (int b = 0; b < nb; b++) {
+            if (b + 1 < nb) { /* the next block's products run while this one's are read */
+                if ((b + 1) & 1)
+                    AMX_UNIT(1, b + 1);
+                else
+                    AMX_UNIT(0, b + 1);
+            }
+            const int32_t *cb = c[b & 1];
+            const vf d = vf_load(td + (size_t)b * RT + g * TM_W);
+            const vi cs = hilo ? vi_load(c128 + (size_t)b * RT + g * TM_W) : vi_zero();
+#pragma GCC unroll 16
+            for (int t = 0; t < n; t++) {
+                vi s = hilo ? vi_add(amx_hilo(cb, t), cs) : vi_load(cb + 16 * t);
+                if (!mins) s = vi_sub(s, vi_set1(z * xs[(size_t)b * T + t]));
+                acc[t] = vf_fma(vf_from_vi(s), vf_mul(d, vf_set1(dx[(size_t)b * T + t])), acc[t]);
+            }
+            if (mins) {
+                const vf m = vf_load(tm + (size_t)b * RT + g * TM_W);
+#pragma GCC unroll 16
+                for (int t = 0; t < n; t++) acc[t] = vf_fma(m, vf_set1(sx[(size_t)b * T + t]), acc[t]);
+            }
+        }
+        for (int t = 0; t < n; t++) vf_store(out + t * RT + g * TM_W, acc[t]);
+    }
+#undef AMX_UNIT
+}
+
+/* A full chunk (16 tokens, HILO 8: registers), or fewer (the last of a pass); [mins][hilo] */
+#define DEF_AMX(MINS, HILO)                                                                                   \
+    static void amx_##MINS##_##HILO(const int32_t *tw, const float *td, const float *tm, const int32_t *c128, \
+                                    const acts *a, size_t t0, int n, int T, int K, int z, float *out) {       \
+        if (n == (HILO ? 8 : 16))                                                                             \
+            amx_tokens(tw, td, tm, c128, a, t0, HILO ? 8 : 16, T, K, z, MINS, HILO, out);                     \
+        else                                                                                                  \
+            amx_tokens(tw, td, tm, c128, a, t0, n, T, K, z, MINS, HILO, out);                                 \
+    }
+DEF_AMX(0, 0) DEF_AMX(0, 1) DEF_AMX(1, 0) DEF_AMX(1, 1)
+typedef void (*amx_fn)(const int32_t *, const float *, const float *, const int32_t *, const acts *, size_t, int,
+                       int, int, int, float *);
+static const amx_fn AMX[2][2] = {{amx_0_0, amx_0_1}, {amx_1_0, amx_1_1}};
+#endif
+
+/* "+amx" (or "+amx(emulated)") where this library's GEMM runs on the tiles (compiled in,
+ * and the OS grants them), else "": the suffix of tm_isa's name. */
+const char *tm_amx(void) {
+#if TM_AMX
+    if (amx_ready()) return TM_AMX_NAME;
+#endif
+    return "";
 }
 
 /* y [T, N] = x [T, K] @ W^T (+ bias) for packed weights (bits 4, 5, 6 or 8; one segment),
@@ -310,12 +428,21 @@ int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bi
     if (w->bits != 4 && w->bits != 5 && w->bits != 6 && w->bits != 8) return -1;
     const int K = w->k, N = w->n, nb = K / QK, six = w->bits == 6, nu = six ? 2 * nb : nb;
     if ((six && !w->dsup) || (whole_groups_only(w->bits) && nb % TM_GB)) return -1;
-    const int eight = TM_DOT8 && !act16, mins = w->mins != NULL, z = zero_point(w);
+    const int mins = w->mins != NULL, z = zero_point(w);
+#if TM_AMX
+    const int amx = !six && amx_ready(); /* (6-bit codes: see amx_tokens) */
+#else
+    const int amx = 0;
+#endif
+    /* eight: the tile holds code quads (8-bit activations on VNNI, and the tiles' both) */
+    const int eight = TM_DOT8 && (!act16 || amx);
+    const int form = !eight ? INT16 : !amx ? INT8 : act16 ? HILO : TILE8;
+    const int chunk = !amx ? NT : form == HILO ? 8 : 16; /* tokens per micro-kernel call */
     acts a;
-    if (!quantize_acts(x, T, K, act16 ? 32767.f : 127.f, eight, six ? 2 : 1, nthreads, &a)) return 0;
+    if (!quantize_acts(x, T, K, act16 ? 32767.f : 127.f, form, six ? 2 : 1, nthreads, &a)) return 0;
     /* ---- tiles of RT rows, one thread each, every token ---- */
     const int ntiles = (N + RT - 1) / RT;
-    const size_t twords = (size_t)K / (eight ? 4 : 2) * RT, tfloats = (size_t)(nu + nb) * RT;
+    const size_t twords = (size_t)K / (eight ? 4 : 2) * RT, tfloats = (size_t)(nu + nb + nu) * RT; /* + c128 */
     int oom = 0;
     for (int tp = 0; tp < T; tp += TOKEN_PASS) {
         const int tend = T - tp < TOKEN_PASS ? T : tp + TOKEN_PASS;
@@ -323,6 +450,9 @@ int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bi
         int64_t start = tm_now(), done = start;
 #pragma omp parallel num_threads(nt) if (nt > 1)
         {
+#if TM_AMX
+            if (amx) amx_config(QK);
+#endif
 #pragma omp for schedule(dynamic) nowait
             for (int tile = 0; tile < ntiles; tile++) {
                 int32_t *tw = tm_buf_get(&tile_buf, twords * 4 + tfloats * 4);
@@ -331,20 +461,34 @@ int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bi
                     continue;
                 }
                 float *td = (float *)(tw + twords), *tm = td + (size_t)nu * RT;
+                int32_t *c128 = (int32_t *)(tm + (size_t)nb * RT);
                 const int r0 = tile * RT, rows = N - r0 < RT ? N - r0 : RT;
                 build_tile(w, r0, tw, td, tm, eight);
-                float out[NT * RT];
-                for (int t0 = tp; t0 < tend; t0 += NT) {
-                    const int n = tend - t0 < NT ? tend - t0 : NT;
+#if TM_AMX
+                if (form == HILO) tile_code_sums(tw, nb, c128);
+#else
+                (void)c128;
+#endif
+                float out[16 * RT];
+                for (int t0 = tp; t0 < tend; t0 += chunk) {
+                    const int n = tend - t0 < chunk ? tend - t0 : chunk;
                     const size_t ti = (size_t)t0 * nb;
-                    MICRO[eight][six][mins][n - 1](tw, td, tm, a.xq + (size_t)t0 * K * (eight ? 1 : 2),
-                                                   a.xs + (size_t)t0 * nu, a.dx + ti, a.sx + ti, K, z, out);
+#if TM_AMX
+                    if (amx)
+                        AMX[mins][form == HILO](tw, td, tm, c128, &a, (size_t)t0, n, T, K, z, out);
+                    else
+#endif
+                        MICRO[eight][six][mins][n - 1](tw, td, tm, a.xq + (size_t)t0 * K * (eight ? 1 : 2),
+                                                       a.xs + (size_t)t0 * nu, a.dx + ti, a.sx + ti, K, z, out);
                     for (int t = 0; t < n; t++) {
                         float *yr = y + (size_t)(t0 + t) * N + r0;
                         for (int l = 0; l < rows; l++) yr[l] = out[t * RT + l] + (bias ? bias[r0 + l] : 0.f);
                     }
                 }
             }
+#if TM_AMX
+            if (amx) amx_release();
+#endif
             if (tm_thread_id() == 0) done = tm_now();
         }
         tm_team_done(nt, start, done);

@@ -910,8 +910,13 @@ int tm_group_blocks(void) { return TM_GB; }
  * every build does now; kept so that Python asks rather than assumes. */
 int tm_kquant_scales(void) { return 1; }
 
-/* The instruction set the kernels were compiled for (see tm.h). */
-const char *tm_isa(void) { return TM_SIMD_NAME; }
+/* The instruction set the kernels run (see tm.h): the simd.h layer compiled in, plus the
+ * GEMM's tiles where it uses them (tm_amx). */
+const char *tm_isa(void) {
+    static char name[48]; /* filled once; a race writes the same bytes */
+    if (!name[0]) snprintf(name, sizeof name, "%s%s", TM_SIMD_NAME, tm_amx());
+    return name;
+}
 
 /* Sizes of the structs Python mirrors with ctypes: caught at load if they drift. */
 int tm_struct_size(int which) {

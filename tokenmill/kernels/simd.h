@@ -24,7 +24,7 @@
  *                         vf_hsums(v[TM_W]) (lane u = the sum of v[u]),
  *                         vf_load_f16 / vf_load_bf16 (TM_W 16-bit floats -> float32),
  *                         vf_load_u8 / vf_load_i8 (TM_W unsigned / signed bytes -> float32)
- *   vi   TM_W int32       vi_zero vi_load vi_store vi_add vi_sub vi_sum, vf_from_vi, vi_round
+ *   vi   TM_W int32       vi_zero vi_set1 vi_load vi_store vi_add vi_sub vi_sum, vf_from_vi, vi_round
  *                         (float -> int32, ties to even), vf_pow2i (2^n), vi_store_i16,
  *                         vi_madd16(acc, w, x2): acc + per lane the lane's two int16 times
  *                         x2's two int16 (low half times low half, high times high), summed;

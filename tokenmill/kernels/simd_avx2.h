@@ -94,6 +94,7 @@ static inline vf vf_load_bf16(const uint16_t *p) {
 }
 
 static inline vi vi_zero(void) { return _mm256_setzero_si256(); }
+static inline vi vi_set1(int32_t a) { return _mm256_set1_epi32(a); }
 static inline vi vi_load(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline void vi_store(int32_t *p, vi a) { _mm256_storeu_si256((__m256i *)p, a); }
 static inline vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }

@@ -177,6 +177,7 @@ static inline vf vf_load_bf16(const uint16_t *p) { /* exact: the high half of a 
 }
 
 static inline vi vi_zero(void) { return _mm512_setzero_si512(); }
+static inline vi vi_set1(int32_t a) { return _mm512_set1_epi32(a); }
 static inline vi vi_load(const int32_t *p) { return _mm512_loadu_si512((const void *)p); }
 static inline void vi_store(int32_t *p, vi a) { _mm512_storeu_si512((void *)p, a); }
 static inline vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }

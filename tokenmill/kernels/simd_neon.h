@@ -57,6 +57,7 @@ static inline vf vf_load_i8(const int8_t *p) { /* 4 signed bytes -> 4 floats */
 static inline vf vf_load_bf16(const uint16_t *p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
 
 static inline vi vi_zero(void) { return vdupq_n_s32(0); }
+static inline vi vi_set1(int32_t a) { return vdupq_n_s32(a); }
 static inline vi vi_load(const int32_t *p) { return vld1q_s32(p); }
 static inline void vi_store(int32_t *p, vi a) { vst1q_s32(p, a); }
 static inline vi vi_add(vi a, vi b) { return vaddq_s32(a, b); }

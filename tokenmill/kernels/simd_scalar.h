@@ -51,6 +51,7 @@ static inline vf vf_load_i8(const int8_t *p) { TM_MAP(vf, (float)p[i]); }
 static inline vf vf_load_bf16(const uint16_t *p) { TM_MAP(vf, tm_bf16_to_float(p[i])); }
 
 static inline vi vi_zero(void) { TM_MAP(vi, 0); }
+static inline vi vi_set1(int32_t a) { TM_MAP(vi, a); }
 static inline vi vi_load(const int32_t *p) { TM_MAP(vi, p[i]); }
 static inline void vi_store(int32_t *p, vi a) {
     for (int i = 0; i < 4; i++) p[i] = a.v[i];

@@ -155,6 +155,7 @@ int tm_group_blocks(void);
 int tm_kquant_scales(void);
 int tm_prefetch_bytes(void);
 const char *tm_isa(void);
+const char *tm_amx(void); /* gemm.c */
 int tm_struct_size(int which);
 void tm_dequant_lanes(const tm_weight *w, int r0, int r1, float *out, int nthreads);
 void tm_lanes_f32(const float *x, int T, int K, float *out, int nthreads);
