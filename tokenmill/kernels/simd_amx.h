@@ -10,7 +10,8 @@
  * The contract (TM_AMX 1 where compiled in, with TM_AMX_NAME for tm_isa):
  *   amx_ready()             whether this process may use the tiles: Linux grants the tile
  *                           state on request (arch_prctl), once per process; 0 where the
- *                           kernel refuses (then the GEMM runs on VNNI)
+ *                           kernel refuses, or TOKENMILL_AMX=0 asks (then the GEMM runs
+ *                           on VNNI)
  *   amx_config(kb)          this thread's tiles for units of kb bytes (32, or 16 for 6-bit
  *                           codes' half blocks): A 16 rows x kb bytes, B kb / 4 rows of code
  *                           quads, C 16 x 16 int32
@@ -42,7 +43,9 @@ static inline int amx_ready(void) {
     static int state = -1; /* -1 not asked yet; a race asks twice, harmlessly */
     if (state < 0) {
         enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
-        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+        const char *off = getenv("TOKENMILL_AMX"); /* "0": VNNI only, to compare the two */
+        state = !(off && strcmp(off, "0") == 0) &&
+                syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     }
     return state;
 }
