@@ -22,7 +22,16 @@ import sys
 from pathlib import Path
 
 # CPU features that change which kernel code path runs, as /proc/cpuinfo spells them.
-CPU_FEATURES = ("avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+CPU_FEATURES = (
+    "avx2",
+    "fma",
+    "avx_vnni",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_int8",
+)
 # The environment variables that change what runs, printed with their values when set: every
 # TOKENMILL_* the package reads (tests/test_info.py fails on one missing here), then others'.
 ENV_VARS = (
@@ -32,6 +41,7 @@ ENV_VARS = (
     "TOKENMILL_REQUIRE_NATIVE",  # kernels/build.py: a failed kernel build raises
     "TOKENMILL_ADAPTIVE_THREADS",  # 0: every region and step on the threads asked for
     "TOKENMILL_PREFETCH",  # kernels/linear.c: bytes of weights the GEMV prefetches ahead
+    "TOKENMILL_AMX",  # kernels/simd_amx.h: 0 keeps the GEMM off the AMX tiles
     "TOKENMILL_FUSED_DECODE",  # models/paths.py: 0 turns the native decode paths off
     "TOKENMILL_DIST_TIMEOUT",  # distributed/runtime.py: seconds a collective may wait
     "CC",
