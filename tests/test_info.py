@@ -61,3 +61,33 @@ def test_gguf_types_say_their_bits_per_weight_held_and_in_the_file():
     if kernels.group_blocks() == 16:  # AVX-512: 512-value groups, so 768-wide rows are not
         assert "Q6_K 6.56 (6.56; 8.50 on rows not a multiple of 512 values)" in line
         assert "Q3_K 6.56 (3.44; 8.50 on rows not a multiple of 512 values)" in line
+
+
+@pytest.mark.parametrize(
+    "env, reason",
+    [
+        ({"TOKENMILL_AMX": "0"}, "TOKENMILL_AMX=0"),
+        ({"TOKENMILL_MARCH": "x86-64-v4"}, "TOKENMILL_MARCH's target has no AMX"),
+        ({}, "the Linux kernel did not grant the tile state"),
+    ],
+)
+def test_an_amx_cpu_whose_gemm_stays_on_vnni_says_why(monkeypatch, env, reason):
+    """On a CPU with AMX-INT8, kernels that leave the GEMM on VNNI say so and why in
+    `tokenmill info`'s kernels line: no fast path falls back silently. (The CPU's flags
+    and the loaded build are stood in for, so this runs on any host.)"""
+    from tokenmill import kernels
+
+    for name in ("TOKENMILL_AMX", "TOKENMILL_MARCH"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(info, "kernel_problem", lambda: None)
+    monkeypatch.setattr(info, "cpu_model_and_flags", lambda: ("a Xeon", {"avx512f", "amx_int8"}))
+    monkeypatch.setattr(kernels, "isa", lambda: "avx512+vnni")
+    line = info.kernel_instruction_set()
+    assert line.startswith("avx512+vnni (the CPU's AMX tiles unused: ") and reason in line
+    monkeypatch.setattr(kernels, "isa", lambda: "avx512+vnni+amx")
+    assert info.kernel_instruction_set() == "avx512+vnni+amx"
+    monkeypatch.setattr(info, "cpu_model_and_flags", lambda: ("a Zen 4", {"avx512f"}))
+    monkeypatch.setattr(kernels, "isa", lambda: "avx512+vnni")
+    assert info.kernel_instruction_set() == "avx512+vnni"

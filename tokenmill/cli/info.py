@@ -88,11 +88,23 @@ def kernel_instruction_set() -> str:
     isa = kernels.isa()
     if isa == "none":  # TOKENMILL_KERNELS=0
         return "none: turned off by TOKENMILL_KERNELS=0, pure-torch path (slow)"
+    if "amx_int8" in cpu_model_and_flags()[1] and "+amx" not in isa:
+        return f"{isa} (the CPU's AMX tiles unused: {amx_unused_reason()})"
     return isa
 
 
-def cpu_description() -> str:
-    """Model name and the kernel-relevant feature flags, from /proc/cpuinfo where it exists."""
+def amx_unused_reason() -> str:
+    """Why a build on an AMX-INT8 CPU leaves the GEMM on VNNI (kernels/simd_amx.h)."""
+    if os.environ.get("TOKENMILL_AMX", "").strip() == "0":
+        return "TOKENMILL_AMX=0"
+    if os.environ.get("TOKENMILL_MARCH", "").strip() not in ("", "native"):
+        return "TOKENMILL_MARCH's target has no AMX"
+    return "the Linux kernel did not grant the tile state (arch_prctl), so the GEMM runs on VNNI"
+
+
+def cpu_model_and_flags() -> tuple[str, set[str]]:
+    """The model name and feature flags of the first processor in /proc/cpuinfo (the
+    platform's processor name and no flags where it does not exist)."""
     model, flags = platform.processor() or platform.machine(), set()
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -105,6 +117,12 @@ def cpu_description() -> str:
         elif key.strip() == "flags":
             flags = set(value.split())
             break  # the first processor's entry is enough
+    return model, flags
+
+
+def cpu_description() -> str:
+    """Model name and the kernel-relevant feature flags, from /proc/cpuinfo where it exists."""
+    model, flags = cpu_model_and_flags()
     have = [f for f in CPU_FEATURES if f in flags]
     cores = os.cpu_count() or 0
     return f"{model}, {cores} logical cores" + (f"; {' '.join(have)}" if have else "")
