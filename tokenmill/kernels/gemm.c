@@ -267,7 +267,7 @@ static __thread tm_buf tile_buf; /* each thread's weight tile */
 /* One call's quantized activations, as the micro-kernels read them. */
 typedef struct {
     const char *xq;       /* rows of q: see the forms */
-    const int32_t *xs;    /* INT8 and HILO: sum of q per unit [T, nu] */
+    const int32_t *xs;    /* all but INT16: sum of q per unit [T, nu] (the tiles' forms: [nu, T]) */
     const float *dx, *sx; /* block scales and float sums [T, nb] */
 } acts;
 
@@ -279,8 +279,8 @@ typedef struct {
  * and sums token-minor (dx [nb, T], xs [nu, T]): a unit's 16 tokens' at one address. */
 enum { INT16, INT8, TILE8, HILO };
 
-/* Quantize x [T, K] per 32-block with qmax (tm_quant_block) into act_buf, in `form`; INT8
- * and HILO also get the sums of q per unit, `upb` units per block. Returns 0 on OOM. */
+/* Quantize x [T, K] per 32-block with qmax (tm_quant_block) into act_buf, in `form`; all
+ * forms but INT16 also get the sums of q per unit, `upb` units per block. Returns 0 on OOM. */
 static int quantize_acts(const float *x, int T, int K, float qmax, int form, int upb, int nthreads, acts *a) {
     const int nb = K / QK, nu = nb * upb;
     const size_t qbytes = ((size_t)(T + 16) * K * 2 + 63) & ~(size_t)63;
@@ -332,13 +332,13 @@ static int quantize_acts(const float *x, int T, int K, float qmax, int form, int
 /* 128 times the sum of each row's codes per block, c128 [nb, RT]: the term that HILO's
  * low bytes, stored less 128, leave out. */
 static void tile_code_sums(const int32_t *tw, int nb, int32_t *c128) {
-    for (int u = 0; u < nb; u++)
+    for (int b = 0; b < nb; b++)
         for (int g = 0; g < GR; g++) {
             vi s = vi_zero();
             for (int st = 0; st < QK / 4; st++)
-                s = vi_dot8(s, vi_load(tw + ((size_t)u * (QK / 4) + st) * RT + g * TM_W), 0x01010101);
+                s = vi_dot8(s, vi_load(tw + ((size_t)b * (QK / 4) + st) * RT + g * TM_W), 0x01010101);
             for (int i = 0; i < 7; i++) s = vi_add(s, s);
-            vi_store(c128 + (size_t)u * RT + g * TM_W, s);
+            vi_store(c128 + (size_t)b * RT + g * TM_W, s);
         }
 }
 
@@ -360,7 +360,7 @@ static inline __attribute__((always_inline)) void amx_tokens(const int32_t *tw, 
     const int nb = K / QK;
     int32_t c[2][16 * 16] __attribute__((aligned(64))); /* [set]: amx_dots */
     const int8_t *rows = (const int8_t *)a->xq + (hilo ? 2 * t0 : t0) * K;
-    const int32_t *xs = a->xs + t0; /* [nu, T] */
+    const int32_t *xs = a->xs + t0; /* [nb, T] (units are blocks here) */
     const float *dx = a->dx + t0, *sx = a->sx + t0; /* [nb, T] */
 #define AMX_UNIT(set, b) amx_dots(set, c[set], rows + (size_t)(b) * QK, K, tw + (size_t)(b) * (QK / 4) * RT + g * TM_W, RT * 4)
     for (int g = 0; g < GR; g++) {
@@ -442,7 +442,7 @@ int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bi
     if (!quantize_acts(x, T, K, act16 ? 32767.f : 127.f, form, six ? 2 : 1, nthreads, &a)) return 0;
     /* ---- tiles of RT rows, one thread each, every token ---- */
     const int ntiles = (N + RT - 1) / RT;
-    const size_t twords = (size_t)K / (eight ? 4 : 2) * RT, tfloats = (size_t)(nu + nb + nu) * RT; /* + c128 */
+    const size_t twords = (size_t)K / (eight ? 4 : 2) * RT, tfloats = (size_t)(nu + 2 * nb) * RT; /* + c128 */
     int oom = 0;
     for (int tp = 0; tp < T; tp += TOKEN_PASS) {
         const int tend = T - tp < TOKEN_PASS ? T : tp + TOKEN_PASS;
@@ -451,7 +451,7 @@ int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bi
 #pragma omp parallel num_threads(nt) if (nt > 1)
         {
 #if TM_AMX
-            if (amx) amx_config(QK);
+            if (amx) amx_config();
 #endif
 #pragma omp for schedule(dynamic) nowait
             for (int tile = 0; tile < ntiles; tile++) {
@@ -461,13 +461,11 @@ int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bi
                     continue;
                 }
                 float *td = (float *)(tw + twords), *tm = td + (size_t)nu * RT;
-                int32_t *c128 = (int32_t *)(tm + (size_t)nb * RT);
                 const int r0 = tile * RT, rows = N - r0 < RT ? N - r0 : RT;
                 build_tile(w, r0, tw, td, tm, eight);
 #if TM_AMX
+                int32_t *c128 = (int32_t *)(tm + (size_t)nb * RT);
                 if (form == HILO) tile_code_sums(tw, nb, c128);
-#else
-                (void)c128;
 #endif
                 float out[16 * RT];
                 for (int t0 = tp; t0 < tend; t0 += chunk) {

@@ -12,14 +12,13 @@
  *                           state on request (arch_prctl), once per process; 0 where the
  *                           kernel refuses, or TOKENMILL_AMX=0 asks (then the GEMM runs
  *                           on VNNI)
- *   amx_config(kb)          this thread's tiles for units of kb bytes (32, or 16 for 6-bit
- *                           codes' half blocks): A 16 rows x kb bytes, B kb / 4 rows of code
- *                           quads, C 16 x 16 int32
+ *   amx_config()            this thread's tiles for one 32-value block per product: A 16
+ *                           rows x 32 bytes, B 8 rows of code quads, C 16 x 16 int32
  *   amx_dots(set, c, a, lda, b, ldb)
- *                           starts one unit's products on tile set `set` (0 or 1, a
- *                           constant: two sets let one unit's products run while the
+ *                           starts one block's products on tile set `set` (0 or 1, a
+ *                           constant: two sets let one block's products run while the
  *                           previous one's are read) and stores them to c [16][16]: c[r][l]
- *                           = the sum over the unit's kb values k of a[r * lda + k] (int8)
+ *                           = the sum over the block's 32 values k of a[r * lda + k] (int8)
  *                           times code(l, k) (unsigned bytes in quads: b + (k / 4) * ldb
  *                           bytes, row l's four at byte 4 l). All 16 rows of a are read.
  *   amx_hilo(c, t) -> vi    256 c[t] + c[8 + t]: a 16-bit activation's sums, from its high
@@ -52,7 +51,7 @@ static inline int amx_ready(void) {
 
 /* Tiles: set 0 C 0, A 1, B 2; set 1 C 3, A 4, B 5 (each set its own, so that the two
  * sets' loads and products never wait on each other). */
-static inline void amx_config(int kb) {
+static inline void amx_config(void) {
     struct {
         uint8_t palette, start_row, reserved[14];
         uint16_t colsb[16];
@@ -62,8 +61,8 @@ static inline void amx_config(int kb) {
     cfg.palette = 1;
     for (int s = 0; s < 2; s++) {
         cfg.rows[3 * s] = 16, cfg.colsb[3 * s] = 64;                   /* C */
-        cfg.rows[3 * s + 1] = 16, cfg.colsb[3 * s + 1] = (uint16_t)kb; /* A */
-        cfg.rows[3 * s + 2] = (uint8_t)(kb / 4), cfg.colsb[3 * s + 2] = 64; /* B */
+        cfg.rows[3 * s + 1] = 16, cfg.colsb[3 * s + 1] = QK;     /* A */
+        cfg.rows[3 * s + 2] = QK / 4, cfg.colsb[3 * s + 2] = 64; /* B */
     }
     __asm__ volatile("" : : "r"(&cfg) : "memory"); /* gcc does not see ldtilecfg read cfg */
     _tile_loadconfig(&cfg);
@@ -91,10 +90,8 @@ static inline __attribute__((always_inline)) void amx_dots(int set, int32_t *c, 
 #elif TM_W == 16 && TM_DOT8 && defined(TM_EMULATE_AMX)
 #define TM_AMX 1
 #define TM_AMX_NAME "+amx(emulated)"
-static __thread int amx_kb; /* the configured unit */
-
 static inline int amx_ready(void) { return 1; }
-static inline void amx_config(int kb) { amx_kb = kb; }
+static inline void amx_config(void) {}
 static inline void amx_release(void) {}
 
 static inline void amx_dots(int set, int32_t *c, const int8_t *a, int lda, const int32_t *b, int ldb) {
@@ -103,7 +100,7 @@ static inline void amx_dots(int set, int32_t *c, const int8_t *a, int lda, const
     for (int r = 0; r < 16; r++)
         for (int l = 0; l < 16; l++) {
             int32_t s = 0;
-            for (int k = 0; k < amx_kb; k++) s += a[r * lda + k] * codes[(k / 4) * ldb + 4 * l + k % 4];
+            for (int k = 0; k < QK; k++) s += a[r * lda + k] * codes[(k / 4) * ldb + 4 * l + k % 4];
             c[16 * r + l] = s;
         }
 }
