@@ -500,6 +500,12 @@ class Runtime:
         self._fail(line)
         return RankFailure(self.failed)
 
+    def waiting_on_a_rank(self) -> bool:
+        """True while a step is in flight and some worker has not finished its part: the
+        wait is the ranks' to explain, and health() names the rank once it passes stall_s."""
+        step = self.steps_sent
+        return self.step_started is not None and any(w.done < step for w in self.workers)
+
     def health(self, stall_s: float) -> tuple[bool, str]:
         """(False, why) once the run has failed, a worker has died, or a worker has not
         finished its part of the step in flight for more than stall_s seconds; else

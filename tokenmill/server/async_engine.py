@@ -261,7 +261,11 @@ class AsyncEngine:
             if not ok:
                 return False, reason
         stalled = time.monotonic() - self._beat
-        if not self._idle and stalled > self.stall_timeout:
+        # The beat is taken before the step is scheduled, so it ages a little before the
+        # runtime's own step clock starts: while the step waits on a rank, only the runtime
+        # speaks, so that the 503 names the rank instead of the generic line.
+        waiting = runtime is not None and runtime.waiting_on_a_rank()
+        if not self._idle and not waiting and stalled > self.stall_timeout:
             return (
                 False,
                 f"the engine loop has made no progress on pending work for {stalled:.0f} s",
