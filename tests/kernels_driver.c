@@ -121,26 +121,28 @@ static void kquant_cases(void) {
         }
 }
 
-/* 6-bit codes (GGUF Q6_K): signed byte scales per 16 values times float16 per 256 */
+/* 6-bit codes (GGUF Q6_K) and 3-bit ones (Q3_K, in Q6_K's form): signed byte scales per
+ * 16 values times float16 per 256 */
 static void six_bit_cases(void) {
+    for (int bits = 3; bits <= 6; bits += 3)
     for (int ki = 1; ki <= 3; ki += 2) {
         const int k = 256 * ki, n = 9;
-        tm_weight w = {fill_bytes((size_t)n * k * 6 / 8), fill_bytes((size_t)n * k / 16), NULL, 6, 0, n, k,
+        tm_weight w = {fill_bytes((size_t)n * k * bits / 8), fill_bytes((size_t)n * k / 16), NULL, bits, 0, n, k,
                        fill_scales((size_t)n * k / 256, 1, 1e-3f), NULL};
         char name[64];
         for (int t = 1; t <= 5; t += 4) {
             float *x = fill_floats((size_t)t * k, 1.f), *y = malloc((size_t)t * n * 4);
             tm_linear(&w, x, t, y, NULL, 2, 1);
-            snprintf(name, sizeof name, "six b6 k%d t%d", k, t);
+            snprintf(name, sizeof name, "six b%d k%d t%d", bits, k, t);
             emit(name, y, t * n);
             tm_gemm(&w, x, t, y, NULL, 2, 1);
-            snprintf(name, sizeof name, "gemm six k%d t%d", k, t);
+            snprintf(name, sizeof name, "gemm six b%d k%d t%d", bits, k, t);
             emit(name, y, t * n);
             free(x), free(y);
         }
         float *lanes = malloc((size_t)n * k * 4);
         tm_dequant_lanes(&w, 0, n, lanes, 2);
-        snprintf(name, sizeof name, "lanes six k%d", k);
+        snprintf(name, sizeof name, "lanes six b%d k%d", bits, k);
         emit(name, lanes, n * k);
         free(lanes), free((void *)w.codes), free((void *)w.scales), free((void *)w.dsup);
     }

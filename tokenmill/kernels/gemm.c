@@ -62,10 +62,11 @@ _Static_assert(NT <= NT_MAX, "NT is at most NT_MAX");
 /* Row r's unit scales to td[u * RT], its block mins to tm[b * RT]. */
 static void tile_scales(const tm_weight *w, int r, float *td, float *tm) {
     const int nb = w->k / QK;
-    if (w->bits == 6) { /* unit = half h of block k of group g: scale dsup * sc[g][h][k] */
+    if (sixteen_scales(w->bits)) { /* unit = half h of block k of group g: scale dsup * sc[g][h][k] */
         const int8_t *sc = (const int8_t *)w->scales + (size_t)r * 2 * nb;
+        const float eighth = w->bits == 3 ? 0.125f : 1.f; /* 3-bit codes enter as 8 q */
         for (int b = 0; b < nb; b++) {
-            const float ds = tm_half_to_float(w->dsup[(size_t)r * (nb / 8) + b / 8]);
+            const float ds = tm_half_to_float(w->dsup[(size_t)r * (nb / 8) + b / 8]) * eighth;
             const int g = b / TM_GB, k = b % TM_GB;
             for (int h = 0; h < 2; h++) td[(size_t)(2 * b + h) * RT] = ds * (float)sc[g * 2 * TM_GB + h * TM_GB + k];
         }
@@ -96,6 +97,9 @@ static void block_codes(const tm_weight *w, const uint8_t *row, int b, uint8_t o
         } else if (w->bits == 5) {
             const uint8_t *g = row + (size_t)(b / TM_GB) * group_bytes(5);
             out[j] = ((g[(i >> 1) * vbytes + e] >> ((i & 1) * 4)) & 15) | (((g[GW / 2 + e] >> i) & 1) << 4);
+        } else if (w->bits == 3) { /* as tm_group_codes reads it: 8 q */
+            const uint8_t *g = row + (size_t)(b / TM_GB) * group_bytes(3);
+            out[j] = (uint8_t)(((g[(i >> 2) * vbytes + e] >> (2 * (i & 3))) & 3) << 4 | ((g[GW / 4 + e] >> i) & 1) << 3);
         } else {
             const uint8_t *g = row + (size_t)(b / TM_GB) * (GW * 3 / 4);
             out[j] = ((g[(i >> 1) * vbytes + e] >> ((i & 1) * 4)) & 15) | (((g[GW / 2 + (i >> 2) * vbytes + e] >> (2 * (i & 3))) & 3) << 4);
@@ -419,14 +423,14 @@ const char *tm_amx(void) {
     return "";
 }
 
-/* y [T, N] = x [T, K] @ W^T (+ bias) for packed weights (bits 4, 5, 6 or 8; one segment),
+/* y [T, N] = x [T, K] @ W^T (+ bias) for packed weights (bits 3, 4, 5, 6 or 8; one segment),
  * activations quantized per 32-block to 16 bits if act16, else to the 8-bit range (on
  * TM_DOT8 builds multiplied as int8 by vpdpbusd, elsewhere widened to int16).
- * Returns 1, 0 on OOM, -1 for weights it does not take (float, 5- and 6-bit rows not in whole
- * groups). */
+ * Returns 1, 0 on OOM, -1 for weights it does not take (float, 3-, 5- and 6-bit rows not in
+ * whole groups). */
 int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads, int act16) {
-    if (w->bits != 4 && w->bits != 5 && w->bits != 6 && w->bits != 8) return -1;
-    const int K = w->k, N = w->n, nb = K / QK, six = w->bits == 6, nu = six ? 2 * nb : nb;
+    if ((w->bits < 3 || w->bits > 6) && w->bits != 8) return -1;
+    const int K = w->k, N = w->n, nb = K / QK, six = sixteen_scales(w->bits), nu = six ? 2 * nb : nb;
     if ((six && !w->dsup) || (whole_groups_only(w->bits) && nb % TM_GB)) return -1;
     const int mins = w->mins != NULL, z = zero_point(w);
 #if TM_AMX

@@ -79,12 +79,15 @@ def pack_codes(nat: np.ndarray, bits: int, gb: int) -> np.ndarray:
 
 
 # 5- and 6-bit codes (GGUF Q5_0/Q5_1/Q5_K, Q6_K): rows of whole groups, each the low 4
-# bits as a 4-bit group followed by the top bits (linear.c)
+# bits as a 4-bit group followed by the top bits; 3-bit codes (Q3_K): bit planes alone
+# (linear.c)
 
 
 def _vectors6(k: int, gb: int) -> tuple[int, int]:
     if k % (QK * gb):
-        raise ValueError(f"5- and 6-bit rows need whole groups: {k} is not a multiple of {QK * gb}")
+        raise ValueError(
+            f"3-, 5- and 6-bit rows need whole groups: {k} is not a multiple of {QK * gb}"
+        )
     return k // (QK * gb), 4 * gb  # groups per row, bytes per vector
 
 
@@ -134,6 +137,35 @@ def pack5(nat: np.ndarray, gb: int) -> np.ndarray:
 
 def unpack5(codes: np.ndarray, k: int, gb: int) -> np.ndarray:
     return unpack_wide(codes, k, 5, gb)
+
+
+def pack3(nat: np.ndarray, gb: int) -> np.ndarray:
+    """Natural-order 3-bit codes uint8 [rows, K] (0..7) -> [rows, K*3/8]: per group of gb
+    blocks, the top two bits (two vectors: top vector h holds vector 4h + s at bits 2s),
+    then the low bit (one vector: vector i's at bit i), as linear.c reads them."""
+    rows, k = nat.shape
+    ng, v = _vectors6(k, gb)
+    lanes = nat[:, lane_perm(k, gb)].reshape(rows, ng, 8, v)
+    top, low = (lanes >> 1).reshape(rows, ng, 2, 4, v), lanes & 1
+    planes = np.zeros((rows, ng, 3, v), np.uint8)
+    for s in range(4):
+        planes[:, :, :2] |= top[:, :, :, s] << (2 * s)
+    for i in range(8):
+        planes[:, :, 2] |= low[:, :, i] << i
+    return np.ascontiguousarray(planes.reshape(rows, k * 3 // 8))
+
+
+def unpack3(codes: np.ndarray, k: int, gb: int) -> np.ndarray:
+    """The inverse of pack3: natural-order codes uint8 [rows, k]."""
+    rows = codes.shape[0]
+    ng, v = _vectors6(k, gb)
+    g = codes.reshape(rows, ng, 3, v)
+    lanes = np.empty((rows, ng, 8, v), dtype=np.uint8)
+    for i in range(8):
+        lanes[:, :, i] = (((g[:, :, i // 4] >> (2 * (i % 4))) & 3) << 1) | ((g[:, :, 2] >> i) & 1)
+    nat = np.empty((rows, k), dtype=np.uint8)
+    nat[:, lane_perm(k, gb)] = lanes.reshape(rows, k)
+    return nat
 
 
 @lru_cache(maxsize=64)

@@ -61,6 +61,15 @@
  *   (block k's values 0-15 are vectors 0-3 of the group, 16-31 vectors 4-7); dsup [N, K/256]
  * Each half's dot goes through group_dot (n = 4) with its own zero-point sum.
  *
+ * 3-bit codes (GGUF Q3_K, exactly: q in 0..7, w = d16 * (q - 4), d16 = dsup * sc with a
+ * signed scale per 16 values): Q6_K's form at 3 bits per value, rows of whole groups. Per
+ * group: the top two bits of q (GW/4 bytes: byte c*4G + r holds vector 4c + s at bits 2s,
+ * like 6-bit codes' top bits), then the low bit (GW/8 bytes: byte r holds vector i's at
+ * bit i, like 5-bit codes' top bits). tm_group_codes reads them as the 6-bit code 8 q
+ * (16 (q >> 1) + 8 (q & 1), at most 56), so 8 q - 32 = 8 (q - 4), and the kernels take
+ * the scale an eighth: the 6-bit path's integers and bounds as they are.
+ *   codes   uint8 [N, K*3/8];  scales int8 [N, K/16] and dsup [N, K/256] as for 6-bit
+ *
  * Float weights (bits TM_F16 / TM_BF16 / TM_F32): [N, K] in natural order, converted to
  * float32 in registers (F16C / shifts / NEON fcvtl) and multiplied by float32 x.
  */
@@ -357,7 +366,8 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
     const int db = lut ? 8 : bits; /* the dots' code bits (table codes: looked up to 8) */
     const vb table = vb_table(lut ? w->lut : tm_no_table);
     /* scale bytes per 32 values: K-quant codes 1 (6-bit: 2, one per 16), float16 2, float32 4 */
-    const size_t rb = row_bytes(w), es = w->dsup ? (bits == 6 ? 2 : 1) : f16 ? 2 : 4;
+    const int six = sixteen_scales(bits); /* Q6_K's form (3-bit codes: 8 q in it) */
+    const size_t rb = row_bytes(w), es = w->dsup ? (six ? 2 : 1) : f16 ? 2 : 4;
     const size_t ahead = prefetch_ahead(rb);
     for (int r = r0; r < r1; r++) {
         const uint8_t *row = w->codes + (size_t)r * rb;
@@ -373,11 +383,12 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
          * a vector at a time here rather than one scalar per group below */
         float dsup[KSUP_MAX], msup[KSUP_MAX];
         if (w->dsup) ksup_row(w, r, dsup, msup);
-        for (int g = 0; g < nfull && bits == 6; g++) { /* Q6_K: two halves per block */
+        for (int g = 0; g < nfull && six; g++) { /* Q6_K's form: two halves per block */
             vb c[8];
-            prefetch_codes(row + (size_t)g * group_bytes(6), group_bytes(6), ahead);
-            tm_group_codes(row, g, 6, c);
-            const vf ds = sup_lanes(dsup, g);
+            prefetch_codes(row + (size_t)g * group_bytes(bits), group_bytes(bits), ahead);
+            tm_group_codes(row, g, bits, c);
+            /* 3-bit codes are 8 q: their scale an eighth (exact, a power of two) */
+            const vf ds = bits == 3 ? vf_mul(sup_lanes(dsup, g), vf_set1(0.125f)) : sup_lanes(dsup, g);
             const int8_t *sc = (const int8_t *)w->scales + (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB;
             const vf d0 = vf_mul(vf_load_i8(sc), ds), d1 = vf_mul(vf_load_i8(sc + TM_GB), ds);
             for (int t = 0; t < T; t++) {
@@ -391,7 +402,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
                 acc[t] = vf_fma(vf_mul(vf_from_vi(s1), dx), d1, acc[t]);
             }
         }
-        for (int g = 0; g < nfull && bits != 6; g++) {
+        for (int g = 0; g < nfull && !six; g++) {
             vb c[8];
             prefetch_codes(row + (size_t)g * group_bytes(bits), group_bytes(bits), ahead);
             tm_group_codes(row, g, bits, c);
@@ -441,6 +452,7 @@ typedef void (*rows_fn)(const tm_weight *, const xq_t *, int, int, int, float *,
     DEF_ROWS(B, 1) DEF_ROWS(B, 2) DEF_ROWS(B, 4) DEF_ROWS(B, 8)        \
     static const rows_fn ROWS_B##B[4] = {rows_b##B##_t1, rows_b##B##_t2, \
                                          rows_b##B##_t4, rows_b##B##_t8};
+DEF_ROWS_ALL(3)
 DEF_ROWS_ALL(4)
 /* 4-bit codes that index a table (tm_weight.lut): the dots of 8-bit codes */
 #define DEF_ROWS_LUT(T)                                                                   \
@@ -459,6 +471,7 @@ DEF_ROWS_ALL(8)
 static void rows_any(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, int T,
                      float *y, const float *bias) {
     const rows_fn *table = w->lut          ? ROWS_B4L /* table codes are 4-bit */
+                           : w->bits == 3 ? ROWS_B3
                            : w->bits == 4 ? ROWS_B4
                            : w->bits == 5 ? ROWS_B5
                            : w->bits == 6 ? ROWS_B6
@@ -481,9 +494,10 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
     const int nb = w->k / QK, nfull = nb / TM_GB, nbt = nb % TM_GB, z = zero_point(w);
     const int vb_bytes = 4 * TM_GB;
     const uint8_t *row = w->codes + (size_t)r * row_bytes(w);
-    if (w->bits == 6) { /* whole groups only: vector i of block k, scale of half i / 4 */
+    if (sixteen_scales(w->bits)) { /* whole groups only: vector i of block k, scale of half i / 4 */
+        const int three = w->bits == 3;
         for (int g = 0; g < nfull; g++) {
-            const uint8_t *p = row + (size_t)g * (GW * 3 / 4);
+            const uint8_t *p = row + (size_t)g * group_bytes(w->bits);
             const uint16_t *dsr = w->dsup + (size_t)r * (nb / 8);
             const int8_t *sc = (const int8_t *)w->scales + (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB;
             float de[2][4 * TM_GB]; /* per element of a vector: its block's scale, per half */
@@ -492,12 +506,15 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
                 de[0][e] = ds * (float)sc[e / 4], de[1][e] = ds * (float)sc[TM_GB + e / 4];
             }
             for (int i = 0; i < 8; i++) {
-                const uint8_t *lo = p + (i >> 1) * vb_bytes, *hi = p + GW / 2 + (i >> 2) * vb_bytes;
+                /* 6-bit: low nibbles, then the top-bits plane; 3-bit: the top-two-bits
+                 * plane, then the low-bit plane (q in 0..7, the value d16 * (q - 4)) */
+                const uint8_t *lo = p + (i >> 1) * vb_bytes, *hi = p + (three ? 0 : GW / 2) + (i >> 2) * vb_bytes;
                 const int ls = (i & 1) * 4, hs = 2 * (i & 3);
                 const float *d = de[i >> 2];
                 float *o = out + (size_t)g * GW + i * vb_bytes;
                 for (int e = 0; e < vb_bytes; e++)
-                    o[e] = d[e] * (float)((((lo[e] >> ls) & 15) | (((hi[e] >> hs) & 3) << 4)) - 32);
+                    o[e] = d[e] * (float)(three ? ((((hi[e] >> hs) & 3) << 1) | ((p[GW / 4 + e] >> i) & 1)) - 4
+                                                : ((((lo[e] >> ls) & 15) | (((hi[e] >> hs) & 3) << 4)) - 32));
             }
         }
         return;
@@ -651,7 +668,7 @@ int tm_gemm_min_rows(void) { return TM_W >= 8 ? GEMM_MIN_ROWS : 0; }
  * layers (tiles = 1: the caller has a float32 GEMM for TM_PATH_TILES; tm_linear has none
  * and runs the GEMV there). Writes why into reason [cap] (NULL: not asked). */
 int tm_linear_path(int bits, int T, int tiles, char *reason, int cap) {
-    const int packed = bits == 4 || bits == 5 || bits == 6 || bits == 8, gemm = tm_gemm_min_rows();
+    const int packed = (bits >= 3 && bits <= 6) || bits == 8, gemm = tm_gemm_min_rows();
     if (packed && gemm) {
         if (T >= gemm) {
             if (reason) snprintf(reason, cap, "T=%d rows >= %d: the integer GEMM beats the GEMV on %s", T, gemm, TM_SIMD_NAME);

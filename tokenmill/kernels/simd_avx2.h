@@ -142,6 +142,7 @@ static inline void vi_transpose(vi v[8]) {
     }
 }
 
+static inline vb vb_zero(void) { return _mm256_setzero_si256(); }
 static inline vb vb_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
     const __m256i m = _mm256_set1_epi8(0x0f);
@@ -174,18 +175,15 @@ static inline void vb_add_crumbs(vb c[4], vb v) {
 static inline vb vb_table(const uint8_t *t) { return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t)); }
 static inline vb vb_lookup(vb table, vb c) { return _mm256_shuffle_epi8(table, c); }
 
-/* c[i] |= bit i of v, moved to bit 4 (i = 0..7): the top bits of eight vectors of 5-bit
- * codes (16-bit shifts of at most 4: the mask keeps only what stays in its byte) */
-static inline void vb_add_bits(vb c[8], vb v) {
-    const __m256i m = _mm256_set1_epi8(0x10);
-    c[0] = _mm256_or_si256(c[0], _mm256_and_si256(_mm256_slli_epi16(v, 4), m));
-    c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_slli_epi16(v, 3), m));
-    c[2] = _mm256_or_si256(c[2], _mm256_and_si256(_mm256_slli_epi16(v, 2), m));
-    c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_slli_epi16(v, 1), m));
-    c[4] = _mm256_or_si256(c[4], _mm256_and_si256(v, m));
-    c[5] = _mm256_or_si256(c[5], _mm256_and_si256(_mm256_srli_epi16(v, 1), m));
-    c[6] = _mm256_or_si256(c[6], _mm256_and_si256(_mm256_srli_epi16(v, 2), m));
-    c[7] = _mm256_or_si256(c[7], _mm256_and_si256(_mm256_srli_epi16(v, 3), m));
+/* c[i] |= bit i of v, moved to bit `at` (i = 0..7; at 4: the top bits of eight vectors
+ * of 5-bit codes, at 3: the low bits of 3-bit codes). 16-bit shifts of at most 4: the
+ * mask keeps only what stays in its byte. */
+static inline __attribute__((always_inline)) void vb_add_bits(vb c[8], vb v, int at) {
+    const __m256i m = _mm256_set1_epi8((char)(1 << at));
+    for (int i = 0; i < 8; i++) {
+        const __m256i s = i < at ? _mm256_slli_epi16(v, at - i) : i > at ? _mm256_srli_epi16(v, i - at) : v;
+        c[i] = _mm256_or_si256(c[i], _mm256_and_si256(s, m));
+    }
 }
 
 /* n (<= 8) code vectors c (32 codes each, lane k = block k of a group) against the

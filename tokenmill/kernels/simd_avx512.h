@@ -240,6 +240,7 @@ static inline void vi_transpose(vi v[16]) {
     }
 }
 
+static inline vb vb_zero(void) { return _mm512_setzero_si512(); }
 static inline vb vb_load(const void *p) { return _mm512_loadu_si512(p); }
 static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
     const __m512i m = _mm512_set1_epi8(0x0f);
@@ -273,18 +274,15 @@ static inline void vb_add_crumbs(vb c[4], vb v) {
 static inline vb vb_table(const uint8_t *t) { return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t)); }
 static inline vb vb_lookup(vb table, vb c) { return _mm512_shuffle_epi8(table, c); }
 
-/* c[i] |= bit i of v, moved to bit 4 (i = 0..7): the top bits of eight vectors of 5-bit
- * codes (16-bit shifts of at most 4: the mask keeps only what stays in its byte) */
-static inline void vb_add_bits(vb c[8], vb v) {
-    const __m512i m = _mm512_set1_epi8(0x10);
-    c[0] = _mm512_or_si512(c[0], _mm512_and_si512(_mm512_slli_epi16(v, 4), m));
-    c[1] = _mm512_or_si512(c[1], _mm512_and_si512(_mm512_slli_epi16(v, 3), m));
-    c[2] = _mm512_or_si512(c[2], _mm512_and_si512(_mm512_slli_epi16(v, 2), m));
-    c[3] = _mm512_or_si512(c[3], _mm512_and_si512(_mm512_slli_epi16(v, 1), m));
-    c[4] = _mm512_or_si512(c[4], _mm512_and_si512(v, m));
-    c[5] = _mm512_or_si512(c[5], _mm512_and_si512(_mm512_srli_epi16(v, 1), m));
-    c[6] = _mm512_or_si512(c[6], _mm512_and_si512(_mm512_srli_epi16(v, 2), m));
-    c[7] = _mm512_or_si512(c[7], _mm512_and_si512(_mm512_srli_epi16(v, 3), m));
+/* c[i] |= bit i of v, moved to bit `at` (i = 0..7; at 4: the top bits of eight vectors
+ * of 5-bit codes, at 3: the low bits of 3-bit codes). 16-bit shifts of at most 4: the
+ * mask keeps only what stays in its byte. */
+static inline __attribute__((always_inline)) void vb_add_bits(vb c[8], vb v, int at) {
+    const __m512i m = _mm512_set1_epi8((char)(1 << at));
+    for (int i = 0; i < 8; i++) {
+        const __m512i s = i < at ? _mm512_slli_epi16(v, at - i) : i > at ? _mm512_srli_epi16(v, i - at) : v;
+        c[i] = _mm512_or_si512(c[i], _mm512_and_si512(s, m));
+    }
 }
 
 /* Wide layers only (a vector holds two 32-value blocks): the codes of a natural-order

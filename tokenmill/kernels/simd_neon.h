@@ -84,6 +84,7 @@ static inline vi vi_madd16(vi acc, vi w, int32_t x2) {
     return vaddq_s32(acc, vpaddq_s32(vmull_s16(vget_low_s16(a), vget_low_s16(b)), vmull_high_s16(a, b)));
 }
 
+static inline vb vb_zero(void) { return vdupq_n_u8(0); }
 static inline vb vb_load(const void *p) { return vld1q_u8((const uint8_t *)p); }
 /* Codes minus z as int16 pairs: lane k of *even = codes 4k, 4k+1 of c, of *odd = 4k+2, 4k+3 */
 static inline void vb_widen_pairs(vb c, int z, vi *even, vi *odd) {
@@ -106,17 +107,11 @@ static inline void vb_add_crumbs(vb c[4], vb v) {
 static inline vb vb_table(const uint8_t *t) { return vld1q_u8(t); }
 static inline vb vb_lookup(vb table, vb c) { return vqtbl1q_u8(table, c); }
 
-/* c[i] |= bit i of v, moved to bit 4 (i = 0..7) */
-static inline void vb_add_bits(vb c[8], vb v) {
-    const uint8x16_t m = vdupq_n_u8(0x10);
-    c[0] = vorrq_u8(c[0], vandq_u8(vshlq_n_u8(v, 4), m));
-    c[1] = vorrq_u8(c[1], vandq_u8(vshlq_n_u8(v, 3), m));
-    c[2] = vorrq_u8(c[2], vandq_u8(vshlq_n_u8(v, 2), m));
-    c[3] = vorrq_u8(c[3], vandq_u8(vshlq_n_u8(v, 1), m));
-    c[4] = vorrq_u8(c[4], vandq_u8(v, m));
-    c[5] = vorrq_u8(c[5], vandq_u8(vshrq_n_u8(v, 1), m));
-    c[6] = vorrq_u8(c[6], vandq_u8(vshrq_n_u8(v, 2), m));
-    c[7] = vorrq_u8(c[7], vandq_u8(vshrq_n_u8(v, 3), m));
+/* c[i] |= bit i of v, moved to bit `at` (i = 0..7; 4: 5-bit codes' top bits, 3: 3-bit
+ * codes' low bits); vshlq_u8 shifts right by a negative count */
+static inline void vb_add_bits(vb c[8], vb v, int at) {
+    const uint8x16_t m = vdupq_n_u8((uint8_t)(1 << at));
+    for (int i = 0; i < 8; i++) c[i] = vorrq_u8(c[i], vandq_u8(vshlq_u8(v, vdupq_n_s8((int8_t)(at - i))), m));
 }
 static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
     *lo = vandq_u8(v, vdupq_n_u8(0x0f));

@@ -72,6 +72,11 @@ static inline vi vi_madd16(vi acc, vi w, int32_t x2) {
     TM_MAP(vi, acc.v[i] + (int16_t)(w.v[i] & 0xffff) * xl + (w.v[i] >> 16) * xh);
 }
 
+static inline vb vb_zero(void) {
+    vb r;
+    memset(r.v, 0, 16);
+    return r;
+}
 static inline vb vb_load(const void *p) {
     vb r;
     memcpy(r.v, p, 16);
@@ -118,10 +123,11 @@ static inline vb vb_lookup(vb table, vb c) {
     return r;
 }
 
-/* c[i] |= bit i of v, moved to bit 4 (i = 0..7) */
-static inline void vb_add_bits(vb c[8], vb v) {
+/* c[i] |= bit i of v, moved to bit `at` (i = 0..7; 4: 5-bit codes' top bits, 3: 3-bit
+ * codes' low bits) */
+static inline void vb_add_bits(vb c[8], vb v, int at) {
     for (int s = 0; s < 8; s++)
-        for (int i = 0; i < 16; i++) c[s].v[i] |= ((v.v[i] >> s) & 1) << 4;
+        for (int i = 0; i < 16; i++) c[s].v[i] |= ((v.v[i] >> s) & 1) << at;
 }
 
 /* lane k = block k's sum of c * q, q = 256 hi + lo, over n (<= 8) code vectors */

@@ -31,8 +31,9 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
     Q6_K  6-bit, Z=32, an int8 scale per 16       exact, 26.25 B / 32 (file: 26.25):
           values times a float16 per 256          codes [N, K*3/4], scales int8 [N, K/16]
                                                   (kernels/linear.c has the layout)
-    Q3_K  on rows of whole groups: Q6_K's form (code q + 32, int8 sub-scale - 32, d):
-          exact, 26.25 B / 32 (file: 13.75)
+    Q3_K  3-bit, Z=4, Q6_K's scales (an int8     exact, 14.25 B / 32 (file: 13.75):
+          sub-scale - 32 per 16 values, d per 256)  codes [N, K*3/8] (two bit planes;
+          on rows of whole groups                   the kernels read 8 q in Q6_K's form)
     Q2_K, IQ2_XS, IQ2_S, IQ1_M (a scale per 16 values), and Q3_K and Q6_K on rows that
           are not whole groups: requantized to 8-bit Z=128 with a per-32 f16 scale (as Q8_0
           would): the added error is at most max|w_block| / 254 per value, about a quarter
@@ -63,9 +64,11 @@ from tokenmill.kernels import PREFILL_MIN_T  # re-exported: the tests' and bench
 from tokenmill.kernels.layout import (
     QK,
     half_scale_perm,
+    pack3,
     pack5,
     pack6,
     pack_codes,
+    unpack3,
     unpack5,
     unpack6,
     unpack_index,
@@ -178,6 +181,7 @@ PACK_CHUNK_BYTES = 32 << 20
 _NATIVE_BITS = {GT.Q4_0: 4, GT.Q4_1: 4, GT.Q4_K: 4, GT.Q8_0: 8, GT.Q5_0: 5, GT.Q5_1: 5,
                 GT.Q5_K: 5, GT.Q6_K: 6, GT.IQ4_NL: 4, GT.MXFP4: 4}  # fmt: skip
 _FIVE = (GT.Q5_0, GT.Q5_1, GT.Q5_K)
+_SIXTEEN = (3, 6)  # code bits with a scale per 16 values: Q3_K's and Q6_K's form
 
 
 def _whole_groups(in_features: int) -> bool:
@@ -264,8 +268,8 @@ def _store(dst: dict, parsed: tuple, in_features: int, gb: int) -> None:
     row order, of any leading shape): codes in the kernels' lane order."""
     nat, sc, mn, bits, su = parsed
     codes = None
-    if bits == 6:
-        codes = pack6(nat, gb)
+    if bits in _SIXTEEN:
+        codes = pack6(nat, gb) if bits == 6 else pack3(nat, gb)
         sc = sc[:, half_scale_perm(in_features, gb)]
     elif bits == 5:
         codes = pack5(nat, gb)
@@ -310,28 +314,28 @@ class QuantLinear(NativeLinear):
         and mins their uint8 codes per block; None: scales and mins are float. 6-bit codes
         (Q6_K): scales int8 [out, in/16] in the kernels' group order, sup d [out, in/256, 1]."""
         super().__init__(in_features, out_features, bias)
-        if in_features % QK or bits not in (4, 5, 6, 8):
-            raise ValueError(f"need in_features % {QK} == 0 and bits in (4, 5, 6, 8)")
+        if in_features % QK or bits not in (3, 4, 5, 6, 8):
+            raise ValueError(f"need in_features % {QK} == 0 and bits in (3, 4, 5, 6, 8)")
         if codes.shape != (out_features, in_features * bits // 8) or codes.dtype != torch.uint8:
             raise ValueError(f"codes: expected uint8 {(out_features, in_features * bits // 8)}")
-        per = 16 if bits == 6 else QK  # values per scale
+        per = 16 if bits in _SIXTEEN else QK  # values per scale
         if scales.shape != (out_features, in_features // per):
             raise ValueError(f"scales: expected shape {(out_features, in_features // per)}")
         if sup is None and scales.dtype not in _RAW:
             raise ValueError(f"scales must be float16 or float32, got {scales.dtype}")
         # sup's columns: d and dmin, or d alone (6-bit codes, and scale codes without mins)
-        nsup = 1 if bits == 6 or mins is None else 2
+        nsup = 1 if bits in _SIXTEEN or mins is None else 2
         if sup is not None and (
-            scales.dtype != (torch.int8 if bits == 6 else torch.uint8)
+            scales.dtype != (torch.int8 if bits in _SIXTEEN else torch.uint8)
             or sup.shape != (out_features, in_features // 256, nsup)
             or sup.dtype != torch.float16
         ):
             raise ValueError(
                 "K-quant scales: uint8 codes and float16 sup [out, in/256, 2] (no mins: "
-                "[out, in/256, 1]; 6-bit: int8 per 16 values and sup [out, in/256, 1])"
+                "[out, in/256, 1]; 3- and 6-bit: int8 per 16 values and sup [out, in/256, 1])"
             )
-        if bits == 6 and (sup is None or mins is not None):
-            raise ValueError("6-bit codes need sup and no mins")
+        if bits in _SIXTEEN and (sup is None or mins is not None):
+            raise ValueError("3- and 6-bit codes need sup and no mins")
         if mins is not None and (mins.shape != scales.shape or mins.dtype != scales.dtype):
             raise ValueError("mins must match scales in shape and dtype")
         self.bits = bits
@@ -432,7 +436,7 @@ class QuantLinear(NativeLinear):
 
         def parse(rows: np.ndarray):
             blocks = rows.reshape(rows.shape[0], -1, type_size)
-            if six:  # Q3_K's values are Q6_K's with 3 of the 6 bits used
+            if six:  # Q3_K: Q6_K's form at 3 bits
                 return parse_q6_k(blocks) if qtype == GT.Q6_K else parse_q3_k(blocks)
             if qtype in EXACT_GGUF_TYPES:
                 return parse_exact(blocks, qtype, five)
@@ -687,7 +691,7 @@ class QuantLinear(NativeLinear):
         """Block scales [out, in/32]: float16 or float32 as stored, or K-quant d * code in
         float32 (exact: an 11-bit d times a 6-bit code). 6-bit codes: [out, in/16], one per
         16 values in natural order (d * an 8-bit code, exact)."""
-        if self.bits == 6:
+        if self.bits in _SIXTEEN:
             perm = half_scale_perm(self.in_features, self.group_blocks)
             natural = torch.empty_like(self.scales_raw)
             natural[:, torch.from_numpy(perm)] = self.scales_raw
@@ -710,7 +714,7 @@ class QuantLinear(NativeLinear):
     # -- compute ----------------------------------------------------------------------
 
     def _make_native(self) -> kernels.TmWeight:
-        if self.bits == 6 and not self.runs_6bit(self.in_features):
+        if self.bits in _SIXTEEN and not self.runs_6bit(self.in_features):
             self._to_8bit()  # a library without 6-bit kernels was loaded since
         if self.bits == 5 and not self.runs_5bit(self.in_features):
             self._to_8bit()  # a library of another group width was loaded since
@@ -739,8 +743,8 @@ class QuantLinear(NativeLinear):
         )
 
     def _to_8bit(self) -> None:
-        """Requantize 6-bit codes to 8-bit blocks, as from_gguf does where they cannot run;
-        5-bit codes become the same values' 8-bit codes."""
+        """Requantize 3- and 6-bit codes to 8-bit blocks, as from_gguf does where they
+        cannot run; 5-bit codes become the same values' 8-bit codes."""
         gb = kernels.group_blocks()
         if self.bits == 5:
             nat = unpack5(self.codes.numpy(), self.in_features, self.group_blocks)
@@ -757,12 +761,13 @@ class QuantLinear(NativeLinear):
 
     def _relayout(self, gb: int) -> None:
         """Repack the codes for groups of gb blocks (a library of another vector width)."""
-        if self.bits == 6:
+        if self.bits in _SIXTEEN:
             k, old = self.in_features, self.group_blocks
             natural = torch.empty_like(self.scales_raw)
             natural[:, torch.from_numpy(half_scale_perm(k, old))] = self.scales_raw
             self.scales_raw = natural[:, torch.from_numpy(half_scale_perm(k, gb))].contiguous()
-            self.codes = torch.from_numpy(pack6(unpack6(self.codes.numpy(), k, old), gb))
+            pack, unpack = (pack6, unpack6) if self.bits == 6 else (pack3, unpack3)
+            self.codes = torch.from_numpy(pack(unpack(self.codes.numpy(), k, old), gb))
             self.group_blocks = gb
             return
         if self.bits == 5:
@@ -788,10 +793,11 @@ class QuantLinear(NativeLinear):
         if rows is not None:
             codes, scales = codes[rows], scales[rows]
             mins = None if mins is None else mins[rows]
-        if self.bits == 6:  # (d * code) * (c - 32) per 16 values, like gguf's Q6_K
+        if self.bits in _SIXTEEN:  # (d * code) * (c - Z) per 16 values, like gguf's Q6_K/Q3_K
             n = codes.shape[0]
-            nat = unpack6(codes.numpy(), self.in_features, self.group_blocks)
-            c = torch.from_numpy(nat).reshape(n, -1, 16).to(torch.float32) - 32
+            unpack, z = (unpack6, 32) if self.bits == 6 else (unpack3, 4)
+            nat = unpack(codes.numpy(), self.in_features, self.group_blocks)
+            c = torch.from_numpy(nat).reshape(n, -1, 16).to(torch.float32) - z
             return (scales[..., None] * c).reshape(n, self.in_features)
         if self.bits == 5:
             c = torch.from_numpy(unpack5(codes.numpy(), self.in_features, self.group_blocks))

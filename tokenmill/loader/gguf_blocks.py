@@ -128,9 +128,10 @@ def parse_q6_k(blocks: np.ndarray):
 
 
 def parse_q3_k(blocks: np.ndarray):
-    """Q3_K blocks [rows, nsup, 110] -> Q6_K's form, parse_q6_k's tuple: a Q3_K value is
-    d * (scale - 32) * q with q in -4..3 and a 6-bit scale per 16 values, so the 6-bit code
-    q + 32 under the int8 sub-scale (scale - 32) and the same d hold it exactly.
+    """Q3_K blocks [rows, nsup, 110] -> (codes [rows, K] u8 (0..7, value d16 * (c - 4)),
+    sub-scales int8 [rows, K/16], None, 3, d float16 [rows, K/256, 1]): parse_q6_k's form
+    at 3 bits. A Q3_K value is d * (scale - 32) * (q - 4) with q in 0..7 and a 6-bit scale
+    per 16 values: the int8 sub-scale (scale - 32) and the same d hold it exactly.
 
     A super-block: 32 bytes of high bits (value 32i + j: bit i of byte j, the offset 4 where
     it is 0), 64 of 2-bit low parts (per 128-value half, value 32s + j at bits 2s of byte
@@ -142,10 +143,10 @@ def parse_q3_k(blocks: np.ndarray):
     scale = (low.reshape(rows, nsup, 16) & 15) | ((high.reshape(rows, nsup, 16) & 3) << 4)
     ql = qs.reshape(rows, nsup, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
     qh = hmask.reshape(rows, nsup, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
-    q = (ql.reshape(rows, nsup, 256) & 3) + 4 * (qh.reshape(rows, nsup, 256) & 1) + 28
+    q = (ql.reshape(rows, nsup, 256) & 3) + 4 * (qh.reshape(rows, nsup, 256) & 1)
     sub = (scale.astype(np.int16) - 32).astype(np.int8)
     d = np.ascontiguousarray(blocks[..., 108:110]).view(np.float16)  # [rows, nsup, 1]
-    return q.reshape(rows, -1), sub.reshape(rows, -1), None, 6, d
+    return q.reshape(rows, -1), sub.reshape(rows, -1), None, 3, d
 
 
 def table_of(qtype: GT) -> np.ndarray:
