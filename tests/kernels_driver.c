@@ -121,14 +121,16 @@ static void kquant_cases(void) {
         }
 }
 
-/* 6-bit codes (GGUF Q6_K) and 3-bit ones (Q3_K, in Q6_K's form): signed byte scales per
- * 16 values times float16 per 256 */
+/* 6-bit codes (GGUF Q6_K), 3-bit ones (Q3_K) and 2-bit ones (Q2_K, a min code in each scale
+ * byte's high nibble and msup) in Q6_K's form: byte scales per 16 values times float16 per 256 */
 static void six_bit_cases(void) {
-    for (int bits = 3; bits <= 6; bits += 3)
+    const int kinds[] = {2, 3, 6};
+    for (int bi = 0; bi < 3; bi++)
     for (int ki = 1; ki <= 3; ki += 2) {
-        const int k = 256 * ki, n = 9;
+        const int k = 256 * ki, n = 9, bits = kinds[bi];
         tm_weight w = {fill_bytes((size_t)n * k * bits / 8), fill_bytes((size_t)n * k / 16), NULL, bits, 0, n, k,
-                       fill_scales((size_t)n * k / 256, 1, 1e-3f), NULL};
+                       fill_scales((size_t)n * k / 256, 1, 1e-3f),
+                       bits == 2 ? fill_scales((size_t)n * k / 256, 1, 1e-3f) : NULL};
         char name[64];
         for (int t = 1; t <= 5; t += 4) {
             float *x = fill_floats((size_t)t * k, 1.f), *y = malloc((size_t)t * n * 4);
@@ -144,7 +146,7 @@ static void six_bit_cases(void) {
         tm_dequant_lanes(&w, 0, n, lanes, 2);
         snprintf(name, sizeof name, "lanes six b%d k%d", bits, k);
         emit(name, lanes, n * k);
-        free(lanes), free((void *)w.codes), free((void *)w.scales), free((void *)w.dsup);
+        free(lanes), free((void *)w.codes), free((void *)w.scales), free((void *)w.dsup), free((void *)w.msup);
     }
 }
 

@@ -151,3 +151,35 @@ def test_tokenmill_and_llama_cpp_read_a_shape_file_alike(tmp_path, monkeypatch, 
         assert experts and all(m.bits == 4 and m.lut is not None for m in experts)
     ours = llm.generate([prompt], greedy)[0]
     assert_same_greedy_but_ties(ours, llama_cpp_greedy(path, prompt, 10), tol=0.05)
+
+
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed")
+@pytest.mark.parametrize(
+    "ftype, kept", [("q2_k", {2: GT.Q2_K, 3: GT.Q3_K}), ("q3_k_m", {3: GT.Q3_K})]
+)
+def test_llama_cpps_2_and_3_bit_k_quants_are_held_at_their_size_and_read_alike(
+    tmp_path, monkeypatch, ftype, kept
+):
+    """A Q8_0 shape file re-quantized by llama.cpp's own quantizer to Q2_K and Q3_K_M (rows
+    of 512 and 1024: whole lane groups on every build): the Q2_K and Q3_K tensors are held
+    as 2- and 3-bit codes at the file's bytes (Q3_K's int8 scales: 14.25 per 32 values
+    against 13.75), and greedy decoding agrees with llama.cpp's on the same file."""
+    from tokenmill.bench import types
+
+    monkeypatch.setitem(shapes.DENSE, "tiny-wide", {**TINY_DENSE, "d": 512, "f": 1024})
+    source = tmp_path / "tiny-wide-q8_0.gguf"
+    shapes.write("tiny-wide", "q8_0", source, seed=5)
+    path = types.requantized(source, ftype)
+    file_types = {t.tensor_type for t in GGUFReader(path).tensors}
+    assert set(kept.values()) <= file_types, file_types
+    llm = LLM(path, kv_cache_memory="256tok")
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, QuantLinear)]
+    for bits, qtype in kept.items():
+        held = [m for m in layers if qtype.name in m.sources]
+        assert held and all(m.bits == bits for m in held), (qtype.name, {m.bits for m in held})
+        per32 = {2: 10.5, 3: 14.25}[bits]
+        assert all(m.nbytes == m.out_features * m.in_features * per32 / 32 for m in held)
+    prompt = list(range(5, 29))
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=5)
+    ours = llm.generate([prompt], greedy)[0]
+    assert_same_greedy_but_ties(ours, llama_cpp_greedy(path, prompt, 10), tol=0.05)

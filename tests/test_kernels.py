@@ -32,7 +32,9 @@ TABLES = [GT.IQ4_NL, GT.IQ4_XS, GT.MXFP4]  # 4-bit codes into a table of 16 valu
 # grid points times a scale per 32: 4-bit codes into a table of their points
 GRIDS = [GT.IQ2_XXS, GT.IQ3_XXS, GT.IQ3_S, GT.IQ1_S, GT.TQ1_0, GT.TQ2_0]
 # a scale per 16 values: requantized to 8-bit codes, a scale per 32
-REQUANT = [GT.Q2_K, GT.IQ2_XS, GT.IQ2_S, GT.IQ1_M]
+REQUANT = [GT.IQ2_XS, GT.IQ2_S, GT.IQ1_M]
+# a scale per 16 values, held as their own codes on rows of whole lane groups
+SIXTEENS = [GT.Q6_K, GT.Q3_K, GT.Q2_K]
 # (out, in): odd out sizes; in with no tail, a 1-block tail, a 2-block tail, a 15-block tail
 SHAPES = [(1, 32), (7, 64), (33, 576), (17, 512), (5, 1024 + 480), (64, 1536)]
 K_SHAPES = [(3, 256), (33, 768), (9, 2048 + 256), (5, 1024)]  # 1024: whole groups everywhere
@@ -58,7 +60,7 @@ def gguf_bytes(qtype: GT, n: int, k: int, seed: int = 0) -> np.ndarray:
         raw[..., -8:] = (words | (nib << np.uint16(12))).view(np.uint8)
     elif qtype == GT.Q2_K:  # d, dmin are the last 4 bytes
         raw[..., -4:] = scales
-    elif qtype in (GT.IQ4_NL, GT.IQ4_XS) or qtype in GRIDS or qtype in REQUANT[1:]:
+    elif qtype in (GT.IQ4_NL, GT.IQ4_XS) or qtype in GRIDS or qtype in REQUANT:
         raw[..., 0:2] = scales[..., :2]  # d first, the rest random codes, grids and signs
     else:  # d, dmin first
         raw[..., 0:4] = scales.reshape(n, k // block, 4)
@@ -159,7 +161,7 @@ def test_mxfp4_scales_float16_cannot_hold_stay_float32():
 
 @pytest.mark.parametrize("qtype", REQUANT)
 def test_sixteen_value_sub_block_types_are_requantized_within_bound(qtype):
-    """Q2_K, IQ2_XS, IQ2_S, IQ1_M: 8-bit codes, a float16 scale per 32 values."""
+    """IQ2_XS, IQ2_S, IQ1_M: 8-bit codes, a float16 scale per 32 values."""
     n, k = 9, 512
     raw = gguf_bytes(qtype, n, k)
     ref = dequantize(raw, qtype).reshape(n, k)
@@ -168,17 +170,17 @@ def test_sixteen_value_sub_block_types_are_requantized_within_bound(qtype):
     _assert_requantized(layer.dequantize().numpy(), ref)
 
 
-@pytest.mark.parametrize("qtype", [GT.Q6_K, GT.Q3_K])
+@pytest.mark.parametrize("qtype", SIXTEENS)
 @pytest.mark.parametrize("k", [256, 512, 768])
 def test_q6_k_is_exact_where_6_bit_kernels_run(k, qtype):
-    """Q6_K as the file holds it, and Q3_K at 3 bits in Q6_K's form (its scales per 16
-    values as int8: 14.25 bytes per 32 values against the file's 13.75)."""
+    """Q6_K and Q2_K as the file holds them, and Q3_K at 3 bits in Q6_K's form (its scales
+    per 16 values as int8: 14.25 bytes per 32 values against the file's 13.75)."""
     n = 9
     raw = gguf_bytes(qtype, n, k)
     ref = dequantize(raw, qtype).reshape(n, k)
     layer = QuantLinear.from_gguf(raw, qtype, n, k)
     if QuantLinear.runs_6bit(k):  # whole lane-order groups on a build with 6-bit kernels
-        bits, size = (6, 26.25) if qtype == GT.Q6_K else (3, 14.25)
+        bits, size = {GT.Q6_K: (6, 26.25), GT.Q3_K: (3, 14.25), GT.Q2_K: (2, 10.5)}[qtype]
         assert layer.bits == bits and layer.nbytes == n * k * size / 32
         assert np.array_equal(layer.dequantize().numpy(), ref)
     else:
@@ -195,38 +197,41 @@ def _assert_requantized(got: np.ndarray, ref: np.ndarray) -> None:
     assert (err <= step * (0.5 + 127 * 2**-11) + 127 * 2**-25).all()
 
 
-def test_q6_k_is_requantized_where_6_bit_kernels_cannot_run(monkeypatch):
+@pytest.mark.parametrize("qtype", SIXTEENS)
+def test_q6_k_is_requantized_where_6_bit_kernels_cannot_run(monkeypatch, qtype):
     """Where 6-bit kernels cannot run (rows not in whole lane-order groups of the loaded
-    width) Q6_K gets 8-bit blocks: at load, or when such a library is loaded after a 6-bit
-    layer was made."""
+    width) Q6_K, Q3_K and Q2_K get 8-bit blocks: at load, or when such a library is loaded
+    after a layer of their own codes was made."""
     n, k = 9, 512
-    raw = gguf_bytes(GT.Q6_K, n, k)
-    ref = dequantize(raw, GT.Q6_K).reshape(n, k)
-    six = QuantLinear.from_gguf(raw, GT.Q6_K, n, k)
+    raw = gguf_bytes(qtype, n, k)
+    ref = dequantize(raw, qtype).reshape(n, k)
+    six = QuantLinear.from_gguf(raw, qtype, n, k)
     monkeypatch.setattr(QuantLinear, "runs_6bit", staticmethod(lambda k: False))
-    layer = QuantLinear.from_gguf(raw, GT.Q6_K, n, k)
+    layer = QuantLinear.from_gguf(raw, qtype, n, k)
     assert layer.bits == 8
     _assert_requantized(layer.dequantize().numpy(), ref)
-    if six.bits == 6 and kernels.library() is not None:
+    if six.bits != 8 and kernels.library() is not None:
         x = torch.randn(2, k)
         y = six(x)  # converts itself first
-        assert six.bits == 8 and six.dsup_raw is None
+        assert six.bits == 8 and six.dsup_raw is None and six.msup_raw is None
         _assert_requantized(six.dequantize().numpy(), ref)
         exact = x @ torch.from_numpy(ref).T
         assert (y - exact).abs().max() <= 1e-2 * exact.abs().max()
 
 
-def test_q6_k_relayout_for_another_vector_width():
-    """6-bit codes and their per-group scale order repack for a library of another width."""
+@pytest.mark.parametrize("qtype", SIXTEENS)
+def test_q6_k_relayout_for_another_vector_width(qtype):
+    """6-, 3- and 2-bit codes and their per-group scale order repack for a library of
+    another width."""
     n, k = 5, 1024
-    raw = gguf_bytes(GT.Q6_K, n, k)
-    layer = QuantLinear.from_gguf(raw, GT.Q6_K, n, k)
-    if layer.bits != 6:
-        pytest.skip("this build holds Q6_K as 8-bit blocks")
+    raw = gguf_bytes(qtype, n, k)
+    layer = QuantLinear.from_gguf(raw, qtype, n, k)
+    if layer.bits == 8:
+        pytest.skip(f"this build holds {qtype.name} as 8-bit blocks")
     other = 4 if layer.group_blocks != 4 else 8
     layer._relayout(other)
     assert layer.group_blocks == other
-    assert np.array_equal(layer.dequantize().numpy(), dequantize(raw, GT.Q6_K).reshape(n, k))
+    assert np.array_equal(layer.dequantize().numpy(), dequantize(raw, qtype).reshape(n, k))
 
 
 def test_from_gguf_checks_sizes():
@@ -272,7 +277,7 @@ def test_from_float(scheme, bound):
 
 
 @pytest.mark.parametrize("act_bits", [8, 16])
-@pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS + [GT.Q6_K, GT.Q3_K] + TABLES + GRIDS[::2])
+@pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS + SIXTEENS + TABLES + GRIDS[::2])
 def test_decode_kernel_matches_reference(kbuild, qtype, act_bits):
     torch.manual_seed(0)
     shapes = shapes_for(qtype)
@@ -288,7 +293,7 @@ def test_decode_kernel_matches_reference(kbuild, qtype, act_bits):
 
 
 @pytest.mark.parametrize("act_bits", [8, 16])
-@pytest.mark.parametrize("qtype", [GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.Q4_K, GT.Q6_K, GT.IQ4_NL])
+@pytest.mark.parametrize("qtype", [GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.Q4_K, GT.Q6_K, GT.Q2_K, GT.IQ4_NL])
 def test_small_t_rows_equal_one_row_at_a_time(kbuild, qtype, act_bits):
     """The GEMV multiplies each weight block into T <= 16 rows of x while it is in
     registers (a speculative verification's rows): every row's output equals, bit for
@@ -297,7 +302,7 @@ def test_small_t_rows_equal_one_row_at_a_time(kbuild, qtype, act_bits):
     (16 on AVX2: kernels.gemm_min_rows), the same integers summed in another order: within
     the float rounding of the dot products."""
     torch.manual_seed(2)
-    shapes = K_SHAPES if qtype in (GT.Q4_K, GT.Q6_K) else [(33, 576), (17, 544), (9, 1536)]
+    shapes = K_SHAPES if qtype in (GT.Q4_K, GT.Q6_K, GT.Q2_K) else [(33, 576), (17, 544), (9, 1536)]
     for n, k in shapes:
         layer = QuantLinear.from_gguf(gguf_bytes(qtype, n, k), qtype, n, k, bias=torch.randn(n))
         layer.act_bits = act_bits
@@ -345,7 +350,7 @@ def test_prefill_path_matches_its_reference(kbuild, monkeypatch, qtype, t):
 
 
 @pytest.mark.parametrize("act_bits", [8, 16])
-@pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS + [GT.Q6_K] + TABLES)
+@pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS + SIXTEENS + TABLES)
 def test_integer_gemm_matches_reference_and_gemv(kbuild, qtype, act_bits):
     """The integer GEMM of every build (also where it is not the prefill path): the
     GEMV's integers, row and token counts off its tiles (RT rows, 3 tokens), K tails."""

@@ -130,8 +130,8 @@ def cpu_description() -> str:
 
 def gguf_type_forms() -> str:
     """Each GGUF type's bits per weight in memory on this build against the file's, and
-    where the kernels hold a type wider than its own bits (5- and 6-bit codes need rows of
-    whole lane-order groups; the types with a scale per 16 values are requantized to 8-bit
+    where the kernels hold a type wider than its own bits (2-, 3-, 5- and 6-bit codes need
+    rows of whole lane-order groups; IQ2_XS, IQ2_S and IQ1_M are requantized to 8-bit
     codes): "Q4_K 4.62 (file 4.50), ..., Q6_K 6.56 (6.56; 8.50 on rows not a multiple of
     512 values)". Measured on layers packed from zero blocks (QuantLinear.held_bits)."""
     from gguf.constants import GGML_QUANT_SIZES

@@ -64,11 +64,22 @@ static void tile_scales(const tm_weight *w, int r, float *td, float *tm) {
     const int nb = w->k / QK;
     if (sixteen_scales(w->bits)) { /* unit = half h of block k of group g: scale dsup * sc[g][h][k] */
         const int8_t *sc = (const int8_t *)w->scales + (size_t)r * 2 * nb;
-        const float eighth = w->bits == 3 ? 0.125f : 1.f; /* 3-bit codes enter as 8 q */
+        /* 3-bit codes enter as 8 q, 2-bit ones as 16 q; 2-bit units have mins: tm [nu, RT] */
+        const float part = w->bits == 3 ? 0.125f : w->bits == 2 ? 0.0625f : 1.f;
         for (int b = 0; b < nb; b++) {
-            const float ds = tm_half_to_float(w->dsup[(size_t)r * (nb / 8) + b / 8]) * eighth;
+            const size_t sup = (size_t)r * (nb / 8) + b / 8;
+            const float ds = tm_half_to_float(w->dsup[sup]) * part;
             const int g = b / TM_GB, k = b % TM_GB;
-            for (int h = 0; h < 2; h++) td[(size_t)(2 * b + h) * RT] = ds * (float)sc[g * 2 * TM_GB + h * TM_GB + k];
+            for (int h = 0; h < 2; h++) {
+                const int i = g * 2 * TM_GB + h * TM_GB + k, u = 2 * b + h;
+                if (!unit_mins(w)) {
+                    td[(size_t)u * RT] = ds * (float)sc[i];
+                    continue;
+                }
+                const uint8_t byte = (uint8_t)sc[i];
+                td[(size_t)u * RT] = ds * (float)(byte & 15);
+                tm[(size_t)u * RT] = -(tm_half_to_float(w->msup[sup]) * (float)(byte >> 4));
+            }
         }
         return;
     }
@@ -97,6 +108,9 @@ static void block_codes(const tm_weight *w, const uint8_t *row, int b, uint8_t o
         } else if (w->bits == 5) {
             const uint8_t *g = row + (size_t)(b / TM_GB) * group_bytes(5);
             out[j] = ((g[(i >> 1) * vbytes + e] >> ((i & 1) * 4)) & 15) | (((g[GW / 2 + e] >> i) & 1) << 4);
+        } else if (w->bits == 2) { /* as tm_group_codes reads it: 16 q */
+            const uint8_t *g = row + (size_t)(b / TM_GB) * group_bytes(2);
+            out[j] = (uint8_t)(((g[(i >> 2) * vbytes + e] >> (2 * (i & 3))) & 3) << 4);
         } else if (w->bits == 3) { /* as tm_group_codes reads it: 8 q */
             const uint8_t *g = row + (size_t)(b / TM_GB) * group_bytes(3);
             out[j] = (uint8_t)(((g[(i >> 2) * vbytes + e] >> (2 * (i & 3))) & 3) << 4 | ((g[GW / 4 + e] >> i) & 1) << 3);
@@ -186,9 +200,11 @@ static inline __attribute__((always_inline)) vi madd_step(vi acc, vi w, int32_t 
 
 /* n tokens from the one whose row xq, dx, sx (and xs) point at (row strides K and nb, nu);
  * n, SIX (6-bit: 16-value units), MINS and EIGHT are constants after inlining. xq: int16
- * [n, K], or with EIGHT int8 [n, K] and xs the int sums of q per unit [n, nu], for the zero
- * point z (MINS weights have z = 0). out: [n, RT]. (Slicing K so that a slice of the tile
- * stays in L1 measured slower: the tile streams from L2 fine.) */
+ * [n, K], or with EIGHT int8 [n, K]; xs the int sums of q per unit [n, nu] (with EIGHT, for
+ * the zero point z; MINS weights have z = 0). MINS: a min per block times its float sum sx,
+ * or with SIX (2-bit codes) a min per unit tm [nu, RT] times dx xs, as the GEMV takes it.
+ * out: [n, RT]. (Slicing K so that a slice of the tile stays in L1 measured slower: the
+ * tile streams from L2 fine.) */
 static inline __attribute__((always_inline)) void micro(const int32_t *tw, const float *td, const float *tm,
                                                         const void *xq, const int32_t *xs, const float *dx,
                                                         const float *sx, int K, int z, int n, int SIX, int MINS,
@@ -226,8 +242,16 @@ static inline __attribute__((always_inline)) void micro(const int32_t *tw, const
                     acc[g][t] = vf_fma(sf, vf_mul(d, vf_set1(dx[(size_t)t * nb + b])), acc[g][t]);
                 }
             }
+            if (SIX && MINS)
+                for (int g = 0; g < GR; g++) {
+                    const vf m = vf_load(tm + (size_t)u * RT + g * TM_W);
+                    for (int t = 0; t < n; t++) {
+                        const float qd = (float)xs[(size_t)t * nu + u] * dx[(size_t)t * nb + b];
+                        acc[g][t] = vf_fma(m, vf_set1(qd), acc[g][t]);
+                    }
+                }
         }
-        if (MINS)
+        if (MINS && !SIX)
             for (int g = 0; g < GR; g++) {
                 const vf m = vf_load(tm + (size_t)b * RT + g * TM_W);
                 for (int t = 0; t < n; t++) acc[g][t] = vf_fma(m, vf_set1(sx[(size_t)t * nb + b]), acc[g][t]);
@@ -247,15 +271,15 @@ typedef void (*micro_fn)(const int32_t *, const float *, const float *, const vo
     }
 #define DEF_MICRO_N(E, SIX, MINS) \
     DEF_MICRO(E, 1, SIX, MINS) DEF_MICRO(E, 2, SIX, MINS) DEF_MICRO(E, 3, SIX, MINS) DEF_MICRO(E, 4, SIX, MINS)
-#define DEF_MICROS(E) DEF_MICRO_N(E, 0, 0) DEF_MICRO_N(E, 0, 1) DEF_MICRO_N(E, 1, 0)
+#define DEF_MICROS(E) DEF_MICRO_N(E, 0, 0) DEF_MICRO_N(E, 0, 1) DEF_MICRO_N(E, 1, 0) DEF_MICRO_N(E, 1, 1)
 #define MICRO_ROW(E, SIX, MINS)                                                                  \
     {micro_##E##_1_##SIX##_##MINS, micro_##E##_2_##SIX##_##MINS, micro_##E##_3_##SIX##_##MINS, \
      micro_##E##_4_##SIX##_##MINS}
-#define MICRO_TABLE(E) {{MICRO_ROW(E, 0, 0), MICRO_ROW(E, 0, 1)}, {MICRO_ROW(E, 1, 0), MICRO_ROW(E, 1, 0)}}
+#define MICRO_TABLE(E) {{MICRO_ROW(E, 0, 0), MICRO_ROW(E, 0, 1)}, {MICRO_ROW(E, 1, 0), MICRO_ROW(E, 1, 1)}}
 DEF_MICROS(0)
 #if TM_DOT8
 DEF_MICROS(1)
-/* [eight][six][mins][n - 1] (6-bit codes have no mins); the first NT of each row are used */
+/* [eight][six][mins][n - 1] (six with mins: 2-bit codes); the first NT of each row are used */
 static const micro_fn MICRO[2][2][2][NT_MAX] = {MICRO_TABLE(0), MICRO_TABLE(1)};
 #else
 static const micro_fn MICRO[1][2][2][NT_MAX] = {MICRO_TABLE(0)};
@@ -284,11 +308,13 @@ typedef struct {
 enum { INT16, INT8, TILE8, HILO };
 
 /* Quantize x [T, K] per 32-block with qmax (tm_quant_block) into act_buf, in `form`; all
- * forms but INT16 also get the sums of q per unit, `upb` units per block. Returns 0 on OOM. */
+ * forms but INT16, and INT16 with 16-value units (upb 2: 2-bit codes' mins need them), also
+ * get the sums of q per unit, `upb` units per block. Returns 0 on OOM. */
 static int quantize_acts(const float *x, int T, int K, float qmax, int form, int upb, int nthreads, acts *a) {
     const int nb = K / QK, nu = nb * upb;
     const size_t qbytes = ((size_t)(T + 16) * K * 2 + 63) & ~(size_t)63;
-    const size_t sbytes = form != INT16 ? (size_t)T * nu * 4 : 0, fbytes = (size_t)T * nb * 4;
+    const int sums = form != INT16 || upb == 2;
+    const size_t sbytes = sums ? (size_t)T * nu * 4 : 0, fbytes = (size_t)T * nb * 4;
     char *abuf = tm_buf_get(&act_buf, qbytes + sbytes + 2 * fbytes);
     if (!abuf) return 0;
     int32_t *xs = (int32_t *)(abuf + qbytes);
@@ -303,7 +329,13 @@ static int quantize_acts(const float *x, int T, int K, float qmax, int form, int
         for (int b = 0; b < nb; b++) {
             const size_t o = (size_t)t * K + (size_t)b * QK, i = tr ? (size_t)b * T + t : (size_t)t * nb + b;
             if (form == INT16) {
-                tm_quant_block(x + o, qmax, (int16_t *)abuf + o, dx + i, sx + i);
+                int16_t *q = (int16_t *)abuf + o;
+                tm_quant_block(x + o, qmax, q, dx + i, sx + i);
+                if (upb == 2) { /* the halves' sums of q */
+                    int32_t h0 = 0, h1 = 0;
+                    for (int j = 0; j < QK / 2; j++) h0 += q[j], h1 += q[QK / 2 + j];
+                    xs[(size_t)t * nu + 2 * (size_t)b] = h0, xs[(size_t)t * nu + 2 * (size_t)b + 1] = h1;
+                }
                 continue;
             }
             int16_t q[QK];
@@ -423,16 +455,16 @@ const char *tm_amx(void) {
     return "";
 }
 
-/* y [T, N] = x [T, K] @ W^T (+ bias) for packed weights (bits 3, 4, 5, 6 or 8; one segment),
+/* y [T, N] = x [T, K] @ W^T (+ bias) for packed weights (bits 2 to 6 or 8; one segment),
  * activations quantized per 32-block to 16 bits if act16, else to the 8-bit range (on
  * TM_DOT8 builds multiplied as int8 by vpdpbusd, elsewhere widened to int16).
- * Returns 1, 0 on OOM, -1 for weights it does not take (float, 3-, 5- and 6-bit rows not in
- * whole groups). */
+ * Returns 1, 0 on OOM, -1 for weights it does not take (float, 2-, 3-, 5- and 6-bit rows
+ * not in whole groups). */
 int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads, int act16) {
-    if ((w->bits < 3 || w->bits > 6) && w->bits != 8) return -1;
+    if ((w->bits < 2 || w->bits > 6) && w->bits != 8) return -1;
     const int K = w->k, N = w->n, nb = K / QK, six = sixteen_scales(w->bits), nu = six ? 2 * nb : nb;
     if ((six && !w->dsup) || (whole_groups_only(w->bits) && nb % TM_GB)) return -1;
-    const int mins = w->mins != NULL, z = zero_point(w);
+    const int mins = w->mins != NULL || unit_mins(w), z = zero_point(w);
 #if TM_AMX
     const int amx = !six && amx_ready(); /* (6-bit codes: see amx_tokens) */
 #else
@@ -446,7 +478,8 @@ int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bi
     if (!quantize_acts(x, T, K, act16 ? 32767.f : 127.f, form, six ? 2 : 1, nthreads, &a)) return 0;
     /* ---- tiles of RT rows, one thread each, every token ---- */
     const int ntiles = (N + RT - 1) / RT;
-    const size_t twords = (size_t)K / (eight ? 4 : 2) * RT, tfloats = (size_t)(nu + 2 * nb) * RT; /* + c128 */
+    /* td [nu], tm [nb] (2-bit: [nu] = 2 nb), c128 [nb] (AMX only, never 2-bit): per RT rows */
+    const size_t twords = (size_t)K / (eight ? 4 : 2) * RT, tfloats = (size_t)(nu + 2 * nb) * RT;
     int oom = 0;
     for (int tp = 0; tp < T; tp += TOKEN_PASS) {
         const int tend = T - tp < TOKEN_PASS ? T : tp + TOKEN_PASS;

@@ -79,14 +79,14 @@ def pack_codes(nat: np.ndarray, bits: int, gb: int) -> np.ndarray:
 
 
 # 5- and 6-bit codes (GGUF Q5_0/Q5_1/Q5_K, Q6_K): rows of whole groups, each the low 4
-# bits as a 4-bit group followed by the top bits; 3-bit codes (Q3_K): bit planes alone
-# (linear.c)
+# bits as a 4-bit group followed by the top bits; 3- and 2-bit codes (Q3_K, Q2_K): bit
+# planes alone (linear.c)
 
 
 def _vectors6(k: int, gb: int) -> tuple[int, int]:
     if k % (QK * gb):
         raise ValueError(
-            f"3-, 5- and 6-bit rows need whole groups: {k} is not a multiple of {QK * gb}"
+            f"2-, 3-, 5- and 6-bit rows need whole groups: {k} is not a multiple of {QK * gb}"
         )
     return k // (QK * gb), 4 * gb  # groups per row, bytes per vector
 
@@ -137,6 +137,31 @@ def pack5(nat: np.ndarray, gb: int) -> np.ndarray:
 
 def unpack5(codes: np.ndarray, k: int, gb: int) -> np.ndarray:
     return unpack_wide(codes, k, 5, gb)
+
+
+def pack2(nat: np.ndarray, gb: int) -> np.ndarray:
+    """Natural-order 2-bit codes uint8 [rows, K] (0..3) -> [rows, K/4]: per group of gb
+    blocks, two vectors (top vector h holds vector 4h + s at bits 2s), as linear.c reads them."""
+    rows, k = nat.shape
+    ng, v = _vectors6(k, gb)
+    lanes = nat[:, lane_perm(k, gb)].reshape(rows, ng, 2, 4, v)
+    plane = np.zeros((rows, ng, 2, v), np.uint8)
+    for s in range(4):
+        plane |= lanes[:, :, :, s] << (2 * s)
+    return np.ascontiguousarray(plane.reshape(rows, k // 4))
+
+
+def unpack2(codes: np.ndarray, k: int, gb: int) -> np.ndarray:
+    """The inverse of pack2: natural-order codes uint8 [rows, k]."""
+    rows = codes.shape[0]
+    ng, v = _vectors6(k, gb)
+    g = codes.reshape(rows, ng, 2, v)
+    lanes = np.empty((rows, ng, 8, v), dtype=np.uint8)
+    for i in range(8):
+        lanes[:, :, i] = (g[:, :, i // 4] >> (2 * (i % 4))) & 3
+    nat = np.empty((rows, k), dtype=np.uint8)
+    nat[:, lane_perm(k, gb)] = lanes.reshape(rows, k)
+    return nat
 
 
 def pack3(nat: np.ndarray, gb: int) -> np.ndarray:

@@ -70,6 +70,15 @@
  * the scale an eighth: the 6-bit path's integers and bounds as they are.
  *   codes   uint8 [N, K*3/8];  scales int8 [N, K/16] and dsup [N, K/256] as for 6-bit
  *
+ * 2-bit codes (GGUF Q2_K, exactly: q in 0..3, w = d16 q - m16 per 16 values, d16 = dsup *
+ * sc and m16 = msup * m, sc and m the low and high nibbles of the file's byte per 16
+ * values): one plane per group, laid out as 3-bit codes' first (byte c*4G + r holds vector
+ * 4c + s at bits 2s), read as the 6-bit code 16 q (zero point 0; the scale a sixteenth).
+ * The min's term m16 sum x is taken as m16 dx sum q (the zh sums), as llama.cpp's q8_K
+ * sums do: within the activations' rounding. 10.5 bytes per 32 values, the file's own.
+ *   codes   uint8 [N, K/4];  scales uint8 [N, K/16] (sc + 16 m, per group [half][block]);
+ *   dsup, msup [N, K/256]
+ *
  * Float weights (bits TM_F16 / TM_BF16 / TM_F32): [N, K] in natural order, converted to
  * float32 in registers (F16C / shifts / NEON fcvtl) and multiplied by float32 x.
  */
@@ -387,17 +396,37 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
             vb c[8];
             prefetch_codes(row + (size_t)g * group_bytes(bits), group_bytes(bits), ahead);
             tm_group_codes(row, g, bits, c);
-            /* 3-bit codes are 8 q: their scale an eighth (exact, a power of two) */
-            const vf ds = bits == 3 ? vf_mul(sup_lanes(dsup, g), vf_set1(0.125f)) : sup_lanes(dsup, g);
-            const int8_t *sc = (const int8_t *)w->scales + (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB;
-            const vf d0 = vf_mul(vf_load_i8(sc), ds), d1 = vf_mul(vf_load_i8(sc + TM_GB), ds);
+            /* 3-bit codes are 8 q, 2-bit ones 16 q: their scale an eighth, a sixteenth (exact) */
+            const vf ds = vf_mul(sup_lanes(dsup, g), vf_set1(bits == 3 ? 0.125f : bits == 2 ? 0.0625f : 1.f));
+            const size_t so = (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB; /* the group's scales */
+            vf d0, d1, m0 = vf_zero(), m1 = vf_zero();
+            if (bits == 2) { /* byte = sc + 16 m: m = round((byte - 7.5) / 16), never a tie */
+                const vf b0 = vf_load_u8((const uint8_t *)w->scales + so), b1 = vf_load_u8((const uint8_t *)w->scales + so + TM_GB);
+                const vf h = vf_set1(0.0625f), off = vf_set1(7.5f), sixteen = vf_set1(16.f);
+                const vf c0 = vf_round(vf_mul(vf_sub(b0, off), h)), c1 = vf_round(vf_mul(vf_sub(b1, off), h));
+                d0 = vf_mul(vf_sub(b0, vf_mul(c0, sixteen)), ds), d1 = vf_mul(vf_sub(b1, vf_mul(c1, sixteen)), ds);
+                /* -dmin m per 16 values, against zh = 32 sum q: the min's share, in exact steps */
+                const vf ms = vf_mul(sup_lanes(msup, g), vf_set1(1.f / 32));
+                m0 = vf_mul(c0, ms), m1 = vf_mul(c1, ms);
+            } else {
+                const int8_t *sc = (const int8_t *)w->scales + so;
+                d0 = vf_mul(vf_load_i8(sc), ds), d1 = vf_mul(vf_load_i8(sc + TM_GB), ds);
+            }
             for (int t = 0; t < T; t++) {
                 const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + (size_t)g * TM_GB;
                 const size_t xo = tt * xq->kpad + (size_t)g * GW, xh = xo + 16 * TM_GB;
                 const int32_t *zh = xq->zh + tt * 2 * xq->gpad + (size_t)g * 2 * TM_GB;
+                const vf dx = vf_load(xq->dx + xi);
+                if (bits == 2) { /* dx (d16 sum c q - m16 sum q) per half: the sum of q as zh */
+                    const vi s0 = dot_codes(c, 4, xq, xo, 6), s1 = dot_codes(c + 4, 4, xq, xh, 6);
+                    acc[t] = vf_fma(vf_mul(vf_from_vi(s0), dx), d0, acc[t]);
+                    acc[t] = vf_fma(vf_mul(vf_from_vi(s1), dx), d1, acc[t]);
+                    acc[t] = vf_fma(vf_mul(vf_from_vi(vi_load(zh)), dx), m0, acc[t]);
+                    acc[t] = vf_fma(vf_mul(vf_from_vi(vi_load(zh + TM_GB)), dx), m1, acc[t]);
+                    continue;
+                }
                 const vi s0 = vi_sub(dot_codes(c, 4, xq, xo, 6), vi_load(zh));
                 const vi s1 = vi_sub(dot_codes(c + 4, 4, xq, xh, 6), vi_load(zh + TM_GB));
-                const vf dx = vf_load(xq->dx + xi);
                 acc[t] = vf_fma(vf_mul(vf_from_vi(s0), dx), d0, acc[t]);
                 acc[t] = vf_fma(vf_mul(vf_from_vi(s1), dx), d1, acc[t]);
             }
@@ -452,6 +481,7 @@ typedef void (*rows_fn)(const tm_weight *, const xq_t *, int, int, int, float *,
     DEF_ROWS(B, 1) DEF_ROWS(B, 2) DEF_ROWS(B, 4) DEF_ROWS(B, 8)        \
     static const rows_fn ROWS_B##B[4] = {rows_b##B##_t1, rows_b##B##_t2, \
                                          rows_b##B##_t4, rows_b##B##_t8};
+DEF_ROWS_ALL(2)
 DEF_ROWS_ALL(3)
 DEF_ROWS_ALL(4)
 /* 4-bit codes that index a table (tm_weight.lut): the dots of 8-bit codes */
@@ -471,6 +501,7 @@ DEF_ROWS_ALL(8)
 static void rows_any(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, int T,
                      float *y, const float *bias) {
     const rows_fn *table = w->lut          ? ROWS_B4L /* table codes are 4-bit */
+                           : w->bits == 2 ? ROWS_B2
                            : w->bits == 3 ? ROWS_B3
                            : w->bits == 4 ? ROWS_B4
                            : w->bits == 5 ? ROWS_B5
@@ -494,6 +525,19 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
     const int nb = w->k / QK, nfull = nb / TM_GB, nbt = nb % TM_GB, z = zero_point(w);
     const int vb_bytes = 4 * TM_GB;
     const uint8_t *row = w->codes + (size_t)r * row_bytes(w);
+    if (w->bits == 2) { /* whole groups only: q from the one plane, scale and min of half i / 4 */
+        for (int g = 0; g < nfull; g++) {
+            const uint8_t *p = row + (size_t)g * group_bytes(2), *sb = (const uint8_t *)w->scales + (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB;
+            const uint16_t *dsr = w->dsup + (size_t)r * (nb / 8), *msr = w->msup + (size_t)r * (nb / 8);
+            for (int i = 0; i < 8; i++)
+                for (int e = 0; e < vb_bytes; e++) {
+                    const int sup = (g * TM_GB + e / 4) / 8, byte = sb[(i >> 2) * TM_GB + e / 4]; /* block e / 4 */
+                    const float d = tm_half_to_float(dsr[sup]) * (float)(byte & 15), m = tm_half_to_float(msr[sup]) * (float)(byte >> 4);
+                    out[(size_t)g * GW + i * vb_bytes + e] = d * (float)((p[(i >> 2) * vb_bytes + e] >> (2 * (i & 3))) & 3) - m;
+                }
+        }
+        return;
+    }
     if (sixteen_scales(w->bits)) { /* whole groups only: vector i of block k, scale of half i / 4 */
         const int three = w->bits == 3;
         for (int g = 0; g < nfull; g++) {
@@ -668,7 +712,7 @@ int tm_gemm_min_rows(void) { return TM_W >= 8 ? GEMM_MIN_ROWS : 0; }
  * layers (tiles = 1: the caller has a float32 GEMM for TM_PATH_TILES; tm_linear has none
  * and runs the GEMV there). Writes why into reason [cap] (NULL: not asked). */
 int tm_linear_path(int bits, int T, int tiles, char *reason, int cap) {
-    const int packed = (bits >= 3 && bits <= 6) || bits == 8, gemm = tm_gemm_min_rows();
+    const int packed = (bits >= 2 && bits <= 6) || bits == 8, gemm = tm_gemm_min_rows();
     if (packed && gemm) {
         if (T >= gemm) {
             if (reason) snprintf(reason, cap, "T=%d rows >= %d: the integer GEMM beats the GEMV on %s", T, gemm, TM_SIMD_NAME);

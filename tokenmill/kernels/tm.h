@@ -263,23 +263,29 @@ static inline float tm_block_min(const tm_weight *w, int r, int b) {
 /* The packed format's helpers, shared by linear.c and gemm.c (the format: linear.c) */
 /* ------------------------------------------------------------------------------ */
 
-/* Codes with a scale per 16 values (Q6_K's form, and 3-bit Q3_K read as 8 q in it). */
-static inline int sixteen_scales(int bits) { return bits == 3 || bits == 6; }
+/* Codes with a scale per 16 values: Q6_K's form, 3-bit Q3_K read as 8 q in it, and 2-bit
+ * Q2_K read as 16 q with a min per 16 values too (unit_mins). */
+static inline int sixteen_scales(int bits) { return bits == 2 || bits == 3 || bits == 6; }
+
+/* 2-bit codes (Q2_K): each 16 values' scale byte holds its scale code (low nibble) and its
+ * min code (high nibble), as the file has them: w = dsup * sc * q - msup * m. */
+static inline int unit_mins(const tm_weight *w) { return w->bits == 2; }
 
 static inline int zero_point(const tm_weight *w) {
     if (w->lut) return 128;
+    if (unit_mins(w)) return 0;
     return w->mins ? 0 : (w->bits == 4 ? 8 : w->bits == 5 ? 16 : sixteen_scales(w->bits) ? 32 : 128);
 }
 
-/* The code bits the dot products see: table codes are looked up to 8-bit ones first, 3-bit
- * codes enter as 6-bit ones (8 q, at most 56). */
-static inline int dot_bits(const tm_weight *w) { return w->lut ? 8 : w->bits == 3 ? 6 : w->bits; }
+/* The code bits the dot products see: table codes are looked up to 8-bit ones first, 3- and
+ * 2-bit codes enter as 6-bit ones (8 q, at most 56; 16 q, at most 48). */
+static inline int dot_bits(const tm_weight *w) { return w->lut ? 8 : sixteen_scales(w->bits) ? 6 : w->bits; }
 
-/* Bytes of one full lane-order group of codes (GW values) of `bits` 3, 4, 5, 6 or 8. */
+/* Bytes of one full lane-order group of codes (GW values) of `bits` 2, 3, 4, 5, 6 or 8. */
 static inline size_t group_bytes(int bits) { return (size_t)GW * bits / 8; }
 
-/* 3-, 5- and 6-bit codes: rows of whole groups only (their bit planes have no tail layout). */
-static inline int whole_groups_only(int bits) { return bits == 3 || bits == 5 || bits == 6; }
+/* 2-, 3-, 5- and 6-bit codes: rows of whole groups only (their bit planes have no tail layout). */
+static inline int whole_groups_only(int bits) { return bits == 2 || bits == 3 || bits == 5 || bits == 6; }
 
 static inline size_t row_bytes(const tm_weight *w) {
     return (size_t)w->k * (size_t)w->bits / 8;
@@ -316,18 +322,19 @@ static inline void tail_block_codes(const uint8_t *tail, int bits, int u, int nb
 
 /* The 8 code vectors of full group g of a packed row: lane k of vector i holds codes
  * 4i..4i+3 of block k (4-bit: the nibble split; 5- and 6-bit: low nibbles plus the top
- * bits; 3-bit: 8 q from the top-two-bits plane and the low-bit plane, see linear.c). */
+ * bits; 3-bit: 8 q from the top-two-bits plane and the low-bit plane; 2-bit: 16 q from
+ * its one plane, see linear.c). */
 static inline void tm_group_codes(const uint8_t *row, int g, int bits, vb c[8]) {
     if (bits == 8) {
         for (int i = 0; i < 8; i++) c[i] = vb_load(row + (size_t)g * GW + i * 4 * TM_GB);
         return;
     }
     const uint8_t *p = row + (size_t)g * group_bytes(bits);
-    if (bits == 3) {
+    if (bits <= 3) {
         for (int i = 0; i < 8; i++) c[i] = vb_zero();
-        vb_add_crumbs(c, vb_load(p));                /* q >> 1 at bits 4..5 */
+        vb_add_crumbs(c, vb_load(p)); /* 2-bit: q at bits 4..5; 3-bit: q >> 1 there */
         vb_add_crumbs(c + 4, vb_load(p + 4 * TM_GB));
-        vb_add_bits(c, vb_load(p + GW / 4), 3);      /* q & 1 at bit 3 */
+        if (bits == 3) vb_add_bits(c, vb_load(p + GW / 4), 3); /* q & 1 at bit 3 */
         return;
     }
     for (int i = 0; i < 4; i++) vb_nibbles(vb_load(p + i * 4 * TM_GB), &c[2 * i], &c[2 * i + 1]);

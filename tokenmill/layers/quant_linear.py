@@ -34,7 +34,11 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
     Q3_K  3-bit, Z=4, Q6_K's scales (an int8     exact, 14.25 B / 32 (file: 13.75):
           sub-scale - 32 per 16 values, d per 256)  codes [N, K*3/8] (two bit planes;
           on rows of whole groups                   the kernels read 8 q in Q6_K's form)
-    Q2_K, IQ2_XS, IQ2_S, IQ1_M (a scale per 16 values), and Q3_K and Q6_K on rows that
+    Q2_K  2-bit, a scale and a min per 16 values  exact, 10.5 B / 32 (file: 10.5): codes
+          as the file's bytes (sc + 16 m) times     [N, K/4] (one bit plane), scales uint8
+          d and dmin per 256, on rows of whole      [N, K/16]; the kernels read 16 q in
+          groups                                    Q6_K's form
+    IQ2_XS, IQ2_S, IQ1_M (a scale per 16 values), and Q2_K, Q3_K and Q6_K on rows that
           are not whole groups: requantized to 8-bit Z=128 with a per-32 f16 scale (as Q8_0
           would): the added error is at most max|w_block| / 254 per value, about a quarter
           of Q6_K's own step.
@@ -64,10 +68,12 @@ from tokenmill.kernels import PREFILL_MIN_T  # re-exported: the tests' and bench
 from tokenmill.kernels.layout import (
     QK,
     half_scale_perm,
+    pack2,
     pack3,
     pack5,
     pack6,
     pack_codes,
+    unpack2,
     unpack3,
     unpack5,
     unpack6,
@@ -84,6 +90,7 @@ from tokenmill.loader.gguf_blocks import (
     mxfp4_scales_fit_half,
     parse_exact,
     parse_grid,
+    parse_q2_k,
     parse_q3_k,
     parse_q6_k,
     parse_table,
@@ -181,7 +188,9 @@ PACK_CHUNK_BYTES = 32 << 20
 _NATIVE_BITS = {GT.Q4_0: 4, GT.Q4_1: 4, GT.Q4_K: 4, GT.Q8_0: 8, GT.Q5_0: 5, GT.Q5_1: 5,
                 GT.Q5_K: 5, GT.Q6_K: 6, GT.IQ4_NL: 4, GT.MXFP4: 4}  # fmt: skip
 _FIVE = (GT.Q5_0, GT.Q5_1, GT.Q5_K)
-_SIXTEEN = (3, 6)  # code bits with a scale per 16 values: Q3_K's and Q6_K's form
+_SIXTEEN = (2, 3, 6)  # code bits with a scale per 16 values: Q2_K's, Q3_K's, Q6_K's forms
+_OWN_SIXTEEN = {GT.Q6_K: parse_q6_k, GT.Q3_K: parse_q3_k, GT.Q2_K: parse_q2_k}
+_SIXTEEN_CODES = {2: (pack2, unpack2, 0), 3: (pack3, unpack3, 4), 6: (pack6, unpack6, 32)}
 
 
 def _whole_groups(in_features: int) -> bool:
@@ -269,7 +278,7 @@ def _store(dst: dict, parsed: tuple, in_features: int, gb: int) -> None:
     nat, sc, mn, bits, su = parsed
     codes = None
     if bits in _SIXTEEN:
-        codes = pack6(nat, gb) if bits == 6 else pack3(nat, gb)
+        codes = _SIXTEEN_CODES[bits][0](nat, gb)
         sc = sc[:, half_scale_perm(in_features, gb)]
     elif bits == 5:
         codes = pack5(nat, gb)
@@ -314,8 +323,8 @@ class QuantLinear(NativeLinear):
         and mins their uint8 codes per block; None: scales and mins are float. 6-bit codes
         (Q6_K): scales int8 [out, in/16] in the kernels' group order, sup d [out, in/256, 1]."""
         super().__init__(in_features, out_features, bias)
-        if in_features % QK or bits not in (3, 4, 5, 6, 8):
-            raise ValueError(f"need in_features % {QK} == 0 and bits in (3, 4, 5, 6, 8)")
+        if in_features % QK or bits not in (2, 3, 4, 5, 6, 8):
+            raise ValueError(f"need in_features % {QK} == 0 and bits in (2, 3, 4, 5, 6, 8)")
         if codes.shape != (out_features, in_features * bits // 8) or codes.dtype != torch.uint8:
             raise ValueError(f"codes: expected uint8 {(out_features, in_features * bits // 8)}")
         per = 16 if bits in _SIXTEEN else QK  # values per scale
@@ -324,18 +333,20 @@ class QuantLinear(NativeLinear):
         if sup is None and scales.dtype not in _RAW:
             raise ValueError(f"scales must be float16 or float32, got {scales.dtype}")
         # sup's columns: d and dmin, or d alone (6-bit codes, and scale codes without mins)
-        nsup = 1 if bits in _SIXTEEN or mins is None else 2
+        # (2-bit: d and dmin, its scale bytes holding a scale and a min code each)
+        nsup = 2 if bits == 2 else 1 if bits in _SIXTEEN or mins is None else 2
         if sup is not None and (
-            scales.dtype != (torch.int8 if bits in _SIXTEEN else torch.uint8)
+            scales.dtype != (torch.int8 if bits in (3, 6) else torch.uint8)
             or sup.shape != (out_features, in_features // 256, nsup)
             or sup.dtype != torch.float16
         ):
             raise ValueError(
                 "K-quant scales: uint8 codes and float16 sup [out, in/256, 2] (no mins: "
-                "[out, in/256, 1]; 3- and 6-bit: int8 per 16 values and sup [out, in/256, 1])"
+                "[out, in/256, 1]; 3- and 6-bit: int8 per 16 values and sup [out, in/256, 1];"
+                " 2-bit: uint8 per 16 values and sup [out, in/256, 2])"
             )
         if bits in _SIXTEEN and (sup is None or mins is not None):
-            raise ValueError("3- and 6-bit codes need sup and no mins")
+            raise ValueError("2-, 3- and 6-bit codes need sup and no mins")
         if mins is not None and (mins.shape != scales.shape or mins.dtype != scales.dtype):
             raise ValueError("mins must match scales in shape and dtype")
         self.bits = bits
@@ -431,13 +442,13 @@ class QuantLinear(NativeLinear):
         reads them, else requantized to 8 bits. Row by row: any rows, any batch of them.
         half: MXFP4's scales as float16 (every row's fit: mxfp4_scales_fit_half)."""
         block, type_size = GGML_QUANT_SIZES[qtype]
-        six = qtype in (GT.Q6_K, GT.Q3_K) and cls.runs_6bit(in_features)
+        six = qtype in _OWN_SIXTEEN and cls.runs_6bit(in_features)
         five = qtype in _FIVE and cls.runs_5bit(in_features)
 
         def parse(rows: np.ndarray):
             blocks = rows.reshape(rows.shape[0], -1, type_size)
-            if six:  # Q3_K: Q6_K's form at 3 bits
-                return parse_q6_k(blocks) if qtype == GT.Q6_K else parse_q3_k(blocks)
+            if six:  # their own codes with a scale per 16 values (Q3_K, Q2_K: 3, 2 bits)
+                return _OWN_SIXTEEN[qtype](blocks)
             if qtype in EXACT_GGUF_TYPES:
                 return parse_exact(blocks, qtype, five)
             if qtype in TABLE_GGUF_TYPES:
@@ -682,6 +693,13 @@ class QuantLinear(NativeLinear):
         """Whether scales and mins are K-quant codes times super-block scales."""
         return self.dsup_raw is not None
 
+    def _natural_halves(self, raw: torch.Tensor | None = None) -> torch.Tensor:
+        """The per-16 scale bytes (of `raw` rows, default all) in natural order."""
+        raw = self.scales_raw if raw is None else raw
+        natural = torch.empty_like(raw)
+        natural[:, torch.from_numpy(half_scale_perm(self.in_features, self.group_blocks))] = raw
+        return natural
+
     def _expand_sup(self, sup_raw: torch.Tensor, per: int = 8) -> torch.Tensor:
         """[out, in/256] float16 bits -> float32 [out, in/256 * per], one per block."""
         return sup_raw.view(torch.float16).float().repeat_interleave(per, dim=1)
@@ -689,13 +707,12 @@ class QuantLinear(NativeLinear):
     @property
     def scales(self) -> torch.Tensor:
         """Block scales [out, in/32]: float16 or float32 as stored, or K-quant d * code in
-        float32 (exact: an 11-bit d times a 6-bit code). 6-bit codes: [out, in/16], one per
-        16 values in natural order (d * an 8-bit code, exact)."""
+        float32 (exact: an 11-bit d times a 6-bit code). 2-, 3- and 6-bit codes: [out,
+        in/16], one per 16 values in natural order (d * an 8-bit code, exact)."""
+        if self.bits == 2:  # the scale codes are the bytes' low nibbles
+            return self._expand_sup(self.dsup_raw, 16) * (self._natural_halves() & 15).float()
         if self.bits in _SIXTEEN:
-            perm = half_scale_perm(self.in_features, self.group_blocks)
-            natural = torch.empty_like(self.scales_raw)
-            natural[:, torch.from_numpy(perm)] = self.scales_raw
-            return self._expand_sup(self.dsup_raw, 16) * natural.float()
+            return self._expand_sup(self.dsup_raw, 16) * self._natural_halves().float()
         if self.kquant:
             return self._expand_sup(self.dsup_raw) * (self.scales_raw.float() - self.scale_zero)
         return self.scales_raw.view(_FLOAT[self.scales_raw.dtype])
@@ -756,7 +773,7 @@ class QuantLinear(NativeLinear):
         nat, sc, _, bits, _ = _quantize_rows(self.dequantize(), "q8")
         self.codes = torch.from_numpy(pack_codes(nat, bits, gb))
         self.scales_raw = torch.from_numpy(sc).view(torch.int16)
-        self.dsup_raw = None
+        self.dsup_raw = self.msup_raw = None
         self.bits, self.group_blocks = bits, gb
 
     def _relayout(self, gb: int) -> None:
@@ -766,7 +783,7 @@ class QuantLinear(NativeLinear):
             natural = torch.empty_like(self.scales_raw)
             natural[:, torch.from_numpy(half_scale_perm(k, old))] = self.scales_raw
             self.scales_raw = natural[:, torch.from_numpy(half_scale_perm(k, gb))].contiguous()
-            pack, unpack = (pack6, unpack6) if self.bits == 6 else (pack3, unpack3)
+            pack, unpack, _ = _SIXTEEN_CODES[self.bits]
             self.codes = torch.from_numpy(pack(unpack(self.codes.numpy(), k, old), gb))
             self.group_blocks = gb
             return
@@ -793,9 +810,18 @@ class QuantLinear(NativeLinear):
         if rows is not None:
             codes, scales = codes[rows], scales[rows]
             mins = None if mins is None else mins[rows]
+        if self.bits == 2:  # d * sc * q - dmin * m per 16 values, like gguf's Q2_K
+            n = codes.shape[0]
+            nat = unpack2(codes.numpy(), self.in_features, self.group_blocks)
+            q = torch.from_numpy(nat).reshape(n, -1, 16).to(torch.float32)
+            byte = self._natural_halves(self.scales_raw if rows is None else self.scales_raw[rows])
+            d = self._expand_sup(self.dsup_raw if rows is None else self.dsup_raw[rows], 16)
+            m = self._expand_sup(self.msup_raw if rows is None else self.msup_raw[rows], 16)
+            dl, ml = d * (byte & 15).float(), m * (byte >> 4).float()
+            return (dl[..., None] * q - ml[..., None]).reshape(n, self.in_features)
         if self.bits in _SIXTEEN:  # (d * code) * (c - Z) per 16 values, like gguf's Q6_K/Q3_K
             n = codes.shape[0]
-            unpack, z = (unpack6, 32) if self.bits == 6 else (unpack3, 4)
+            _, unpack, z = _SIXTEEN_CODES[self.bits]
             nat = unpack(codes.numpy(), self.in_features, self.group_blocks)
             c = torch.from_numpy(nat).reshape(n, -1, 16).to(torch.float32) - z
             return (scales[..., None] * c).reshape(n, self.in_features)

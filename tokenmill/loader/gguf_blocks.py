@@ -3,11 +3,12 @@
 Parses a tensor's raw blocks ([rows, blocks, type_size] bytes, as the file stores them)
 into the packed format's pieces: unsigned codes per value, a scale (and min) per block
 of 32, and for K-quants the super-block scales they multiply. Exact for the types in
-EXACT_GGUF_TYPES; for Q6_K and Q3_K as 6-bit codes with a scale per 16 values
-(parse_q6_k, parse_q3_k); for the table-coded 4-bit types (IQ4_NL, IQ4_XS, MXFP4:
-parse_table) and the grid types (IQ3_S, IQ2_XXS, TQ2_0, ...: parse_grid) as 4-bit codes
-into a table. The other 16-value sub-block types (Q2_K, IQ2_XS, IQ2_S, IQ1_M, and Q6_K and
-Q3_K where 6-bit codes cannot run) are requantized by QuantLinear (REQUANT_GGUF_TYPES).
+EXACT_GGUF_TYPES; for Q6_K, Q3_K and Q2_K as 6-, 3- and 2-bit codes with a scale per 16
+values (parse_q6_k, parse_q3_k, parse_q2_k); for the table-coded 4-bit types (IQ4_NL,
+IQ4_XS, MXFP4: parse_table) and the grid types (IQ3_S, IQ2_XXS, TQ2_0, ...: parse_grid) as
+4-bit codes into a table. The other 16-value sub-block types (IQ2_XS, IQ2_S, IQ1_M, and
+Q6_K, Q3_K and Q2_K where their own codes cannot run) are requantized by QuantLinear
+(REQUANT_GGUF_TYPES).
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ GRID_VALUES = {
 GRID_GGUF_TYPES = frozenset(GRID_VALUES)
 # IQ4_XS's scales are signed 6-bit codes stored + 32: d = the 256-block's d * (code - 32)
 TABLE_SCALE_ZERO = {GT.IQ4_XS: 32}
-# Requantized to 8-bit codes: Q2_K (a min per 16 values), IQ2_XS, IQ2_S and IQ1_M (a
-# scale per 16 values over grid points up to 43: no 4-bit code or 6-bit form holds them),
-# and Q6_K and Q3_K on rows where 6-bit codes cannot run.
+# Requantized to 8-bit codes: IQ2_XS, IQ2_S and IQ1_M (a scale per 16 values over grid
+# points up to 43: no 4-bit code or 6-bit form holds them), and Q6_K, Q3_K and Q2_K on
+# rows where their codes cannot run (not whole lane groups).
 REQUANT_GGUF_TYPES = frozenset({GT.Q6_K, GT.Q2_K, GT.Q3_K, GT.IQ2_XS, GT.IQ2_S, GT.IQ1_M})
 # Every quantized type a layer holds (layers/quant_linear.py), one of the four ways above
 QUANT_GGUF_TYPES = EXACT_GGUF_TYPES | TABLE_GGUF_TYPES | GRID_GGUF_TYPES | REQUANT_GGUF_TYPES
@@ -147,6 +148,20 @@ def parse_q3_k(blocks: np.ndarray):
     sub = (scale.astype(np.int16) - 32).astype(np.int8)
     d = np.ascontiguousarray(blocks[..., 108:110]).view(np.float16)  # [rows, nsup, 1]
     return q.reshape(rows, -1), sub.reshape(rows, -1), None, 3, d
+
+
+def parse_q2_k(blocks: np.ndarray):
+    """Q2_K blocks [rows, nsup, 84] -> (codes [rows, K] u8 (0..3), the file's scale bytes
+    uint8 [rows, K/16] (scale code + 16 * min code), None, 2, (d, dmin) float16 [rows,
+    K/256, 2]): w = d * sc * q - dmin * m per 16 values, as the file has it.
+
+    A super-block: 16 scale bytes, 64 bytes of 2-bit values (per 128-value half, value 32s
+    + j at bits 2s of byte j), then d and dmin."""
+    rows, nsup = blocks.shape[:2]
+    sc, qs = blocks[..., 0:16], blocks[..., 16:80]
+    q = qs.reshape(rows, nsup, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    sup = np.ascontiguousarray(blocks[..., 80:84]).view(np.float16)  # [rows, nsup, 2]
+    return (q & 3).reshape(rows, -1), np.ascontiguousarray(sc).reshape(rows, -1), None, 2, sup
 
 
 def table_of(qtype: GT) -> np.ndarray:
