@@ -3,7 +3,7 @@ numpy path (gguf_blocks.parse_* and quant_linear._store) packs them.
 
 Every type packed as stored (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K; Q6_K on rows of
 whole lane groups, requantized to 8-bit blocks on other rows, from gguf-py's float
-values), at row lengths with and without a tail of blocks after the whole
+values; Q3_K and Q2_K on rows of whole lane groups), at row lengths with and without a tail of blocks after the whole
 groups (and a lone last block of a 4-bit tail), a dense layer and a MoE layer's experts;
 then the same greedy tokens from a model file loaded either way.
 """
@@ -44,6 +44,8 @@ WIDTHS = {  # row lengths: whole groups, groups and a tail, a tail only, a lone 
         768,
         1280,
     ],  # the last three requantized on AVX-512
+    GT.Q3_K: [SUPER_GW, 2 * SUPER_GW, 2048],  # rows of whole groups (others: numpy's)
+    GT.Q2_K: [SUPER_GW, 2048],
 }
 
 
@@ -98,7 +100,8 @@ def test_permuted_rows_pack_from_a_copy(monkeypatch):
 
 
 @pytest.mark.parametrize("qtype, k", [(GT.Q4_K, 512), (GT.Q6_K, 2 * SUPER_GW), (GT.Q6_K, 768),
-                                      (GT.Q8_0, 512), (GT.Q5_K, 512), (GT.MXFP4, 2880)])  # fmt: skip
+                                      (GT.Q8_0, 512), (GT.Q5_K, 512), (GT.MXFP4, 2880),
+                                      (GT.Q3_K, 2 * SUPER_GW), (GT.Q2_K, 2048)])  # fmt: skip
 def test_experts_pack_the_same_bytes(monkeypatch, qtype, k):
     """Four experts of two parts (gate, up) into one [E, rows, ...] stack, each expert's
     layer a view of it; the release callback hears of every part."""

@@ -135,7 +135,8 @@ def pick_type(
 # not depend on it; agreement between engines does, as huge weights make activations
 # and logits huge and every rounding difference a flipped token.
 TYPICAL_D = {GT.Q8_0: 3e-4, GT.Q4_0: 5e-3, GT.Q4_1: 2.5e-3, GT.Q5_0: 2.5e-3, GT.Q5_1: 1.3e-3,
-             GT.Q4_K: 8e-5, GT.Q5_K: 4e-5, GT.Q6_K: 2e-5, GT.IQ4_NL: 3e-4}  # fmt: skip
+             GT.Q4_K: 8e-5, GT.Q5_K: 4e-5, GT.Q6_K: 2e-5, GT.IQ4_NL: 3e-4,
+             GT.Q3_K: 1.5e-4, GT.Q2_K: 4e-4}  # fmt: skip
 # MXFP4: the E8M0 exponent byte e scales codes (ggml's doubled FP4 values, |v| <= 12) by
 # 2^(e - 128): e 120-121 makes weights of about 0.02
 MXFP4_EXPONENTS = (120, 122)
@@ -152,8 +153,10 @@ def random_blocks(rng: np.random.Generator, qtype: GT, rows: int, cols: int) -> 
     d = TYPICAL_D[qtype]
     scale = (rng.random((rows, cols // block, 2)) * d + d * 0.5).astype(np.float16)
     scale = scale.view(np.uint8).reshape(rows, cols // block, 4)
-    if qtype == GT.Q6_K:  # d last
+    if qtype in (GT.Q6_K, GT.Q3_K):  # d last
         raw[..., -2:] = scale[..., :2]
+    elif qtype == GT.Q2_K:  # d and dmin last
+        raw[..., -4:] = scale
     elif qtype in (GT.Q4_K, GT.Q5_K, GT.Q4_1, GT.Q5_1):  # d and dmin (or m) first
         raw[..., 0:4] = scale
     else:  # Q8_0, Q4_0, Q5_0: d first

@@ -22,13 +22,17 @@
  *   Q6_K                  6-bit codes on rows of whole lane groups, int8 scales [k / 16]
  *                         per group [half][block], super-block d float16 [k / 256][1];
  *                         other rows requantized to 8-bit codes with float16 scales [nb]
+ *   Q3_K                  3-bit codes q on rows of whole lane groups, int8 scales (the
+ *                         file's 6-bit ones - 32) and d as for Q6_K; other rows: not here
+ *   Q2_K                  2-bit codes on rows of whole lane groups, the file's scale bytes
+ *                         (scale + 16 min) [k / 16] as Q6_K's, (d, dmin) [k / 256][2]
  * The codes of a row first go to natural order (nat), then to lane order (lane: the
  * 8-bit layout, tail in natural order), from which the 4- and 6-bit bytes are cut.
  */
 #include "tm.h"
 
-enum { G_Q4_0 = 2, G_Q4_1 = 3, G_Q5_0 = 6, G_Q5_1 = 7, G_Q8_0 = 8, G_Q4_K = 12, G_Q5_K = 13, G_Q6_K = 14,
-       G_IQ4_NL = 20, G_MXFP4 = 39 };
+enum { G_Q4_0 = 2, G_Q4_1 = 3, G_Q5_0 = 6, G_Q5_1 = 7, G_Q8_0 = 8, G_Q2_K = 10, G_Q3_K = 11, G_Q4_K = 12,
+       G_Q5_K = 13, G_Q6_K = 14, G_IQ4_NL = 20, G_MXFP4 = 39 };
 
 static inline uint16_t u16_at(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 
@@ -46,6 +50,8 @@ static int type_size(int qtype, int *block) {
     }
     *block = 256;
     switch (qtype) {
+    case G_Q2_K: return 84;
+    case G_Q3_K: return 110;
     case G_Q4_K: return 144;
     case G_Q5_K: return 176;
     case G_Q6_K: return 210;
@@ -53,9 +59,11 @@ static int type_size(int qtype, int *block) {
     return 0;
 }
 
-/* The packed code bits of a type: its own, or 8 for the 5- and 6-bit types with as_8bit. */
+/* The packed code bits of a type: its own, or 8 for the 5- and 6-bit types with as_8bit
+ * (Q2_K and Q3_K: 0, not packed here then). */
 static int code_bits(int qtype, int as_8bit) {
     if (qtype == G_Q4_0 || qtype == G_Q4_1 || qtype == G_Q4_K || qtype == G_IQ4_NL || qtype == G_MXFP4) return 4;
+    if (qtype == G_Q2_K || qtype == G_Q3_K) return as_8bit ? 0 : qtype == G_Q2_K ? 2 : 3;
     if (as_8bit || qtype == G_Q8_0) return 8;
     return qtype == G_Q6_K ? 6 : 5;
 }
@@ -84,6 +92,13 @@ static inline void q6k_codes(const uint8_t *ql, const uint8_t *qh, uint8_t *q) {
             o[96 + j] = (uint8_t)((l[32 + j] >> 4) | ((t[j] >> 6) & 3) << 4);
         }
     }
+}
+
+/* Where a per-16 scale goes: natural sub-block nat16 (block nat16 / 2, half nat16 % 2) of
+ * a row, stored per group [half][block of the group] (quant_linear: half_scale_perm). */
+static inline size_t half_scale_at(int nat16) {
+    const int blk = nat16 / 2, half = nat16 % 2;
+    return (size_t)(blk / TM_GB) * 2 * TM_GB + (size_t)half * TM_GB + blk % TM_GB;
 }
 
 /* The float16 bits of 2^(e - 128), MXFP4's halved block scale, for e in [104, 143]. */
@@ -163,12 +178,32 @@ static void parse_row(int qtype, int bits, const uint8_t *src, int k, uint8_t *n
         case G_Q6_K: {
             sup[b] = u16_at(p + 208);
             q6k_codes(p, p + 128, q);
-            /* int8 sub-scales of 16 values, natural: block kb's halves are 2 kb, 2 kb + 1;
-             * stored per group [half][block of the group] (quant_linear: half_scale_perm) */
-            for (int s = 0; s < 16; s++) {
-                const int nat16 = 16 * b + s, blk = nat16 / 2, half = nat16 % 2;
-                scales[(size_t)(blk / TM_GB) * 2 * TM_GB + half * TM_GB + blk % TM_GB] = p[192 + s];
+            /* int8 sub-scales of 16 values, natural: block kb's halves are 2 kb, 2 kb + 1 */
+            for (int s = 0; s < 16; s++) scales[half_scale_at(16 * b + s)] = p[192 + s];
+            break;
+        }
+        case G_Q3_K: { /* 32 bytes of high bits (value 32 i + j: bit i of byte j), 64 of low
+                        * pairs (per 128-value half, value 32 s + j at bits 2 s of byte j), 12
+                        * of 6-bit scales (low nibbles in bytes 0-7, top pairs in 8-11), d */
+            sup[b] = u16_at(p + 108);
+            const uint8_t *hm = p, *qs = p + 32, *sc = p + 96;
+            for (int h = 0; h < 2; h++)
+                for (int s = 0; s < 4; s++)
+                    for (int j = 0; j < 32; j++)
+                        q[128 * h + 32 * s + j] = (uint8_t)(((qs[32 * h + j] >> (2 * s)) & 3) | ((hm[j] >> (4 * h + s)) & 1) << 2);
+            for (int i = 0; i < 16; i++) {
+                const int code = ((sc[i % 8] >> (4 * (i / 8))) & 15) | ((sc[8 + i % 4] >> (2 * (i / 4))) & 3) << 4;
+                scales[half_scale_at(16 * b + i)] = (uint8_t)(int8_t)(code - 32);
             }
+            break;
+        }
+        case G_Q2_K: { /* 16 scale bytes, 64 of 2-bit values (as Q3_K's low pairs), d, dmin */
+            sup[2 * b] = u16_at(p + 80), sup[2 * b + 1] = u16_at(p + 82);
+            const uint8_t *qs = p + 16;
+            for (int h = 0; h < 2; h++)
+                for (int s = 0; s < 4; s++)
+                    for (int j = 0; j < 32; j++) q[128 * h + 32 * s + j] = (qs[32 * h + j] >> (2 * s)) & 3;
+            for (int i = 0; i < 16; i++) scales[half_scale_at(16 * b + i)] = p[i];
             break;
         }
         }
@@ -244,6 +279,21 @@ static void cut_codes(const uint8_t *lane, int k, int bits, uint8_t *out) {
     for (int g = 0; g < nfull; g++) {
         const uint8_t *L = lane + (size_t)g * GW;
         uint8_t *o = out + (size_t)g * group_bytes(bits);
+        if (bits <= 3) { /* planes only: q (2-bit) or q >> 1 (3-bit) pairs, then q & 1 */
+            for (int h = 0; h < 2; h++)
+                for (int r = 0; r < v; r++) {
+                    uint8_t c = 0;
+                    for (int s = 0; s < 4; s++) c |= (uint8_t)(((L[(4 * h + s) * v + r] >> (bits - 2)) & 3) << (2 * s));
+                    o[h * v + r] = c;
+                }
+            if (bits == 3)
+                for (int r = 0; r < v; r++) {
+                    uint8_t c = 0;
+                    for (int i = 0; i < 8; i++) c |= (uint8_t)((L[i * v + r] & 1) << i);
+                    o[GW / 4 + r] = c;
+                }
+            continue;
+        }
         for (int c = 0; c < 4; c++)
             for (int r = 0; r < v; r++)
                 o[c * v + r] = (uint8_t)((L[2 * c * v + r] & 15) | (L[(2 * c + 1) * v + r] & 15) << 4);
@@ -285,10 +335,10 @@ int tm_pack_gguf(int qtype, const uint8_t *src, int64_t rows, int k, int as_8bit
     int block;
     const int ts = type_size(qtype, &block), requant = qtype == G_Q6_K && as_8bit;
     const int bits = code_bits(qtype, as_8bit);
-    if (!ts || k <= 0 || k % block || (whole_groups_only(bits) && k % GW)) return 0;
+    if (!ts || !bits || k <= 0 || k % block || (whole_groups_only(bits) && k % GW)) return 0;
     const size_t src_row = (size_t)(k / block) * ts, code_row = (size_t)k * bits / 8;
-    size_t sc_row = (size_t)(bits == 6 ? k / 16 : k / QK) * (block == 256 ? 1 : 2);
-    size_t sup_row = block == 256 ? (size_t)(k / 256) * (bits == 6 ? 1 : 2) : 0;
+    size_t sc_row = (size_t)(sixteen_scales(bits) ? k / 16 : k / QK) * (block == 256 ? 1 : 2);
+    size_t sup_row = block == 256 ? (size_t)(k / 256) * (bits == 6 || bits == 3 ? 1 : 2) : 0;
     if (requant) sc_row = (size_t)(k / QK) * 2, sup_row = 0; /* float16 scales, no sup */
     const int nt = tm_threads(nthreads);
     uint8_t *buf = malloc((size_t)nt * 2 * (size_t)k); /* per thread: nat [k], lane [k] */

@@ -185,8 +185,20 @@ def _alloc(parsed: tuple, rows: int, in_features: int) -> tuple[int, dict]:
 PACK_CHUNK_BYTES = 32 << 20
 # GGUF types the native packer (kernels.pack_gguf) writes, and their code bits (5 and 6:
 # on rows of whole lane groups, else 8)
-_NATIVE_BITS = {GT.Q4_0: 4, GT.Q4_1: 4, GT.Q4_K: 4, GT.Q8_0: 8, GT.Q5_0: 5, GT.Q5_1: 5,
-                GT.Q5_K: 5, GT.Q6_K: 6, GT.IQ4_NL: 4, GT.MXFP4: 4}  # fmt: skip
+_NATIVE_BITS = {
+    GT.Q4_0: 4,
+    GT.Q4_1: 4,
+    GT.Q4_K: 4,
+    GT.Q8_0: 8,
+    GT.Q5_0: 5,
+    GT.Q5_1: 5,
+    GT.Q5_K: 5,
+    GT.Q6_K: 6,
+    GT.IQ4_NL: 4,
+    GT.MXFP4: 4,
+    GT.Q3_K: 3,
+    GT.Q2_K: 2,
+}  # fmt: skip (Q3_K, Q2_K: on rows of whole groups)
 _FIVE = (GT.Q5_0, GT.Q5_1, GT.Q5_K)
 _SIXTEEN = (2, 3, 6)  # code bits with a scale per 16 values: Q2_K's, Q3_K's, Q6_K's forms
 _OWN_SIXTEEN = {GT.Q6_K: parse_q6_k, GT.Q3_K: parse_q3_k, GT.Q2_K: parse_q2_k}
@@ -218,9 +230,9 @@ def _alloc_gguf(qtype: GT, rows: int, in_features: int) -> tuple[int, dict]:
         return bits, {"codes": np.empty((rows, k), np.uint8), "scales": scales}
     kquant = qtype in (GT.Q4_K, GT.Q5_K, GT.Q6_K)
     arrays = {"codes": np.empty((rows, k * bits // 8), np.uint8)}
-    if qtype == GT.Q6_K:
-        arrays["scales"] = np.empty((rows, k // 16), np.int8)
-        arrays["sup"] = np.empty((rows, k // 256, 1), np.float16)
+    if qtype in _OWN_SIXTEEN:  # parse_q6_k's, parse_q3_k's and parse_q2_k's dtypes
+        arrays["scales"] = np.empty((rows, k // 16), np.uint8 if qtype == GT.Q2_K else np.int8)
+        arrays["sup"] = np.empty((rows, k // 256, 2 if qtype == GT.Q2_K else 1), np.float16)
         return bits, arrays
     arrays["scales"] = np.empty((rows, k // QK), np.uint8 if kquant else np.float16)
     if qtype in (GT.Q4_1, GT.Q5_1, GT.Q4_K, GT.Q5_K):
@@ -570,6 +582,8 @@ class QuantLinear(NativeLinear):
     def _packs_natively(cls, qtype: GT, in_features: int) -> bool:
         """Whether kernels.pack_gguf writes this type's rows (the types packed as stored,
         and Q6_K requantized to 8 bits where 6-bit codes do not run), given a library."""
+        if qtype in (GT.Q3_K, GT.Q2_K) and not cls.runs_6bit(in_features):
+            return False  # requantized to 8-bit blocks by the numpy path
         return kernels.library() is not None and qtype in _NATIVE_BITS
 
     @staticmethod
