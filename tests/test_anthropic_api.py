@@ -1,5 +1,5 @@
 """Anthropic's Messages API (POST /v1/messages), through the real `anthropic` SDK against a
-real `tokenmill serve` (issue 25 item 2).
+real `tokenmill serve`.
 
 On a tiny random model (fast): the answer is the OpenAI chat route's greedy answer for the
 same conversation, whole and streamed (`messages.stream`, `create(stream=True)` and its

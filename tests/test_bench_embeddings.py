@@ -1,4 +1,4 @@
-"""`tokenmill bench --embeddings` (issue 25's throughput target): the texts' lengths, the
+"""`tokenmill bench --embeddings` (the throughput target): the texts' lengths, the
 report's shape on a tiny random model, and, where llama-cpp-python is installed, the same
 vectors from both engines on the real default GGUF. Never its timings."""
 

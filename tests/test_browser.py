@@ -92,7 +92,7 @@ def server(smollm_path: Path) -> Iterator[str]:
         "--log-level",
         "warning",
     ]
-    # no key from the environment (an empty $TOKENMILL_API_KEY is an error since issue 11)
+    # no key from the environment (an empty $TOKENMILL_API_KEY is an error)
     env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_API_KEY"}
     proc = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -383,7 +383,7 @@ def test_page_explains_every_panel_before_the_first_message(browser, server: str
     assert_empty_inspector(page, model)
     assert page.locator("#messages .hint").is_visible()
     # greedy by default: the small default model's answers hold at T = 0 (at 0.7 it
-    # answered "Unam Sancto Francia..." to a plain question: issue 22)
+    # answered "Unam Sancto Francia..." to a plain question)
     assert page.input_value("#temperature") == "0"
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "inspector-empty.png"), full_page=True)

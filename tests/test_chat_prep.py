@@ -1,4 +1,4 @@
-"""One chat preparation for every caller (issue 23 item 4): LLM.chat_prompt, the server's
+"""One chat preparation for every caller: LLM.chat_prompt, the server's
 chat route and /v1/inspect all prepare a conversation with tokenizer/chat.py's
 encode_chat, so a history with tool calls and results gives the same prompt ids on each,
 on templates that know nothing of tools (the calls and results are written out as text;

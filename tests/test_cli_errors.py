@@ -8,7 +8,7 @@ is the only line on stderr came before the weights loaded. No timing is involved
 
 The fast cases use a tiny random-weight llama (3 layers, 4 query heads over 2 K/V heads,
 a 512-token context, a word-level tokenizer without a chat template); the slow test runs
-the cases of issue 22 against the real default model.
+the cases once met against the real default model.
 """
 
 from __future__ import annotations
@@ -259,7 +259,7 @@ def test_serve_on_port_0_reports_the_port_it_got(tiny):
 
 @pytest.mark.slow
 def test_issue_22_cases_with_the_default_model(smollm_path, files):
-    """The errors issue 22 met on the default model, each before its weights load."""
+    """The errors once met on the default model, each before its weights load."""
     cases = [
         (["serve", "--port", "99999"], ["argument --port"]),
         (["generate", "hi", "--device", "tpu"], ["argument --device", "torch_xla"]),

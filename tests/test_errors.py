@@ -1,4 +1,4 @@
-"""Errors carry their parameter (issue 23 item 2): a ParamError's `param` is set where it
+"""Errors carry their parameter: a ParamError's `param` is set where it
 is raised, and the server's `param`, the CLI's option and the respelled message come
 from that attribute, never from reading the message.
 

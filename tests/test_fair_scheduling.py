@@ -1,4 +1,4 @@
-"""Fair admission (issue 21 item 10): one request's many sequences cannot starve a small
+"""Fair admission: one request's many sequences cannot starve a small
 request that came later.
 
 Before: during `{"n": 128, "max_tokens": 8000, "ignore_eos": true}` another client's
@@ -147,7 +147,7 @@ def test_the_server_admits_a_small_request_beside_one_with_many_choices(tiny):
 
 def test_two_traced_requests_take_turns_and_both_record_every_layer(tiny):
     """A step records one trace (the model runner hands the layers one trace's rows): two
-    traced requests in one step left the second without embedding or layers (issue 21).
+    traced requests in one step left the second without embedding or layers.
     They take turns now, and an untraced request beside them runs every step."""
     from tokenmill.inspect.trace import Trace
 

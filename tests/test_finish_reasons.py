@@ -1,4 +1,4 @@
-"""Every finish reason, from the one rule to the wire (issue 23 item 3).
+"""Every finish reason, from the one rule to the wire.
 
 `finish_reason` (tokenmill/sampling/stop.py) decides why a request ends and `FinishReason`
 names it. Each case below ends a request one way, and checks the enum value the engine

@@ -99,7 +99,7 @@ _fields = {
     "best_of": st.integers(0, 3),
     "tools": st.just([]) | _json,
     "unknown_field": _json,
-    # structured output and tools (issue 14): wrong shapes, bad schemas and regexes too
+    # structured output and tools: wrong shapes, bad schemas and regexes too
     "response_format": st.sampled_from(
         [{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"}, {"type": "xml"}]
     )
@@ -258,7 +258,7 @@ def test_fuzz_raw_bytes(http, raw, path):
 
 
 # --------------------------------------------------------------------------- deep and big
-# What the second attack run (issue 21) found: a $ref chain or a grammar rule chain deep
+# What the second attack run found: a $ref chain or a grammar rule chain deep
 # enough to overflow llguidance's native stack (a segfault: the whole server), a schema
 # big enough to panic it (the panic text reached the client), numbers that pass a check
 # in float64 or Python ints but not as the float32/int64 they become (every request in
@@ -351,7 +351,7 @@ _edge_fields = {
 
 @settings(FUZZ, max_examples=_examples(10))
 @given(constraint=_constraint, stream=st.booleans())
-# the attack run's own cases first (issue 21 items 1 and 7), then random ones
+# the attack run's own cases first, then random ones
 @example(constraint=("response_format", ("ref", 1000)), stream=True)
 @example(constraint=("lark", 3000), stream=False)
 @example(constraint=("gbnf", 3000), stream=False)

@@ -256,7 +256,7 @@ def _rule_chain(n: int, gbnf: bool = False) -> str:
 @pytest.mark.parametrize(
     "kind, value, message",
     [
-        # each of these segfaulted the process inside llguidance (issue 21): 1,000 $defs
+        # each of these segfaulted the process inside llguidance: 1,000 $defs
         # chained through $ref, 3,000 chained grammar rules, in Lark and GBNF, and a tool
         # call's grammar with such a schema inside
         ("json_schema", _ref_chain(1000), "nests more than 300 levels"),
@@ -281,7 +281,7 @@ def _properties(n: int) -> dict:
 
 def test_schemas_too_large_to_compile_in_bounded_time_are_refused(compiler, monkeypatch):
     """15,000 pattern properties cost llguidance ~7 s of CPU before it panicked on its
-    symbol table (issue 21 items 7 and the soak's latency): counted before it starts."""
+    symbol table (the soak's latency): counted before it starts."""
     from tokenmill.sampling import grammar
 
     def no_compile(*args, **kw):

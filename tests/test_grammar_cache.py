@@ -1,4 +1,4 @@
-"""The compiled-grammar cache is bounded in bytes and gives memory back (issue 21 item 6).
+"""The compiled-grammar cache is bounded in bytes and gives memory back.
 
 Before: it was bounded by count only (64), and 80 distinct 20k-entry guided_choice lists
 took RSS from 1.08 to 4.33 GB (64 entries of ~50 MiB) and never released it."""

@@ -1,4 +1,4 @@
-"""/health tells the truth (issue 21 item 11): 503 with one line naming the problem when
+"""/health tells the truth: 503 with one line naming the problem when
 the engine loop has had pending work and finished no step for --health-stall-timeout
 seconds, or when a parallel rank died or has not finished its part of the step in
 flight; 200 while idle, however long. A rank that stops answering fails its requests

@@ -1,4 +1,4 @@
-"""glibc's heap under a server's threads (tokenmill/heap.py, issue 21 "RSS flat").
+"""glibc's heap under a server's threads (tokenmill/heap.py: "RSS flat").
 
 Each new thread that allocates opens its own glibc arena, up to 8 per core; a server's
 short-lived threads left partly used arenas behind, and RSS under steady load crept up

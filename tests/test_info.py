@@ -1,4 +1,4 @@
-"""`tokenmill info` names every environment variable the package reads (issue 23: three had
+"""`tokenmill info` names every environment variable the package reads (three once had
 been left out of its list), so a bug report shows the settings that changed what ran."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def test_every_tokenmill_variable_is_listed():
     missing = {name: where for name, where in found.items() if name not in listed}
     assert not missing, f"add to cli/info.py's ENV_VARS (or SECRET_ENV_VARS): {missing}"
     assert listed <= set(found), f"listed but read nowhere: {sorted(listed - set(found))}"
-    # what issue 23 found missing stays listed
+    # what was once found missing stays listed
     assert {"TOKENMILL_MARCH", "TOKENMILL_FUSED_DECODE", "TOKENMILL_DIST_TIMEOUT"} <= listed
 
 
@@ -49,7 +49,7 @@ def test_a_secret_is_said_to_be_set_but_not_shown(monkeypatch):
 
 def test_gguf_types_say_their_bits_per_weight_held_and_in_the_file():
     """Every GGUF type a layer holds, with its bits per weight on this build against the
-    file's; a type held wider than its own bits says so (issue 39: never widen silently)."""
+    file's; a type held wider than its own bits says so (never widen silently)."""
     from tokenmill import kernels
 
     if kernels.library() is None:

@@ -1,4 +1,4 @@
-"""POST /v1/inspect within bounds, over real HTTP (issue 21 items 3 and 4).
+"""POST /v1/inspect within bounds, over real HTTP.
 
 A trace could once stall the engine and the event loop for everyone (a 5,800-token
 traced prompt: 147 s, another client's completion waited 142 s; a 137 MB body held

@@ -1,4 +1,4 @@
-"""The KV cache in 16 and 8 bits (issue 27 item 1): `kv_cache_dtype` float16 / bfloat16
+"""The KV cache in 16 and 8 bits: `kv_cache_dtype` float16 / bfloat16
 holds twice the tokens of a float32 pool in the same memory, q8_0 (llama.cpp's blocks: 34
 bytes per 32 values) 128/34 = 3.76 times; each decodes on the native paths (the kernels
 read and write the same K/V as torch: tests/test_fused_decode.py checks the 16-bit ones on

@@ -1,5 +1,5 @@
 """KVCache.make_resident: a server's KV pool is backed by memory from the start, so its RSS
-stays flat under bursts (issue 21: the soak's RSS rose by the pool's 1 GiB as bursts
+stays flat under bursts (the soak's RSS rose by the pool's 1 GiB as bursts
 reached blocks never used before), and the blocks already written keep their contents."""
 
 from __future__ import annotations

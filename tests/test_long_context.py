@@ -1,4 +1,4 @@
-"""Context extension at full length (issue 27 item 4): a YaRN model read from config.json
+"""Context extension at full length: a YaRN model read from config.json
 runs to the end of its extended window with transformers' logits and greedy tokens, far
 past its original context; one token beyond the window is refused in one line."""
 

@@ -1,4 +1,4 @@
-"""Several models behind one server (issue 25 item 6): two tiny random-weight Llamas with
+"""Several models behind one server: two tiny random-weight Llamas with
 different seeds, so their greedy answers differ, served by name through the real `openai`
 client.
 

@@ -2,7 +2,7 @@
 and runtime.py): started as `python -m tokenmill.distributed.worker`, so a script needs
 no main guard; watched from before the rendezvous, so a rank that dies early fails the
 start within seconds with its own output; ended by LLM.close() / `with LLM(...)`, so
-parallel LLMs can follow one another in one process (issue 21 item 12)."""
+parallel LLMs can follow one another in one process."""
 
 from __future__ import annotations
 

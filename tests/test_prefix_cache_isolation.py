@@ -1,4 +1,4 @@
-"""Prefix-cache isolation (issue 21 item 4): a client must not reuse, and so cannot time,
+"""Prefix-cache isolation: a client must not reuse, and so cannot time,
 another client's cached prompt. vLLM's `cache_salt` per request, and
 `--prefix-cache-scope per-key` (the default when API keys are set)."""
 

@@ -1,4 +1,4 @@
-"""Reasoning output (issue 25 item 1): tokenizer/reasoning.py's streaming split of
+"""Reasoning output: tokenizer/reasoning.py's streaming split of
 `<think>...</think>`, the engine applying stop strings and the constraint to the answer
 after it, and the chat route's reasoning_content, chat_template_kwargs and
 reasoning_effort, through the openai client against a served random-weight Qwen3 whose

@@ -1,4 +1,4 @@
-"""Reasoning in POST /v1/responses (issue 25 items 1 and 3), through the real `openai` SDK.
+"""Reasoning in POST /v1/responses, through the real `openai` SDK.
 
 A random-weight Qwen3 (tests/test_reasoning.py's build_thinking_model: words t0..t316,
 <think>, </think>, EOS) served on 127.0.0.1, with a Qwen3-shaped template that opens

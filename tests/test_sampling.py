@@ -444,7 +444,7 @@ BAD_PARAMS = [
     ("temperature", float("inf")),
     ("top_p", 0.0),
     ("top_p", 1.5),
-    ("top_p", 1e-46),  # > 0 in float64, 0 in the sampler's float32 (issue 21)
+    ("top_p", 1e-46),  # > 0 in float64, 0 in the sampler's float32
     ("temperature", 1e39),  # inf in float32
     ("repetition_penalty", 1e-46),
     ("presence_penalty", -1e39),
@@ -466,7 +466,7 @@ BAD_PARAMS = [
     ("stop", ""),
     ("stop", ["a", ""]),
     ("stop", [1]),
-    ("stop", [f"s{i}" for i in range(65)]),  # 12,000 of them slowed every client (issue 21)
+    ("stop", [f"s{i}" for i in range(65)]),  # 12,000 of them slowed every client
     ("stop", ["x" * 1001]),
     ("stop_token_ids", list(range(1025))),
     ("stop_token_ids", [-1]),

@@ -1,4 +1,4 @@
-"""`tokenmill serve --kv-cache-dtype` (issue 27 item 1): each dtype the engine offers is
+"""`tokenmill serve --kv-cache-dtype`: each dtype the engine offers is
 served by a real server on loopback with the real default model, /metrics shows its bytes
 per token, and the 16-bit caches answer greedy completions as the float32 cache does."""
 

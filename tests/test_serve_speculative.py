@@ -1,4 +1,4 @@
-"""`tokenmill serve --speculative ngram` (issue 26 item 3): real servers on loopback with the
+"""`tokenmill serve --speculative ngram`: real servers on loopback with the
 real default model answer greedy completions token for token as a server without
 speculation does, and /metrics counts the guesses proposed and accepted, by method (and by
 model on a server of several)."""

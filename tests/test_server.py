@@ -490,7 +490,7 @@ def test_bad_request(base_url, path, body, status, param):
 @pytest.mark.slow
 def test_a_top_k_past_int64_fails_no_one(base_url, client):
     """top_k 2**63 overflowed the sampler's int64 tensor and failed every request in its
-    step (issue 21): now it means "off", beside an ordinary request in the same step."""
+    step: now it means "off", beside an ordinary request in the same step."""
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         huge = pool.submit(
             httpx.post,
@@ -616,7 +616,7 @@ def test_engine_failure_is_500_and_the_loop_survives(tiny_app, monkeypatch):
 
 def test_prompts_are_prepared_off_the_event_loop(tiny_app, monkeypatch):
     """Tokenizing and template rendering run on the prep threads, never on the event loop
-    (issue 11, finding 1): for completions, chat and the inspector alike."""
+    (an attack run's finding): for completions, chat and the inspector alike."""
     import threading
 
     from fastapi.testclient import TestClient

@@ -1,4 +1,4 @@
-"""The attack run of issue 21 (items 5, 7, 8, 14, 17) against a real `tokenmill serve`
+"""An attack run's cases against a real `tokenmill serve`
 (SmolLM2-135M on 127.0.0.1), plus the pure functions behind the fixes.
 
 5   20,000 tool definitions: a 400 naming the cap of 128, checked before validation.

@@ -1,7 +1,7 @@
 """A short soak of a real `tokenmill serve` (SmolLM2-135M, on 127.0.0.1):
 a minute of mixed streaming load with random aborts, bad requests and a full queue,
 from benchmarks/soak.py (which runs the same load for as long as asked). Issue 11. After
-40 s an attacker joins with the second attack run's requests (issue 21): each must get
+40 s an attacker joins with the second attack run's requests: each must get
 the status it deserves, and the server must not die.
 
 After it: no 5xx on either side, every bad request a 4xx, the engine idle with zero KV
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 SECONDS = 60
 WARM_UP_S = 20
-QUIET_S = 40  # legitimate load alone until then; then one attacker joins (issue 21)
+QUIET_S = 40  # legitimate load alone until then; then one attacker joins
 RSS_GROWTH_BOUND = 64 << 20  # from warm-up to QUIET_S; the KV pool below is 32 MiB
 # RSS under the attacks is not bounded here: it rose ~350 MiB in 20-40 s of them in one
 # run (big bodies, 20k-entry grammars), the working memory of the attacks in flight.

@@ -1,4 +1,4 @@
-"""One request's failure fails that request alone, never its step (issue 21 item 2).
+"""One request's failure fails that request alone, never its step.
 
 Before: one bad sampling value (a top_p of 1e-46, 0 in float32) raised inside the batched
 sampler, and every request in the step got "the engine failed while generating: index -1

@@ -196,7 +196,7 @@ def test_bad_schema_is_400_and_the_server_keeps_serving(url, client):
 @pytest.mark.slow
 def test_schemas_and_grammars_too_deep_are_400s_not_a_crash(url, client):
     """1,000 $defs chained through $ref, or 3,000 chained rules, segfaulted the server
-    inside llguidance (issue 21): now each is one client's 400, and the server serves on."""
+    inside llguidance: now each is one client's 400, and the server serves on."""
     defs = {
         f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}}
         for i in range(1000)

@@ -1,4 +1,4 @@
-"""Tiled prefill attention (tokenmill/layers/tiled_attention.py, issue 27 item 3) equals
+"""Tiled prefill attention (tokenmill/layers/tiled_attention.py) equals
 attention written out whole: causal, with chunk offsets, sliding-window masks, Gemma 2's
 soft-cap, gpt-oss's sinks, grouped-query heads and tiles that do not divide the context;
 and equals torch's SDPA where SDPA applies."""

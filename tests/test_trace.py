@@ -360,7 +360,7 @@ def test_trace_arguments_are_checked() -> None:
 
 
 # ---------------------------------------------------------------------- bounded cost
-# (issue 21 item 3: a long prompt's trace once built every layer's full attention matrix)
+# (a long prompt's trace once built every layer's full attention matrix)
 
 LONG = 300  # prompt tokens: a few hundred, prefilled in chunks of CHUNK
 CHUNK = 64
