@@ -58,9 +58,9 @@ def test_gguf_types_say_their_bits_per_weight_held_and_in_the_file():
     assert "Q4_0 4.50 (4.50)" in line and "Q8_0 8.50 (8.50)" in line
     assert "IQ3_S 5.00 (3.44)" in line and "TQ2_0 4.50 (2.06)" in line
     assert "Q2_K 2.62 (2.62" in line and "MXFP4 4.50 (4.25)" in line
-    if kernels.group_blocks() == 16:  # AVX-512: 512-value groups, so 768-wide rows are not
-        assert "Q6_K 6.56 (6.56; 8.50 on rows not a multiple of 512 values)" in line
-        assert "Q3_K 3.56 (3.44; 8.50 on rows not a multiple of 512 values)" in line
+    # every row of whole 256-value super-blocks holds them (AVX-512: 512-value groups, and
+    # rows like 768 end in a half group)
+    assert "Q6_K 6.56 (6.56)" in line and "Q3_K 3.56 (3.44)" in line and "Q5_K 5.62 (5.50)" in line
 
 
 @pytest.mark.parametrize(

@@ -107,7 +107,7 @@ def _assert_same_bytes(got: QuantLinear, want: QuantLinear, name: str) -> None:
 @pytest.mark.parametrize(
     "ftype, fe, six",
     [
-        ("q4_k_m", 256, None),  # Q6_K down of 256 inputs: requantized (not whole groups)
+        ("q4_k_m", 256, None),  # Q6_K down of 256 inputs: a half group on AVX-512
         ("q4_k_m", 512, True),  # Q6_K down of 512 inputs: 6-bit codes where a kernel reads them
         ("q4_k_m", 512, False),  # ... and requantized, as on a build without 6-bit kernels
         ("q8_0", 256, None),

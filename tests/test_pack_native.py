@@ -43,7 +43,7 @@ WIDTHS = {  # row lengths: whole groups, groups and a tail, a tail only, a lone 
         256,
         768,
         1280,
-    ],  # the last three requantized on AVX-512
+    ],  # the last three end in a half group on AVX-512
     GT.Q3_K: [SUPER_GW, 2 * SUPER_GW, 2048],  # rows of whole groups (others: numpy's)
     GT.Q2_K: [SUPER_GW, 2048],
 }
@@ -137,9 +137,10 @@ def test_a_model_file_decodes_the_same_either_way(tmp_path, monkeypatch, qtype):
 
 
 def test_q6_k_requantization_edges(monkeypatch):
-    """Q6_K rows requantized to 8 bits (AVX-512 builds, where 768 values are not whole
-    lane groups; 6-bit codes elsewhere): zero blocks, subnormal float16 scales and scales
-    that overflow float16 (inf: codes of 128) give the numpy path's bytes too."""
+    """Q6_K rows requantized to 8 bits (as where 6-bit kernels cannot run): zero blocks,
+    subnormal float16 scales and scales that overflow float16 (inf: codes of 128) give the
+    numpy path's bytes too."""
+    monkeypatch.setattr(QuantLinear, "runs_6bit", staticmethod(lambda k: False))
     rng = np.random.default_rng(5)
     raw = random_blocks(rng, GT.Q6_K, 8, 768).reshape(8, 3, 210)
     for row, d in enumerate([0.0, 1e-7, 6e-8, 60000.0, 3e-5]):
@@ -147,6 +148,7 @@ def test_q6_k_requantization_edges(monkeypatch):
     raw[7, :, :208] = 0  # codes 0 (value -32 d sc), sub-scales 0: a zero row
     raw = raw.reshape(8, -1)
     native = QuantLinear.from_gguf(raw, GT.Q6_K, 8, 768)
+    assert native.bits == 8
     _same(native, _python_pack(monkeypatch, lambda: QuantLinear.from_gguf(raw, GT.Q6_K, 8, 768)))
 
 

@@ -69,9 +69,9 @@ static void tile_scales(const tm_weight *w, int r, float *td, float *tm) {
         for (int b = 0; b < nb; b++) {
             const size_t sup = (size_t)r * (nb / 8) + b / 8;
             const float ds = tm_half_to_float(w->dsup[sup]) * part;
-            const int g = b / TM_GB, k = b % TM_GB;
             for (int h = 0; h < 2; h++) {
-                const int i = g * 2 * TM_GB + h * TM_GB + k, u = 2 * b + h;
+                const size_t i = half_scale_index(nb, b, h);
+                const int u = 2 * b + h;
                 if (!unit_mins(w)) {
                     td[(size_t)u * RT] = ds * (float)sc[i];
                     continue;
@@ -86,38 +86,6 @@ static void tile_scales(const tm_weight *w, int r, float *td, float *tm) {
     for (int b = 0; b < nb; b++) {
         td[(size_t)b * RT] = tm_block_scale(w, r, b);
         if (w->mins) tm[(size_t)b * RT] = tm_block_min(w, r, b);
-    }
-}
-
-/* The 32 codes of block b of a row in natural order (lane order undone), any build. */
-static void block_codes(const tm_weight *w, const uint8_t *row, int b, uint8_t out[QK]) {
-    const int nb = w->k / QK, nfull = nb / TM_GB;
-    if (b >= nfull * TM_GB) {
-        tail_block_codes(row + (size_t)nfull * GW * w->bits / 8, w->bits, b - nfull * TM_GB, nb % TM_GB, w->lut,
-                         out);
-        return;
-    }
-    for (int j = 0; j < QK; j++) { /* byte / nibble / crumb of lane-order position p */
-        const size_t p = lane_pos(nb, b, j) - (size_t)(b / TM_GB) * GW, i = p / (4 * TM_GB), e = p % (4 * TM_GB);
-        const size_t vbytes = 4 * TM_GB;
-        if (w->bits == 8) {
-            out[j] = row[(size_t)(b / TM_GB) * GW + p];
-        } else if (w->bits == 4) {
-            out[j] = (row[(size_t)(b / TM_GB) * (GW / 2) + (i >> 1) * vbytes + e] >> ((i & 1) * 4)) & 15;
-            if (w->lut) out[j] = w->lut[out[j]];
-        } else if (w->bits == 5) {
-            const uint8_t *g = row + (size_t)(b / TM_GB) * group_bytes(5);
-            out[j] = ((g[(i >> 1) * vbytes + e] >> ((i & 1) * 4)) & 15) | (((g[GW / 2 + e] >> i) & 1) << 4);
-        } else if (w->bits == 2) { /* as tm_group_codes reads it: 16 q */
-            const uint8_t *g = row + (size_t)(b / TM_GB) * group_bytes(2);
-            out[j] = (uint8_t)(((g[(i >> 2) * vbytes + e] >> (2 * (i & 3))) & 3) << 4);
-        } else if (w->bits == 3) { /* as tm_group_codes reads it: 8 q */
-            const uint8_t *g = row + (size_t)(b / TM_GB) * group_bytes(3);
-            out[j] = (uint8_t)(((g[(i >> 2) * vbytes + e] >> (2 * (i & 3))) & 3) << 4 | ((g[GW / 4 + e] >> i) & 1) << 3);
-        } else {
-            const uint8_t *g = row + (size_t)(b / TM_GB) * (GW * 3 / 4);
-            out[j] = ((g[(i >> 1) * vbytes + e] >> ((i & 1) * 4)) & 15) | (((g[GW / 2 + (i >> 2) * vbytes + e] >> (2 * (i & 3))) & 3) << 4);
-        }
     }
 }
 
@@ -173,7 +141,7 @@ static void build_tile(const tm_weight *w, int r0, int32_t *tw, float *td, float
     for (int l = 0; l < RT; l++) {
         for (int b = b0; b < nb; b++) { /* the tail blocks */
             uint8_t c[QK];
-            block_codes(w, rp[l], b, c);
+            tm_block_codes(w, rp[l], b, c);
             int32_t *d = tw + (size_t)b * words * RT + l;
             for (int j = 0; j < words; j++)
                 d[j * RT] = eight ? (int32_t)(c[4 * j] | (uint32_t)c[4 * j + 1] << 8 | (uint32_t)c[4 * j + 2] << 16 |
@@ -463,7 +431,7 @@ const char *tm_amx(void) {
 int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads, int act16) {
     if ((w->bits < 2 || w->bits > 6) && w->bits != 8) return -1;
     const int K = w->k, N = w->n, nb = K / QK, six = sixteen_scales(w->bits), nu = six ? 2 * nb : nb;
-    if ((six && !w->dsup) || (whole_groups_only(w->bits) && nb % TM_GB)) return -1;
+    if ((six && !w->dsup) || !groups_fit(w->bits, nb)) return -1;
     const int mins = w->mins != NULL || unit_mins(w), z = zero_point(w);
 #if TM_AMX
     const int amx = !six && amx_ready(); /* (6-bit codes: see amx_tokens) */

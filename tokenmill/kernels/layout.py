@@ -9,6 +9,7 @@ width is loaded later.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 
 import numpy as np
@@ -123,23 +124,48 @@ def unpack_wide(codes: np.ndarray, k: int, bits: int, gb: int) -> np.ndarray:
     return nat
 
 
-def pack6(nat: np.ndarray, gb: int) -> np.ndarray:
-    return pack_wide(nat, 6, gb)
+def half_group(k: int, gb: int) -> tuple[int, int]:
+    """(values in whole groups, the last half group's blocks or 0) of a row of k values:
+    groups of 16 blocks (AVX-512) may end in a half group of 8 (rows of K % 512 == 256, a
+    MoE expert's 768), laid out as a whole group of 8 blocks (linear.c)."""
+    full = k // (QK * gb) * QK * gb
+    if k != full and gb == 16 and k - full == QK * gb // 2:
+        return full, gb // 2
+    _vectors6(k, gb)  # whole groups, or the error
+    return k, 0
 
 
-def unpack6(codes: np.ndarray, k: int, gb: int) -> np.ndarray:
-    return unpack_wide(codes, k, 6, gb)
+def _by_groups(pack: Callable, unpack: Callable, bits: int) -> tuple[Callable, Callable]:
+    """pack(nat, gb) and unpack(codes, k, gb) of whole groups, extended to a row's last
+    half group: its values packed as a group of its own, after the whole ones."""
+
+    def pack_row(nat: np.ndarray, gb: int) -> np.ndarray:
+        full, half = half_group(nat.shape[1], gb)
+        if not half:
+            return pack(nat, gb)
+        parts = ([pack(nat[:, :full], gb)] if full else []) + [pack(nat[:, full:], half)]
+        return np.ascontiguousarray(np.concatenate(parts, axis=1))
+
+    def unpack_row(codes: np.ndarray, k: int, gb: int) -> np.ndarray:
+        full, half = half_group(k, gb)
+        if not half:
+            return unpack(codes, k, gb)
+        at = full * bits // 8
+        tail = unpack(codes[:, at:], k - full, half)
+        return np.concatenate([unpack(codes[:, :at], full, gb), tail], axis=1) if full else tail
+
+    return pack_row, unpack_row
 
 
-def pack5(nat: np.ndarray, gb: int) -> np.ndarray:
-    return pack_wide(nat, 5, gb)
+pack6, unpack6 = _by_groups(
+    lambda nat, gb: pack_wide(nat, 6, gb), lambda c, k, gb: unpack_wide(c, k, 6, gb), 6
+)
+pack5, unpack5 = _by_groups(
+    lambda nat, gb: pack_wide(nat, 5, gb), lambda c, k, gb: unpack_wide(c, k, 5, gb), 5
+)
 
 
-def unpack5(codes: np.ndarray, k: int, gb: int) -> np.ndarray:
-    return unpack_wide(codes, k, 5, gb)
-
-
-def pack2(nat: np.ndarray, gb: int) -> np.ndarray:
+def _pack2(nat: np.ndarray, gb: int) -> np.ndarray:
     """Natural-order 2-bit codes uint8 [rows, K] (0..3) -> [rows, K/4]: per group of gb
     blocks, two vectors (top vector h holds vector 4h + s at bits 2s), as linear.c reads them."""
     rows, k = nat.shape
@@ -151,8 +177,8 @@ def pack2(nat: np.ndarray, gb: int) -> np.ndarray:
     return np.ascontiguousarray(plane.reshape(rows, k // 4))
 
 
-def unpack2(codes: np.ndarray, k: int, gb: int) -> np.ndarray:
-    """The inverse of pack2: natural-order codes uint8 [rows, k]."""
+def _unpack2(codes: np.ndarray, k: int, gb: int) -> np.ndarray:
+    """The inverse of _pack2: natural-order codes uint8 [rows, k]."""
     rows = codes.shape[0]
     ng, v = _vectors6(k, gb)
     g = codes.reshape(rows, ng, 2, v)
@@ -164,7 +190,7 @@ def unpack2(codes: np.ndarray, k: int, gb: int) -> np.ndarray:
     return nat
 
 
-def pack3(nat: np.ndarray, gb: int) -> np.ndarray:
+def _pack3(nat: np.ndarray, gb: int) -> np.ndarray:
     """Natural-order 3-bit codes uint8 [rows, K] (0..7) -> [rows, K*3/8]: per group of gb
     blocks, the top two bits (two vectors: top vector h holds vector 4h + s at bits 2s),
     then the low bit (one vector: vector i's at bit i), as linear.c reads them."""
@@ -180,8 +206,8 @@ def pack3(nat: np.ndarray, gb: int) -> np.ndarray:
     return np.ascontiguousarray(planes.reshape(rows, k * 3 // 8))
 
 
-def unpack3(codes: np.ndarray, k: int, gb: int) -> np.ndarray:
-    """The inverse of pack3: natural-order codes uint8 [rows, k]."""
+def _unpack3(codes: np.ndarray, k: int, gb: int) -> np.ndarray:
+    """The inverse of _pack3: natural-order codes uint8 [rows, k]."""
     rows = codes.shape[0]
     ng, v = _vectors6(k, gb)
     g = codes.reshape(rows, ng, 3, v)
@@ -193,10 +219,19 @@ def unpack3(codes: np.ndarray, k: int, gb: int) -> np.ndarray:
     return nat
 
 
+pack2, unpack2 = _by_groups(_pack2, _unpack2, 2)
+pack3, unpack3 = _by_groups(_pack3, _unpack3, 3)
+
+
 @lru_cache(maxsize=64)
 def half_scale_perm(k: int, gb: int) -> np.ndarray:
     """perm[p] = natural index (2 * block + half) of the 16-value scale stored at p: per
-    group, the first halves of its gb blocks, then the second halves."""
+    group, the first halves of its gb blocks, then the second halves (a last half group:
+    its 8 blocks' first halves, then their second)."""
+    full, half = half_group(k, gb)
+    if half:
+        rest = half_scale_perm(k - full, half) + full // 16
+        return np.concatenate([half_scale_perm(full, gb), rest]) if full else rest
     ng, _ = _vectors6(k, gb)
     idx = np.arange(ng * gb * 2).reshape(ng, gb, 2).transpose(0, 2, 1)
     return idx.reshape(-1).astype(np.int64)

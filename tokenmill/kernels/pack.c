@@ -95,11 +95,9 @@ static inline void q6k_codes(const uint8_t *ql, const uint8_t *qh, uint8_t *q) {
 }
 
 /* Where a per-16 scale goes: natural sub-block nat16 (block nat16 / 2, half nat16 % 2) of
- * a row, stored per group [half][block of the group] (quant_linear: half_scale_perm). */
-static inline size_t half_scale_at(int nat16) {
-    const int blk = nat16 / 2, half = nat16 % 2;
-    return (size_t)(blk / TM_GB) * 2 * TM_GB + (size_t)half * TM_GB + blk % TM_GB;
-}
+ * a row of nb blocks, per group [half][block of the group] (tm.h half_scale_index,
+ * quant_linear's half_scale_perm). */
+static inline size_t half_scale_at(int nb, int nat16) { return half_scale_index(nb, nat16 / 2, nat16 % 2); }
 
 /* The float16 bits of 2^(e - 128), MXFP4's halved block scale, for e in [104, 143]. */
 static inline uint16_t e8m0_half_bits(int e) {
@@ -179,7 +177,7 @@ static void parse_row(int qtype, int bits, const uint8_t *src, int k, uint8_t *n
             sup[b] = u16_at(p + 208);
             q6k_codes(p, p + 128, q);
             /* int8 sub-scales of 16 values, natural: block kb's halves are 2 kb, 2 kb + 1 */
-            for (int s = 0; s < 16; s++) scales[half_scale_at(16 * b + s)] = p[192 + s];
+            for (int s = 0; s < 16; s++) scales[half_scale_at(k / QK, 16 * b + s)] = p[192 + s];
             break;
         }
         case G_Q3_K: { /* 32 bytes of high bits (value 32 i + j: bit i of byte j), 64 of low
@@ -193,7 +191,7 @@ static void parse_row(int qtype, int bits, const uint8_t *src, int k, uint8_t *n
                         q[128 * h + 32 * s + j] = (uint8_t)(((qs[32 * h + j] >> (2 * s)) & 3) | ((hm[j] >> (4 * h + s)) & 1) << 2);
             for (int i = 0; i < 16; i++) {
                 const int code = ((sc[i % 8] >> (4 * (i / 8))) & 15) | ((sc[8 + i % 4] >> (2 * (i / 4))) & 3) << 4;
-                scales[half_scale_at(16 * b + i)] = (uint8_t)(int8_t)(code - 32);
+                scales[half_scale_at(k / QK, 16 * b + i)] = (uint8_t)(int8_t)(code - 32);
             }
             break;
         }
@@ -203,7 +201,7 @@ static void parse_row(int qtype, int bits, const uint8_t *src, int k, uint8_t *n
             for (int h = 0; h < 2; h++)
                 for (int s = 0; s < 4; s++)
                     for (int j = 0; j < 32; j++) q[128 * h + 32 * s + j] = (qs[32 * h + j] >> (2 * s)) & 3;
-            for (int i = 0; i < 16; i++) scales[half_scale_at(16 * b + i)] = p[i];
+            for (int i = 0; i < 16; i++) scales[half_scale_at(k / QK, 16 * b + i)] = p[i];
             break;
         }
         }
@@ -262,54 +260,67 @@ static void requant_q6k_row(const uint8_t *src, int k, uint8_t *nat, uint16_t *s
 }
 
 /* Natural codes -> lane order, 8-bit layout (full groups transposed, the tail as is). */
-static void to_lanes(const uint8_t *nat, int k, uint8_t *lane) {
+static void to_lanes(const uint8_t *nat, int k, int bits, uint8_t *lane) {
     const int nb = k / QK, full = nb / TM_GB * TM_GB;
     for (int b = 0; b < full; b++)
         for (int i = 0; i < 8; i++) memcpy(lane + lane_pos(nb, b, 4 * i), nat + (size_t)b * QK + 4 * i, 4);
+    if (half_group(bits, nb)) { /* a half group: lane order, vectors of 2 TM_GB bytes */
+        for (int b = full; b < nb; b++)
+            for (int i = 0; i < 8; i++)
+                memcpy(lane + (size_t)full * QK + (size_t)i * 2 * TM_GB + (size_t)(b - full) * 4,
+                       nat + (size_t)b * QK + 4 * i, 4);
+        return;
+    }
     memcpy(lane + (size_t)full * QK, nat + (size_t)full * QK, (size_t)(nb - full) * QK);
+}
+
+/* One group's lane-order codes L (8 vectors of v bytes: a whole group's 4 TM_GB, a half
+ * group's 2 TM_GB) -> its packed bytes o of `bits` < 8 (every plane v bytes a vector). */
+static void cut_group(const uint8_t *L, uint8_t *o, int bits, int v) {
+    if (bits <= 3) { /* planes only: q (2-bit) or q >> 1 (3-bit) pairs, then q & 1 */
+        for (int h = 0; h < 2; h++)
+            for (int r = 0; r < v; r++) {
+                uint8_t c = 0;
+                for (int s = 0; s < 4; s++) c |= (uint8_t)(((L[(4 * h + s) * v + r] >> (bits - 2)) & 3) << (2 * s));
+                o[h * v + r] = c;
+            }
+        if (bits == 3)
+            for (int r = 0; r < v; r++) {
+                uint8_t c = 0;
+                for (int i = 0; i < 8; i++) c |= (uint8_t)((L[i * v + r] & 1) << i);
+                o[2 * v + r] = c;
+            }
+        return;
+    }
+    for (int c = 0; c < 4; c++)
+        for (int r = 0; r < v; r++)
+            o[c * v + r] = (uint8_t)((L[2 * c * v + r] & 15) | (L[(2 * c + 1) * v + r] & 15) << 4);
+    if (bits == 5)
+        for (int r = 0; r < v; r++) {
+            uint8_t c = 0;
+            for (int i = 0; i < 8; i++) c |= ((L[i * v + r] >> 4) & 1) << i;
+            o[4 * v + r] = c;
+        }
+    if (bits == 6)
+        for (int h = 0; h < 2; h++)
+            for (int r = 0; r < v; r++) {
+                uint8_t c = 0;
+                for (int s = 0; s < 4; s++) c |= ((L[(4 * h + s) * v + r] >> 4) & 3) << (2 * s);
+                o[4 * v + h * v + r] = c;
+            }
 }
 
 /* Lane-order codes -> the packed bytes of `bits` (linear.c's format). */
 static void cut_codes(const uint8_t *lane, int k, int bits, uint8_t *out) {
-    const int nb = k / QK, nfull = nb / TM_GB, v = 4 * TM_GB;
+    const int nb = k / QK, nfull = nb / TM_GB;
     if (bits == 8) {
         memcpy(out, lane, (size_t)k);
         return;
     }
-    for (int g = 0; g < nfull; g++) {
-        const uint8_t *L = lane + (size_t)g * GW;
-        uint8_t *o = out + (size_t)g * group_bytes(bits);
-        if (bits <= 3) { /* planes only: q (2-bit) or q >> 1 (3-bit) pairs, then q & 1 */
-            for (int h = 0; h < 2; h++)
-                for (int r = 0; r < v; r++) {
-                    uint8_t c = 0;
-                    for (int s = 0; s < 4; s++) c |= (uint8_t)(((L[(4 * h + s) * v + r] >> (bits - 2)) & 3) << (2 * s));
-                    o[h * v + r] = c;
-                }
-            if (bits == 3)
-                for (int r = 0; r < v; r++) {
-                    uint8_t c = 0;
-                    for (int i = 0; i < 8; i++) c |= (uint8_t)((L[i * v + r] & 1) << i);
-                    o[GW / 4 + r] = c;
-                }
-            continue;
-        }
-        for (int c = 0; c < 4; c++)
-            for (int r = 0; r < v; r++)
-                o[c * v + r] = (uint8_t)((L[2 * c * v + r] & 15) | (L[(2 * c + 1) * v + r] & 15) << 4);
-        if (bits == 5)
-            for (int r = 0; r < v; r++) {
-                uint8_t c = 0;
-                for (int i = 0; i < 8; i++) c |= ((L[i * v + r] >> 4) & 1) << i;
-                o[GW / 2 + r] = c;
-            }
-        if (bits == 6)
-            for (int h = 0; h < 2; h++)
-                for (int r = 0; r < v; r++) {
-                    uint8_t c = 0;
-                    for (int s = 0; s < 4; s++) c |= ((L[(4 * h + s) * v + r] >> 4) & 3) << (2 * s);
-                    o[GW / 2 + h * v + r] = c;
-                }
+    for (int g = 0; g < nfull; g++) cut_group(lane + (size_t)g * GW, out + (size_t)g * group_bytes(bits), bits, 4 * TM_GB);
+    if (half_group(bits, nb)) {
+        cut_group(lane + (size_t)nfull * GW, out + (size_t)nfull * group_bytes(bits), bits, 2 * TM_GB);
+        return;
     }
     /* 4-bit tail: chunks of 64 values (a last lone block: 32), byte r = value r (low
      * nibble) and value n/2 + r (high) */
@@ -335,7 +346,7 @@ int tm_pack_gguf(int qtype, const uint8_t *src, int64_t rows, int k, int as_8bit
     int block;
     const int ts = type_size(qtype, &block), requant = qtype == G_Q6_K && as_8bit;
     const int bits = code_bits(qtype, as_8bit);
-    if (!ts || !bits || k <= 0 || k % block || (whole_groups_only(bits) && k % GW)) return 0;
+    if (!ts || !bits || k <= 0 || k % block || (k % QK) || !groups_fit(bits, k / QK)) return 0;
     const size_t src_row = (size_t)(k / block) * ts, code_row = (size_t)k * bits / 8;
     size_t sc_row = (size_t)(sixteen_scales(bits) ? k / 16 : k / QK) * (block == 256 ? 1 : 2);
     size_t sup_row = block == 256 ? (size_t)(k / 256) * (bits == 6 || bits == 3 ? 1 : 2) : 0;
@@ -357,7 +368,7 @@ int tm_pack_gguf(int qtype, const uint8_t *src, int64_t rows, int k, int as_8bit
         else
             parse_row(qtype, bits, src + (size_t)r * src_row, k, nat, (uint8_t *)scales + (size_t)r * sc_row,
                       mins ? (uint8_t *)mins + (size_t)r * sc_row : NULL, sup ? sup + (size_t)r * sup_row : NULL);
-        to_lanes(nat, k, lane);
+        to_lanes(nat, k, bits, lane);
         cut_codes(lane, k, bits, codes + (size_t)r * code_row);
     }
     free(buf);

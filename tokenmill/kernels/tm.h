@@ -284,8 +284,24 @@ static inline int dot_bits(const tm_weight *w) { return w->lut ? 8 : sixteen_sca
 /* Bytes of one full lane-order group of codes (GW values) of `bits` 2, 3, 4, 5, 6 or 8. */
 static inline size_t group_bytes(int bits) { return (size_t)GW * bits / 8; }
 
-/* 2-, 3-, 5- and 6-bit codes: rows of whole groups only (their bit planes have no tail layout). */
+/* 2-, 3-, 5- and 6-bit codes: rows of whole groups only (their bit planes have no tail
+ * layout), but on AVX-512 (16-block groups) a row may end in a half group of 8 blocks
+ * (rows of K % 512 == 256: a MoE expert's 768, 1280): the group's layout at half the
+ * vector length, its lanes 8-15 read as zero codes against zero activations. */
 static inline int whole_groups_only(int bits) { return bits == 2 || bits == 3 || bits == 5 || bits == 6; }
+static inline int half_group(int bits, int nb) {
+    return TM_GB == 16 && whole_groups_only(bits) && nb % TM_GB == TM_GB / 2;
+}
+static inline int groups_fit(int bits, int nb) {
+    return !whole_groups_only(bits) || nb % TM_GB == 0 || half_group(bits, nb);
+}
+
+/* Where the scale of half h of block b sits among a row's per-16 scales (nb blocks): per
+ * group [half][block of the group], the half group's [half][its 8 blocks]. */
+static inline size_t half_scale_index(int nb, int b, int h) {
+    const int g = b / TM_GB, width = g == nb / TM_GB ? nb % TM_GB : TM_GB;
+    return (size_t)g * 2 * TM_GB + (size_t)h * width + b % TM_GB;
+}
 
 static inline size_t row_bytes(const tm_weight *w) {
     return (size_t)w->k * (size_t)w->bits / 8;
@@ -320,28 +336,75 @@ static inline void tail_block_codes(const uint8_t *tail, int bits, int u, int nb
         for (int j = 0; j < QK; j++) out[j] = lut[out[j]];
 }
 
-/* The 8 code vectors of full group g of a packed row: lane k of vector i holds codes
- * 4i..4i+3 of block k (4-bit: the nibble split; 5- and 6-bit: low nibbles plus the top
- * bits; 3-bit: 8 q from the top-two-bits plane and the low-bit plane; 2-bit: 16 q from
- * its one plane, see linear.c). */
-static inline void tm_group_codes(const uint8_t *row, int g, int bits, vb c[8]) {
+/* One code vector of a group: a whole group's 4 TM_GB bytes, or a half group's 2 TM_GB
+ * zero-extended (half groups exist on AVX-512 builds only: half_group) */
+static inline vb tm_code_vector(const uint8_t *p, int half) {
+#if TM_GB == 16
+    if (half) return vb_load_half(p);
+#endif
+    (void)half;
+    return vb_load(p);
+}
+
+/* The 8 code vectors of the group whose bytes start at p (half: a row's last half group,
+ * its vectors half as long): lane k of vector i holds codes 4i..4i+3 of block k (4-bit:
+ * the nibble split; 5- and 6-bit: low nibbles plus the top bits; 3-bit: 8 q from the
+ * top-two-bits plane and the low-bit plane; 2-bit: 16 q from its one plane, see
+ * linear.c). Every offset is in vectors of vs bytes. */
+static inline __attribute__((always_inline)) void tm_codes_at(const uint8_t *p, int bits, int half, vb c[8]) {
+    const size_t vs = half ? 2 * TM_GB : 4 * TM_GB;
     if (bits == 8) {
-        for (int i = 0; i < 8; i++) c[i] = vb_load(row + (size_t)g * GW + i * 4 * TM_GB);
+        for (int i = 0; i < 8; i++) c[i] = tm_code_vector(p + i * vs, half);
         return;
     }
-    const uint8_t *p = row + (size_t)g * group_bytes(bits);
     if (bits <= 3) {
         for (int i = 0; i < 8; i++) c[i] = vb_zero();
-        vb_add_crumbs(c, vb_load(p)); /* 2-bit: q at bits 4..5; 3-bit: q >> 1 there */
-        vb_add_crumbs(c + 4, vb_load(p + 4 * TM_GB));
-        if (bits == 3) vb_add_bits(c, vb_load(p + GW / 4), 3); /* q & 1 at bit 3 */
+        vb_add_crumbs(c, tm_code_vector(p, half)); /* 2-bit: q at bits 4..5; 3-bit: q >> 1 */
+        vb_add_crumbs(c + 4, tm_code_vector(p + vs, half));
+        if (bits == 3) vb_add_bits(c, tm_code_vector(p + 2 * vs, half), 3); /* q & 1 at bit 3 */
         return;
     }
-    for (int i = 0; i < 4; i++) vb_nibbles(vb_load(p + i * 4 * TM_GB), &c[2 * i], &c[2 * i + 1]);
-    if (bits == 5) vb_add_bits(c, vb_load(p + GW / 2), 4);
+    for (int i = 0; i < 4; i++) vb_nibbles(tm_code_vector(p + i * vs, half), &c[2 * i], &c[2 * i + 1]);
+    if (bits == 5) vb_add_bits(c, tm_code_vector(p + 4 * vs, half), 4);
     if (bits == 6) {
-        vb_add_crumbs(c, vb_load(p + GW / 2));
-        vb_add_crumbs(c + 4, vb_load(p + GW / 2 + 4 * TM_GB));
+        vb_add_crumbs(c, tm_code_vector(p + 4 * vs, half));
+        vb_add_crumbs(c + 4, tm_code_vector(p + 5 * vs, half));
+    }
+}
+
+/* The 8 code vectors of full group g of a packed row (tm_codes_at). */
+static inline __attribute__((always_inline)) void tm_group_codes(const uint8_t *row, int g, int bits, vb c[8]) {
+    tm_codes_at(row + (size_t)g * group_bytes(bits), bits, 0, c);
+}
+
+/* The 32 codes of block b of a row in natural order (lane order undone), as the kernels
+ * read them (3-bit: 8 q, 2-bit: 16 q), any build. */
+static inline void tm_block_codes(const tm_weight *w, const uint8_t *row, int b, uint8_t out[QK]) {
+    const int nb = w->k / QK, nfull = nb / TM_GB;
+    if (b >= nfull * TM_GB && !whole_groups_only(w->bits)) {
+        tail_block_codes(row + (size_t)nfull * GW * w->bits / 8, w->bits, b - nfull * TM_GB, nb % TM_GB, w->lut,
+                         out);
+        return;
+    }
+    /* in a group (or a row's last half group, its vectors half as long): vector i of the
+     * group, byte e of it */
+    const size_t vbytes = b / TM_GB == nfull ? 2 * TM_GB : 4 * TM_GB;
+    const uint8_t *g = row + (size_t)(b / TM_GB) * group_bytes(w->bits);
+    for (int j = 0; j < QK; j++) {
+        const size_t i = (size_t)j >> 2, e = (size_t)(b % TM_GB) * 4 + (j & 3);
+        const int nib = w->bits < 4 || w->bits > 6 ? 0 : (g[(i >> 1) * vbytes + e] >> ((i & 1) * 4)) & 15;
+        if (w->bits == 8) {
+            out[j] = g[i * vbytes + e];
+        } else if (w->bits == 4) {
+            out[j] = (uint8_t)(w->lut ? w->lut[nib] : nib);
+        } else if (w->bits == 5) {
+            out[j] = (uint8_t)(nib | ((g[4 * vbytes + e] >> i) & 1) << 4);
+        } else if (w->bits == 6) {
+            out[j] = (uint8_t)(nib | ((g[(4 + (i >> 2)) * vbytes + e] >> (2 * (i & 3))) & 3) << 4);
+        } else { /* 2- and 3-bit: the pairs plane (q, or q >> 1), then 3-bit's low bits */
+            const int pair = (g[(i >> 2) * vbytes + e] >> (2 * (i & 3))) & 3;
+            out[j] = (uint8_t)(w->bits == 2 ? pair << 4 : pair << 4 | ((g[2 * vbytes + e] >> i) & 1) << 3);
+        }
     }
 }
 

@@ -206,9 +206,13 @@ _SIXTEEN_CODES = {2: (pack2, unpack2, 0), 3: (pack3, unpack3, 4), 6: (pack6, unp
 
 
 def _whole_groups(in_features: int) -> bool:
-    """Rows of this length are whole lane-order groups of the loaded kernels: what 5- and
-    6-bit codes need (their top bits have no tail layout)."""
-    return kernels.library() is not None and in_features % (QK * kernels.group_blocks()) == 0
+    """Rows of this length are whole lane-order groups of the loaded kernels, or on
+    AVX-512 whole groups and a last half group (layout.half_group): what 2-, 3-, 5- and
+    6-bit codes need (their bit planes have no tail layout)."""
+    if kernels.library() is None:
+        return False
+    gb = kernels.group_blocks()
+    return in_features % (QK * gb) == 0 or (gb == 16 and in_features % (QK * gb) == QK * gb // 2)
 
 
 def _as_8bit(qtype: GT, in_features: int) -> bool:
