@@ -135,9 +135,17 @@ def half_group(k: int, gb: int) -> tuple[int, int]:
     return k, 0
 
 
-def _by_groups(pack: Callable, unpack: Callable, bits: int) -> tuple[Callable, Callable]:
-    """pack(nat, gb) and unpack(codes, k, gb) of whole groups, extended to a row's last
-    half group: its values packed as a group of its own, after the whole ones."""
+def _by_groups(bits: int) -> tuple[Callable, Callable]:
+    """pack(nat, gb) and unpack(codes, k, gb) of `bits`-bit codes (pack_wide's 5 and 6,
+    _pack_planes' 2 and 3) for whole groups, extended to a row's last half group: its
+    values packed as a group of its own, after the whole ones."""
+    wide = bits >= 5
+
+    def pack(nat: np.ndarray, gb: int) -> np.ndarray:
+        return pack_wide(nat, bits, gb) if wide else _pack_planes(nat, bits, gb)
+
+    def unpack(codes: np.ndarray, k: int, gb: int) -> np.ndarray:
+        return unpack_wide(codes, k, bits, gb) if wide else _unpack_planes(codes, k, bits, gb)
 
     def pack_row(nat: np.ndarray, gb: int) -> np.ndarray:
         full, half = half_group(nat.shape[1], gb)
@@ -157,70 +165,44 @@ def _by_groups(pack: Callable, unpack: Callable, bits: int) -> tuple[Callable, C
     return pack_row, unpack_row
 
 
-pack6, unpack6 = _by_groups(
-    lambda nat, gb: pack_wide(nat, 6, gb), lambda c, k, gb: unpack_wide(c, k, 6, gb), 6
-)
-pack5, unpack5 = _by_groups(
-    lambda nat, gb: pack_wide(nat, 5, gb), lambda c, k, gb: unpack_wide(c, k, 5, gb), 5
-)
+pack6, unpack6 = _by_groups(6)
+pack5, unpack5 = _by_groups(5)
 
 
-def _pack2(nat: np.ndarray, gb: int) -> np.ndarray:
-    """Natural-order 2-bit codes uint8 [rows, K] (0..3) -> [rows, K/4]: per group of gb
-    blocks, two vectors (top vector h holds vector 4h + s at bits 2s), as linear.c reads them."""
-    rows, k = nat.shape
-    ng, v = _vectors6(k, gb)
-    lanes = nat[:, lane_perm(k, gb)].reshape(rows, ng, 2, 4, v)
-    plane = np.zeros((rows, ng, 2, v), np.uint8)
-    for s in range(4):
-        plane |= lanes[:, :, :, s] << (2 * s)
-    return np.ascontiguousarray(plane.reshape(rows, k // 4))
-
-
-def _unpack2(codes: np.ndarray, k: int, gb: int) -> np.ndarray:
-    """The inverse of _pack2: natural-order codes uint8 [rows, k]."""
-    rows = codes.shape[0]
-    ng, v = _vectors6(k, gb)
-    g = codes.reshape(rows, ng, 2, v)
-    lanes = np.empty((rows, ng, 8, v), dtype=np.uint8)
-    for i in range(8):
-        lanes[:, :, i] = (g[:, :, i // 4] >> (2 * (i % 4))) & 3
-    nat = np.empty((rows, k), dtype=np.uint8)
-    nat[:, lane_perm(k, gb)] = lanes.reshape(rows, k)
-    return nat
-
-
-def _pack3(nat: np.ndarray, gb: int) -> np.ndarray:
-    """Natural-order 3-bit codes uint8 [rows, K] (0..7) -> [rows, K*3/8]: per group of gb
-    blocks, the top two bits (two vectors: top vector h holds vector 4h + s at bits 2s),
-    then the low bit (one vector: vector i's at bit i), as linear.c reads them."""
+def _pack_planes(nat: np.ndarray, bits: int, gb: int) -> np.ndarray:
+    """Natural-order 2- or 3-bit codes uint8 [rows, K] -> [rows, K*bits/8]: per group of gb
+    blocks, pairs of bits (q, or q >> 1) in two vectors (top vector h holds vector 4h + s at
+    bits 2s), then for 3-bit the low bits (one vector: vector i's at bit i), as linear.c
+    reads them."""
     rows, k = nat.shape
     ng, v = _vectors6(k, gb)
     lanes = nat[:, lane_perm(k, gb)].reshape(rows, ng, 8, v)
-    top, low = (lanes >> 1).reshape(rows, ng, 2, 4, v), lanes & 1
-    planes = np.zeros((rows, ng, 3, v), np.uint8)
+    pairs = ((lanes >> (bits - 2)) & 3).reshape(rows, ng, 2, 4, v)
+    planes = np.zeros((rows, ng, bits, v), np.uint8)
     for s in range(4):
-        planes[:, :, :2] |= top[:, :, :, s] << (2 * s)
-    for i in range(8):
-        planes[:, :, 2] |= low[:, :, i] << i
-    return np.ascontiguousarray(planes.reshape(rows, k * 3 // 8))
+        planes[:, :, :2] |= pairs[:, :, :, s] << (2 * s)
+    for i in range(8 if bits == 3 else 0):
+        planes[:, :, 2] |= (lanes[:, :, i] & 1) << i
+    return np.ascontiguousarray(planes.reshape(rows, k * bits // 8))
 
 
-def _unpack3(codes: np.ndarray, k: int, gb: int) -> np.ndarray:
-    """The inverse of _pack3: natural-order codes uint8 [rows, k]."""
+def _unpack_planes(codes: np.ndarray, k: int, bits: int, gb: int) -> np.ndarray:
+    """The inverse of _pack_planes: natural-order codes uint8 [rows, k]."""
     rows = codes.shape[0]
     ng, v = _vectors6(k, gb)
-    g = codes.reshape(rows, ng, 3, v)
+    g = codes.reshape(rows, ng, bits, v)
     lanes = np.empty((rows, ng, 8, v), dtype=np.uint8)
     for i in range(8):
-        lanes[:, :, i] = (((g[:, :, i // 4] >> (2 * (i % 4))) & 3) << 1) | ((g[:, :, 2] >> i) & 1)
+        lanes[:, :, i] = ((g[:, :, i // 4] >> (2 * (i % 4))) & 3) << (bits - 2)
+        if bits == 3:
+            lanes[:, :, i] |= (g[:, :, 2] >> i) & 1
     nat = np.empty((rows, k), dtype=np.uint8)
     nat[:, lane_perm(k, gb)] = lanes.reshape(rows, k)
     return nat
 
 
-pack2, unpack2 = _by_groups(_pack2, _unpack2, 2)
-pack3, unpack3 = _by_groups(_pack3, _unpack3, 3)
+pack2, unpack2 = _by_groups(2)
+pack3, unpack3 = _by_groups(3)
 
 
 @lru_cache(maxsize=64)
