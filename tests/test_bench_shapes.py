@@ -123,8 +123,8 @@ def test_cached_writes_once_under_a_name_of_its_shape(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "shape, ftype",
     [(s, f) for s in ("tiny", "tiny-moe") for f in shapes.FILE_TYPES]
-    # rows of 512 and 1024: whole lane groups on every build, so Q5_K and Q5_0/Q5_1 run
-    # as 5-bit codes (on AVX-512 the 256-wide tiny rows hold them as 8-bit ones)
+    # rows of 512 and 1024: Q5_K and Q5_0/Q5_1 as 5-bit codes in whole lane groups on every
+    # build (the 256-wide tiny rows: a partial group on AVX-512)
     + [("tiny-wide", "q5_k_m"), ("tiny-gpt-oss", "mxfp4_moe"), ("tiny-gpt-oss", "q8_0")],
 )
 def test_tokenmill_and_llama_cpp_read_a_shape_file_alike(tmp_path, monkeypatch, shape, ftype):

@@ -483,11 +483,11 @@ def test_float_weights_match_reference(kbuild, dtype):
 
 def test_kquant_scales_stay_compact(kbuild, monkeypatch):
     """Q4_K/Q5_K keep the file's scale codes (18.5 bytes per 32 4-bit values, not 24; 22.5
-    per 32 5-bit ones, or 34.5 as 8-bit codes on rows that are not whole lane groups); a
-    library that reads float scales only (kernels.reads_kquant_scales() False) gets float32
-    copies, same results."""
+    per 32 5-bit ones, 768 values a row: on AVX-512 a partial last group); a library that
+    reads float scales only (kernels.reads_kquant_scales() False) gets float32 copies, same
+    results."""
     torch.manual_seed(5)
-    for qtype, per32 in ((GT.Q4_K, 18.5), (GT.Q5_K, 22.5 if QuantLinear.runs_5bit(768) else 34.5)):
+    for qtype, per32 in ((GT.Q4_K, 18.5), (GT.Q5_K, 22.5)):
         n, k = 33, 768
         layer = QuantLinear.from_gguf(gguf_bytes(qtype, n, k), qtype, n, k)
         assert layer.kquant and layer.nbytes == n * k // 32 * per32
@@ -564,15 +564,19 @@ def test_float_casts_leave_the_packed_format_alone(native):
 
 
 def test_cat_fuses_projections(kbuild):
+    """Parts of one packed format fuse (576 values: 5-bit codes in a partial last group);
+    parts of two (5-bit Q5_0 beside 8-bit Q8_0, or 4-bit codes) do not."""
     parts = [
         QuantLinear.from_gguf(gguf_bytes(q, n, 576, seed=n), q, n, 576, bias=torch.randn(n))
-        for q, n in [(GT.Q5_0, 64), (GT.Q8_0, 16), (GT.Q5_0, 16)]
+        for q, n in [(GT.Q5_0, 64), (GT.Q5_0, 16), (GT.Q5_0, 24)]
     ]
     fused = QuantLinear.cat(parts)
     x = torch.randn(3, 576)
     assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=1))
-    with pytest.raises(ValueError, match="format"):
-        QuantLinear.cat([parts[0], QuantLinear.from_float(torch.randn(8, 576), "q4")])
+    q8 = QuantLinear.from_gguf(gguf_bytes(GT.Q8_0, 8, 576), GT.Q8_0, 8, 576)
+    for other in (q8, QuantLinear.from_float(torch.randn(8, 576), "q4")):
+        with pytest.raises(ValueError, match="format"):
+            QuantLinear.cat([parts[0], other])
 
 
 def test_concurrent_callers_get_their_own_results(native):

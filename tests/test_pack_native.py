@@ -1,9 +1,9 @@
 """Loading packs GGUF blocks in one native pass (kernels/pack.c), byte for byte as the
 numpy path (gguf_blocks.parse_* and quant_linear._store) packs them.
 
-Every type packed as stored (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K; Q6_K on rows of
-whole lane groups, requantized to 8-bit blocks on other rows, from gguf-py's float
-values; Q3_K and Q2_K on rows of whole lane groups), at row lengths with and without a tail of blocks after the whole
+Every type packed as stored (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K;
+2-, 3-, 5- and 6-bit codes end in a partial group where a row is not whole lane groups;
+Q6_K requantized to 8-bit blocks where asked, from gguf-py's float values), at row lengths with and without a tail of blocks after the whole
 groups (and a lone last block of a 4-bit tail), a dense layer and a MoE layer's experts;
 then the same greedy tokens from a model file loaded either way.
 """

@@ -431,7 +431,7 @@ const char *tm_amx(void) {
 int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads, int act16) {
     if ((w->bits < 2 || w->bits > 6) && w->bits != 8) return -1;
     const int K = w->k, N = w->n, nb = K / QK, six = sixteen_scales(w->bits), nu = six ? 2 * nb : nb;
-    if ((six && !w->dsup) || !groups_fit(w->bits, nb)) return -1;
+    if (six && !w->dsup) return -1;
     const int mins = w->mins != NULL || unit_mins(w), z = zero_point(w);
 #if TM_AMX
     const int amx = !six && amx_ready(); /* (6-bit codes: see amx_tokens) */

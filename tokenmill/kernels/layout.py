@@ -124,20 +124,17 @@ def unpack_wide(codes: np.ndarray, k: int, bits: int, gb: int) -> np.ndarray:
     return nat
 
 
-def half_group(k: int, gb: int) -> tuple[int, int]:
-    """(values in whole groups, the last half group's blocks or 0) of a row of k values:
-    groups of 16 blocks (AVX-512) may end in a half group of 8 (rows of K % 512 == 256, a
-    MoE expert's 768), laid out as a whole group of 8 blocks (linear.c)."""
+def partial_group(k: int, gb: int) -> tuple[int, int]:
+    """(values in whole groups, the last partial group's blocks or 0) of a row of k values
+    (a multiple of 32): a row that is not whole groups of gb blocks ends in its k / 32 % gb
+    blocks, laid out as a whole group of that many blocks (linear.c)."""
     full = k // (QK * gb) * QK * gb
-    if k != full and gb == 16 and k - full == QK * gb // 2:
-        return full, gb // 2
-    _vectors6(k, gb)  # whole groups, or the error
-    return k, 0
+    return full, (k - full) // QK
 
 
 def _by_groups(bits: int) -> tuple[Callable, Callable]:
     """pack(nat, gb) and unpack(codes, k, gb) of `bits`-bit codes (pack_wide's 5 and 6,
-    _pack_planes' 2 and 3) for whole groups, extended to a row's last half group: its
+    _pack_planes' 2 and 3) for whole groups, extended to a row's last partial group: its
     values packed as a group of its own, after the whole ones."""
     wide = bits >= 5
 
@@ -148,18 +145,18 @@ def _by_groups(bits: int) -> tuple[Callable, Callable]:
         return unpack_wide(codes, k, bits, gb) if wide else _unpack_planes(codes, k, bits, gb)
 
     def pack_row(nat: np.ndarray, gb: int) -> np.ndarray:
-        full, half = half_group(nat.shape[1], gb)
-        if not half:
+        full, part = partial_group(nat.shape[1], gb)
+        if not part:
             return pack(nat, gb)
-        parts = ([pack(nat[:, :full], gb)] if full else []) + [pack(nat[:, full:], half)]
+        parts = ([pack(nat[:, :full], gb)] if full else []) + [pack(nat[:, full:], part)]
         return np.ascontiguousarray(np.concatenate(parts, axis=1))
 
     def unpack_row(codes: np.ndarray, k: int, gb: int) -> np.ndarray:
-        full, half = half_group(k, gb)
-        if not half:
+        full, part = partial_group(k, gb)
+        if not part:
             return unpack(codes, k, gb)
         at = full * bits // 8
-        tail = unpack(codes[:, at:], k - full, half)
+        tail = unpack(codes[:, at:], k - full, part)
         return np.concatenate([unpack(codes[:, :at], full, gb), tail], axis=1) if full else tail
 
     return pack_row, unpack_row
@@ -208,11 +205,11 @@ pack3, unpack3 = _by_groups(3)
 @lru_cache(maxsize=64)
 def half_scale_perm(k: int, gb: int) -> np.ndarray:
     """perm[p] = natural index (2 * block + half) of the 16-value scale stored at p: per
-    group, the first halves of its gb blocks, then the second halves (a last half group:
-    its 8 blocks' first halves, then their second)."""
-    full, half = half_group(k, gb)
-    if half:
-        rest = half_scale_perm(k - full, half) + full // 16
+    group, the first halves of its gb blocks, then the second halves (a last partial
+    group: its blocks' first halves, then their second)."""
+    full, part = partial_group(k, gb)
+    if part:
+        rest = half_scale_perm(k - full, part) + full // 16
         return np.concatenate([half_scale_perm(full, gb), rest]) if full else rest
     ng, _ = _vectors6(k, gb)
     idx = np.arange(ng * gb * 2).reshape(ng, gb, 2).transpose(0, 2, 1)

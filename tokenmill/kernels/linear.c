@@ -61,11 +61,12 @@
  *   (block k's values 0-15 are vectors 0-3 of the group, 16-31 vectors 4-7); dsup [N, K/256]
  * Each half's dot goes through group_dot (n = 4) with its own zero-point sum.
  *
- * Half groups (2-, 3-, 5- and 6-bit codes, AVX-512 only: tm.h half_group): a row of K %
- * 512 == 256 values (a MoE expert's 768) ends in 8 blocks laid out as a group of 8 (every
- * vector 2 TM_GB bytes, scales [half][8]); its vectors are read zero-extended (lanes 8-15
- * zero codes), its activations sit in a whole group's lanes (quantize_x, lanes 8-15 zero),
- * its scales beside zeros. So "rows of whole groups" below means: or such a row.
+ * Partial groups (2-, 3-, 5- and 6-bit codes: tm.h partial_group): a row whose blocks are
+ * not whole groups (a MoE expert's 768 values on AVX-512, Qwen2.5's 896) ends in its nb %
+ * TM_GB blocks laid out as a group of that many (every vector 4 bytes a block, per-16
+ * scales [half][its blocks]); its vectors are read zero-extended (the lanes past them zero
+ * codes), its activations sit in a whole group's lanes (quantize_x, the rest zero), its
+ * scales beside zeros. So "rows of whole groups" below means: or such a row.
  *
  * 3-bit codes (GGUF Q3_K, exactly: q in 0..7, w = d16 * (q - 4), d16 = dsup * sc with a
  * signed scale per 16 values): Q6_K's form at 3 bits per value, rows of whole groups. Per
@@ -175,8 +176,8 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
             /* tail blocks go through group_dot too */
             const int32_t left_out = left ? TM_A16_LEFT_OUT8(hsum, lsum) : 0;
             (void)hsum, (void)lsum;
-            /* whole groups' blocks (and a half group's, of 5- and 6-bit dots: padded to a
-             * whole group, lanes 8-15 left zero) in lane order, other tails natural */
+            /* whole groups' blocks (and a partial group's, of 5- and 6-bit dots: padded to
+             * a whole group, the lanes past it left zero) in lane order, other tails natural */
             const int lanes = b < full || whole_groups_only(bits);
             const size_t pos = lanes ? (size_t)(b / TM_GB) * GW + (size_t)(b % TM_GB) * 4 : lane_pos(nb, b, 0);
             if (lanes) { /* four values at a time to their lanes */
@@ -387,7 +388,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
     const int six = sixteen_scales(bits); /* Q6_K's form (3-bit codes: 8 q in it) */
     const size_t rb = row_bytes(w), es = w->dsup ? (six ? 2 : 1) : f16 ? 2 : 4;
     const size_t ahead = prefetch_ahead(rb);
-    const int ng = nfull + half_group(bits, nb); /* groups, a last half group among them */
+    const int ng = nfull + (partial_group(bits, nb) > 0); /* groups, a last partial one too */
     for (int r = r0; r < r1; r++) {
         const uint8_t *row = w->codes + (size_t)r * rb;
         const size_t srow = (size_t)r * nb;
@@ -400,25 +401,25 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
         for (int t = 0; t < T; t++) acc[t] = vf_zero();
         /* K-quants: the row's super-block scales (one per 256 values) as floats, converted
          * a vector at a time here rather than one scalar per group below */
-        /* (a half group's second super-block scale lane: zero, never garbage times 0) */
+        /* (a partial group's lanes past the row: zero, never garbage times 0) */
         float dsup[KSUP_MAX + 1], msup[KSUP_MAX + 1];
         if (w->dsup) {
             ksup_row(w, r, dsup, msup);
             dsup[w->k / 256] = msup[w->k / 256] = 0.f;
         }
         for (int g = 0; g < ng && six; g++) { /* Q6_K's form: two halves per block */
-            const int hg = g == nfull; /* the half group: 8 blocks, their scales [half][8] */
+            const int pb = g == nfull ? nbt : 0; /* a partial group's blocks, scales [half][pb] */
             vb c[8];
             prefetch_codes(row + (size_t)g * group_bytes(bits), group_bytes(bits), ahead);
-            tm_codes_at(row + (size_t)g * group_bytes(bits), bits, hg, c);
+            tm_codes_at(row + (size_t)g * group_bytes(bits), bits, pb, c);
             /* 3-bit codes are 8 q, 2-bit ones 16 q: their scale an eighth, a sixteenth (exact) */
             const vf ds = vf_mul(sup_lanes(dsup, g), vf_set1(bits == 3 ? 0.125f : bits == 2 ? 0.0625f : 1.f));
             const uint8_t *s0 = (const uint8_t *)w->scales + (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB;
-            const uint8_t *s1 = s0 + (hg ? TM_GB / 2 : TM_GB); /* the second halves' */
-            uint8_t pad[2][TM_GB]; /* a half group's 8 + 8 scale bytes, each beside 8 zeros */
-            if (hg) {
+            const uint8_t *s1 = s0 + (pb ? pb : TM_GB); /* the second halves' */
+            uint8_t pad[2][TM_GB]; /* a partial group's pb + pb scale bytes, beside zeros */
+            if (pb) {
                 memset(pad, 0, sizeof pad);
-                memcpy(pad[0], s0, TM_GB / 2), memcpy(pad[1], s1, TM_GB / 2);
+                memcpy(pad[0], s0, (size_t)pb), memcpy(pad[1], s1, (size_t)pb);
                 s0 = pad[0], s1 = pad[1];
             }
             vf d0, d1, m0 = vf_zero(), m1 = vf_zero();
@@ -452,20 +453,20 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
                 acc[t] = vf_fma(vf_mul(vf_from_vi(s1), dx), d1, acc[t]);
             }
         }
-        for (int g = 0; g < ng && !six; g++) { /* (a half group: 5-bit codes only) */
-            const int hg = g == nfull;
+        for (int g = 0; g < ng && !six; g++) { /* (a partial group: 5-bit codes only) */
+            const int pb = g == nfull ? nbt : 0;
             vb c[8];
             prefetch_codes(row + (size_t)g * group_bytes(bits), group_bytes(bits), ahead);
-            tm_codes_at(row + (size_t)g * group_bytes(bits), bits, hg, c);
+            tm_codes_at(row + (size_t)g * group_bytes(bits), bits, pb, c);
             if (lut) tm_lookup_codes(table, c);
-            /* the group's TM_GB scales (and mins) of es bytes; a half group's 8 beside zeros */
+            /* the group's TM_GB scales (and mins) of es bytes; a partial group's pb beside zeros */
             const char *sp = (const char *)w->scales + (srow + (size_t)g * TM_GB) * es;
             const char *mp = w->mins ? (const char *)w->mins + (srow + (size_t)g * TM_GB) * es : NULL;
             _Alignas(64) char pad[2][4 * TM_GB];
-            if (hg) {
+            if (pb) {
                 memset(pad, 0, sizeof pad);
-                memcpy(pad[0], sp, TM_GB / 2 * es), sp = pad[0];
-                if (mp) memcpy(pad[1], mp, TM_GB / 2 * es), mp = pad[1];
+                memcpy(pad[0], sp, (size_t)pb * es), sp = pad[0];
+                if (mp) memcpy(pad[1], mp, (size_t)pb * es), mp = pad[1];
             }
             vf d, m = vf_zero();
             if (w->dsup) { /* K-quant: codes times the super-block's scale (256 values) */
@@ -555,7 +556,7 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
     const int nb = w->k / QK, nfull = nb / TM_GB, nbt = nb % TM_GB, z = zero_point(w);
     const int vb_bytes = 4 * TM_GB;
     const uint8_t *row = w->codes + (size_t)r * row_bytes(w);
-    if (half_group(w->bits, nb)) /* its blocks in natural order, as tm_lanes_f32 keeps tails */
+    if (partial_group(w->bits, nb)) /* its blocks in natural order, as tm_lanes_f32 keeps tails */
         for (int b = nfull * TM_GB; b < nb; b++) {
             uint8_t c[QK];
             tm_block_codes(w, row, b, c);
@@ -632,7 +633,7 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
         }
     }
     const uint8_t *tail = row + (size_t)nfull * GW * w->bits / 8;
-    for (int u = 0; u < nbt && !whole_groups_only(w->bits); u++) { /* (a half group: above) */
+    for (int u = 0; u < nbt && !whole_groups_only(w->bits); u++) { /* (a partial group: above) */
         uint8_t cb[QK];
         tail_block_codes(tail, w->bits, u, nbt, w->lut, cb);
         const int b = nfull * TM_GB + u;
@@ -818,7 +819,6 @@ int tm_linear(const tm_weight *w, const float *x, int T, float *y, const float *
 
 static int linear_one(const tm_weight *w, const float *x, int T, float *y, const float *bias,
                       int nthreads, int act16) {
-    if (!groups_fit(w->bits, w->k / QK)) return -1; /* 2-, 3-, 5-, 6-bit: whole groups */
     if (w->dsup && w->k / 256 > KSUP_MAX) return -1;     /* ksup_row's buffers (+ 1 lane) */
     const int fw = is_float(w);
     if (tm_linear_path(w->bits, T, 0, NULL, 0) == TM_PATH_GEMM) /* the integer GEMM (gemm.c) */
@@ -867,7 +867,6 @@ int tm_linear_jobs(const tm_weight *const *w, const float *const *x, const int *
     for (int j = 0; j < n && !direct; j++)
         direct = is_float(w[j]) || w[j]->next || T[j] > TCHUNK ||
                  tm_linear_path(w[j]->bits, T[j], 0, NULL, 0) == TM_PATH_GEMM ||
-                 !groups_fit(w[j]->bits, w[j]->k / QK) ||
                  (w[j]->dsup && w[j]->k / 256 > KSUP_MAX);
     if (direct) {
         for (int j = 0; j < n; j++) {

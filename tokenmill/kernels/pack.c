@@ -264,10 +264,11 @@ static void to_lanes(const uint8_t *nat, int k, int bits, uint8_t *lane) {
     const int nb = k / QK, full = nb / TM_GB * TM_GB;
     for (int b = 0; b < full; b++)
         for (int i = 0; i < 8; i++) memcpy(lane + lane_pos(nb, b, 4 * i), nat + (size_t)b * QK + 4 * i, 4);
-    if (half_group(bits, nb)) { /* a half group: lane order, vectors of 2 TM_GB bytes */
+    const int pb = partial_group(bits, nb);
+    if (pb) { /* a partial group: lane order, vectors of 4 pb bytes */
         for (int b = full; b < nb; b++)
             for (int i = 0; i < 8; i++)
-                memcpy(lane + (size_t)full * QK + (size_t)i * 2 * TM_GB + (size_t)(b - full) * 4,
+                memcpy(lane + (size_t)full * QK + (size_t)i * 4 * pb + (size_t)(b - full) * 4,
                        nat + (size_t)b * QK + 4 * i, 4);
         return;
     }
@@ -318,8 +319,8 @@ static void cut_codes(const uint8_t *lane, int k, int bits, uint8_t *out) {
         return;
     }
     for (int g = 0; g < nfull; g++) cut_group(lane + (size_t)g * GW, out + (size_t)g * group_bytes(bits), bits, 4 * TM_GB);
-    if (half_group(bits, nb)) {
-        cut_group(lane + (size_t)nfull * GW, out + (size_t)nfull * group_bytes(bits), bits, 2 * TM_GB);
+    if (partial_group(bits, nb)) {
+        cut_group(lane + (size_t)nfull * GW, out + (size_t)nfull * group_bytes(bits), bits, 4 * partial_group(bits, nb));
         return;
     }
     /* 4-bit tail: chunks of 64 values (a last lone block: 32), byte r = value r (low
@@ -346,7 +347,7 @@ int tm_pack_gguf(int qtype, const uint8_t *src, int64_t rows, int k, int as_8bit
     int block;
     const int ts = type_size(qtype, &block), requant = qtype == G_Q6_K && as_8bit;
     const int bits = code_bits(qtype, as_8bit);
-    if (!ts || !bits || k <= 0 || k % block || (k % QK) || !groups_fit(bits, k / QK)) return 0;
+    if (!ts || !bits || k <= 0 || k % block) return 0;
     const size_t src_row = (size_t)(k / block) * ts, code_row = (size_t)k * bits / 8;
     size_t sc_row = (size_t)(sixteen_scales(bits) ? k / 16 : k / QK) * (block == 256 ? 1 : 2);
     size_t sup_row = block == 256 ? (size_t)(k / 256) * (bits == 6 || bits == 3 ? 1 : 2) : 0;

@@ -29,7 +29,8 @@
  *                         vi_madd16(acc, w, x2): acc + per lane the lane's two int16 times
  *                         x2's two int16 (low half times low half, high times high), summed;
  *                         vi_transpose(v[TM_W]): v[k] lane l <- v[l] lane k
- *   vb   4*TM_W bytes     vb_zero, vb_load, vb_nibbles (low and high 4 bits of every byte),
+ *   vb   4*TM_W bytes     vb_zero, vb_load, vb_load_n(p, n) (n < 4*TM_W bytes, the rest zero),
+ *                         vb_nibbles (low and high 4 bits of every byte),
  *                         vb_add_crumbs(c[4], v) (c[s] |= bits 2s..2s+1 of v at bits 4..5:
  *                         the top bits of 6-bit codes, the top two of 3-bit ones),
  *                         vb_add_bits(c[8], v, at) (c[i] |= bit i of v at bit `at`: 4, the

@@ -144,6 +144,12 @@ static inline void vi_transpose(vi v[8]) {
 
 static inline vb vb_zero(void) { return _mm256_setzero_si256(); }
 static inline vb vb_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+/* The first n (< 32) bytes, the rest zero: a partial group's code vector (tm.h) */
+static inline vb vb_load_n(const void *p, int n) {
+    uint8_t b[32] = {0};
+    memcpy(b, p, (size_t)n);
+    return vb_load(b);
+}
 static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
     const __m256i m = _mm256_set1_epi8(0x0f);
     *lo = _mm256_and_si256(v, m);

@@ -242,9 +242,16 @@ static inline void vi_transpose(vi v[16]) {
 
 static inline vb vb_zero(void) { return _mm512_setzero_si512(); }
 static inline vb vb_load(const void *p) { return _mm512_loadu_si512(p); }
-/* 32 bytes into lanes 0-7, lanes 8-15 zero: a half group's code vector (tm.h) */
-static inline vb vb_load_half(const void *p) {
-    return _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_loadu_si256((const __m256i *)p), 0);
+/* The first n (< 64) bytes, the rest zero: a partial group's code vector (tm.h); a masked
+ * load (SIMDe 0.7.4 has none: through memory there) */
+static inline vb vb_load_n(const void *p, int n) {
+#if defined(TM_SIMDE_AVX512)
+    uint8_t b[64] = {0};
+    memcpy(b, p, (size_t)n);
+    return vb_load(b);
+#else
+    return _mm512_maskz_loadu_epi8((__mmask64)((1ULL << n) - 1), p);
+#endif
 }
 static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
     const __m512i m = _mm512_set1_epi8(0x0f);

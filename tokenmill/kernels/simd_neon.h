@@ -86,6 +86,12 @@ static inline vi vi_madd16(vi acc, vi w, int32_t x2) {
 
 static inline vb vb_zero(void) { return vdupq_n_u8(0); }
 static inline vb vb_load(const void *p) { return vld1q_u8((const uint8_t *)p); }
+/* The first n (< 16) bytes, the rest zero: a partial group's code vector (tm.h) */
+static inline vb vb_load_n(const void *p, int n) {
+    uint8_t b[16] = {0};
+    memcpy(b, p, (size_t)n);
+    return vb_load(b);
+}
 /* Codes minus z as int16 pairs: lane k of *even = codes 4k, 4k+1 of c, of *odd = 4k+2, 4k+3 */
 static inline void vb_widen_pairs(vb c, int z, vi *even, vi *odd) {
     const int16x8_t zz = vdupq_n_s16((int16_t)z);

@@ -82,6 +82,12 @@ static inline vb vb_load(const void *p) {
     memcpy(r.v, p, 16);
     return r;
 }
+/* The first n (< 16) bytes, the rest zero: a partial group's code vector (tm.h) */
+static inline vb vb_load_n(const void *p, int n) {
+    uint8_t b[16] = {0};
+    memcpy(b, p, (size_t)n);
+    return vb_load(b);
+}
 static inline void vb_nibbles(vb v, vb *lo, vb *hi) {
     for (int i = 0; i < 16; i++) {
         lo->v[i] = v.v[i] & 15;

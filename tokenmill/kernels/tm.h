@@ -284,20 +284,17 @@ static inline int dot_bits(const tm_weight *w) { return w->lut ? 8 : sixteen_sca
 /* Bytes of one full lane-order group of codes (GW values) of `bits` 2, 3, 4, 5, 6 or 8. */
 static inline size_t group_bytes(int bits) { return (size_t)GW * bits / 8; }
 
-/* 2-, 3-, 5- and 6-bit codes: rows of whole groups only (their bit planes have no tail
- * layout), but on AVX-512 (16-block groups) a row may end in a half group of 8 blocks
- * (rows of K % 512 == 256: a MoE expert's 768, 1280): the group's layout at half the
- * vector length, its lanes 8-15 read as zero codes against zero activations. */
+/* 2-, 3-, 5- and 6-bit codes have no natural-order tail (their bit planes need lanes): a
+ * row of them is groups, its last one partial where nb % TM_GB blocks are left (a MoE
+ * expert's 768 values on AVX-512: 8 of 16; Qwen2.5's 896: 12), laid out as a whole group
+ * of those blocks (vectors of 4 nb % TM_GB bytes), read zero-extended (the lanes past
+ * them zero codes against zero activations). */
 static inline int whole_groups_only(int bits) { return bits == 2 || bits == 3 || bits == 5 || bits == 6; }
-static inline int half_group(int bits, int nb) {
-    return TM_GB == 16 && whole_groups_only(bits) && nb % TM_GB == TM_GB / 2;
-}
-static inline int groups_fit(int bits, int nb) {
-    return !whole_groups_only(bits) || nb % TM_GB == 0 || half_group(bits, nb);
-}
+/* The blocks of a row's last, partial group (0: none) */
+static inline int partial_group(int bits, int nb) { return whole_groups_only(bits) ? nb % TM_GB : 0; }
 
 /* Where the scale of half h of block b sits among a row's per-16 scales (nb blocks): per
- * group [half][block of the group], the half group's [half][its 8 blocks]. */
+ * group [half][block of the group], a partial group's [half][its blocks]. */
 static inline size_t half_scale_index(int nb, int b, int h) {
     const int g = b / TM_GB, width = g == nb / TM_GB ? nb % TM_GB : TM_GB;
     return (size_t)g * 2 * TM_GB + (size_t)h * width + b % TM_GB;
@@ -336,39 +333,34 @@ static inline void tail_block_codes(const uint8_t *tail, int bits, int u, int nb
         for (int j = 0; j < QK; j++) out[j] = lut[out[j]];
 }
 
-/* One code vector of a group: a whole group's 4 TM_GB bytes, or a half group's 2 TM_GB
- * zero-extended (half groups exist on AVX-512 builds only: half_group) */
-static inline vb tm_code_vector(const uint8_t *p, int half) {
-#if TM_GB == 16
-    if (half) return vb_load_half(p);
-#endif
-    (void)half;
-    return vb_load(p);
-}
+/* One code vector of a group: a whole group's 4 TM_GB bytes, or a partial group's `part`
+ * (4 bytes a block) zero-extended */
+static inline vb tm_code_vector(const uint8_t *p, int part) { return part ? vb_load_n(p, part) : vb_load(p); }
 
-/* The 8 code vectors of the group whose bytes start at p (half: a row's last half group,
- * its vectors half as long): lane k of vector i holds codes 4i..4i+3 of block k (4-bit:
- * the nibble split; 5- and 6-bit: low nibbles plus the top bits; 3-bit: 8 q from the
- * top-two-bits plane and the low-bit plane; 2-bit: 16 q from its one plane, see
- * linear.c). Every offset is in vectors of vs bytes. */
-static inline __attribute__((always_inline)) void tm_codes_at(const uint8_t *p, int bits, int half, vb c[8]) {
-    const size_t vs = half ? 2 * TM_GB : 4 * TM_GB;
+/* The 8 code vectors of the group whose bytes start at p (pb: a row's last, partial
+ * group's blocks, its vectors 4 pb bytes; 0 for a whole group): lane k of vector i holds
+ * codes 4i..4i+3 of block k (4-bit: the nibble split; 5- and 6-bit: low nibbles plus the
+ * top bits; 3-bit: 8 q from the top-two-bits plane and the low-bit plane; 2-bit: 16 q
+ * from its one plane, see linear.c). Every offset is in vectors of vs bytes. */
+static inline __attribute__((always_inline)) void tm_codes_at(const uint8_t *p, int bits, int pb, vb c[8]) {
+    const int part = 4 * pb; /* bytes a partial vector holds (0: a whole one) */
+    const size_t vs = pb ? (size_t)part : 4 * TM_GB;
     if (bits == 8) {
-        for (int i = 0; i < 8; i++) c[i] = tm_code_vector(p + i * vs, half);
+        for (int i = 0; i < 8; i++) c[i] = tm_code_vector(p + i * vs, part);
         return;
     }
     if (bits <= 3) {
         for (int i = 0; i < 8; i++) c[i] = vb_zero();
-        vb_add_crumbs(c, tm_code_vector(p, half)); /* 2-bit: q at bits 4..5; 3-bit: q >> 1 */
-        vb_add_crumbs(c + 4, tm_code_vector(p + vs, half));
-        if (bits == 3) vb_add_bits(c, tm_code_vector(p + 2 * vs, half), 3); /* q & 1 at bit 3 */
+        vb_add_crumbs(c, tm_code_vector(p, part)); /* 2-bit: q at bits 4..5; 3-bit: q >> 1 */
+        vb_add_crumbs(c + 4, tm_code_vector(p + vs, part));
+        if (bits == 3) vb_add_bits(c, tm_code_vector(p + 2 * vs, part), 3); /* q & 1 at bit 3 */
         return;
     }
-    for (int i = 0; i < 4; i++) vb_nibbles(tm_code_vector(p + i * vs, half), &c[2 * i], &c[2 * i + 1]);
-    if (bits == 5) vb_add_bits(c, tm_code_vector(p + 4 * vs, half), 4);
+    for (int i = 0; i < 4; i++) vb_nibbles(tm_code_vector(p + i * vs, part), &c[2 * i], &c[2 * i + 1]);
+    if (bits == 5) vb_add_bits(c, tm_code_vector(p + 4 * vs, part), 4);
     if (bits == 6) {
-        vb_add_crumbs(c, tm_code_vector(p + 4 * vs, half));
-        vb_add_crumbs(c + 4, tm_code_vector(p + 5 * vs, half));
+        vb_add_crumbs(c, tm_code_vector(p + 4 * vs, part));
+        vb_add_crumbs(c + 4, tm_code_vector(p + 5 * vs, part));
     }
 }
 
@@ -386,9 +378,9 @@ static inline void tm_block_codes(const tm_weight *w, const uint8_t *row, int b,
                          out);
         return;
     }
-    /* in a group (or a row's last half group, its vectors half as long): vector i of the
-     * group, byte e of it */
-    const size_t vbytes = b / TM_GB == nfull ? 2 * TM_GB : 4 * TM_GB;
+    /* in a group (or a row's last, partial one, its vectors 4 bytes a block): vector i of
+     * the group, byte e of it */
+    const size_t vbytes = b / TM_GB == nfull ? 4 * (size_t)(nb % TM_GB) : 4 * TM_GB;
     const uint8_t *g = row + (size_t)(b / TM_GB) * group_bytes(w->bits);
     for (int j = 0; j < QK; j++) {
         const size_t i = (size_t)j >> 2, e = (size_t)(b % TM_GB) * 4 + (j & 3);

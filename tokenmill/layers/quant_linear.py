@@ -206,13 +206,10 @@ _SIXTEEN_CODES = {2: (pack2, unpack2, 0), 3: (pack3, unpack3, 4), 6: (pack6, unp
 
 
 def _whole_groups(in_features: int) -> bool:
-    """Rows of this length are whole lane-order groups of the loaded kernels, or on
-    AVX-512 whole groups and a last half group (layout.half_group): what 2-, 3-, 5- and
-    6-bit codes need (their bit planes have no tail layout)."""
-    if kernels.library() is None:
-        return False
-    gb = kernels.group_blocks()
-    return in_features % (QK * gb) == 0 or (gb == 16 and in_features % (QK * gb) == QK * gb // 2)
+    """Whether the loaded kernels read 2-, 3-, 5- and 6-bit codes in rows of this length:
+    any multiple of 32, as whole lane-order groups and a last partial one
+    (layout.partial_group); not without the native library."""
+    return kernels.library() is not None and in_features % QK == 0
 
 
 def _as_8bit(qtype: GT, in_features: int) -> bool:
