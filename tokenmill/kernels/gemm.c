@@ -426,8 +426,8 @@ const char *tm_amx(void) {
 /* y [T, N] = x [T, K] @ W^T (+ bias) for packed weights (bits 2 to 6 or 8; one segment),
  * activations quantized per 32-block to 16 bits if act16, else to the 8-bit range (on
  * TM_DOT8 builds multiplied as int8 by vpdpbusd, elsewhere widened to int16).
- * Returns 1, 0 on OOM, -1 for weights it does not take (float, 2-, 3-, 5- and 6-bit rows
- * not in whole groups). */
+ * Returns 1, 0 on OOM, -1 for weights it does not take (float weights, and 2-, 3- and
+ * 6-bit codes without their super-block scales). */
 int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads, int act16) {
     if ((w->bits < 2 || w->bits > 6) && w->bits != 8) return -1;
     const int K = w->k, N = w->n, nb = K / QK, six = sixteen_scales(w->bits), nu = six ? 2 * nb : nb;

@@ -46,16 +46,15 @@
  * per vector, half the work, the same integers.
  *
  * 5-bit codes (GGUF Q5_0, Q5_1, Q5_K, exactly: c = the file's 5-bit q, Z = 16 for Q5_0,
- * mins for the others, scales as for the 4-bit types): rows of whole groups (other rows
- * hold them as 8-bit codes). Per group: the low 4 bits as a 4-bit group (GW/2 bytes),
+ * mins for the others, scales as for the 4-bit types). Per group: the low 4 bits as a
+ * 4-bit group (GW/2 bytes),
  * then one plane of top bits (GW/8 bytes, one vector): byte r holds vector i's code at
  * position r in bit i. 20 bytes per 32 values plus the scales, like the file's 22-24.
  *   codes   uint8 [N, K*5/8]
  *
  * 6-bit codes (GGUF Q6_K, exactly): w = d16 * (c - 32) with a scale per 16 values, d16 =
  * dsup * sc (a float16 per 256 values times a signed byte per 16, as the file has them).
- * Rows are whole groups (k a multiple of 32 * TM_GB; other rows hold Q6_K as 8-bit
- * blocks instead). Per group: the low 4 bits as a 4-bit group (GW/2 bytes), then the
+ * Per group: the low 4 bits as a 4-bit group (GW/2 bytes), then the
  * top 2 bits (GW/4 bytes): byte c*4G + r holds vector 4c + s of the group at bits 2s.
  *   codes   uint8 [N, K*3/4];  scales int8 [N, K/16], per group [half h][block k]
  *   (block k's values 0-15 are vectors 0-3 of the group, 16-31 vectors 4-7); dsup [N, K/256]
@@ -66,10 +65,10 @@
  * TM_GB blocks laid out as a group of that many (every vector 4 bytes a block, per-16
  * scales [half][its blocks]); its vectors are read zero-extended (the lanes past them zero
  * codes), its activations sit in a whole group's lanes (quantize_x, the rest zero), its
- * scales beside zeros. So "rows of whole groups" below means: or such a row.
+ * scales beside zeros.
  *
  * 3-bit codes (GGUF Q3_K, exactly: q in 0..7, w = d16 * (q - 4), d16 = dsup * sc with a
- * signed scale per 16 values): Q6_K's form at 3 bits per value, rows of whole groups. Per
+ * signed scale per 16 values): Q6_K's form at 3 bits per value. Per
  * group: the top two bits of q (GW/4 bytes: byte c*4G + r holds vector 4c + s at bits 2s,
  * like 6-bit codes' top bits), then the low bit (GW/8 bytes: byte r holds vector i's at
  * bit i, like 5-bit codes' top bits). tm_group_codes reads them as the 6-bit code 8 q
@@ -178,7 +177,7 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
             (void)hsum, (void)lsum;
             /* whole groups' blocks (and a partial group's, of 5- and 6-bit dots: padded to
              * a whole group, the lanes past it left zero) in lane order, other tails natural */
-            const int lanes = b < full || whole_groups_only(bits);
+            const int lanes = b < full || tail_in_lanes(bits);
             const size_t pos = lanes ? (size_t)(b / TM_GB) * GW + (size_t)(b % TM_GB) * 4 : lane_pos(nb, b, 0);
             if (lanes) { /* four values at a time to their lanes */
                 for (int i = 0; i < 8; i++) {
@@ -486,7 +485,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
             }
         }
         float tail[TCHUNK] = {0};
-        if (nbt && !whole_groups_only(bits)) { /* the tail blocks, natural order, through
+        if (nbt && !tail_in_lanes(bits)) { /* the tail blocks, natural order, through
                                                   group_dot too (tail_dot) */
             const uint8_t *tc = row + (size_t)nfull * GW * bits / 8;
             /* the groups' prefetches cover only their own bytes `ahead` on: without this,
@@ -575,7 +574,7 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
                 for (int j = 16 * h; j < 16 * h + 16; j++) o[j] = (float)(c[j] - z) * d - m;
             }
         }
-    if (w->bits == 2) { /* whole groups only: q from the one plane, scale and min of half i / 4 */
+    if (w->bits == 2) { /* whole groups (a partial one: above): q from the one plane, scale and min of half i / 4 */
         for (int g = 0; g < nfull; g++) {
             const uint8_t *p = row + (size_t)g * group_bytes(2), *sb = (const uint8_t *)w->scales + (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB;
             const uint16_t *dsr = w->dsup + (size_t)r * (nb / 8), *msr = w->msup + (size_t)r * (nb / 8);
@@ -588,7 +587,7 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
         }
         return;
     }
-    if (sixteen_scales(w->bits)) { /* whole groups only: vector i of block k, scale of half i / 4 */
+    if (sixteen_scales(w->bits)) { /* whole groups (a partial one: above): vector i of block k, scale of half i / 4 */
         const int three = w->bits == 3;
         for (int g = 0; g < nfull; g++) {
             const uint8_t *p = row + (size_t)g * group_bytes(w->bits);
@@ -633,7 +632,7 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
         }
     }
     const uint8_t *tail = row + (size_t)nfull * GW * w->bits / 8;
-    for (int u = 0; u < nbt && !whole_groups_only(w->bits); u++) { /* (a partial group: above) */
+    for (int u = 0; u < nbt && !tail_in_lanes(w->bits); u++) { /* (a partial group: above) */
         uint8_t cb[QK];
         tail_block_codes(tail, w->bits, u, nbt, w->lut, cb);
         const int b = nfull * TM_GB + u;

@@ -225,8 +225,8 @@ static uint16_t float_to_half(float f) {
     return (uint16_t)(sign | ((e + 0xfff + ((e >> 13) & 1)) >> 13));
 }
 
-/* A Q6_K row whose length is not whole lane groups, as 8-bit Q8_0-like blocks (the
- * kernels' 6-bit codes need whole groups): the float32 values gguf-py's dequantize gives
+/* A Q6_K row as 8-bit Q8_0-like blocks (where the caller asks: as_8bit, for a library
+ * taken not to read 6-bit codes): the float32 values gguf-py's dequantize gives
  * (d * sub-scale, then times code - 32), requantized per 32 as quant_linear._quantize_rows
  * "q8" does (scale max|w| / 127 rounded to float16, codes rint(w / scale) + 128), the
  * same float32 operations in the same order: bit for bit its bytes. */

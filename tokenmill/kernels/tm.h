@@ -286,12 +286,12 @@ static inline size_t group_bytes(int bits) { return (size_t)GW * bits / 8; }
 
 /* 2-, 3-, 5- and 6-bit codes have no natural-order tail (their bit planes need lanes): a
  * row of them is groups, its last one partial where nb % TM_GB blocks are left (a MoE
- * expert's 768 values on AVX-512: 8 of 16; Qwen2.5's 896: 12), laid out as a whole group
- * of those blocks (vectors of 4 nb % TM_GB bytes), read zero-extended (the lanes past
- * them zero codes against zero activations). */
-static inline int whole_groups_only(int bits) { return bits == 2 || bits == 3 || bits == 5 || bits == 6; }
+ * expert's 768 values on AVX-512: 8 of 16; Qwen2.5's 896: 12), laid out in lane order as
+ * a whole group of those blocks (vectors of 4 nb % TM_GB bytes), read zero-extended (the
+ * lanes past them zero codes against zero activations). Rows of any length. */
+static inline int tail_in_lanes(int bits) { return bits == 2 || bits == 3 || bits == 5 || bits == 6; }
 /* The blocks of a row's last, partial group (0: none) */
-static inline int partial_group(int bits, int nb) { return whole_groups_only(bits) ? nb % TM_GB : 0; }
+static inline int partial_group(int bits, int nb) { return tail_in_lanes(bits) ? nb % TM_GB : 0; }
 
 /* Where the scale of half h of block b sits among a row's per-16 scales (nb blocks): per
  * group [half][block of the group], a partial group's [half][its blocks]. */
@@ -373,7 +373,7 @@ static inline __attribute__((always_inline)) void tm_group_codes(const uint8_t *
  * read them (3-bit: 8 q, 2-bit: 16 q), any build. */
 static inline void tm_block_codes(const tm_weight *w, const uint8_t *row, int b, uint8_t out[QK]) {
     const int nb = w->k / QK, nfull = nb / TM_GB;
-    if (b >= nfull * TM_GB && !whole_groups_only(w->bits)) {
+    if (b >= nfull * TM_GB && !tail_in_lanes(w->bits)) {
         tail_block_codes(row + (size_t)nfull * GW * w->bits / 8, w->bits, b - nfull * TM_GB, nb % TM_GB, w->lut,
                          out);
         return;

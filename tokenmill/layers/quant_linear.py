@@ -26,20 +26,20 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
     Q5_0  5-bit, Z=16, f16 scales                exact, 22 B / 32 (file: 22)
     Q5_1  5-bit, f16 scales + mins               exact, 24 B / 32 (file: 24)
     Q5_K  5-bit, K-quant scales + mins            exact, 22.5 B / 32 (file: 22)
-          (5-bit codes: codes [N, K*5/8], rows of whole lane-order groups; other rows,
-          e.g. Qwen2.5's 896 on AVX-512, hold them as 8-bit codes: 34-36 B / 32)
+          (5-bit codes: codes [N, K*5/8] in lane-order groups, a row that is not whole
+          groups, e.g. Qwen2.5's 896 on AVX-512, ending in a partial one)
     Q6_K  6-bit, Z=32, an int8 scale per 16       exact, 26.25 B / 32 (file: 26.25):
           values times a float16 per 256          codes [N, K*3/4], scales int8 [N, K/16]
                                                   (kernels/linear.c has the layout)
     Q3_K  3-bit, Z=4, Q6_K's scales (an int8     exact, 14.25 B / 32 (file: 13.75):
           sub-scale - 32 per 16 values, d per 256)  codes [N, K*3/8] (two bit planes;
-          on rows of whole groups                   the kernels read 8 q in Q6_K's form)
+                                                    the kernels read 8 q in Q6_K's form)
     Q2_K  2-bit, a scale and a min per 16 values  exact, 10.5 B / 32 (file: 10.5): codes
           as the file's bytes (sc + 16 m) times     [N, K/4] (one bit plane), scales uint8
-          d and dmin per 256, on rows of whole      [N, K/16]; the kernels read 16 q in
-          groups                                    Q6_K's form
-    IQ2_XS, IQ2_S, IQ1_M (a scale per 16 values), and Q2_K, Q3_K and Q6_K on rows that
-          are not whole groups: requantized to 8-bit Z=128 with a per-32 f16 scale (as Q8_0
+          d and dmin per 256                        [N, K/16]; the kernels read 16 q in
+                                                    Q6_K's form
+    IQ2_XS, IQ2_S, IQ1_M (a scale per 16 values), and Q2_K, Q3_K and Q6_K without the
+          native kernels: requantized to 8-bit Z=128 with a per-32 f16 scale (as Q8_0
           would): the added error is at most max|w_block| / 254 per value, about a quarter
           of Q6_K's own step.
     IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S, TQ1_0, TQ2_0 (grid points times a scale per 32): 4-bit
@@ -198,14 +198,14 @@ _NATIVE_BITS = {
     GT.MXFP4: 4,
     GT.Q3_K: 3,
     GT.Q2_K: 2,
-}  # fmt: skip (Q3_K, Q2_K: on rows of whole groups)
+}  # fmt: skip
 _FIVE = (GT.Q5_0, GT.Q5_1, GT.Q5_K)
 _SIXTEEN = (2, 3, 6)  # code bits with a scale per 16 values: Q2_K's, Q3_K's, Q6_K's forms
 _OWN_SIXTEEN = {GT.Q6_K: parse_q6_k, GT.Q3_K: parse_q3_k, GT.Q2_K: parse_q2_k}
 _SIXTEEN_CODES = {2: (pack2, unpack2, 0), 3: (pack3, unpack3, 4), 6: (pack6, unpack6, 32)}
 
 
-def _whole_groups(in_features: int) -> bool:
+def _own_codes_run(in_features: int) -> bool:
     """Whether the loaded kernels read 2-, 3-, 5- and 6-bit codes in rows of this length:
     any multiple of 32, as whole lane-order groups and a last partial one
     (layout.partial_group); not without the native library."""
@@ -584,18 +584,18 @@ class QuantLinear(NativeLinear):
         """Whether kernels.pack_gguf writes this type's rows (the types packed as stored,
         and Q6_K requantized to 8 bits where 6-bit codes do not run), given a library."""
         if qtype in (GT.Q3_K, GT.Q2_K) and not cls.runs_6bit(in_features):
-            return False  # requantized to 8-bit blocks by the numpy path
+            return False  # (taken not to run: requantized to 8-bit blocks by numpy)
         return kernels.library() is not None and qtype in _NATIVE_BITS
 
     @staticmethod
     def runs_6bit(in_features: int) -> bool:
         """Whether the loaded kernels multiply 6-bit codes for rows of this length."""
-        return _whole_groups(in_features)
+        return _own_codes_run(in_features)
 
     @staticmethod
     def runs_5bit(in_features: int) -> bool:
         """Whether the loaded kernels multiply 5-bit codes for rows of this length."""
-        return _whole_groups(in_features)
+        return _own_codes_run(in_features)
 
     @classmethod
     def from_float(
@@ -830,10 +830,9 @@ class QuantLinear(NativeLinear):
             nat = unpack2(codes.numpy(), self.in_features, self.group_blocks)
             q = torch.from_numpy(nat).reshape(n, -1, 16).to(torch.float32)
             byte = self._natural_halves(self.scales_raw if rows is None else self.scales_raw[rows])
-            d = self._expand_sup(self.dsup_raw if rows is None else self.dsup_raw[rows], 16)
             m = self._expand_sup(self.msup_raw if rows is None else self.msup_raw[rows], 16)
-            dl, ml = d * (byte & 15).float(), m * (byte >> 4).float()
-            return (dl[..., None] * q - ml[..., None]).reshape(n, self.in_features)
+            ml = m * (byte >> 4).float()  # `scales` is d * sc
+            return (scales[..., None] * q - ml[..., None]).reshape(n, self.in_features)
         if self.bits in _SIXTEEN:  # (d * code) * (c - Z) per 16 values, like gguf's Q6_K/Q3_K
             n = codes.shape[0]
             _, unpack, z = _SIXTEEN_CODES[self.bits]
