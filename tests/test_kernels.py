@@ -25,6 +25,7 @@ from tokenmill.kernels import build
 from tokenmill.layers import native_linear, quant_linear
 from tokenmill.layers.native_linear import FloatLinear, SegmentedLinear
 from tokenmill.layers.quant_linear import PREFILL_MIN_T, QuantLinear
+from tokenmill.loader.gguf_blocks import grid_scales_fit_half
 
 SIMPLE = [GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.Q5_0, GT.Q5_1]  # gguf.quants can quantize these
 K_QUANTS = [GT.Q4_K, GT.Q5_K]
@@ -141,9 +142,43 @@ def test_gguf_conversion_is_exact(qtype, shape):
     if qtype in TABLES:  # 4-bit codes, the scales as the file has them (MXFP4's: float16)
         per32 = {GT.IQ4_NL: 18, GT.IQ4_XS: 17.25, GT.MXFP4: 18}[qtype]  # file: 18, 17, 17
         assert layer.bits == 4 and layer.nbytes == n * k // 32 * per32 + 16  # + the table
-    if qtype in GRIDS:  # 4-bit codes, a float32 scale per 32 (TQ: the file's float16 d)
-        per32 = 18 if qtype in (GT.TQ1_0, GT.TQ2_0) else 20
+    if qtype in GRIDS:  # 4-bit codes; scales: an odd code per 32 under a float16 per 256
+        # where every d / 2^shift is a float16, else a float32 per 32 (TQ: the file's d)
+        per32 = 17.25 if grid_scales_fit_half(raw, qtype) else 20
+        per32 = 18 if qtype in (GT.TQ1_0, GT.TQ2_0) else per32
         assert layer.bits == 4 and layer.nbytes == n * k // 32 * per32 + 16
+
+
+@pytest.mark.parametrize("qtype", [GT.IQ3_S, GT.IQ3_XXS, GT.IQ2_XXS, GT.IQ1_S])
+def test_grid_scales_are_codes_under_a_float16_where_it_holds_them(qtype):
+    """A grid i-quant's scale per 32 is d (2s + 1) / 2^shift: held as the byte 2s + 1
+    under d / 2^shift as a float16 per 256 values (17.25 bytes per 32 with the 4-bit
+    codes, against 20 with float32 scales) wherever that float16 is exact. A d too small
+    for it (its quotient a subnormal with bits lost) keeps the whole tensor's scales
+    float32. Both forms decode exactly as gguf-py, and the kernels read both alike."""
+    n, k = 6, 512
+    raw = gguf_bytes(qtype, n, k)
+    blocks = raw.reshape(n, k // 256, -1)
+    d = np.random.default_rng(1).uniform(1e-2, 2e-2, (n, k // 256)).astype(np.float16)
+    blocks[..., 0:2] = d.view(np.uint8).reshape(n, k // 256, 2)
+    x = torch.randn(3, k)
+    outputs = []
+    for tiny in (False, True):
+        if tiny:  # 2^-14 (1 + 2^-10): its quotient by 4 or 8 a subnormal, its last bit lost
+            blocks[2, 1, 0:2] = np.array([0x0401], np.uint16).view(np.uint8)
+        layer = QuantLinear.from_gguf(raw, qtype, n, k)
+        assert np.array_equal(layer.dequantize().numpy(), dequantize(raw, qtype).reshape(n, k))
+        codes = not tiny or qtype == GT.IQ3_S  # (IQ3_S divides by 1: any d holds)
+        assert grid_scales_fit_half(raw, qtype) == codes
+        assert layer.nbytes == n * k // 32 * (17.25 if codes else 20) + 16
+        assert (layer.scales_raw.dtype == torch.uint8) == codes
+        y = layer(x)
+        assert (
+            (y.double() - kernel_reference(layer, x, 16)).abs() <= 1e-5 * dot_error_scale(layer, x)
+        ).all()
+        outputs.append(y)
+    same = [0, 1, 3, 4, 5]  # the rows the tiny d left alone: the same floats either way
+    assert torch.equal(outputs[0][:, same], outputs[1][:, same])
 
 
 def test_mxfp4_scales_float16_cannot_hold_stay_float32():

@@ -69,7 +69,7 @@ def test_a_model_requantized_by_llama_cpp_reads_alike(tmp_path, smollm_path, fty
     # the load line: each type's bits per weight held, against the file's
     line = llm.engine.describe()
     if ftype_name == "IQ3_S":
-        assert "IQ3_S 5.0 (3.4: 4-bit codes)" in line, line
+        assert "IQ3_S 4.3 (3.4: 4-bit codes)" in line, line
     if ftype_name == "IQ4_NL":
         assert "weights gguf (IQ4_NL 4.5 bits per weight (file 4.5), Q8_0 8.5 (8.5)" in line
     prompt = llm.tokenizer.encode("The capital of France is")

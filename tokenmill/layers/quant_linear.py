@@ -43,8 +43,10 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
           would): the added error is at most max|w_block| / 254 per value, about a quarter
           of Q6_K's own step.
     IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S, TQ1_0, TQ2_0 (grid points times a scale per 32): 4-bit
-          codes into a table of the type's signed grid points (gguf_blocks.GRID_VALUES),
-          f32 scales (TQ: the file's f16 d): exact, 20 B / 32 (TQ 18).
+          codes into a table of the type's signed grid points (gguf_blocks.GRID_VALUES);
+          the i-quants' scales d (2s + 1) / 2^n as the odd code byte under d / 2^n as a
+          f16 per 256 (IQ4_XS's form): exact, 17.25 B / 32; f32 scales where a d / 2^n is
+          no f16 (20 B / 32); TQ the file's f16 d (18).
     IQ4_NL, IQ4_XS, MXFP4 (4-bit codes into a 16-value table: `lut`, the values + 128):
           4-bit codes as stored, looked up to 8-bit ones in registers, Z=128; exact.
           IQ4_NL f16 scales: 18 B / 32 (file: 18); IQ4_XS its 6-bit scale codes as bytes
@@ -87,6 +89,7 @@ from tokenmill.loader.gguf_blocks import (
     REQUANT_GGUF_TYPES,
     TABLE_GGUF_TYPES,
     TABLE_SCALE_ZERO,
+    grid_scales_fit_half,
     mxfp4_scales_fit_half,
     parse_exact,
     parse_grid,
@@ -241,6 +244,15 @@ def _alloc_gguf(qtype: GT, rows: int, in_features: int) -> tuple[int, dict]:
     if kquant:
         arrays["sup"] = np.empty((rows, k // 256, 2), np.float16)
     return bits, arrays
+
+
+def _scales_fit_half(qtype: GT, raw) -> bool:
+    """Whether a whole tensor's block scales take their float16 form (raw: its rows, or a
+    list of parts): MXFP4's powers of two as float16, a grid i-quant's as odd codes under
+    a float16 per 256 values (gguf_blocks.grid_scales_fit_half)."""
+    if qtype == GT.MXFP4:
+        return mxfp4_scales_fit_half(raw)
+    return qtype in GRID_GGUF_TYPES and grid_scales_fit_half(raw, qtype)
 
 
 def _pack_native(qtype: GT, raw: np.ndarray, in_features: int, arrays: dict) -> bool:
@@ -441,8 +453,7 @@ class QuantLinear(NativeLinear):
             else:
                 tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
                 return cls._from_arrays(tensors, bits, in_features, out_features, bias)._of(qtype)
-        half = qtype == GT.MXFP4 and mxfp4_scales_fit_half(raw)
-        parse_rows = cls._row_parser(qtype, in_features, half)
+        parse_rows = cls._row_parser(qtype, in_features, _scales_fit_half(qtype, raw))
         layer = cls._assemble(
             lambda r0, r1: parse_rows(raw[r0:r1]), in_features, out_features, bias
         )
@@ -453,7 +464,8 @@ class QuantLinear(NativeLinear):
         """parse(rows uint8 [n, row_bytes]) -> (natural codes u8 [n, K], scales, mins |
         None, bits, sup | None) for GGUF type `qtype`: the file's own blocks where a kernel
         reads them, else requantized to 8 bits. Row by row: any rows, any batch of them.
-        half: MXFP4's scales as float16 (every row's fit: mxfp4_scales_fit_half)."""
+        half: MXFP4's scales as float16, a grid i-quant's as codes under a float16 per 256
+        (every row's fit: _scales_fit_half)."""
         block, type_size = GGML_QUANT_SIZES[qtype]
         six = qtype in _OWN_SIXTEEN and cls.runs_6bit(in_features)
         five = qtype in _FIVE and cls.runs_5bit(in_features)
@@ -467,7 +479,7 @@ class QuantLinear(NativeLinear):
             if qtype in TABLE_GGUF_TYPES:
                 return parse_table(blocks, qtype, half and qtype == GT.MXFP4)
             if qtype in GRID_GGUF_TYPES:
-                return parse_grid(blocks, qtype)
+                return parse_grid(blocks, qtype, half)
             if qtype == GT.Q6_K:  # gguf-py's float32 ops, vectorized (its own: per 16 rows)
                 return _quantize_rows(_dequantize_q6_k(blocks), "q8")
             w = gguf_dequantize(np.ascontiguousarray(rows), qtype).reshape(rows.shape[0], -1)
@@ -527,7 +539,7 @@ class QuantLinear(NativeLinear):
                     )._of(qtype)
                     for j in range(experts)
                 ]
-        half = qtype == GT.MXFP4 and mxfp4_scales_fit_half([r for parts in raws for r in parts])
+        half = _scales_fit_half(qtype, [r for parts in raws for r in parts])
         parse_rows = cls._row_parser(qtype, in_features, half)
         gb = kernels.group_blocks()
         chunk = max(1, (1 << 20) // in_features)  # rows per parse, as _assemble

@@ -260,6 +260,51 @@ def _grid_scales(blocks: np.ndarray, qtype: GT) -> np.ndarray:
     return d * (2 * ((qh >> 12) & 7) + 1) / f32(8)
 
 
+# A grid i-quant's scale per 32 values is its super-block's d times an odd integer code
+# over a power of two: d (2s + 1) / 2^shift. Held as the K-quant form, the code as a byte
+# and d / 2^shift as a float16 per 256 values (the kernels' dsup), 8.25 bits of scale per
+# 32 values against a float32's 32, where every d / 2^shift is a float16 exactly
+# (grid_scales_fit_half; else float32 scales per 32).
+GRID_SCALE_SHIFT = {GT.IQ3_S: 0, GT.IQ3_XXS: 2, GT.IQ2_XXS: 3, GT.IQ1_S: 3}
+
+
+def grid_scales_fit_half(raw: np.ndarray, qtype: GT) -> bool:
+    """Whether every super-block d of grid-type rows (raw bytes [rows, row_bytes], or a
+    list of such arrays) over 2^GRID_SCALE_SHIFT is a float16 exactly (the tiny ds of
+    subnormal results may not be): then parse_grid(half=True) holds the scales as codes."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    if qtype not in GRID_SCALE_SHIFT:
+        return False
+    size = GGML_QUANT_SIZES[qtype][1]
+    div = np.float32(2.0 ** GRID_SCALE_SHIFT[qtype])
+    for part in raw if isinstance(raw, list | tuple) else [raw]:
+        blocks = np.asarray(part).reshape(-1, size)
+        d = np.ascontiguousarray(blocks[:, 0:2]).view(np.float16).astype(np.float32)
+        if not np.array_equal((d / div).astype(np.float16).astype(np.float32) * div, d):
+            return False
+    return True
+
+
+def _grid_scale_codes(blocks: np.ndarray, qtype: GT):
+    """A grid i-quant's scales as (odd codes uint8 [rows, K/32], d / 2^shift float16
+    [rows, K/256, 1]): scale = sup * code, equal to _grid_scales' where
+    grid_scales_fit_half."""
+    rows, nsup = blocks.shape[:2]
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).astype(np.float32)
+    sup = (d / np.float32(2.0 ** GRID_SCALE_SHIFT[qtype])).astype(np.float16)
+    if qtype in (GT.IQ2_XXS, GT.IQ3_XXS):  # the top 4 bits of a uint32 per 32
+        words = np.ascontiguousarray(
+            blocks[..., 2:66] if qtype == GT.IQ2_XXS else blocks[..., 66:98]
+        ).view(np.uint32)
+        s = ((words[..., 1::2] if qtype == GT.IQ2_XXS else words) >> 28).astype(np.uint8)
+    elif qtype == GT.IQ3_S:  # 4 bytes of 4-bit scales at 106
+        s = (blocks[..., 106:110, None] >> np.array([0, 4], np.uint8)) & 15
+    else:  # IQ1_S: bits 12-14 of a uint16 per 32 at 34
+        s = ((np.ascontiguousarray(blocks[..., 34:50]).view(np.uint16) >> 12) & 7).astype(np.uint8)
+    return (2 * s + 1).astype(np.uint8).reshape(rows, -1), sup.reshape(rows, nsup, 1)
+
+
 def _grid_levels(qtype: GT) -> np.ndarray:
     """A grid type's grid as level indices: uint8 [entries, values per entry], each value's
     index in gguf-py's grid_map (ascending: the magnitudes, or IQ1_S's -1, 0, 1)."""
@@ -337,16 +382,22 @@ def _entry_codes(qtype: GT, n: int) -> np.ndarray:
     return np.ascontiguousarray(codes).view(np.uint32 if per == 4 else np.uint64)[..., 0]
 
 
-def parse_grid(blocks: np.ndarray, qtype: GT):
+def parse_grid(blocks: np.ndarray, qtype: GT, half: bool = False):
     """IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S / TQ1_0 / TQ2_0 blocks [rows, nsup, type_size] ->
-    (codes [rows, K] u8: indices into table_of(qtype), scales per 32 (float32; TQ's float16,
-    as the file), None, 4, None). The codes come from the grids' and signs' bits
-    (_grid_codes); TQ1_0's base-3 bytes through gguf-py: each value divided by its block's
-    scale is an integer grid point, checked to be one of the type's."""
+    (codes [rows, K] u8: indices into table_of(qtype), scales, None, 4, sup). Scales per
+    32: with `half` (the caller checked grid_scales_fit_half over the whole tensor) the
+    i-quants' odd codes uint8 [rows, K/32] under sup = d / 2^shift float16 [rows, K/256,
+    1] (_grid_scale_codes), else float32 [rows, K/32] and sup None; TQ's float16 d, as the
+    file. The codes come from the grids' and signs' bits (_grid_codes); TQ1_0's base-3
+    bytes through gguf-py: each value divided by its block's scale is an integer grid
+    point, checked to be one of the type's."""
     from gguf.quants import dequantize
 
     rows = blocks.shape[0]
     codes = _grid_codes(blocks, qtype)
+    if codes is not None and half and qtype in GRID_SCALE_SHIFT:
+        scale_codes, sup = _grid_scale_codes(blocks, qtype)
+        return codes, scale_codes, None, 4, sup
     if codes is not None:
         return codes, _grid_scales(blocks, qtype).reshape(rows, -1), None, 4, None
     w = dequantize(np.ascontiguousarray(blocks).reshape(rows, -1), qtype).reshape(rows, -1, 32)
