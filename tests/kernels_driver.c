@@ -150,6 +150,37 @@ static void six_bit_cases(void) {
     }
 }
 
+/* Table codes with a scale per 16 values (GGUF IQ2_XS, IQ2_S, IQ1_M: sc16): int8 scale
+ * codes per 16 times float16 per 256, rows of whole groups */
+static void sc16_cases(void) {
+    static const uint8_t lut[16] = {85, 103, 120, 136, 153, 171, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    for (int ki = 1; ki <= 4; ki += 3) {
+        const int k = 256 * ki, n = 9;
+        uint8_t *codes = fill_bytes((size_t)n * k / 2), *sc = fill_bytes((size_t)n * k / 16);
+        for (size_t i = 0; i < (size_t)n * k / 2; i++) codes[i] = (uint8_t)((codes[i] & 15) % 6 | ((codes[i] >> 4) % 6) << 4);
+        for (size_t i = 0; i < (size_t)n * k / 16; i++) sc[i] = (uint8_t)(2 * (sc[i] & 15) + 1);
+        tm_weight w = {codes, sc, NULL, 4, 0, n, k, fill_scales((size_t)n * k / 256, 1, 1e-3f), NULL};
+        w.lut = lut, w.sc16 = 1;
+        char name[64];
+        for (int t = 1; t <= 5; t += 4)
+            for (int act16 = 0; act16 < 2; act16++) {
+                float *x = fill_floats((size_t)t * k, 1.f), *y = malloc((size_t)t * n * 4);
+                tm_linear(&w, x, t, y, NULL, 2, act16);
+                snprintf(name, sizeof name, "sc16 k%d t%d a%d", k, t, act16);
+                emit(name, y, t * n);
+                tm_gemm(&w, x, t, y, NULL, 2, act16);
+                snprintf(name, sizeof name, "gemm sc16 k%d t%d a%d", k, t, act16);
+                emit(name, y, t * n);
+                free(x), free(y);
+            }
+        float *lanes = malloc((size_t)n * k * 4);
+        tm_dequant_lanes(&w, 0, n, lanes, 2);
+        snprintf(name, sizeof name, "lanes sc16 k%d", k);
+        emit(name, lanes, n * k);
+        free(lanes), free(codes), free(sc), free((void *)w.dsup);
+    }
+}
+
 /* 5-bit codes (GGUF Q5_0 / Q5_1 / Q5_K): rows of whole groups, float16 scales with and
  * without mins, and K-quant scale codes */
 static void five_bit_cases(void) {
@@ -384,6 +415,7 @@ int main(int argc, char **argv) {
     linear_cases();
     kquant_cases();
     six_bit_cases();
+    sc16_cases();
     five_bit_cases();
     table_cases();
     float_cases();

@@ -32,8 +32,9 @@ K_QUANTS = [GT.Q4_K, GT.Q5_K]
 TABLES = [GT.IQ4_NL, GT.IQ4_XS, GT.MXFP4]  # 4-bit codes into a table of 16 values
 # grid points times a scale per 32: 4-bit codes into a table of their points
 GRIDS = [GT.IQ2_XXS, GT.IQ3_XXS, GT.IQ3_S, GT.IQ1_S, GT.TQ1_0, GT.TQ2_0]
-# a scale per 16 values: requantized to 8-bit codes, a scale per 32
-REQUANT = [GT.IQ2_XS, GT.IQ2_S, GT.IQ1_M]
+# grid points times a scale per 16: 4-bit codes into a table of their points, the scales
+# as Q6_K's (whole lane groups; else requantized to 8-bit codes, a scale per 32)
+GRID16 = [GT.IQ2_XS, GT.IQ2_S, GT.IQ1_M]
 # a scale per 16 values, held as their own codes on rows of whole lane groups
 SIXTEENS = [GT.Q6_K, GT.Q3_K, GT.Q2_K]
 # (out, in): odd out sizes; in with no tail, a 1-block tail, a 2-block tail, a 15-block tail
@@ -52,6 +53,8 @@ def gguf_bytes(qtype: GT, n: int, k: int, seed: int = 0) -> np.ndarray:
         raw[..., 0] = rng.integers(118, 126, size=(n, k // block), dtype=np.uint8)
         return raw.reshape(n, -1)
     scales = (rng.random((n, k // block, 2)) * 1e-3).astype(np.float16).view(np.uint8)
+    if qtype in GRID16:  # d / 8 a float16 (normal): held as their own codes
+        scales = rng.uniform(1e-2, 2e-2, (n, k // block, 2)).astype(np.float16).view(np.uint8)
     if qtype in (GT.Q6_K, GT.TQ1_0, GT.TQ2_0, GT.Q3_K):  # d is the last 2 bytes
         raw[..., -2:] = scales[..., :2]
     elif qtype == GT.IQ1_M:  # d's 4 nibbles in the top of the last 4 uint16 scale words
@@ -61,7 +64,7 @@ def gguf_bytes(qtype: GT, n: int, k: int, seed: int = 0) -> np.ndarray:
         raw[..., -8:] = (words | (nib << np.uint16(12))).view(np.uint8)
     elif qtype == GT.Q2_K:  # d, dmin are the last 4 bytes
         raw[..., -4:] = scales
-    elif qtype in (GT.IQ4_NL, GT.IQ4_XS) or qtype in GRIDS or qtype in REQUANT:
+    elif qtype in (GT.IQ4_NL, GT.IQ4_XS) or qtype in GRIDS or qtype in GRID16:
         raw[..., 0:2] = scales[..., :2]  # d first, the rest random codes, grids and signs
     else:  # d, dmin first
         raw[..., 0:4] = scales.reshape(n, k // block, 4)
@@ -194,15 +197,36 @@ def test_mxfp4_scales_float16_cannot_hold_stay_float32():
     assert all(e.scales.dtype == torch.float32 for e in experts)
 
 
-@pytest.mark.parametrize("qtype", REQUANT)
-def test_sixteen_value_sub_block_types_are_requantized_within_bound(qtype):
-    """IQ2_XS, IQ2_S, IQ1_M: 8-bit codes, a float16 scale per 32 values."""
-    n, k = 9, 512
+@pytest.mark.parametrize("qtype", GRID16)
+@pytest.mark.parametrize("k", [512, 768])
+def test_grid_types_with_a_scale_per_16_are_their_own_codes_where_kernels_read_them(qtype, k):
+    """IQ2_XS, IQ2_S, IQ1_M: grid points times d (2s + 1) / 8 per 16 values, held as 4-bit
+    codes into a table of their points under int8 codes per 16 times d / 8 per 256 (18.25
+    bytes per 32 values), exactly gguf-py's values, on rows of whole lane groups (512
+    values on AVX-512: 768 is not). Elsewhere, and where a d / 8 is no float16, requantized
+    to 8-bit codes and a float16 scale per 32 (34 bytes), within its bound; said so."""
+    n = 9
     raw = gguf_bytes(qtype, n, k)
     ref = dequantize(raw, qtype).reshape(n, k)
-    layer = QuantLinear.from_gguf(raw, qtype, n, k)
-    assert layer.bits == 8 and layer.nbytes == n * k // 32 * 34
-    _assert_requantized(layer.dequantize().numpy(), ref)
+    own = QuantLinear.runs_sc16(k)
+    for tiny in (False, True):
+        if tiny:  # a d of 2^-14 (1 + 2^-10): d / 8 a subnormal, its last bit lost
+            d = np.array([0x0401], np.uint16)
+            at = raw.reshape(n, k // 256, -1)[4, 1]
+            if qtype == GT.IQ1_M:  # its nibbles in the top of the scale words at 48
+                words = at[48:56].copy().view(np.uint16) & np.uint16(0x0FFF)
+                nib = (d >> np.array([0, 4, 8, 12], np.uint16)) & np.uint16(15)
+                at[48:56] = (words | (nib << np.uint16(12))).view(np.uint8)
+            else:
+                at[0:2] = d.view(np.uint8)
+            ref = dequantize(raw, qtype).reshape(n, k)
+        layer = QuantLinear.from_gguf(raw, qtype, n, k)
+        if own and not tiny:
+            assert layer.bits == 4 and layer.sc16 and layer.nbytes == n * k // 32 * 18.25 + 16
+            assert np.array_equal(layer.dequantize().numpy(), ref)
+        else:
+            assert layer.bits == 8 and layer.nbytes == n * k // 32 * 34
+            _assert_requantized(layer.dequantize().numpy(), ref)
 
 
 @pytest.mark.parametrize("qtype", SIXTEENS)
@@ -312,7 +336,7 @@ def test_from_float(scheme, bound):
 
 
 @pytest.mark.parametrize("act_bits", [8, 16])
-@pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS + SIXTEENS + TABLES + GRIDS[::2])
+@pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS + SIXTEENS + TABLES + GRIDS[::2] + GRID16[:2])
 def test_decode_kernel_matches_reference(kbuild, qtype, act_bits):
     torch.manual_seed(0)
     shapes = shapes_for(qtype)
@@ -385,7 +409,7 @@ def test_prefill_path_matches_its_reference(kbuild, monkeypatch, qtype, t):
 
 
 @pytest.mark.parametrize("act_bits", [8, 16])
-@pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS + SIXTEENS + TABLES)
+@pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS + SIXTEENS + TABLES + GRID16[2:])
 def test_integer_gemm_matches_reference_and_gemv(kbuild, qtype, act_bits):
     """The integer GEMM of every build (also where it is not the prefill path): the
     GEMV's integers, row and token counts off its tiles (RT rows, 3 tokens), K tails."""

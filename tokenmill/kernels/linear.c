@@ -85,6 +85,12 @@
  *   codes   uint8 [N, K/4];  scales uint8 [N, K/16] (sc + 16 m, per group [half][block]);
  *   dsup, msup [N, K/256]
  *
+ * Table codes with a scale per 16 values (tm_weight.sc16: GGUF IQ2_XS, IQ2_S, IQ1_M,
+ * exactly: w = dsup * sc * point, the points the table's): 4-bit codes as the table types
+ * have them, looked up to 8-bit ones (Z = 128), under Q6_K's scales (int8 [N, K/16] per
+ * group [half][block], dsup [N, K/256]); each half's dot less its zero-point term (zh: 128
+ * sum q and what group_dot adds to 8-bit codes). Rows of whole groups only.
+ *
  * Float weights (bits TM_F16 / TM_BF16 / TM_F32): [N, K] in natural order, converted to
  * float32 in registers (F16C / shifts / NEON fcvtl) and multiplied by float32 x.
  */
@@ -115,37 +121,41 @@ typedef struct {
  * dx), dx = max|x| / qmax, qmax 127 (8-bit) or 32767 (act16), stored in lane order as two
  * byte planes (the operands of byte dot products; see group_dot in simd.h). Returns 0 on
  * OOM. */
-static size_t xq_layout(int T, int K, int bits, xq_t *xq, size_t *fbytes, size_t *qbytes,
+static size_t xq_layout(int T, int K, int halves, xq_t *xq, size_t *fbytes, size_t *qbytes,
                         size_t *base, size_t *pbytes) {
     const int nb = K / QK, full = nb / TM_GB * TM_GB;
     xq->gpad = (nb + TM_GB - 1) / TM_GB * TM_GB;
     xq->kpad = xq->gpad * QK;
     *fbytes = ((size_t)T * xq->gpad * 4 + 63) & ~(size_t)63;
     *qbytes = ((size_t)T * xq->kpad + 63) & ~(size_t)63;
-    *base = (bits == 6 ? 5 : 3) * *fbytes + 2 * *qbytes; /* zh: 6-bit only */
+    *base = (halves ? 5 : 3) * *fbytes + 2 * *qbytes; /* zh: scales per 16 only */
     xq->npair = 4 * TM_GB > QK ? (nb - full) / 2 : 0;    /* whole pairs of tail blocks */
     *pbytes = (size_t)T * xq->npair * TM_W * 4;
     return *base + 3 * *pbytes;
 }
 
-/* The bytes quantize_x needs for x [T, K] against a weight of `bits` (64-byte multiples) */
-static size_t xq_bytes(int T, int K, int bits) {
+/* The bytes quantize_x needs for x [T, K] against a weight with scales per 16 values
+ * (halves) or not (64-byte multiples) */
+static size_t xq_bytes(int T, int K, int halves) {
     xq_t xq;
     size_t f, q, b, p;
-    return (xq_layout(T, K, bits, &xq, &f, &q, &b, &p) + 63) & ~(size_t)63;
+    return (xq_layout(T, K, halves, &xq, &f, &q, &b, &p) + 63) & ~(size_t)63;
 }
 
-static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, xq_t *xq, char *buf) {
+/* bits: the dots' code bits (dot_bits); halves: the weight's scales are per 16 values
+ * (half_scales), whose zero-point terms then come per half (zh) */
+static int quantize_x(const float *x, int T, int K, int z, int bits, int halves, int act16, xq_t *xq,
+                      char *buf) {
     const int nb = K / QK, full = nb / TM_GB * TM_GB;
     size_t fbytes, qbytes, base, pbytes;
-    const size_t total = xq_layout(T, K, bits, xq, &fbytes, &qbytes, &base, &pbytes);
+    const size_t total = xq_layout(T, K, halves, xq, &fbytes, &qbytes, &base, &pbytes);
     if (!buf) buf = tm_scratch(total); /* else the caller's, of xq_bytes */
     if (!buf) return 0;
     memset(buf, 0, total);
     xq->tz = (int32_t *)(buf + base);
     xq->tdx = (float *)(buf + base + pbytes);
     xq->tsx = (float *)(buf + base + 2 * pbytes);
-    xq->zh = bits == 6 ? (int32_t *)(buf + 3 * fbytes + 2 * qbytes) : NULL; /* 2 per block */
+    xq->zh = halves ? (int32_t *)(buf + 3 * fbytes + 2 * qbytes) : NULL; /* 2 per block */
     xq->dx = (float *)buf;
     xq->sx = (float *)(buf + fbytes);
     xq->zc = (int32_t *)(buf + 2 * fbytes);
@@ -208,12 +218,16 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int act16, 
                     (void)hs, (void)ls;
                 }
             }
-            if (bits == 6) { /* the zero point per 16-value half (6-bit scales are per half) */
-                int32_t half0 = 0;
-                for (int j = 0; j < QK / 2; j++) half0 += qv[j];
+            if (halves) { /* the zero point per 16-value half (scales per half): 32 sum q
+                           for 6-bit dots (2-bit codes' min term takes it too), else z sum q
+                           and what group_dot adds to 8-bit codes' dots over the half */
+                int32_t half0 = 0, h0 = 0, l0 = 0;
+                for (int j = 0; j < QK / 2; j++) half0 += qv[j], h0 += hv[j], l0 += lv[j];
                 const size_t hi = (size_t)r * 2 * xq->gpad + (size_t)(b / TM_GB) * 2 * TM_GB + b % TM_GB;
-                xq->zh[hi] = 32 * half0;
-                xq->zh[hi + TM_GB] = 32 * (qsum - half0);
+                const int zq = bits == 6 ? 32 : z;
+                xq->zh[hi] = zq * half0 + (left ? TM_A16_LEFT_OUT8(h0, l0) : 0);
+                xq->zh[hi + TM_GB] = zq * (qsum - half0) + (left ? TM_A16_LEFT_OUT8(hsum - h0, lsum - l0) : 0);
+                (void)h0, (void)l0;
             }
         }
     }
@@ -379,12 +393,13 @@ static inline vf sup_lanes(const float *sup, int g) {
  * scales the group's TM_GB blocks at once. */
 static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, const xq_t *xq,
                                                            int r0, int r1, int t0, int T, int bits,
-                                                           int lut, float *y, const float *bias) {
+                                                           int lut, int sc16, float *y, const float *bias) {
     const int nb = w->k / QK, nfull = nb / TM_GB, nbt = nb % TM_GB, f16 = w->scale_f16;
     const int db = lut ? 8 : bits; /* the dots' code bits (table codes: looked up to 8) */
     const vb table = vb_table(lut ? w->lut : tm_no_table);
     /* scale bytes per 32 values: K-quant codes 1 (6-bit: 2, one per 16), float16 2, float32 4 */
-    const int six = sixteen_scales(bits); /* Q6_K's form (3-bit codes: 8 q in it) */
+    /* Q6_K's form (3-bit codes: 8 q in it; table codes with sc16: looked up to 8 bits) */
+    const int six = sixteen_scales(bits) || sc16, sdb = lut ? 8 : 6;
     const size_t rb = row_bytes(w), es = w->dsup ? (six ? 2 : 1) : f16 ? 2 : 4;
     const size_t ahead = prefetch_ahead(rb);
     const int ng = nfull + (partial_group(bits, nb) > 0); /* groups, a last partial one too */
@@ -411,6 +426,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
             vb c[8];
             prefetch_codes(row + (size_t)g * group_bytes(bits), group_bytes(bits), ahead);
             tm_codes_at(row + (size_t)g * group_bytes(bits), bits, pb, c);
+            if (lut) tm_lookup_codes(table, c);
             /* 3-bit codes are 8 q, 2-bit ones 16 q: their scale an eighth, a sixteenth (exact) */
             const vf ds = vf_mul(sup_lanes(dsup, g), vf_set1(bits == 3 ? 0.125f : bits == 2 ? 0.0625f : 1.f));
             const uint8_t *s0 = (const uint8_t *)w->scales + (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB;
@@ -446,8 +462,8 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
                     acc[t] = vf_fma(vf_mul(vf_from_vi(vi_load(zh + TM_GB)), dx), m1, acc[t]);
                     continue;
                 }
-                const vi s0 = vi_sub(dot_codes(c, 4, xq, xo, 6), vi_load(zh));
-                const vi s1 = vi_sub(dot_codes(c + 4, 4, xq, xh, 6), vi_load(zh + TM_GB));
+                const vi s0 = vi_sub(dot_codes(c, 4, xq, xo, sdb), vi_load(zh));
+                const vi s1 = vi_sub(dot_codes(c + 4, 4, xq, xh, sdb), vi_load(zh + TM_GB));
                 acc[t] = vf_fma(vf_mul(vf_from_vi(s0), dx), d0, acc[t]);
                 acc[t] = vf_fma(vf_mul(vf_from_vi(s1), dx), d1, acc[t]);
             }
@@ -503,7 +519,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
 #define DEF_ROWS(B, T)                                                                        \
     static void rows_b##B##_t##T(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, \
                                  float *y, const float *bias) {                               \
-        rows_dot(w, xq, r0, r1, t0, T, B, 0, y, bias);                                        \
+        rows_dot(w, xq, r0, r1, t0, T, B, 0, 0, y, bias);                                     \
     }
 typedef void (*rows_fn)(const tm_weight *, const xq_t *, int, int, int, float *, const float *);
 /* Instantiated for T = 1, 2, 4, 8 only (compile time); other counts are split. */
@@ -518,10 +534,18 @@ DEF_ROWS_ALL(4)
 #define DEF_ROWS_LUT(T)                                                                   \
     static void rows_lut_t##T(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, \
                               float *y, const float *bias) {                              \
-        rows_dot(w, xq, r0, r1, t0, T, 4, 1, y, bias);                                    \
+        rows_dot(w, xq, r0, r1, t0, T, 4, 1, 0, y, bias);                                 \
     }
 DEF_ROWS_LUT(1) DEF_ROWS_LUT(2) DEF_ROWS_LUT(4) DEF_ROWS_LUT(8)
 static const rows_fn ROWS_B4L[4] = {rows_lut_t1, rows_lut_t2, rows_lut_t4, rows_lut_t8};
+/* ... with a scale per 16 values (tm_weight.sc16): the halves' dots, as 6-bit codes' */
+#define DEF_ROWS_LUT16(T)                                                                   \
+    static void rows_lut16_t##T(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, \
+                                float *y, const float *bias) {                              \
+        rows_dot(w, xq, r0, r1, t0, T, 4, 1, 1, y, bias);                                   \
+    }
+DEF_ROWS_LUT16(1) DEF_ROWS_LUT16(2) DEF_ROWS_LUT16(4) DEF_ROWS_LUT16(8)
+static const rows_fn ROWS_B4L16[4] = {rows_lut16_t1, rows_lut16_t2, rows_lut16_t4, rows_lut16_t8};
 DEF_ROWS_ALL(5)
 DEF_ROWS_ALL(6)
 DEF_ROWS_ALL(8)
@@ -530,7 +554,8 @@ DEF_ROWS_ALL(8)
  * (ROWBLOCK of them) stay in L1 between the pieces. */
 static void rows_any(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, int T,
                      float *y, const float *bias) {
-    const rows_fn *table = w->lut          ? ROWS_B4L /* table codes are 4-bit */
+    const rows_fn *table = w->sc16         ? ROWS_B4L16
+                           : w->lut       ? ROWS_B4L /* table codes are 4-bit */
                            : w->bits == 2 ? ROWS_B2
                            : w->bits == 3 ? ROWS_B3
                            : w->bits == 4 ? ROWS_B4
@@ -613,10 +638,16 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
         return;
     }
     for (int g = 0; g < nfull; g++) {
-        float de[4 * TM_GB], me[4 * TM_GB]; /* per element: its block's d and m */
+        float de[2][4 * TM_GB], me[4 * TM_GB]; /* per element: its block's d (per half) and m */
         for (int k = 0; k < TM_GB; k++) {
-            const float d = tm_block_scale(w, r, g * TM_GB + k), m = tm_block_min(w, r, g * TM_GB + k);
-            for (int t = 0; t < 4; t++) de[4 * k + t] = d, me[4 * k + t] = m;
+            const int b = g * TM_GB + k;
+            const float m = tm_block_min(w, r, b);
+            for (int h = 0; h < 2; h++) { /* sc16: half h's int8 code times dsup */
+                const float d = w->sc16 ? tm_half_to_float(w->dsup[(size_t)r * (nb / 8) + b / 8]) *
+                                              (float)((const int8_t *)w->scales)[(size_t)r * 2 * nb + half_scale_index(nb, b, h)]
+                                        : tm_block_scale(w, r, b);
+                for (int t = 0; t < 4; t++) de[h][4 * k + t] = d, me[4 * k + t] = m;
+            }
         }
         float *o = out + (size_t)g * GW;
         const uint8_t *gp = row + (size_t)g * group_bytes(w->bits);
@@ -627,7 +658,7 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
             for (int e = 0; e < vb_bytes; e++) {
                 int c = ((p[e] >> shift) & mask) | (w->bits == 5 ? ((top[e] >> i) & 1) << 4 : 0);
                 if (w->lut) c = w->lut[c];
-                o[i * vb_bytes + e] = (float)(c - z) * de[e] + me[e];
+                o[i * vb_bytes + e] = (float)(c - z) * de[i >> 2][e] + me[e];
             }
         }
     }
@@ -823,7 +854,7 @@ static int linear_one(const tm_weight *w, const float *x, int T, float *y, const
     if (tm_linear_path(w->bits, T, 0, NULL, 0) == TM_PATH_GEMM) /* the integer GEMM (gemm.c) */
         return tm_gemm(w, x, T, y, bias, nthreads, act16);
     xq_t xq;
-    if (!fw && !quantize_x(x, T, w->k, zero_point(w), dot_bits(w), act16, &xq, NULL)) return 0;
+    if (!fw && !quantize_x(x, T, w->k, zero_point(w), dot_bits(w), half_scales(w), act16, &xq, NULL)) return 0;
     const int n = w->n, nblk = (n + ROWBLOCK - 1) / ROWBLOCK;
     const int nt = tm_team(nthreads, nblk);
     int64_t start = tm_now(), done = start;
@@ -889,17 +920,18 @@ int tm_linear_jobs(const tm_weight *const *w, const float *const *x, const int *
         src[j] = j;
         for (int i = 0; i < j && src[j] == j; i++)
             if (src[i] == i && x[i] == x[j] && T[i] == T[j] && w[i]->k == w[j]->k &&
-                zero_point(w[i]) == zero_point(w[j]) && dot_bits(w[i]) == dot_bits(w[j]))
+                zero_point(w[i]) == zero_point(w[j]) && dot_bits(w[i]) == dot_bits(w[j]) &&
+                half_scales(w[i]) == half_scales(w[j]))
                 src[j] = i;
         off[j] = total;
-        if (src[j] == j) total += xq_bytes(T[j], w[j]->k, dot_bits(w[j]));
+        if (src[j] == j) total += xq_bytes(T[j], w[j]->k, half_scales(w[j]));
     }
     char *buf = tm_buf_get(&jobs_buf, total);
     if (!buf) return 0;
     first[0] = 0;
     for (int j = 0; j < n; j++) {
-        if (src[j] == j && !quantize_x(x[j], T[j], w[j]->k, zero_point(w[j]), dot_bits(w[j]), act16,
-                                       &xq[j], buf + off[j]))
+        if (src[j] == j && !quantize_x(x[j], T[j], w[j]->k, zero_point(w[j]), dot_bits(w[j]),
+                                       half_scales(w[j]), act16, &xq[j], buf + off[j]))
             return 0;
         first[j + 1] = first[j] + (w[j]->n + ROWBLOCK - 1) / ROWBLOCK;
     }

@@ -29,7 +29,7 @@
 
 #define TM_GB TM_W /* blocks per lane-order group: one vector of 32-bit lanes */
 
-#define TM_ABI 19 /* tm_info() / 1000: bumped when a struct or signature changes */
+#define TM_ABI 20 /* tm_info() / 1000: bumped when a struct or signature changes */
 
 #define QK 32            /* values per block */
 #define GW (TM_GB * QK)  /* values per full lane-order group */
@@ -77,6 +77,9 @@ typedef struct tm_weight {
                            8-bit codes with Z = 128 once looked up in registers; or NULL */
     int32_t scale_zero; /* K-quant scale codes: d = dsup * (code - scale_zero); 0, or 32
                            for IQ4_XS's signed 6-bit codes */
+    int32_t sc16; /* 1: table codes (lut) with a scale per 16 values (GGUF IQ2_XS, IQ2_S,
+                     IQ1_M), in 6-bit codes' form: int8 [n, k/16] per group [half][block],
+                     times dsup; rows of whole lane groups. 0: a scale per block */
 } tm_weight;
 
 /* The model's shapes, shared by every layer (ctypes mirror: TmShape). */
@@ -266,6 +269,10 @@ static inline float tm_block_min(const tm_weight *w, int r, int b) {
 /* Codes with a scale per 16 values: Q6_K's form, 3-bit Q3_K read as 8 q in it, and 2-bit
  * Q2_K read as 16 q with a min per 16 values too (unit_mins). */
 static inline int sixteen_scales(int bits) { return bits == 2 || bits == 3 || bits == 6; }
+
+/* Whether a weight's scales are per 16 values (units of half a block): 2-, 3- and 6-bit
+ * codes, and table codes with sc16. */
+static inline int half_scales(const tm_weight *w) { return sixteen_scales(w->bits) || w->sc16; }
 
 /* 2-bit codes (Q2_K): each 16 values' scale byte holds its scale code (low nibble) and its
  * min code (high nibble), as the file has them: w = dsup * sc * q - msup * m. */

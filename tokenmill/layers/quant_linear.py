@@ -38,10 +38,13 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
           as the file's bytes (sc + 16 m) times     [N, K/4] (one bit plane), scales uint8
           d and dmin per 256                        [N, K/16]; the kernels read 16 q in
                                                     Q6_K's form
-    IQ2_XS, IQ2_S, IQ1_M (a scale per 16 values), and Q2_K, Q3_K and Q6_K without the
-          native kernels: requantized to 8-bit Z=128 with a per-32 f16 scale (as Q8_0
-          would): the added error is at most max|w_block| / 254 per value, about a quarter
-          of Q6_K's own step.
+    IQ2_XS, IQ2_S, IQ1_M (grid points times d (2s + 1) / 8 per 16 values): 4-bit codes
+          into a table of their points, looked up like IQ4_NL's, under Q6_K's form of
+          scales (the int8 code 2s + 1 per 16, d / 8 as a f16 per 256: `sc16`): exact,
+          18.25 B / 32, on rows of whole lane groups where every d / 8 is a f16.
+    Those elsewhere, and Q2_K, Q3_K and Q6_K without the native kernels: requantized to
+          8-bit Z=128 with a per-32 f16 scale (as Q8_0 would): the added error is at most
+          max|w_block| / 254 per value, about a quarter of Q6_K's own step.
     IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S, TQ1_0, TQ2_0 (grid points times a scale per 32): 4-bit
           codes into a table of the type's signed grid points (gguf_blocks.GRID_VALUES);
           the i-quants' scales d (2s + 1) / 2^n as the odd code byte under d / 2^n as a
@@ -84,15 +87,18 @@ from tokenmill.kernels.layout import (
 from tokenmill.layers.native_linear import NativeLinear
 from tokenmill.loader.gguf_blocks import (
     EXACT_GGUF_TYPES,
+    GRID16_VALUES,
     GRID_GGUF_TYPES,
     QUANT_GGUF_TYPES,
     REQUANT_GGUF_TYPES,
     TABLE_GGUF_TYPES,
     TABLE_SCALE_ZERO,
+    grid16_scales_fit_half,
     grid_scales_fit_half,
     mxfp4_scales_fit_half,
     parse_exact,
     parse_grid,
+    parse_grid16,
     parse_q2_k,
     parse_q3_k,
     parse_q6_k,
@@ -252,6 +258,10 @@ def _scales_fit_half(qtype: GT, raw) -> bool:
     a float16 per 256 values (gguf_blocks.grid_scales_fit_half)."""
     if qtype == GT.MXFP4:
         return mxfp4_scales_fit_half(raw)
+    if qtype in GRID16_VALUES:  # and the kernels read them: whole lane groups
+        in_features = np.shape(raw[0] if isinstance(raw, list | tuple) else raw)[-1]
+        in_features = in_features // GGML_QUANT_SIZES[qtype][1] * 256
+        return QuantLinear.runs_sc16(in_features) and grid16_scales_fit_half(raw, qtype)
     return qtype in GRID_GGUF_TYPES and grid_scales_fit_half(raw, qtype)
 
 
@@ -302,9 +312,10 @@ def _store(dst: dict, parsed: tuple, in_features: int, gb: int) -> None:
     row order, of any leading shape): codes in the kernels' lane order."""
     nat, sc, mn, bits, su = parsed
     codes = None
+    if np.shape(sc)[-1] == in_features // 16:  # per 16 values: the kernels' group order
+        sc = sc[:, half_scale_perm(in_features, gb)]
     if bits in _SIXTEEN:
         codes = _SIXTEEN_CODES[bits][0](nat, gb)
-        sc = sc[:, half_scale_perm(in_features, gb)]
     elif bits == 5:
         codes = pack5(nat, gb)
     else:  # straight into the destination
@@ -352,16 +363,19 @@ class QuantLinear(NativeLinear):
             raise ValueError(f"need in_features % {QK} == 0 and bits in (2, 3, 4, 5, 6, 8)")
         if codes.shape != (out_features, in_features * bits // 8) or codes.dtype != torch.uint8:
             raise ValueError(f"codes: expected uint8 {(out_features, in_features * bits // 8)}")
-        per = 16 if bits in _SIXTEEN else QK  # values per scale
+        # table codes with a scale per 16 values (IQ2_XS, IQ2_S, IQ1_M): int8 scale codes
+        # per 16 in the kernels' group order times sup, like 6-bit codes' (tm_weight.sc16)
+        sixteen = bits in _SIXTEEN or (bits == 4 and sup is not None and scales.dtype == torch.int8)
+        per = 16 if sixteen else QK  # values per scale
         if scales.shape != (out_features, in_features // per):
             raise ValueError(f"scales: expected shape {(out_features, in_features // per)}")
         if sup is None and scales.dtype not in _RAW:
             raise ValueError(f"scales must be float16 or float32, got {scales.dtype}")
         # sup's columns: d and dmin, or d alone (6-bit codes, and scale codes without mins)
         # (2-bit: d and dmin, its scale bytes holding a scale and a min code each)
-        nsup = 2 if bits == 2 else 1 if bits in _SIXTEEN or mins is None else 2
+        nsup = 2 if bits == 2 else 1 if sixteen or mins is None else 2
         if sup is not None and (
-            scales.dtype != (torch.int8 if bits in (3, 6) else torch.uint8)
+            scales.dtype != (torch.int8 if bits in (3, 6) or sixteen and bits == 4 else torch.uint8)
             or sup.shape != (out_features, in_features // 256, nsup)
             or sup.dtype != torch.float16
         ):
@@ -480,6 +494,8 @@ class QuantLinear(NativeLinear):
                 return parse_table(blocks, qtype, half and qtype == GT.MXFP4)
             if qtype in GRID_GGUF_TYPES:
                 return parse_grid(blocks, qtype, half)
+            if qtype in GRID16_VALUES and half:  # (else requantized, below)
+                return parse_grid16(blocks, qtype)
             if qtype == GT.Q6_K:  # gguf-py's float32 ops, vectorized (its own: per 16 rows)
                 return _quantize_rows(_dequantize_q6_k(blocks), "q8")
             w = gguf_dequantize(np.ascontiguousarray(rows), qtype).reshape(rows.shape[0], -1)
@@ -600,6 +616,12 @@ class QuantLinear(NativeLinear):
         return kernels.library() is not None and qtype in _NATIVE_BITS
 
     @staticmethod
+    def runs_sc16(in_features: int) -> bool:
+        """Whether the loaded kernels multiply table codes with a scale per 16 values in
+        rows of this length: whole lane-order groups (512 values on AVX-512)."""
+        return kernels.library() is not None and in_features % (QK * kernels.group_blocks()) == 0
+
+    @staticmethod
     def runs_6bit(in_features: int) -> bool:
         """Whether the loaded kernels multiply 6-bit codes for rows of this length."""
         return _own_codes_run(in_features)
@@ -657,7 +679,9 @@ class QuantLinear(NativeLinear):
     def _of(self, qtype: GT) -> QuantLinear:
         """This layer marked as packed from GGUF type `qtype` (its sources), with the
         type's table where its codes index one; returns it."""
-        if qtype in TABLE_GGUF_TYPES | GRID_GGUF_TYPES:
+        if qtype in TABLE_GGUF_TYPES | GRID_GGUF_TYPES or (
+            qtype in GRID16_VALUES and self.bits == 4
+        ):
             self.set_table(table_of(qtype), TABLE_SCALE_ZERO.get(qtype, 0))
         self.sources = {qtype.name: self.out_features * self.in_features}
         return self
@@ -720,6 +744,12 @@ class QuantLinear(NativeLinear):
         """Whether scales and mins are K-quant codes times super-block scales."""
         return self.dsup_raw is not None
 
+    @property
+    def sc16(self) -> bool:
+        """Whether 4-bit (table) codes have a scale per 16 values (IQ2_XS, IQ2_S, IQ1_M):
+        int8 codes in the kernels' group order times dsup, as 6-bit codes' scales."""
+        return self.bits == 4 and self.kquant and self.scales_raw.dtype == torch.int8
+
     def _natural_halves(self, raw: torch.Tensor | None = None) -> torch.Tensor:
         """The per-16 scale bytes (of `raw` rows, default all) in natural order."""
         raw = self.scales_raw if raw is None else raw
@@ -738,7 +768,7 @@ class QuantLinear(NativeLinear):
         in/16], one per 16 values in natural order (d * an 8-bit code, exact)."""
         if self.bits == 2:  # the scale codes are the bytes' low nibbles
             return self._expand_sup(self.dsup_raw, 16) * (self._natural_halves() & 15).float()
-        if self.bits in _SIXTEEN:
+        if self.bits in _SIXTEEN or self.sc16:
             return self._expand_sup(self.dsup_raw, 16) * self._natural_halves().float()
         if self.kquant:
             return self._expand_sup(self.dsup_raw) * (self.scales_raw.float() - self.scale_zero)
@@ -758,6 +788,8 @@ class QuantLinear(NativeLinear):
     # -- compute ----------------------------------------------------------------------
 
     def _make_native(self) -> kernels.TmWeight:
+        if self.sc16 and not self.runs_sc16(self.in_features):
+            self._to_8bit()  # a library whose lane groups do not tile these rows
         if self.bits in _SIXTEEN and not self.runs_6bit(self.in_features):
             self._to_8bit()  # a library without 6-bit kernels was loaded since
         if self.bits == 5 and not self.runs_5bit(self.in_features):
@@ -784,6 +816,7 @@ class QuantLinear(NativeLinear):
             None if dsup is None or msup is None else msup.data_ptr(),
             lut=None if self.lut is None else self.lut.data_ptr(),
             scale_zero=self.scale_zero,
+            sc16=int(self.sc16),
         )
 
     def _to_8bit(self) -> None:
@@ -800,11 +833,14 @@ class QuantLinear(NativeLinear):
         nat, sc, _, bits, _ = _quantize_rows(self.dequantize(), "q8")
         self.codes = torch.from_numpy(pack_codes(nat, bits, gb))
         self.scales_raw = torch.from_numpy(sc).view(torch.int16)
-        self.dsup_raw = self.msup_raw = None
-        self.bits, self.group_blocks = bits, gb
+        self.dsup_raw = self.msup_raw = self.lut = None
+        self.bits, self.group_blocks, self.scale_zero = bits, gb, 0
 
     def _relayout(self, gb: int) -> None:
         """Repack the codes for groups of gb blocks (a library of another vector width)."""
+        if self.sc16:  # the scales' group order; the codes below, as 4-bit ones
+            perm = torch.from_numpy(half_scale_perm(self.in_features, gb))
+            self.scales_raw = self._natural_halves()[:, perm].contiguous()
         if self.bits in _SIXTEEN:
             k, old = self.in_features, self.group_blocks
             natural = torch.empty_like(self.scales_raw)
@@ -861,6 +897,9 @@ class QuantLinear(NativeLinear):
         if self.lut is not None:  # table codes: their values + 128
             c = self.lut[c.long()]
         n = c.shape[0]
+        if self.sc16:  # (d * code) * (c - 128) per 16 values
+            c = c.reshape(n, -1, 16).to(torch.float32) - 128
+            return (scales[..., None] * c).reshape(n, self.in_features)
         c = c.reshape(n, -1, QK).to(torch.float32)
         d = scales.to(torch.float32)[..., None]
         if mins is None:

@@ -6,9 +6,9 @@ of 32, and for K-quants the super-block scales they multiply. Exact for the type
 EXACT_GGUF_TYPES; for Q6_K, Q3_K and Q2_K as 6-, 3- and 2-bit codes with a scale per 16
 values (parse_q6_k, parse_q3_k, parse_q2_k); for the table-coded 4-bit types (IQ4_NL,
 IQ4_XS, MXFP4: parse_table) and the grid types (IQ3_S, IQ2_XXS, TQ2_0, ...: parse_grid) as
-4-bit codes into a table. The other 16-value sub-block types (IQ2_XS, IQ2_S, IQ1_M, and
-Q6_K, Q3_K and Q2_K where their own codes cannot run) are requantized by QuantLinear
-(REQUANT_GGUF_TYPES).
+4-bit codes into a table, and IQ2_XS, IQ2_S, IQ1_M the same way with a scale per 16
+(parse_grid16). Where their own forms cannot run, IQ2_XS, IQ2_S, IQ1_M, Q6_K, Q3_K and
+Q2_K are requantized by QuantLinear (REQUANT_GGUF_TYPES).
 """
 
 from __future__ import annotations
@@ -34,11 +34,20 @@ GRID_VALUES = {
     GT.TQ2_0: (-1, 0, 1, 2),  # 2-bit codes - 1 (llama.cpp's quantizer writes only -1..1)
 }
 GRID_GGUF_TYPES = frozenset(GRID_VALUES)
+# Grid types with a scale per 16 values, d (2s + 1) / 8: the same 4-bit codes into a table
+# of their grid points (at most 6), the scales as Q6_K's (an int8 per 16 values, odd codes
+# 2s + 1, times d / 8 as a float16 per 256: parse_grid16), where the kernels read table
+# codes that way (whole lane groups) and every d / 8 is a float16; else requantized
+GRID16_VALUES = {
+    GT.IQ2_XS: (-43, -25, -8, 8, 25, 43),  # iq2xs_grid's magnitudes times a sign
+    GT.IQ2_S: (-43, -25, -8, 8, 25, 43),
+    GT.IQ1_M: (-9, -7, -1, 1, 7, 9),  # 8 * (grid -1/0/1 + delta +-1/8)
+}
 # IQ4_XS's scales are signed 6-bit codes stored + 32: d = the 256-block's d * (code - 32)
 TABLE_SCALE_ZERO = {GT.IQ4_XS: 32}
-# Requantized to 8-bit codes: IQ2_XS, IQ2_S and IQ1_M (a scale per 16 values over grid
-# points up to 43: no 4-bit code or 6-bit form holds them), and Q6_K, Q3_K and Q2_K on
-# rows where their codes cannot run (not whole lane groups).
+# Requantized to 8-bit codes where their own forms cannot run: IQ2_XS, IQ2_S and IQ1_M
+# (GRID16_VALUES: rows not whole lane groups, or a d / 8 no float16 holds), and Q6_K, Q3_K
+# and Q2_K without the native kernels.
 REQUANT_GGUF_TYPES = frozenset({GT.Q6_K, GT.Q2_K, GT.Q3_K, GT.IQ2_XS, GT.IQ2_S, GT.IQ1_M})
 # Every quantized type a layer holds (layers/quant_linear.py), one of the four ways above
 QUANT_GGUF_TYPES = EXACT_GGUF_TYPES | TABLE_GGUF_TYPES | GRID_GGUF_TYPES | REQUANT_GGUF_TYPES
@@ -170,9 +179,9 @@ def table_of(qtype: GT) -> np.ndarray:
     grid type's signed grid points, sorted, the unused entries 0)."""
     from gguf import quants
 
-    if qtype in GRID_VALUES:
+    if qtype in GRID_VALUES or qtype in GRID16_VALUES:
         table = np.zeros(16, np.int16)
-        points = _grid_points(qtype)
+        points = _grid_points(qtype) if qtype in GRID_VALUES else np.array(GRID16_VALUES[qtype])
         table[: len(points)] = points
         return (table + 128).astype(np.uint8)
     kvalues = {GT.IQ4_NL: quants.IQ4_NL, GT.IQ4_XS: quants.IQ4_NL, GT.MXFP4: quants.MXFP4}
@@ -410,3 +419,67 @@ def parse_grid(blocks: np.ndarray, qtype: GT, half: bool = False):
     if not np.array_equal(points[codes] * s, np.where(s == 0, 0, w)):
         raise ValueError(f"{qtype.name} blocks hold values off the type's grid")
     return codes.astype(np.uint8).reshape(rows, -1), scales, None, 4, None
+
+
+def _grid16_d(blocks: np.ndarray, qtype: GT) -> np.ndarray:
+    """IQ2_XS / IQ2_S / IQ1_M super-block scales d, float16 [rows, nsup, 1] (IQ1_M's from the
+    top nibbles of its four scale words)."""
+    if qtype != GT.IQ1_M:
+        return np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)
+    words = np.ascontiguousarray(blocks[..., 48:56]).view(np.uint16)  # [rows, nsup, 4]
+    nib = (words & np.uint16(0xF000)) >> np.array([12, 8, 4, 0], np.uint16)
+    return np.bitwise_or.reduce(nib, axis=-1, keepdims=True).view(np.float16)
+
+
+def _grid16_scale_codes(blocks: np.ndarray, qtype: GT) -> np.ndarray:
+    """Their odd scale codes 2s + 1 per 16 values, in order: uint8 [rows, nsup, 16]."""
+    if qtype == GT.IQ1_M:  # 3 bits each at 0, 3, 6, 9 of four uint16
+        words = np.ascontiguousarray(blocks[..., 48:56]).view(np.uint16)
+        s = (words[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & 7
+    else:  # a nibble each, low first, of 8 bytes at 66 (IQ2_XS) or 74 (IQ2_S)
+        at = 66 if qtype == GT.IQ2_XS else 74
+        s = (blocks[..., at : at + 8, None] >> np.array([0, 4], np.uint8)) & 15
+    return (2 * s + 1).astype(np.uint8).reshape(*blocks.shape[:2], 16)
+
+
+def grid16_scales_fit_half(raw, qtype: GT) -> bool:
+    """Whether every d / 8 of IQ2_XS / IQ2_S / IQ1_M rows (raw bytes [rows, row_bytes], or a
+    list of such arrays) is a float16 exactly: then parse_grid16 holds them."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    size = GGML_QUANT_SIZES[qtype][1]
+    for part in raw if isinstance(raw, list | tuple) else [raw]:
+        d = _grid16_d(np.asarray(part).reshape(-1, 1, size), qtype).astype(np.float32)
+        if not np.array_equal((d / 8).astype(np.float16).astype(np.float32) * 8, d):
+            return False
+    return True
+
+
+def parse_grid16(blocks: np.ndarray, qtype: GT):
+    """IQ2_XS / IQ2_S / IQ1_M blocks [rows, nsup, type_size] -> (codes [rows, K] u8: indices
+    into table_of(qtype), scale codes int8 [rows, K/16] (2s + 1, natural order), None, 4,
+    sup = d / 8 float16 [rows, K/256, 1]): value = sup * code * point, exactly gguf-py's
+    (the caller checked grid16_scales_fit_half). The points come from gguf-py's decoding
+    divided by each 16 values' scale, checked to be the type's."""
+    from gguf.quants import dequantize
+
+    rows, nsup = blocks.shape[:2]
+    sup = (_grid16_d(blocks, qtype).astype(np.float32) / 8).astype(np.float16)
+    sc = _grid16_scale_codes(blocks, qtype)
+    w = dequantize(np.ascontiguousarray(blocks).reshape(rows, -1), qtype).reshape(
+        rows, nsup, 16, 16
+    )
+    s = sup.astype(np.float32) * sc.astype(np.float32)  # [rows, nsup, 16]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(s[..., None] == 0, 0, np.rint(w / s[..., None]))
+    points = np.array(GRID16_VALUES[qtype], np.int16)
+    codes = np.searchsorted(points, t).clip(0, len(points) - 1)
+    if not np.array_equal(points[codes] * s[..., None], np.where(s[..., None] == 0, 0, w)):
+        raise ValueError(f"{qtype.name} blocks hold values off the type's grid")
+    return (
+        codes.astype(np.uint8).reshape(rows, -1),
+        sc.view(np.int8).reshape(rows, -1),
+        None,
+        4,
+        sup.reshape(rows, nsup, 1),
+    )
