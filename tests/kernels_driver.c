@@ -160,7 +160,7 @@ static void sc16_cases(void) {
         for (size_t i = 0; i < (size_t)n * k / 2; i++) codes[i] = (uint8_t)((codes[i] & 15) % 6 | ((codes[i] >> 4) % 6) << 4);
         for (size_t i = 0; i < (size_t)n * k / 16; i++) sc[i] = (uint8_t)(2 * (sc[i] & 15) + 1);
         tm_weight w = {codes, sc, NULL, 4, 0, n, k, fill_scales((size_t)n * k / 256, 1, 1e-3f), NULL};
-        w.lut = lut, w.sc16 = 1;
+        w.lut = lut, w.sc16 = 1, w.sup_shift = 3;
         char name[64];
         for (int t = 1; t <= 5; t += 4)
             for (int act16 = 0; act16 < 2; act16++) {

@@ -25,7 +25,6 @@ from tokenmill.kernels import build
 from tokenmill.layers import native_linear, quant_linear
 from tokenmill.layers.native_linear import FloatLinear, SegmentedLinear
 from tokenmill.layers.quant_linear import PREFILL_MIN_T, QuantLinear
-from tokenmill.loader.gguf_blocks import grid_scales_fit_half
 
 SIMPLE = [GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.Q5_0, GT.Q5_1]  # gguf.quants can quantize these
 K_QUANTS = [GT.Q4_K, GT.Q5_K]
@@ -53,8 +52,6 @@ def gguf_bytes(qtype: GT, n: int, k: int, seed: int = 0) -> np.ndarray:
         raw[..., 0] = rng.integers(118, 126, size=(n, k // block), dtype=np.uint8)
         return raw.reshape(n, -1)
     scales = (rng.random((n, k // block, 2)) * 1e-3).astype(np.float16).view(np.uint8)
-    if qtype in GRID16:  # d / 8 a float16 (normal): held as their own codes
-        scales = rng.uniform(1e-2, 2e-2, (n, k // block, 2)).astype(np.float16).view(np.uint8)
     if qtype in (GT.Q6_K, GT.TQ1_0, GT.TQ2_0, GT.Q3_K):  # d is the last 2 bytes
         raw[..., -2:] = scales[..., :2]
     elif qtype == GT.IQ1_M:  # d's 4 nibbles in the top of the last 4 uint16 scale words
@@ -145,43 +142,33 @@ def test_gguf_conversion_is_exact(qtype, shape):
     if qtype in TABLES:  # 4-bit codes, the scales as the file has them (MXFP4's: float16)
         per32 = {GT.IQ4_NL: 18, GT.IQ4_XS: 17.25, GT.MXFP4: 18}[qtype]  # file: 18, 17, 17
         assert layer.bits == 4 and layer.nbytes == n * k // 32 * per32 + 16  # + the table
-    if qtype in GRIDS:  # 4-bit codes; scales: an odd code per 32 under a float16 per 256
-        # where every d / 2^shift is a float16, else a float32 per 32 (TQ: the file's d)
-        per32 = 17.25 if grid_scales_fit_half(raw, qtype) else 20
-        per32 = 18 if qtype in (GT.TQ1_0, GT.TQ2_0) else per32
+    if qtype in GRIDS:  # 4-bit codes; an odd code per 32 under d per 256 (TQ: the file's d)
+        per32 = 18 if qtype in (GT.TQ1_0, GT.TQ2_0) else 17.25
         assert layer.bits == 4 and layer.nbytes == n * k // 32 * per32 + 16
 
 
 @pytest.mark.parametrize("qtype", [GT.IQ3_S, GT.IQ3_XXS, GT.IQ2_XXS, GT.IQ1_S])
-def test_grid_scales_are_codes_under_a_float16_where_it_holds_them(qtype):
-    """A grid i-quant's scale per 32 is d (2s + 1) / 2^shift: held as the byte 2s + 1
-    under d / 2^shift as a float16 per 256 values (17.25 bytes per 32 with the 4-bit
-    codes, against 20 with float32 scales) wherever that float16 is exact. A d too small
-    for it (its quotient a subnormal with bits lost) keeps the whole tensor's scales
-    float32. Both forms decode exactly as gguf-py, and the kernels read both alike."""
+def test_grid_scales_are_odd_codes_under_the_files_d(qtype):
+    """A grid i-quant's scale per 32 is d (2s + 1) / 2^n: held as the byte 2s + 1 under
+    the file's d as a float16 per 256 values, read times 2^-n (sup_shift): 17.25 bytes
+    per 32 values with the 4-bit codes, against 20 with float32 scales. Exact for any d,
+    the float16 subnormals too (whose quotient by 2^n no float16 holds), and the kernels
+    read it as the float32 scales they stand for."""
     n, k = 6, 512
     raw = gguf_bytes(qtype, n, k)
     blocks = raw.reshape(n, k // 256, -1)
     d = np.random.default_rng(1).uniform(1e-2, 2e-2, (n, k // 256)).astype(np.float16)
     blocks[..., 0:2] = d.view(np.uint8).reshape(n, k // 256, 2)
+    blocks[2, 1, 0:2] = np.array([0x0401], np.uint16).view(np.uint8)  # 2^-14 (1 + 2^-10)
+    blocks[3, 0, 0:2] = np.array([0x0003], np.uint16).view(np.uint8)  # a subnormal
+    layer = QuantLinear.from_gguf(raw, qtype, n, k)
+    ref = dequantize(raw, qtype).reshape(n, k)
+    assert np.array_equal(layer.dequantize().numpy(), ref)
+    assert layer.scales_raw.dtype == torch.uint8 and layer.nbytes == n * k // 32 * 17.25 + 16
+    assert layer.sup_shift == {GT.IQ3_S: 0, GT.IQ3_XXS: 2}.get(qtype, 3)
     x = torch.randn(3, k)
-    outputs = []
-    for tiny in (False, True):
-        if tiny:  # 2^-14 (1 + 2^-10): its quotient by 4 or 8 a subnormal, its last bit lost
-            blocks[2, 1, 0:2] = np.array([0x0401], np.uint16).view(np.uint8)
-        layer = QuantLinear.from_gguf(raw, qtype, n, k)
-        assert np.array_equal(layer.dequantize().numpy(), dequantize(raw, qtype).reshape(n, k))
-        codes = not tiny or qtype == GT.IQ3_S  # (IQ3_S divides by 1: any d holds)
-        assert grid_scales_fit_half(raw, qtype) == codes
-        assert layer.nbytes == n * k // 32 * (17.25 if codes else 20) + 16
-        assert (layer.scales_raw.dtype == torch.uint8) == codes
-        y = layer(x)
-        assert (
-            (y.double() - kernel_reference(layer, x, 16)).abs() <= 1e-5 * dot_error_scale(layer, x)
-        ).all()
-        outputs.append(y)
-    same = [0, 1, 3, 4, 5]  # the rows the tiny d left alone: the same floats either way
-    assert torch.equal(outputs[0][:, same], outputs[1][:, same])
+    err = (layer(x).double() - kernel_reference(layer, x, 16)).abs()
+    assert (err <= 1e-5 * dot_error_scale(layer, x)).all()
 
 
 def test_mxfp4_scales_float16_cannot_hold_stay_float32():
@@ -201,16 +188,16 @@ def test_mxfp4_scales_float16_cannot_hold_stay_float32():
 @pytest.mark.parametrize("k", [512, 768])
 def test_grid_types_with_a_scale_per_16_are_their_own_codes_where_kernels_read_them(qtype, k):
     """IQ2_XS, IQ2_S, IQ1_M: grid points times d (2s + 1) / 8 per 16 values, held as 4-bit
-    codes into a table of their points under int8 codes per 16 times d / 8 per 256 (18.25
-    bytes per 32 values), exactly gguf-py's values, on rows of whole lane groups (512
-    values on AVX-512: 768 is not). Elsewhere, and where a d / 8 is no float16, requantized
-    to 8-bit codes and a float16 scale per 32 (34 bytes), within its bound; said so."""
+    codes into a table of their points under int8 codes per 16 times the file's d per 256
+    (read times 1/8: 18.25 bytes per 32 values), exactly gguf-py's values, any d, on rows
+    of whole lane groups (512 values on AVX-512: 768 is not). Elsewhere requantized to
+    8-bit codes and a float16 scale per 32 (34 bytes), within its bound; said so."""
     n = 9
     raw = gguf_bytes(qtype, n, k)
     ref = dequantize(raw, qtype).reshape(n, k)
     own = QuantLinear.runs_sc16(k)
     for tiny in (False, True):
-        if tiny:  # a d of 2^-14 (1 + 2^-10): d / 8 a subnormal, its last bit lost
+        if tiny:  # a d of 2^-14 (1 + 2^-10): d / 8 would be a subnormal, its last bit lost
             d = np.array([0x0401], np.uint16)
             at = raw.reshape(n, k // 256, -1)[4, 1]
             if qtype == GT.IQ1_M:  # its nibbles in the top of the scale words at 48
@@ -221,7 +208,7 @@ def test_grid_types_with_a_scale_per_16_are_their_own_codes_where_kernels_read_t
                 at[0:2] = d.view(np.uint8)
             ref = dequantize(raw, qtype).reshape(n, k)
         layer = QuantLinear.from_gguf(raw, qtype, n, k)
-        if own and not tiny:
+        if own:
             assert layer.bits == 4 and layer.sc16 and layer.nbytes == n * k // 32 * 18.25 + 16
             assert np.array_equal(layer.dequantize().numpy(), ref)
         else:

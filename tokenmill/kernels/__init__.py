@@ -101,6 +101,7 @@ class TmWeight(ctypes.Structure):
         ("lut", VP),  # table-coded 4-bit weights: the 16 values + 128 codes index, or None
         ("scale_zero", I32),  # K-quant scale codes' zero (IQ4_XS: 32)
         ("sc16", I32),  # table codes with a scale per 16 values (IQ2_XS, IQ2_S, IQ1_M)
+        ("sup_shift", I32),  # dsup's values: its float16s times 2^-sup_shift
     ]
 
 

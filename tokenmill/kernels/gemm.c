@@ -68,7 +68,7 @@ static void tile_scales(const tm_weight *w, int r, float *td, float *tm) {
         const float part = w->bits == 3 ? 0.125f : w->bits == 2 ? 0.0625f : 1.f;
         for (int b = 0; b < nb; b++) {
             const size_t sup = (size_t)r * (nb / 8) + b / 8;
-            const float ds = tm_half_to_float(w->dsup[sup]) * part;
+            const float ds = tm_dsup(w, sup) * part;
             for (int h = 0; h < 2; h++) {
                 const size_t i = half_scale_index(nb, b, h);
                 const int u = 2 * b + h;

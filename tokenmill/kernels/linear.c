@@ -366,13 +366,14 @@ enum { KSUP_MAX = 256 }; /* rows of up to 65536 values */
 static inline void ksup_row(const tm_weight *w, int r, float *dsup, float *msup) {
     const int ns = w->k / 256;
     const uint16_t *ds = w->dsup + (size_t)r * ns, *ms = w->msup ? w->msup + (size_t)r * ns : NULL;
+    const float pow2 = ldexpf(1.f, -w->sup_shift); /* (tm_dsup) */
     int i = 0;
     for (; i + TM_W <= ns; i += TM_W) {
-        vf_store(dsup + i, vf_load_f16(ds + i));
+        vf_store(dsup + i, vf_mul(vf_load_f16(ds + i), vf_set1(pow2)));
         if (ms) vf_store(msup + i, vf_sub(vf_zero(), vf_load_f16(ms + i)));
     }
     for (; i < ns; i++) {
-        dsup[i] = tm_half_to_float(ds[i]);
+        dsup[i] = tm_half_to_float(ds[i]) * pow2;
         if (ms) msup[i] = -tm_half_to_float(ms[i]);
     }
 }
@@ -591,7 +592,7 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
                 continue;
             }
             const size_t sup = (size_t)r * (nb / 8) + b / 8;
-            const float ds = tm_half_to_float(w->dsup[sup]) * (w->bits == 3 ? 0.125f : w->bits == 2 ? 0.0625f : 1.f);
+            const float ds = tm_dsup(w, sup) * (w->bits == 3 ? 0.125f : w->bits == 2 ? 0.0625f : 1.f);
             for (int h = 0; h < 2; h++) {
                 const uint8_t byte = ((const uint8_t *)w->scales)[(size_t)r * 2 * nb + half_scale_index(nb, b, h)];
                 const float d = w->bits == 2 ? ds * (float)(byte & 15) : ds * (float)(int8_t)byte;
@@ -616,11 +617,10 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
         const int three = w->bits == 3;
         for (int g = 0; g < nfull; g++) {
             const uint8_t *p = row + (size_t)g * group_bytes(w->bits);
-            const uint16_t *dsr = w->dsup + (size_t)r * (nb / 8);
             const int8_t *sc = (const int8_t *)w->scales + (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB;
             float de[2][4 * TM_GB]; /* per element of a vector: its block's scale, per half */
             for (int e = 0; e < 4 * TM_GB; e++) {
-                const float ds = tm_half_to_float(dsr[(g * TM_GB + e / 4) / 8]); /* block e / 4 */
+                const float ds = tm_dsup(w, (size_t)r * (nb / 8) + (g * TM_GB + e / 4) / 8); /* block e / 4 */
                 de[0][e] = ds * (float)sc[e / 4], de[1][e] = ds * (float)sc[TM_GB + e / 4];
             }
             for (int i = 0; i < 8; i++) {
@@ -643,7 +643,7 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
             const int b = g * TM_GB + k;
             const float m = tm_block_min(w, r, b);
             for (int h = 0; h < 2; h++) { /* sc16: half h's int8 code times dsup */
-                const float d = w->sc16 ? tm_half_to_float(w->dsup[(size_t)r * (nb / 8) + b / 8]) *
+                const float d = w->sc16 ? tm_dsup(w, (size_t)r * (nb / 8) + b / 8) *
                                               (float)((const int8_t *)w->scales)[(size_t)r * 2 * nb + half_scale_index(nb, b, h)]
                                         : tm_block_scale(w, r, b);
                 for (int t = 0; t < 4; t++) de[h][4 * k + t] = d, me[4 * k + t] = m;

@@ -80,6 +80,8 @@ typedef struct tm_weight {
     int32_t sc16; /* 1: table codes (lut) with a scale per 16 values (GGUF IQ2_XS, IQ2_S,
                      IQ1_M), in 6-bit codes' form: int8 [n, k/16] per group [half][block],
                      times dsup; rows of whole lane groups. 0: a scale per block */
+    int32_t sup_shift; /* dsup's values are its float16s times 2^-sup_shift (tm_dsup): the
+                          grid i-quants' d (2s + 1) / 2^n with the file's own d; else 0 */
 } tm_weight;
 
 /* The model's shapes, shared by every layer (ctypes mirror: TmShape). */
@@ -247,11 +249,16 @@ static inline float tm_scale_at(const void *p, int f16, size_t idx) {
     return f16 ? tm_half_to_float(((const uint16_t *)p)[idx]) : ((const float *)p)[idx];
 }
 
+/* Super-block scale i of w (dsup's float16 times 2^-sup_shift): exact in float32. */
+static inline float tm_dsup(const tm_weight *w, size_t i) {
+    return ldexpf(tm_half_to_float(w->dsup[i]), -w->sup_shift);
+}
+
 /* Scale d and min m of block b of row r, in either form (see tm_weight). */
 static inline float tm_block_scale(const tm_weight *w, int r, int b) {
     const size_t i = (size_t)r * (w->k / QK) + b;
     if (!w->dsup) return tm_scale_at(w->scales, w->scale_f16, i);
-    return tm_half_to_float(w->dsup[(size_t)r * (w->k / 256) + b / 8]) *
+    return tm_dsup(w, (size_t)r * (w->k / 256) + b / 8) *
            (float)(((const uint8_t *)w->scales)[i] - w->scale_zero);
 }
 

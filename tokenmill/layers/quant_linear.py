@@ -40,16 +40,16 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
                                                     Q6_K's form
     IQ2_XS, IQ2_S, IQ1_M (grid points times d (2s + 1) / 8 per 16 values): 4-bit codes
           into a table of their points, looked up like IQ4_NL's, under Q6_K's form of
-          scales (the int8 code 2s + 1 per 16, d / 8 as a f16 per 256: `sc16`): exact,
-          18.25 B / 32, on rows of whole lane groups where every d / 8 is a f16.
+          scales (the int8 code 2s + 1 per 16 under the file's d per 256, read times 1/8:
+          `sc16`): exact, 18.25 B / 32, on rows of whole lane groups.
     Those elsewhere, and Q2_K, Q3_K and Q6_K without the native kernels: requantized to
           8-bit Z=128 with a per-32 f16 scale (as Q8_0 would): the added error is at most
           max|w_block| / 254 per value, about a quarter of Q6_K's own step.
     IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S, TQ1_0, TQ2_0 (grid points times a scale per 32): 4-bit
           codes into a table of the type's signed grid points (gguf_blocks.GRID_VALUES);
-          the i-quants' scales d (2s + 1) / 2^n as the odd code byte under d / 2^n as a
-          f16 per 256 (IQ4_XS's form): exact, 17.25 B / 32; f32 scales where a d / 2^n is
-          no f16 (20 B / 32); TQ the file's f16 d (18).
+          the i-quants' scales d (2s + 1) / 2^n as the odd code byte under the file's f16
+          d per 256 (IQ4_XS's form, read times 2^-n: `sup_shift`): exact, 17.25 B / 32; TQ
+          the file's f16 d (18).
     IQ4_NL, IQ4_XS, MXFP4 (4-bit codes into a 16-value table: `lut`, the values + 128):
           4-bit codes as stored, looked up to 8-bit ones in registers, Z=128; exact.
           IQ4_NL f16 scales: 18 B / 32 (file: 18); IQ4_XS its 6-bit scale codes as bytes
@@ -89,12 +89,11 @@ from tokenmill.loader.gguf_blocks import (
     EXACT_GGUF_TYPES,
     GRID16_VALUES,
     GRID_GGUF_TYPES,
+    GRID_SCALE_SHIFT,
     QUANT_GGUF_TYPES,
     REQUANT_GGUF_TYPES,
     TABLE_GGUF_TYPES,
     TABLE_SCALE_ZERO,
-    grid16_scales_fit_half,
-    grid_scales_fit_half,
     mxfp4_scales_fit_half,
     parse_exact,
     parse_grid,
@@ -252,19 +251,6 @@ def _alloc_gguf(qtype: GT, rows: int, in_features: int) -> tuple[int, dict]:
     return bits, arrays
 
 
-def _scales_fit_half(qtype: GT, raw) -> bool:
-    """Whether a whole tensor's block scales take their float16 form (raw: its rows, or a
-    list of parts): MXFP4's powers of two as float16, a grid i-quant's as odd codes under
-    a float16 per 256 values (gguf_blocks.grid_scales_fit_half)."""
-    if qtype == GT.MXFP4:
-        return mxfp4_scales_fit_half(raw)
-    if qtype in GRID16_VALUES:  # and the kernels read them: whole lane groups
-        in_features = np.shape(raw[0] if isinstance(raw, list | tuple) else raw)[-1]
-        in_features = in_features // GGML_QUANT_SIZES[qtype][1] * 256
-        return QuantLinear.runs_sc16(in_features) and grid16_scales_fit_half(raw, qtype)
-    return qtype in GRID_GGUF_TYPES and grid_scales_fit_half(raw, qtype)
-
-
 def _pack_native(qtype: GT, raw: np.ndarray, in_features: int, arrays: dict) -> bool:
     """raw GGUF rows (uint8 [rows, row bytes]) into arrays (_alloc_gguf's, or same-shaped
     views of contiguous rows) by the native packer; False where it does not pack them."""
@@ -410,6 +396,9 @@ class QuantLinear(NativeLinear):
         # table-coded 4-bit weights (IQ4_NL, IQ4_XS, MXFP4): uint8 [16], the values + 128
         self.register_buffer("lut", None)
         self.scale_zero = 0  # K-quant scale codes: d = dsup * (code - scale_zero)
+        # dsup's values are its float16s times 2^-sup_shift (the grid i-quants' d / 2^n,
+        # held as the file's d: gguf_blocks.GRID_SCALE_SHIFT)
+        self.sup_shift = 0
         # the GGUF types this layer's weights came from: {type name: weights}, for the load
         # line's bits per weight against the file's (engine/report.py weight_forms)
         self.sources: dict[str, int] = {}
@@ -467,7 +456,8 @@ class QuantLinear(NativeLinear):
             else:
                 tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
                 return cls._from_arrays(tensors, bits, in_features, out_features, bias)._of(qtype)
-        parse_rows = cls._row_parser(qtype, in_features, _scales_fit_half(qtype, raw))
+        half = qtype == GT.MXFP4 and mxfp4_scales_fit_half(raw)
+        parse_rows = cls._row_parser(qtype, in_features, half)
         layer = cls._assemble(
             lambda r0, r1: parse_rows(raw[r0:r1]), in_features, out_features, bias
         )
@@ -478,10 +468,10 @@ class QuantLinear(NativeLinear):
         """parse(rows uint8 [n, row_bytes]) -> (natural codes u8 [n, K], scales, mins |
         None, bits, sup | None) for GGUF type `qtype`: the file's own blocks where a kernel
         reads them, else requantized to 8 bits. Row by row: any rows, any batch of them.
-        half: MXFP4's scales as float16, a grid i-quant's as codes under a float16 per 256
-        (every row's fit: _scales_fit_half)."""
+        half: MXFP4's scales as float16 (every row's fit: mxfp4_scales_fit_half)."""
         block, type_size = GGML_QUANT_SIZES[qtype]
         six = qtype in _OWN_SIXTEEN and cls.runs_6bit(in_features)
+        grid16 = qtype in GRID16_VALUES and cls.runs_sc16(in_features)
         five = qtype in _FIVE and cls.runs_5bit(in_features)
 
         def parse(rows: np.ndarray):
@@ -493,8 +483,8 @@ class QuantLinear(NativeLinear):
             if qtype in TABLE_GGUF_TYPES:
                 return parse_table(blocks, qtype, half and qtype == GT.MXFP4)
             if qtype in GRID_GGUF_TYPES:
-                return parse_grid(blocks, qtype, half)
-            if qtype in GRID16_VALUES and half:  # (else requantized, below)
+                return parse_grid(blocks, qtype)
+            if grid16:  # (else requantized, below)
                 return parse_grid16(blocks, qtype)
             if qtype == GT.Q6_K:  # gguf-py's float32 ops, vectorized (its own: per 16 rows)
                 return _quantize_rows(_dequantize_q6_k(blocks), "q8")
@@ -555,7 +545,7 @@ class QuantLinear(NativeLinear):
                     )._of(qtype)
                     for j in range(experts)
                 ]
-        half = _scales_fit_half(qtype, [r for parts in raws for r in parts])
+        half = qtype == GT.MXFP4 and mxfp4_scales_fit_half([r for parts in raws for r in parts])
         parse_rows = cls._row_parser(qtype, in_features, half)
         gb = kernels.group_blocks()
         chunk = max(1, (1 << 20) // in_features)  # rows per parse, as _assemble
@@ -683,6 +673,8 @@ class QuantLinear(NativeLinear):
             qtype in GRID16_VALUES and self.bits == 4
         ):
             self.set_table(table_of(qtype), TABLE_SCALE_ZERO.get(qtype, 0))
+            if self.kquant:
+                self.sup_shift = GRID_SCALE_SHIFT.get(qtype, 0)
         self.sources = {qtype.name: self.out_features * self.in_features}
         return self
 
@@ -705,6 +697,7 @@ class QuantLinear(NativeLinear):
                 or (p.lut is None) != (first.lut is None)
                 or (p.lut is not None and not torch.equal(p.lut, first.lut))
                 or p.scale_zero != first.scale_zero
+                or p.sup_shift != first.sup_shift
             ):
                 raise ValueError("QuantLinear.cat: parts differ in input size or packed format")
         if any(p.bias is not None for p in parts) and not all(p.bias is not None for p in parts):
@@ -734,6 +727,7 @@ class QuantLinear(NativeLinear):
         )
         if first.lut is not None:
             fused.set_table(first.lut, first.scale_zero)
+        fused.sup_shift = first.sup_shift
         for p in parts:
             for name, n in p.sources.items():
                 fused.sources[name] = fused.sources.get(name, 0) + n
@@ -757,9 +751,11 @@ class QuantLinear(NativeLinear):
         natural[:, torch.from_numpy(half_scale_perm(self.in_features, self.group_blocks))] = raw
         return natural
 
-    def _expand_sup(self, sup_raw: torch.Tensor, per: int = 8) -> torch.Tensor:
-        """[out, in/256] float16 bits -> float32 [out, in/256 * per], one per block."""
-        return sup_raw.view(torch.float16).float().repeat_interleave(per, dim=1)
+    def _expand_sup(self, sup_raw: torch.Tensor, per: int = 8, shift: int = 0) -> torch.Tensor:
+        """[out, in/256] float16 bits -> float32 [out, in/256 * per], one per block, times
+        2^-shift (exact)."""
+        sup = sup_raw.view(torch.float16).float().repeat_interleave(per, dim=1)
+        return sup * 2.0**-shift if shift else sup
 
     @property
     def scales(self) -> torch.Tensor:
@@ -769,9 +765,11 @@ class QuantLinear(NativeLinear):
         if self.bits == 2:  # the scale codes are the bytes' low nibbles
             return self._expand_sup(self.dsup_raw, 16) * (self._natural_halves() & 15).float()
         if self.bits in _SIXTEEN or self.sc16:
-            return self._expand_sup(self.dsup_raw, 16) * self._natural_halves().float()
+            sup = self._expand_sup(self.dsup_raw, 16, self.sup_shift)
+            return sup * self._natural_halves().float()
         if self.kquant:
-            return self._expand_sup(self.dsup_raw) * (self.scales_raw.float() - self.scale_zero)
+            sup = self._expand_sup(self.dsup_raw, 8, self.sup_shift)
+            return sup * (self.scales_raw.float() - self.scale_zero)
         return self.scales_raw.view(_FLOAT[self.scales_raw.dtype])
 
     @property
@@ -817,6 +815,7 @@ class QuantLinear(NativeLinear):
             lut=None if self.lut is None else self.lut.data_ptr(),
             scale_zero=self.scale_zero,
             sc16=int(self.sc16),
+            sup_shift=self.sup_shift,
         )
 
     def _to_8bit(self) -> None:
@@ -834,7 +833,7 @@ class QuantLinear(NativeLinear):
         self.codes = torch.from_numpy(pack_codes(nat, bits, gb))
         self.scales_raw = torch.from_numpy(sc).view(torch.int16)
         self.dsup_raw = self.msup_raw = self.lut = None
-        self.bits, self.group_blocks, self.scale_zero = bits, gb, 0
+        self.bits, self.group_blocks, self.scale_zero, self.sup_shift = bits, gb, 0, 0
 
     def _relayout(self, gb: int) -> None:
         """Repack the codes for groups of gb blocks (a library of another vector width)."""

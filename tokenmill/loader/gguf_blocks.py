@@ -36,8 +36,8 @@ GRID_VALUES = {
 GRID_GGUF_TYPES = frozenset(GRID_VALUES)
 # Grid types with a scale per 16 values, d (2s + 1) / 8: the same 4-bit codes into a table
 # of their grid points (at most 6), the scales as Q6_K's (an int8 per 16 values, odd codes
-# 2s + 1, times d / 8 as a float16 per 256: parse_grid16), where the kernels read table
-# codes that way (whole lane groups) and every d / 8 is a float16; else requantized
+# 2s + 1, times d / 8: parse_grid16), where the kernels read table codes that way (whole
+# lane groups); else requantized
 GRID16_VALUES = {
     GT.IQ2_XS: (-43, -25, -8, 8, 25, 43),  # iq2xs_grid's magnitudes times a sign
     GT.IQ2_S: (-43, -25, -8, 8, 25, 43),
@@ -46,8 +46,8 @@ GRID16_VALUES = {
 # IQ4_XS's scales are signed 6-bit codes stored + 32: d = the 256-block's d * (code - 32)
 TABLE_SCALE_ZERO = {GT.IQ4_XS: 32}
 # Requantized to 8-bit codes where their own forms cannot run: IQ2_XS, IQ2_S and IQ1_M
-# (GRID16_VALUES: rows not whole lane groups, or a d / 8 no float16 holds), and Q6_K, Q3_K
-# and Q2_K without the native kernels.
+# (GRID16_VALUES) on rows that are not whole lane groups, and Q6_K, Q3_K and Q2_K without
+# the native kernels.
 REQUANT_GGUF_TYPES = frozenset({GT.Q6_K, GT.Q2_K, GT.Q3_K, GT.IQ2_XS, GT.IQ2_S, GT.IQ1_M})
 # Every quantized type a layer holds (layers/quant_linear.py), one of the four ways above
 QUANT_GGUF_TYPES = EXACT_GGUF_TYPES | TABLE_GGUF_TYPES | GRID_GGUF_TYPES | REQUANT_GGUF_TYPES
@@ -269,39 +269,20 @@ def _grid_scales(blocks: np.ndarray, qtype: GT) -> np.ndarray:
     return d * (2 * ((qh >> 12) & 7) + 1) / f32(8)
 
 
-# A grid i-quant's scale per 32 values is its super-block's d times an odd integer code
-# over a power of two: d (2s + 1) / 2^shift. Held as the K-quant form, the code as a byte
-# and d / 2^shift as a float16 per 256 values (the kernels' dsup), 8.25 bits of scale per
-# 32 values against a float32's 32, where every d / 2^shift is a float16 exactly
-# (grid_scales_fit_half; else float32 scales per 32).
-GRID_SCALE_SHIFT = {GT.IQ3_S: 0, GT.IQ3_XXS: 2, GT.IQ2_XXS: 3, GT.IQ1_S: 3}
-
-
-def grid_scales_fit_half(raw: np.ndarray, qtype: GT) -> bool:
-    """Whether every super-block d of grid-type rows (raw bytes [rows, row_bytes], or a
-    list of such arrays) over 2^GRID_SCALE_SHIFT is a float16 exactly (the tiny ds of
-    subnormal results may not be): then parse_grid(half=True) holds the scales as codes."""
-    from gguf.constants import GGML_QUANT_SIZES
-
-    if qtype not in GRID_SCALE_SHIFT:
-        return False
-    size = GGML_QUANT_SIZES[qtype][1]
-    div = np.float32(2.0 ** GRID_SCALE_SHIFT[qtype])
-    for part in raw if isinstance(raw, list | tuple) else [raw]:
-        blocks = np.asarray(part).reshape(-1, size)
-        d = np.ascontiguousarray(blocks[:, 0:2]).view(np.float16).astype(np.float32)
-        if not np.array_equal((d / div).astype(np.float16).astype(np.float32) * div, d):
-            return False
-    return True
+# A grid i-quant's scale per 32 (IQ2_XS, IQ2_S, IQ1_M: per 16) values is its super-block's
+# d times an odd integer code over a power of two: d (2s + 1) / 2^shift. Held in the
+# K-quant form, the code as a byte under the file's d as a float16 per 256 values (the
+# kernels' dsup, read times 2^-shift: tm_weight.sup_shift), exact: 8.25 bits of scale per
+# 32 values against a float32's 32.
+GRID_SCALE_SHIFT = {GT.IQ3_S: 0, GT.IQ3_XXS: 2, GT.IQ2_XXS: 3, GT.IQ1_S: 3, GT.IQ2_XS: 3,
+                    GT.IQ2_S: 3, GT.IQ1_M: 3}  # fmt: skip
 
 
 def _grid_scale_codes(blocks: np.ndarray, qtype: GT):
-    """A grid i-quant's scales as (odd codes uint8 [rows, K/32], d / 2^shift float16
-    [rows, K/256, 1]): scale = sup * code, equal to _grid_scales' where
-    grid_scales_fit_half."""
+    """A grid i-quant's scales as (odd codes uint8 [rows, K/32], the file's d float16
+    [rows, K/256, 1]): scale = d * code / 2^GRID_SCALE_SHIFT, _grid_scales' exactly."""
     rows, nsup = blocks.shape[:2]
-    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).astype(np.float32)
-    sup = (d / np.float32(2.0 ** GRID_SCALE_SHIFT[qtype])).astype(np.float16)
+    sup = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)
     if qtype in (GT.IQ2_XXS, GT.IQ3_XXS):  # the top 4 bits of a uint32 per 32
         words = np.ascontiguousarray(
             blocks[..., 2:66] if qtype == GT.IQ2_XXS else blocks[..., 66:98]
@@ -391,20 +372,19 @@ def _entry_codes(qtype: GT, n: int) -> np.ndarray:
     return np.ascontiguousarray(codes).view(np.uint32 if per == 4 else np.uint64)[..., 0]
 
 
-def parse_grid(blocks: np.ndarray, qtype: GT, half: bool = False):
+def parse_grid(blocks: np.ndarray, qtype: GT):
     """IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S / TQ1_0 / TQ2_0 blocks [rows, nsup, type_size] ->
     (codes [rows, K] u8: indices into table_of(qtype), scales, None, 4, sup). Scales per
-    32: with `half` (the caller checked grid_scales_fit_half over the whole tensor) the
-    i-quants' odd codes uint8 [rows, K/32] under sup = d / 2^shift float16 [rows, K/256,
-    1] (_grid_scale_codes), else float32 [rows, K/32] and sup None; TQ's float16 d, as the
-    file. The codes come from the grids' and signs' bits (_grid_codes); TQ1_0's base-3
-    bytes through gguf-py: each value divided by its block's scale is an integer grid
-    point, checked to be one of the type's."""
+    32: the i-quants' odd codes uint8 [rows, K/32] under sup = the file's d float16 [rows,
+    K/256, 1] (_grid_scale_codes; the layer reads it times 2^-GRID_SCALE_SHIFT); TQ's
+    float16 d, as the file, and sup None. The codes come from the grids' and signs' bits
+    (_grid_codes); TQ1_0's base-3 bytes through gguf-py: each value divided by its block's
+    scale is an integer grid point, checked to be one of the type's."""
     from gguf.quants import dequantize
 
     rows = blocks.shape[0]
     codes = _grid_codes(blocks, qtype)
-    if codes is not None and half and qtype in GRID_SCALE_SHIFT:
+    if codes is not None and qtype in GRID_SCALE_SHIFT:
         scale_codes, sup = _grid_scale_codes(blocks, qtype)
         return codes, scale_codes, None, 4, sup
     if codes is not None:
@@ -442,34 +422,21 @@ def _grid16_scale_codes(blocks: np.ndarray, qtype: GT) -> np.ndarray:
     return (2 * s + 1).astype(np.uint8).reshape(*blocks.shape[:2], 16)
 
 
-def grid16_scales_fit_half(raw, qtype: GT) -> bool:
-    """Whether every d / 8 of IQ2_XS / IQ2_S / IQ1_M rows (raw bytes [rows, row_bytes], or a
-    list of such arrays) is a float16 exactly: then parse_grid16 holds them."""
-    from gguf.constants import GGML_QUANT_SIZES
-
-    size = GGML_QUANT_SIZES[qtype][1]
-    for part in raw if isinstance(raw, list | tuple) else [raw]:
-        d = _grid16_d(np.asarray(part).reshape(-1, 1, size), qtype).astype(np.float32)
-        if not np.array_equal((d / 8).astype(np.float16).astype(np.float32) * 8, d):
-            return False
-    return True
-
-
 def parse_grid16(blocks: np.ndarray, qtype: GT):
     """IQ2_XS / IQ2_S / IQ1_M blocks [rows, nsup, type_size] -> (codes [rows, K] u8: indices
     into table_of(qtype), scale codes int8 [rows, K/16] (2s + 1, natural order), None, 4,
-    sup = d / 8 float16 [rows, K/256, 1]): value = sup * code * point, exactly gguf-py's
-    (the caller checked grid16_scales_fit_half). The points come from gguf-py's decoding
-    divided by each 16 values' scale, checked to be the type's."""
+    sup = the file's d float16 [rows, K/256, 1]): value = sup * code / 8 * point, exactly
+    gguf-py's. The points come from gguf-py's decoding divided by each 16 values' scale,
+    checked to be the type's."""
     from gguf.quants import dequantize
 
     rows, nsup = blocks.shape[:2]
-    sup = (_grid16_d(blocks, qtype).astype(np.float32) / 8).astype(np.float16)
+    sup = _grid16_d(blocks, qtype)
     sc = _grid16_scale_codes(blocks, qtype)
     w = dequantize(np.ascontiguousarray(blocks).reshape(rows, -1), qtype).reshape(
         rows, nsup, 16, 16
     )
-    s = sup.astype(np.float32) * sc.astype(np.float32)  # [rows, nsup, 16]
+    s = sup.astype(np.float32) * sc.astype(np.float32) / np.float32(8)  # [rows, nsup, 16]
     with np.errstate(divide="ignore", invalid="ignore"):
         t = np.where(s[..., None] == 0, 0, np.rint(w / s[..., None]))
     points = np.array(GRID16_VALUES[qtype], np.int16)
