@@ -13,6 +13,9 @@ Types per file type, as llama.cpp picks them:
           first and last eighth, and every third between); the un-embedding Q6_K
   q5_k_m  as q4_k_m with Q5_K for Q4_K
   q6_k    every matrix Q6_K
+  iq2_xs  IQ2_XS; attn_v Q4_K (a GQA model's, as llama.cpp picks it) and the un-embedding
+          Q5_K. llama.cpp's quantizer needs an importance matrix for IQ2_XS; random
+          blocks are valid without one
   K-quants need rows of a multiple of 256 values; llama.cpp falls back to Q5_0 for Q4_K,
   Q5_1 for Q5_K and Q8_0 for Q6_K otherwise, and so does this module.
 
@@ -69,7 +72,7 @@ MOE = {
                         sliding=128, yarn=(32.0, 4096, 32.0, 1.0)),
 }  # fmt: skip
 # mxfp4_moe: llama.cpp's MXFP4_MOE, experts MXFP4 and every other matrix Q8_0 (gpt-oss's files)
-FILE_TYPES = ("q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k", "mxfp4_moe")
+FILE_TYPES = ("q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k", "iq2_xs", "mxfp4_moe")
 DEFAULT_FILE_TYPE = "q4_k_m"
 FALLBACK = {GT.Q4_K: GT.Q5_0, GT.Q5_K: GT.Q5_1, GT.Q6_K: GT.Q8_0}
 # Dense layouts of other families at a dense shape (benchmarks/dense_families.py):
@@ -116,6 +119,8 @@ def pick_type(
         return GT.MXFP4 if expert else GT.Q8_0
     if ftype == "q8_0":
         qtype = GT.Q8_0
+    elif ftype == "iq2_xs":
+        qtype = {"output": GT.Q5_K, "attn_v": GT.Q4_K}.get(role, GT.IQ2_XS)
     elif role == "output" or ftype == "q6_k":
         qtype = GT.Q6_K
     elif ftype == "q4_0":
@@ -136,7 +141,7 @@ def pick_type(
 # and logits huge and every rounding difference a flipped token.
 TYPICAL_D = {GT.Q8_0: 3e-4, GT.Q4_0: 5e-3, GT.Q4_1: 2.5e-3, GT.Q5_0: 2.5e-3, GT.Q5_1: 1.3e-3,
              GT.Q4_K: 8e-5, GT.Q5_K: 4e-5, GT.Q6_K: 2e-5, GT.IQ4_NL: 3e-4,
-             GT.Q3_K: 1.5e-4, GT.Q2_K: 4e-4}  # fmt: skip
+             GT.Q3_K: 1.5e-4, GT.Q2_K: 4e-4, GT.IQ2_XS: 4e-4}  # fmt: skip
 # MXFP4: the E8M0 exponent byte e scales codes (ggml's doubled FP4 values, |v| <= 12) by
 # 2^(e - 128): e 120-121 makes weights of about 0.02
 MXFP4_EXPONENTS = (120, 122)
