@@ -301,7 +301,8 @@ def _grid_levels(qtype: GT) -> np.ndarray:
     from gguf import quants
 
     cls = {GT.IQ2_XXS: quants.IQ2_XXS, GT.IQ3_XXS: quants.IQ3_XXS, GT.IQ3_S: quants.IQ3_S,
-           GT.IQ1_S: quants.IQ1_S}[qtype]  # fmt: skip
+           GT.IQ1_S: quants.IQ1_S, GT.IQ2_XS: quants.IQ2_XS, GT.IQ2_S: quants.IQ2_S,
+           GT.IQ1_M: quants.IQ1_M}[qtype]  # fmt: skip
     cls.init_grid()
     grid = cls.grid.reshape(cls.grid_shape)
     return np.searchsorted(np.array(cls.grid_map, np.float32), grid).astype(np.uint8)
@@ -422,29 +423,42 @@ def _grid16_scale_codes(blocks: np.ndarray, qtype: GT) -> np.ndarray:
     return (2 * s + 1).astype(np.uint8).reshape(*blocks.shape[:2], 16)
 
 
+def _grid16_codes(blocks: np.ndarray, qtype: GT) -> np.ndarray:
+    """IQ2_XS / IQ2_S / IQ1_M table indices straight from their bits, as gguf-py's
+    dequantization orders the values: uint8 [rows, K] (a gather per grid entry of 8)."""
+    rows, nsup = blocks.shape[:2]
+    if qtype == GT.IQ1_M:  # 32 grid bytes, then a nibble per entry: 3 high index bits and
+        nib = blocks[..., 32:48, None] >> np.array([0, 4], np.uint8)  # the delta's sign
+        nib = nib.reshape(rows, nsup, 32)
+        idx = blocks[..., 0:32].astype(np.uint16) | (nib & 7).astype(np.uint16) << 8
+        plus = (nib & 8) == 0  # delta +1/8 -> grid point 8 g + 1
+        return (2 * _grid_levels(qtype)[idx] + plus[..., None]).astype(np.uint8).reshape(rows, -1)
+    if qtype == GT.IQ2_XS:  # per 8 values a uint16: a 9-bit index, a 7-bit sign index
+        from gguf import quants
+
+        qs = np.ascontiguousarray(blocks[..., 2:66]).view(np.uint16)  # [rows, nsup, 32]
+        ksigns = np.frombuffer(quants.IQ2_XXS.ksigns, np.uint8)
+        idx, signs = qs & np.uint16(511), ksigns[qs >> 9]
+    else:  # IQ2_S: 32 low index bytes, 32 sign bytes, 8 bytes of 2 high bits per entry
+        high = (blocks[..., 66:74, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3
+        idx = (
+            blocks[..., 2:34].astype(np.uint16)
+            | high.reshape(rows, nsup, 32).astype(np.uint16) << 8
+        )
+        signs = blocks[..., 34:66]
+    return _entry_codes(qtype, 3)[idx, signs].view(np.uint8).reshape(rows, -1)
+
+
 def parse_grid16(blocks: np.ndarray, qtype: GT):
     """IQ2_XS / IQ2_S / IQ1_M blocks [rows, nsup, type_size] -> (codes [rows, K] u8: indices
     into table_of(qtype), scale codes int8 [rows, K/16] (2s + 1, natural order), None, 4,
     sup = the file's d float16 [rows, K/256, 1]): value = sup * code / 8 * point, exactly
-    gguf-py's. The points come from gguf-py's decoding divided by each 16 values' scale,
-    checked to be the type's."""
-    from gguf.quants import dequantize
-
+    gguf-py's (the codes from the grids' and signs' bits: _grid16_codes)."""
     rows, nsup = blocks.shape[:2]
     sup = _grid16_d(blocks, qtype)
     sc = _grid16_scale_codes(blocks, qtype)
-    w = dequantize(np.ascontiguousarray(blocks).reshape(rows, -1), qtype).reshape(
-        rows, nsup, 16, 16
-    )
-    s = sup.astype(np.float32) * sc.astype(np.float32) / np.float32(8)  # [rows, nsup, 16]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        t = np.where(s[..., None] == 0, 0, np.rint(w / s[..., None]))
-    points = np.array(GRID16_VALUES[qtype], np.int16)
-    codes = np.searchsorted(points, t).clip(0, len(points) - 1)
-    if not np.array_equal(points[codes] * s[..., None], np.where(s[..., None] == 0, 0, w)):
-        raise ValueError(f"{qtype.name} blocks hold values off the type's grid")
     return (
-        codes.astype(np.uint8).reshape(rows, -1),
+        _grid16_codes(blocks, qtype),
         sc.view(np.int8).reshape(rows, -1),
         None,
         4,
