@@ -150,37 +150,6 @@ static void six_bit_cases(void) {
     }
 }
 
-/* Table codes with a scale per 16 values (GGUF IQ2_XS, IQ2_S, IQ1_M: sc16): int8 scale
- * codes per 16 times float16 per 256, rows of whole groups */
-static void sc16_cases(void) {
-    static const uint8_t lut[16] = {85, 103, 120, 136, 153, 171, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-    for (int ki = 1; ki <= 4; ki += 3) {
-        const int k = 256 * ki, n = 9;
-        uint8_t *codes = fill_bytes((size_t)n * k / 2), *sc = fill_bytes((size_t)n * k / 16);
-        for (size_t i = 0; i < (size_t)n * k / 2; i++) codes[i] = (uint8_t)((codes[i] & 15) % 6 | ((codes[i] >> 4) % 6) << 4);
-        for (size_t i = 0; i < (size_t)n * k / 16; i++) sc[i] = (uint8_t)(2 * (sc[i] & 15) + 1);
-        tm_weight w = {codes, sc, NULL, 4, 0, n, k, fill_scales((size_t)n * k / 256, 1, 1e-3f), NULL};
-        w.lut = lut, w.sc16 = 1, w.sup_shift = 3;
-        char name[64];
-        for (int t = 1; t <= 5; t += 4)
-            for (int act16 = 0; act16 < 2; act16++) {
-                float *x = fill_floats((size_t)t * k, 1.f), *y = malloc((size_t)t * n * 4);
-                tm_linear(&w, x, t, y, NULL, 2, act16);
-                snprintf(name, sizeof name, "sc16 k%d t%d a%d", k, t, act16);
-                emit(name, y, t * n);
-                tm_gemm(&w, x, t, y, NULL, 2, act16);
-                snprintf(name, sizeof name, "gemm sc16 k%d t%d a%d", k, t, act16);
-                emit(name, y, t * n);
-                free(x), free(y);
-            }
-        float *lanes = malloc((size_t)n * k * 4);
-        tm_dequant_lanes(&w, 0, n, lanes, 2);
-        snprintf(name, sizeof name, "lanes sc16 k%d", k);
-        emit(name, lanes, n * k);
-        free(lanes), free(codes), free(sc), free((void *)w.dsup);
-    }
-}
-
 /* 5-bit codes (GGUF Q5_0 / Q5_1 / Q5_K): rows of whole groups, float16 scales with and
  * without mins, and K-quant scale codes */
 static void five_bit_cases(void) {
@@ -218,31 +187,42 @@ static void five_bit_cases(void) {
         }
 }
 
-/* 4-bit codes that index a table (GGUF IQ4_NL, IQ4_XS, MXFP4), tails included */
+/* 4-bit codes that index a table (GGUF IQ4_NL, IQ4_XS, MXFP4), tails included; and with a
+ * scale per 16 values (IQ2_XS, IQ2_S, IQ1_M: sc16, int8 codes per 16 times float16 per 256
+ * read times 2^-3, rows of whole groups) */
 static void table_cases(void) {
     static const uint8_t lut[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
-    const int ks[] = {256, 1024 + 480};
-    for (int ki = 0; ki < 2; ki++) {
-        const int k = ks[ki], n = 9;
+    static const uint8_t lut6[16] = {85, 103, 120, 136, 153, 171};
+    const int ks[] = {256, 1024 + 480, 256, 1024};
+    for (int ki = 0; ki < 4; ki++) {
+        const int k = ks[ki], n = 9, sc16 = ki >= 2;
         tm_weight w = {fill_bytes((size_t)n * k / 2), fill_scales((size_t)n * k / 32, 1, 0.01f), NULL, 4, 1, n, k};
         w.lut = lut;
+        if (sc16) { /* codes of the 6 points, odd scale codes */
+            uint8_t *codes = (uint8_t *)w.codes, *sc = fill_bytes((size_t)n * k / 16);
+            for (size_t i = 0; i < (size_t)n * k / 2; i++) codes[i] = (uint8_t)((codes[i] & 15) % 6 | ((codes[i] >> 4) % 6) << 4);
+            for (size_t i = 0; i < (size_t)n * k / 16; i++) sc[i] = (uint8_t)(2 * (sc[i] & 15) + 1);
+            free((void *)w.scales);
+            w.scales = sc, w.scale_f16 = 0, w.dsup = fill_scales((size_t)n * k / 256, 1, 1e-3f);
+            w.lut = lut6, w.sc16 = 1, w.sup_shift = 3;
+        }
         char name[64];
         for (int t = 1; t <= 5; t += 4)
             for (int act16 = 0; act16 < 2; act16++) {
                 float *x = fill_floats((size_t)t * k, 1.f), *y = malloc((size_t)t * n * 4);
                 tm_linear(&w, x, t, y, NULL, 2, act16);
-                snprintf(name, sizeof name, "table k%d t%d a%d", k, t, act16);
+                snprintf(name, sizeof name, "table%s k%d t%d a%d", sc16 ? "16" : "", k, t, act16);
                 emit(name, y, t * n);
                 tm_gemm(&w, x, t, y, NULL, 2, act16);
-                snprintf(name, sizeof name, "gemm table k%d t%d a%d", k, t, act16);
+                snprintf(name, sizeof name, "gemm table%s k%d t%d a%d", sc16 ? "16" : "", k, t, act16);
                 emit(name, y, t * n);
                 free(x), free(y);
             }
         float *lanes = malloc((size_t)n * k * 4);
         tm_dequant_lanes(&w, 0, n, lanes, 2);
-        snprintf(name, sizeof name, "lanes table k%d", k);
+        snprintf(name, sizeof name, "lanes table%s k%d", sc16 ? "16" : "", k);
         emit(name, lanes, n * k);
-        free(lanes), free((void *)w.codes), free((void *)w.scales);
+        free(lanes), free((void *)w.codes), free((void *)w.scales), free((void *)w.dsup);
     }
 }
 
@@ -415,7 +395,6 @@ int main(int argc, char **argv) {
     linear_cases();
     kquant_cases();
     six_bit_cases();
-    sc16_cases();
     five_bit_cases();
     table_cases();
     float_cases();

@@ -531,22 +531,19 @@ typedef void (*rows_fn)(const tm_weight *, const xq_t *, int, int, int, float *,
 DEF_ROWS_ALL(2)
 DEF_ROWS_ALL(3)
 DEF_ROWS_ALL(4)
-/* 4-bit codes that index a table (tm_weight.lut): the dots of 8-bit codes */
-#define DEF_ROWS_LUT(T)                                                                   \
-    static void rows_lut_t##T(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, \
-                              float *y, const float *bias) {                              \
-        rows_dot(w, xq, r0, r1, t0, T, 4, 1, 0, y, bias);                                 \
+/* 4-bit codes that index a table (tm_weight.lut): the dots of 8-bit codes; with a scale
+ * per 16 values (SC16 1: tm_weight.sc16), the halves' dots, as 6-bit codes' */
+#define DEF_ROWS_LUT(NAME, SC16, T)                                                         \
+    static void rows_##NAME##_t##T(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, \
+                                   float *y, const float *bias) {                              \
+        rows_dot(w, xq, r0, r1, t0, T, 4, 1, SC16, y, bias);                                   \
     }
-DEF_ROWS_LUT(1) DEF_ROWS_LUT(2) DEF_ROWS_LUT(4) DEF_ROWS_LUT(8)
-static const rows_fn ROWS_B4L[4] = {rows_lut_t1, rows_lut_t2, rows_lut_t4, rows_lut_t8};
-/* ... with a scale per 16 values (tm_weight.sc16): the halves' dots, as 6-bit codes' */
-#define DEF_ROWS_LUT16(T)                                                                   \
-    static void rows_lut16_t##T(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, \
-                                float *y, const float *bias) {                              \
-        rows_dot(w, xq, r0, r1, t0, T, 4, 1, 1, y, bias);                                   \
-    }
-DEF_ROWS_LUT16(1) DEF_ROWS_LUT16(2) DEF_ROWS_LUT16(4) DEF_ROWS_LUT16(8)
-static const rows_fn ROWS_B4L16[4] = {rows_lut16_t1, rows_lut16_t2, rows_lut16_t4, rows_lut16_t8};
+#define DEF_ROWS_LUT_ALL(NAME, SC16)                                                     \
+    DEF_ROWS_LUT(NAME, SC16, 1) DEF_ROWS_LUT(NAME, SC16, 2) DEF_ROWS_LUT(NAME, SC16, 4) \
+    DEF_ROWS_LUT(NAME, SC16, 8)                                                          \
+    static const rows_fn ROWS_##NAME[4] = {rows_##NAME##_t1, rows_##NAME##_t2, rows_##NAME##_t4, rows_##NAME##_t8};
+DEF_ROWS_LUT_ALL(lut, 0)
+DEF_ROWS_LUT_ALL(lut16, 1)
 DEF_ROWS_ALL(5)
 DEF_ROWS_ALL(6)
 DEF_ROWS_ALL(8)
@@ -555,8 +552,8 @@ DEF_ROWS_ALL(8)
  * (ROWBLOCK of them) stay in L1 between the pieces. */
 static void rows_any(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, int T,
                      float *y, const float *bias) {
-    const rows_fn *table = w->sc16         ? ROWS_B4L16
-                           : w->lut       ? ROWS_B4L /* table codes are 4-bit */
+    const rows_fn *table = w->sc16         ? ROWS_lut16
+                           : w->lut       ? ROWS_lut /* table codes are 4-bit */
                            : w->bits == 2 ? ROWS_B2
                            : w->bits == 3 ? ROWS_B3
                            : w->bits == 4 ? ROWS_B4
