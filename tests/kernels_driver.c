@@ -187,40 +187,40 @@ static void five_bit_cases(void) {
         }
 }
 
-/* 4-bit codes that index a table (GGUF IQ4_NL, IQ4_XS, MXFP4), tails included; and with a
- * scale per 16 values (IQ2_XS, IQ2_S, IQ1_M: sc16, int8 codes per 16 times float16 per 256
- * read times 2^-3, rows of whole groups) */
+/* 4-bit codes that index a table (GGUF IQ4_NL, IQ4_XS, MXFP4), tails included; and 3-bit
+ * ones in Q3_K's form (the grid types of at most 8 points: IQ2_XS, IQ1_S, TQ2_0, ...), int8
+ * codes per 16 times float16 per 256 read times 2^-3 */
 static void table_cases(void) {
     static const uint8_t lut[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
     static const uint8_t lut6[16] = {85, 103, 120, 136, 153, 171};
     const int ks[] = {256, 1024 + 480, 256, 1024};
     for (int ki = 0; ki < 4; ki++) {
-        const int k = ks[ki], n = 9, sc16 = ki >= 2;
+        const int k = ks[ki], n = 9, three = ki >= 2;
         tm_weight w = {fill_bytes((size_t)n * k / 2), fill_scales((size_t)n * k / 32, 1, 0.01f), NULL, 4, 1, n, k};
         w.lut = lut;
-        if (sc16) { /* codes of the 6 points, odd scale codes */
-            uint8_t *codes = (uint8_t *)w.codes, *sc = fill_bytes((size_t)n * k / 16);
-            for (size_t i = 0; i < (size_t)n * k / 2; i++) codes[i] = (uint8_t)((codes[i] & 15) % 6 | ((codes[i] >> 4) % 6) << 4);
+        if (three) { /* random planes (codes 6 and 7: the table's zeros), odd scale codes */
+            uint8_t *sc = fill_bytes((size_t)n * k / 16);
             for (size_t i = 0; i < (size_t)n * k / 16; i++) sc[i] = (uint8_t)(2 * (sc[i] & 15) + 1);
-            free((void *)w.scales);
+            free((void *)w.codes), free((void *)w.scales);
+            w.codes = fill_bytes((size_t)n * k * 3 / 8), w.bits = 3;
             w.scales = sc, w.scale_f16 = 0, w.dsup = fill_scales((size_t)n * k / 256, 1, 1e-3f);
-            w.lut = lut6, w.sc16 = 1, w.sup_shift = 3;
+            w.lut = lut6, w.sup_shift = 3;
         }
         char name[64];
         for (int t = 1; t <= 5; t += 4)
             for (int act16 = 0; act16 < 2; act16++) {
                 float *x = fill_floats((size_t)t * k, 1.f), *y = malloc((size_t)t * n * 4);
                 tm_linear(&w, x, t, y, NULL, 2, act16);
-                snprintf(name, sizeof name, "table%s k%d t%d a%d", sc16 ? "16" : "", k, t, act16);
+                snprintf(name, sizeof name, "table%s k%d t%d a%d", three ? "3" : "", k, t, act16);
                 emit(name, y, t * n);
                 tm_gemm(&w, x, t, y, NULL, 2, act16);
-                snprintf(name, sizeof name, "gemm table%s k%d t%d a%d", sc16 ? "16" : "", k, t, act16);
+                snprintf(name, sizeof name, "gemm table%s k%d t%d a%d", three ? "3" : "", k, t, act16);
                 emit(name, y, t * n);
                 free(x), free(y);
             }
         float *lanes = malloc((size_t)n * k * 4);
         tm_dequant_lanes(&w, 0, n, lanes, 2);
-        snprintf(name, sizeof name, "lanes table%s k%d", sc16 ? "16" : "", k);
+        snprintf(name, sizeof name, "lanes table%s k%d", three ? "3" : "", k);
         emit(name, lanes, n * k);
         free(lanes), free((void *)w.codes), free((void *)w.scales), free((void *)w.dsup);
     }

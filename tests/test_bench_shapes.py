@@ -125,7 +125,7 @@ def test_cached_writes_once_under_a_name_of_its_shape(tmp_path, monkeypatch):
     [(s, f) for s in ("tiny", "tiny-moe") for f in shapes.FILE_TYPES]
     # rows of 512 and 1024: Q5_K and Q5_0/Q5_1 as 5-bit codes in whole lane groups on every
     # build (the 256-wide tiny rows: a partial group on AVX-512)
-    # (IQ2_XS likewise as 4-bit codes under per-16 scales, `sc16`)
+    # (IQ2_XS as 3-bit codes into its table)
     + [
         ("tiny-wide", "q5_k_m"),
         ("tiny-wide", "iq2_xs"),
@@ -148,9 +148,9 @@ def test_tokenmill_and_llama_cpp_read_a_shape_file_alike(tmp_path, monkeypatch, 
     layers = [m for m in llm.engine.model.modules() if isinstance(m, QuantLinear)]
     if shape == "tiny-wide" and ftype == "q5_k_m":  # the Q5_K layers kept at 5 bits (Q6_K's at 6)
         assert {m.bits for m in layers} == {5, 6}
-    if shape == "tiny-wide" and ftype == "iq2_xs":  # IQ2_XS at 4.56 bits, not requantized
-        grid16 = [m for m in layers if "IQ2_XS" in m.sources]
-        assert grid16 and all(m.sc16 for m in grid16)
+    if ftype == "iq2_xs":  # IQ2_XS at 3.56 bits, not requantized
+        grid = [m for m in layers if "IQ2_XS" in m.sources]
+        assert grid and all(m.bits == 3 and m.lut is not None for m in grid)
     if ftype == "mxfp4_moe" and shape != "tiny":  # experts at 4.25 bits, a table of FP4 values
         experts = [
             m

@@ -29,10 +29,11 @@ from tokenmill.layers.quant_linear import PREFILL_MIN_T, QuantLinear
 SIMPLE = [GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.Q5_0, GT.Q5_1]  # gguf.quants can quantize these
 K_QUANTS = [GT.Q4_K, GT.Q5_K]
 TABLES = [GT.IQ4_NL, GT.IQ4_XS, GT.MXFP4]  # 4-bit codes into a table of 16 values
-# grid points times a scale per 32: 4-bit codes into a table of their points
+# grid points times a scale per 32: codes into a table of their points (4-bit for IQ3_S's
+# and IQ3_XXS's 16 points, else 3-bit in Q3_K's form)
 GRIDS = [GT.IQ2_XXS, GT.IQ3_XXS, GT.IQ3_S, GT.IQ1_S, GT.TQ1_0, GT.TQ2_0]
-# grid points times a scale per 16: 4-bit codes into a table of their points, the scales
-# as Q6_K's (whole lane groups; else requantized to 8-bit codes, a scale per 32)
+# grid points times a scale per 16: 3-bit codes into a table of their points, in Q3_K's form
+# (requantized to 8-bit codes, a scale per 32, without the native kernels)
 GRID16 = [GT.IQ2_XS, GT.IQ2_S, GT.IQ1_M]
 # a scale per 16 values, held as their own codes on rows of whole lane groups
 SIXTEENS = [GT.Q6_K, GT.Q3_K, GT.Q2_K]
@@ -142,18 +143,20 @@ def test_gguf_conversion_is_exact(qtype, shape):
     if qtype in TABLES:  # 4-bit codes, the scales as the file has them (MXFP4's: float16)
         per32 = {GT.IQ4_NL: 18, GT.IQ4_XS: 17.25, GT.MXFP4: 18}[qtype]  # file: 18, 17, 17
         assert layer.bits == 4 and layer.nbytes == n * k // 32 * per32 + 16  # + the table
-    if qtype in GRIDS:  # 4-bit codes; an odd code per 32 under d per 256 (TQ: the file's d)
-        per32 = 18 if qtype in (GT.TQ1_0, GT.TQ2_0) else 17.25
-        assert layer.bits == 4 and layer.nbytes == n * k // 32 * per32 + 16
+    if qtype in GRIDS:  # under the file's d per 256: 4-bit codes and an odd code per 32 (16
+        # points), or 3-bit ones and an int8 code per 16 (at most 8 points)
+        bits, per32 = (4, 17.25) if qtype in (GT.IQ3_S, GT.IQ3_XXS) else (3, 14.25)
+        assert layer.bits == bits and layer.nbytes == n * k // 32 * per32 + 16
 
 
 @pytest.mark.parametrize("qtype", [GT.IQ3_S, GT.IQ3_XXS, GT.IQ2_XXS, GT.IQ1_S])
 def test_grid_scales_are_odd_codes_under_the_files_d(qtype):
     """A grid i-quant's scale per 32 is d (2s + 1) / 2^n: held as the byte 2s + 1 under
     the file's d as a float16 per 256 values, read times 2^-n (sup_shift): 17.25 bytes
-    per 32 values with the 4-bit codes, against 20 with float32 scales. Exact for any d,
-    the float16 subnormals too (whose quotient by 2^n no float16 holds), and the kernels
-    read it as the float32 scales they stand for."""
+    per 32 values with the 4-bit codes of IQ3_S and IQ3_XXS, 14.25 with the 3-bit ones of
+    IQ2_XXS and IQ1_S (their code per 16 twice), against 20 with float32 scales. Exact for
+    any d, the float16 subnormals too (whose quotient by 2^n no float16 holds), and the
+    kernels read it as the float32 scales they stand for."""
     n, k = 6, 512
     raw = gguf_bytes(qtype, n, k)
     blocks = raw.reshape(n, k // 256, -1)
@@ -164,7 +167,9 @@ def test_grid_scales_are_odd_codes_under_the_files_d(qtype):
     layer = QuantLinear.from_gguf(raw, qtype, n, k)
     ref = dequantize(raw, qtype).reshape(n, k)
     assert np.array_equal(layer.dequantize().numpy(), ref)
-    assert layer.scales_raw.dtype == torch.uint8 and layer.nbytes == n * k // 32 * 17.25 + 16
+    four = qtype in (GT.IQ3_S, GT.IQ3_XXS)
+    assert layer.scales_raw.dtype == (torch.uint8 if four else torch.int8)
+    assert layer.nbytes == n * k // 32 * (17.25 if four else 14.25) + 16
     assert layer.sup_shift == {GT.IQ3_S: 0, GT.IQ3_XXS: 2}.get(qtype, 3)
     x = torch.randn(3, k)
     err = (layer(x).double() - kernel_reference(layer, x, 16)).abs()
@@ -186,16 +191,17 @@ def test_mxfp4_scales_float16_cannot_hold_stay_float32():
 
 @pytest.mark.parametrize("qtype", GRID16)
 @pytest.mark.parametrize("k", [512, 768])
-def test_grid_types_with_a_scale_per_16_are_their_own_codes_where_kernels_read_them(qtype, k):
-    """IQ2_XS, IQ2_S, IQ1_M: grid points times d (2s + 1) / 8 per 16 values, held as 4-bit
-    codes into a table of their points under int8 codes per 16 times the file's d per 256
-    (read times 1/8: 18.25 bytes per 32 values), exactly gguf-py's values, any d, on rows
-    of whole lane groups (512 values on AVX-512: 768 is not). Elsewhere requantized to
-    8-bit codes and a float16 scale per 32 (34 bytes), within its bound; said so."""
+def test_grid_types_with_a_scale_per_16_are_their_own_3_bit_codes(qtype, k):
+    """IQ2_XS, IQ2_S, IQ1_M: grid points times d (2s + 1) / 8 per 16 values, held as 3-bit
+    codes into a table of their points in Q3_K's form, under int8 codes per 16 times the
+    file's d per 256 (read times 1/8: 14.25 bytes per 32 values), exactly gguf-py's values,
+    any d, any row length (768 ends in a partial lane group on AVX-512). Without the
+    native kernels requantized to 8-bit codes and a float16 scale per 32 (34 bytes),
+    within its bound; said so."""
     n = 9
     raw = gguf_bytes(qtype, n, k)
     ref = dequantize(raw, qtype).reshape(n, k)
-    own = QuantLinear.runs_sc16(k)
+    own = QuantLinear.runs_6bit(k)
     for tiny in (False, True):
         if tiny:  # a d of 2^-14 (1 + 2^-10): d / 8 would be a subnormal, its last bit lost
             d = np.array([0x0401], np.uint16)
@@ -209,7 +215,8 @@ def test_grid_types_with_a_scale_per_16_are_their_own_codes_where_kernels_read_t
             ref = dequantize(raw, qtype).reshape(n, k)
         layer = QuantLinear.from_gguf(raw, qtype, n, k)
         if own:
-            assert layer.bits == 4 and layer.sc16 and layer.nbytes == n * k // 32 * 18.25 + 16
+            assert layer.bits == 3 and layer.lut is not None
+            assert layer.nbytes == n * k // 32 * 14.25 + 16
             assert np.array_equal(layer.dequantize().numpy(), ref)
         else:
             assert layer.bits == 8 and layer.nbytes == n * k // 32 * 34

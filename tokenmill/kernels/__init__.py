@@ -72,7 +72,7 @@ __all__ = [
 ]
 
 
-ABI = 20  # tm_info() // 1000 of the sources this module binds
+ABI = 21  # tm_info() // 1000 of the sources this module binds
 F16, BF16, F32 = 16, 17, 32  # tm_weight.bits of float weights (4 and 8: packed blocks)
 Q8_0 = 8  # tm_layer.kv_bits of a KV cache of q8_0 blocks (tokenmill/dtypes.py)
 DEFAULT_GROUP_BLOCKS = 16  # the packing used when no library is loaded (any would do)
@@ -100,7 +100,6 @@ class TmWeight(ctypes.Structure):
         ("next", VP),  # the next rows' TmWeight (a segmented layer), or None
         ("lut", VP),  # table-coded 4-bit weights: the 16 values + 128 codes index, or None
         ("scale_zero", I32),  # K-quant scale codes' zero (IQ4_XS: 32)
-        ("sc16", I32),  # table codes with a scale per 16 values (IQ2_XS, IQ2_S, IQ1_M)
         ("sup_shift", I32),  # dsup's values: its float16s times 2^-sup_shift
     ]
 

@@ -62,10 +62,10 @@ _Static_assert(NT <= NT_MAX, "NT is at most NT_MAX");
 /* Row r's unit scales to td[u * RT], its block mins to tm[b * RT]. */
 static void tile_scales(const tm_weight *w, int r, float *td, float *tm) {
     const int nb = w->k / QK;
-    if (half_scales(w)) { /* unit = half h of block k of group g: scale dsup * sc[g][h][k] */
+    if (sixteen_scales(w->bits)) { /* unit = half h of block k of group g: scale dsup * sc[g][h][k] */
         const int8_t *sc = (const int8_t *)w->scales + (size_t)r * 2 * nb;
         /* 3-bit codes enter as 8 q, 2-bit ones as 16 q; 2-bit units have mins: tm [nu, RT] */
-        const float part = w->bits == 3 ? 0.125f : w->bits == 2 ? 0.0625f : 1.f;
+        const float part = code_scale(w);
         for (int b = 0; b < nb; b++) {
             const size_t sup = (size_t)r * (nb / 8) + b / 8;
             const float ds = tm_dsup(w, sup) * part;
@@ -113,7 +113,7 @@ static void build_tile(const tm_weight *w, int r0, int32_t *tw, float *td, float
             vb c[TM_W][8];
             for (int l = 0; l < TM_W; l++) {
                 tm_group_codes(rp[s * TM_W + l], g, w->bits, c[l]);
-                if (w->lut) tm_lookup_codes(table, c[l]);
+                if (w->lut) tm_lookup_codes(table, c[l], w->bits);
             }
             for (int i = 0; i < 8; i++) { /* codes 4i..4i+3 of block k: quad i, pairs 2i, 2i + 1 */
                 int32_t *d = tw + ((size_t)g * TM_W * words + (eight ? i : 2 * i)) * RT + s * TM_W;
@@ -430,7 +430,7 @@ const char *tm_amx(void) {
  * 6-bit codes without their super-block scales). */
 int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads, int act16) {
     if ((w->bits < 2 || w->bits > 6) && w->bits != 8) return -1;
-    const int K = w->k, N = w->n, nb = K / QK, six = half_scales(w), nu = six ? 2 * nb : nb;
+    const int K = w->k, N = w->n, nb = K / QK, six = sixteen_scales(w->bits), nu = six ? 2 * nb : nb;
     if (six && !w->dsup) return -1;
     const int mins = w->mins != NULL || unit_mins(w), z = zero_point(w);
 #if TM_AMX

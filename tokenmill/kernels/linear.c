@@ -85,11 +85,11 @@
  *   codes   uint8 [N, K/4];  scales uint8 [N, K/16] (sc + 16 m, per group [half][block]);
  *   dsup, msup [N, K/256]
  *
- * Table codes with a scale per 16 values (tm_weight.sc16: GGUF IQ2_XS, IQ2_S, IQ1_M,
- * exactly: w = dsup * sc * point, the points the table's): 4-bit codes as the table types
- * have them, looked up to 8-bit ones (Z = 128), under Q6_K's scales (int8 [N, K/16] per
- * group [half][block], dsup [N, K/256]); each half's dot less its zero-point term (zh: 128
- * sum q and what group_dot adds to 8-bit codes). Rows of whole groups only.
+ * 3-bit table codes (GGUF IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0, exactly: w =
+ * dsup * sc * point, at most 8 points, the table's): 3-bit codes' planes and scales, read
+ * as 8 q and looked up by q to 8-bit codes (Z = 128); each half's dot less its zero-point
+ * term (zh: 128 sum q and what group_dot adds to 8-bit codes). The scales per 32 of
+ * IQ2_XXS, IQ1_S and TQ enter as two equal ones per 16.
  *
  * Float weights (bits TM_F16 / TM_BF16 / TM_F32): [N, K] in natural order, converted to
  * float32 in registers (F16C / shifts / NEON fcvtl) and multiplied by float32 x.
@@ -142,10 +142,12 @@ static size_t xq_bytes(int T, int K, int halves) {
     return (xq_layout(T, K, halves, &xq, &f, &q, &b, &p) + 63) & ~(size_t)63;
 }
 
-/* bits: the dots' code bits (dot_bits); halves: the weight's scales are per 16 values
- * (half_scales), whose zero-point terms then come per half (zh) */
-static int quantize_x(const float *x, int T, int K, int z, int bits, int halves, int act16, xq_t *xq,
-                      char *buf) {
+/* x [T, w->k] for weight w: its zero point, the bits its dots see (dot_bits), where its
+ * tail blocks sit (tail_in_lanes of its codes) and whether its scales are per 16 values
+ * (sixteen_scales: the zero-point terms then come per half, zh) */
+static int quantize_x(const float *x, int T, const tm_weight *w, int act16, xq_t *xq, char *buf) {
+    const int K = w->k, z = zero_point(w), bits = dot_bits(w), halves = sixteen_scales(w->bits);
+    const int tails = tail_in_lanes(w->bits);
     const int nb = K / QK, full = nb / TM_GB * TM_GB;
     size_t fbytes, qbytes, base, pbytes;
     const size_t total = xq_layout(T, K, halves, xq, &fbytes, &qbytes, &base, &pbytes);
@@ -187,7 +189,7 @@ static int quantize_x(const float *x, int T, int K, int z, int bits, int halves,
             (void)hsum, (void)lsum;
             /* whole groups' blocks (and a partial group's, of 5- and 6-bit dots: padded to
              * a whole group, the lanes past it left zero) in lane order, other tails natural */
-            const int lanes = b < full || tail_in_lanes(bits);
+            const int lanes = b < full || tails;
             const size_t pos = lanes ? (size_t)(b / TM_GB) * GW + (size_t)(b % TM_GB) * 4 : lane_pos(nb, b, 0);
             if (lanes) { /* four values at a time to their lanes */
                 for (int i = 0; i < 8; i++) {
@@ -394,13 +396,13 @@ static inline vf sup_lanes(const float *sup, int g) {
  * scales the group's TM_GB blocks at once. */
 static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, const xq_t *xq,
                                                            int r0, int r1, int t0, int T, int bits,
-                                                           int lut, int sc16, float *y, const float *bias) {
+                                                           int lut, float *y, const float *bias) {
     const int nb = w->k / QK, nfull = nb / TM_GB, nbt = nb % TM_GB, f16 = w->scale_f16;
     const int db = lut ? 8 : bits; /* the dots' code bits (table codes: looked up to 8) */
     const vb table = vb_table(lut ? w->lut : tm_no_table);
     /* scale bytes per 32 values: K-quant codes 1 (6-bit: 2, one per 16), float16 2, float32 4 */
-    /* Q6_K's form (3-bit codes: 8 q in it; table codes with sc16: looked up to 8 bits) */
-    const int six = sixteen_scales(bits) || sc16, sdb = lut ? 8 : 6;
+    /* Q6_K's form (3-bit codes: 8 q in it; 3-bit table codes: looked up to 8 bits) */
+    const int six = sixteen_scales(bits), sdb = lut ? 8 : 6;
     const size_t rb = row_bytes(w), es = w->dsup ? (six ? 2 : 1) : f16 ? 2 : 4;
     const size_t ahead = prefetch_ahead(rb);
     const int ng = nfull + (partial_group(bits, nb) > 0); /* groups, a last partial one too */
@@ -427,9 +429,8 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
             vb c[8];
             prefetch_codes(row + (size_t)g * group_bytes(bits), group_bytes(bits), ahead);
             tm_codes_at(row + (size_t)g * group_bytes(bits), bits, pb, c);
-            if (lut) tm_lookup_codes(table, c);
-            /* 3-bit codes are 8 q, 2-bit ones 16 q: their scale an eighth, a sixteenth (exact) */
-            const vf ds = vf_mul(sup_lanes(dsup, g), vf_set1(bits == 3 ? 0.125f : bits == 2 ? 0.0625f : 1.f));
+            if (lut) tm_lookup_codes(table, c, bits);
+            const vf ds = vf_mul(sup_lanes(dsup, g), vf_set1(code_scale(w))); /* (exact) */
             const uint8_t *s0 = (const uint8_t *)w->scales + (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB;
             const uint8_t *s1 = s0 + (pb ? pb : TM_GB); /* the second halves' */
             uint8_t pad[2][TM_GB]; /* a partial group's pb + pb scale bytes, beside zeros */
@@ -474,7 +475,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
             vb c[8];
             prefetch_codes(row + (size_t)g * group_bytes(bits), group_bytes(bits), ahead);
             tm_codes_at(row + (size_t)g * group_bytes(bits), bits, pb, c);
-            if (lut) tm_lookup_codes(table, c);
+            if (lut) tm_lookup_codes(table, c, bits);
             /* the group's TM_GB scales (and mins) of es bytes; a partial group's pb beside zeros */
             const char *sp = (const char *)w->scales + (srow + (size_t)g * TM_GB) * es;
             const char *mp = w->mins ? (const char *)w->mins + (srow + (size_t)g * TM_GB) * es : NULL;
@@ -520,7 +521,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
 #define DEF_ROWS(B, T)                                                                        \
     static void rows_b##B##_t##T(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, \
                                  float *y, const float *bias) {                               \
-        rows_dot(w, xq, r0, r1, t0, T, B, 0, 0, y, bias);                                     \
+        rows_dot(w, xq, r0, r1, t0, T, B, 0, y, bias);                                     \
     }
 typedef void (*rows_fn)(const tm_weight *, const xq_t *, int, int, int, float *, const float *);
 /* Instantiated for T = 1, 2, 4, 8 only (compile time); other counts are split. */
@@ -531,19 +532,19 @@ typedef void (*rows_fn)(const tm_weight *, const xq_t *, int, int, int, float *,
 DEF_ROWS_ALL(2)
 DEF_ROWS_ALL(3)
 DEF_ROWS_ALL(4)
-/* 4-bit codes that index a table (tm_weight.lut): the dots of 8-bit codes; with a scale
- * per 16 values (SC16 1: tm_weight.sc16), the halves' dots, as 6-bit codes' */
-#define DEF_ROWS_LUT(NAME, SC16, T)                                                         \
-    static void rows_##NAME##_t##T(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, \
+/* Codes that index a table (tm_weight.lut): the dots of 8-bit codes; 4-bit ones with a scale
+ * per 32 values, 3-bit ones (Q3_K's form) with a scale per 16, the halves' dots */
+#define DEF_ROWS_LUT(B, T)                                                                    \
+    static void rows_lut##B##_t##T(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, \
                                    float *y, const float *bias) {                              \
-        rows_dot(w, xq, r0, r1, t0, T, 4, 1, SC16, y, bias);                                   \
+        rows_dot(w, xq, r0, r1, t0, T, B, 1, y, bias);                                         \
     }
-#define DEF_ROWS_LUT_ALL(NAME, SC16)                                                     \
-    DEF_ROWS_LUT(NAME, SC16, 1) DEF_ROWS_LUT(NAME, SC16, 2) DEF_ROWS_LUT(NAME, SC16, 4) \
-    DEF_ROWS_LUT(NAME, SC16, 8)                                                          \
-    static const rows_fn ROWS_##NAME[4] = {rows_##NAME##_t1, rows_##NAME##_t2, rows_##NAME##_t4, rows_##NAME##_t8};
-DEF_ROWS_LUT_ALL(lut, 0)
-DEF_ROWS_LUT_ALL(lut16, 1)
+#define DEF_ROWS_LUT_ALL(B)                                                              \
+    DEF_ROWS_LUT(B, 1) DEF_ROWS_LUT(B, 2) DEF_ROWS_LUT(B, 4) DEF_ROWS_LUT(B, 8)         \
+    static const rows_fn ROWS_LUT##B[4] = {rows_lut##B##_t1, rows_lut##B##_t2, rows_lut##B##_t4, \
+                                           rows_lut##B##_t8};
+DEF_ROWS_LUT_ALL(3)
+DEF_ROWS_LUT_ALL(4)
 DEF_ROWS_ALL(5)
 DEF_ROWS_ALL(6)
 DEF_ROWS_ALL(8)
@@ -552,8 +553,7 @@ DEF_ROWS_ALL(8)
  * (ROWBLOCK of them) stay in L1 between the pieces. */
 static void rows_any(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, int T,
                      float *y, const float *bias) {
-    const rows_fn *table = w->sc16         ? ROWS_lut16
-                           : w->lut       ? ROWS_lut /* table codes are 4-bit */
+    const rows_fn *table = w->lut          ? (w->bits == 3 ? ROWS_LUT3 : ROWS_LUT4)
                            : w->bits == 2 ? ROWS_B2
                            : w->bits == 3 ? ROWS_B3
                            : w->bits == 4 ? ROWS_B4
@@ -589,7 +589,7 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
                 continue;
             }
             const size_t sup = (size_t)r * (nb / 8) + b / 8;
-            const float ds = tm_dsup(w, sup) * (w->bits == 3 ? 0.125f : w->bits == 2 ? 0.0625f : 1.f);
+            const float ds = tm_dsup(w, sup) * code_scale(w);
             for (int h = 0; h < 2; h++) {
                 const uint8_t byte = ((const uint8_t *)w->scales)[(size_t)r * 2 * nb + half_scale_index(nb, b, h)];
                 const float d = w->bits == 2 ? ds * (float)(byte & 15) : ds * (float)(int8_t)byte;
@@ -627,24 +627,21 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
                 const int ls = (i & 1) * 4, hs = 2 * (i & 3);
                 const float *d = de[i >> 2];
                 float *o = out + (size_t)g * GW + i * vb_bytes;
-                for (int e = 0; e < vb_bytes; e++)
-                    o[e] = d[e] * (float)(three ? ((((hi[e] >> hs) & 3) << 1) | ((p[GW / 4 + e] >> i) & 1)) - 4
-                                                : ((((lo[e] >> ls) & 15) | (((hi[e] >> hs) & 3) << 4)) - 32));
+                for (int e = 0; e < vb_bytes; e++) {
+                    const int q = (((hi[e] >> hs) & 3) << 1) | ((p[GW / 4 + e] >> i) & 1); /* 3-bit */
+                    o[e] = d[e] * (float)(!three ? ((((lo[e] >> ls) & 15) | (((hi[e] >> hs) & 3) << 4)) - 32)
+                                          : w->lut ? w->lut[q] - 128 /* table codes */
+                                                   : q - 4);
+                }
             }
         }
         return;
     }
     for (int g = 0; g < nfull; g++) {
-        float de[2][4 * TM_GB], me[4 * TM_GB]; /* per element: its block's d (per half) and m */
+        float de[4 * TM_GB], me[4 * TM_GB]; /* per element: its block's d and m */
         for (int k = 0; k < TM_GB; k++) {
-            const int b = g * TM_GB + k;
-            const float m = tm_block_min(w, r, b);
-            for (int h = 0; h < 2; h++) { /* sc16: half h's int8 code times dsup */
-                const float d = w->sc16 ? tm_dsup(w, (size_t)r * (nb / 8) + b / 8) *
-                                              (float)((const int8_t *)w->scales)[(size_t)r * 2 * nb + half_scale_index(nb, b, h)]
-                                        : tm_block_scale(w, r, b);
-                for (int t = 0; t < 4; t++) de[h][4 * k + t] = d, me[4 * k + t] = m;
-            }
+            const float d = tm_block_scale(w, r, g * TM_GB + k), m = tm_block_min(w, r, g * TM_GB + k);
+            for (int t = 0; t < 4; t++) de[4 * k + t] = d, me[4 * k + t] = m;
         }
         float *o = out + (size_t)g * GW;
         const uint8_t *gp = row + (size_t)g * group_bytes(w->bits);
@@ -655,7 +652,7 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
             for (int e = 0; e < vb_bytes; e++) {
                 int c = ((p[e] >> shift) & mask) | (w->bits == 5 ? ((top[e] >> i) & 1) << 4 : 0);
                 if (w->lut) c = w->lut[c];
-                o[i * vb_bytes + e] = (float)(c - z) * de[i >> 2][e] + me[e];
+                o[i * vb_bytes + e] = (float)(c - z) * de[e] + me[e];
             }
         }
     }
@@ -851,7 +848,7 @@ static int linear_one(const tm_weight *w, const float *x, int T, float *y, const
     if (tm_linear_path(w->bits, T, 0, NULL, 0) == TM_PATH_GEMM) /* the integer GEMM (gemm.c) */
         return tm_gemm(w, x, T, y, bias, nthreads, act16);
     xq_t xq;
-    if (!fw && !quantize_x(x, T, w->k, zero_point(w), dot_bits(w), half_scales(w), act16, &xq, NULL)) return 0;
+    if (!fw && !quantize_x(x, T, w, act16, &xq, NULL)) return 0;
     const int n = w->n, nblk = (n + ROWBLOCK - 1) / ROWBLOCK;
     const int nt = tm_team(nthreads, nblk);
     int64_t start = tm_now(), done = start;
@@ -918,17 +915,17 @@ int tm_linear_jobs(const tm_weight *const *w, const float *const *x, const int *
         for (int i = 0; i < j && src[j] == j; i++)
             if (src[i] == i && x[i] == x[j] && T[i] == T[j] && w[i]->k == w[j]->k &&
                 zero_point(w[i]) == zero_point(w[j]) && dot_bits(w[i]) == dot_bits(w[j]) &&
-                half_scales(w[i]) == half_scales(w[j]))
+                sixteen_scales(w[i]->bits) == sixteen_scales(w[j]->bits) &&
+                tail_in_lanes(w[i]->bits) == tail_in_lanes(w[j]->bits))
                 src[j] = i;
         off[j] = total;
-        if (src[j] == j) total += xq_bytes(T[j], w[j]->k, half_scales(w[j]));
+        if (src[j] == j) total += xq_bytes(T[j], w[j]->k, sixteen_scales(w[j]->bits));
     }
     char *buf = tm_buf_get(&jobs_buf, total);
     if (!buf) return 0;
     first[0] = 0;
     for (int j = 0; j < n; j++) {
-        if (src[j] == j && !quantize_x(x[j], T[j], w[j]->k, zero_point(w[j]), dot_bits(w[j]),
-                                       half_scales(w[j]), act16, &xq[j], buf + off[j]))
+        if (src[j] == j && !quantize_x(x[j], T[j], w[j], act16, &xq[j], buf + off[j]))
             return 0;
         first[j + 1] = first[j] + (w[j]->n + ROWBLOCK - 1) / ROWBLOCK;
     }

@@ -36,7 +36,8 @@
  *                         vb_add_bits(c[8], v, at) (c[i] |= bit i of v at bit `at`: 4, the
  *                         top bits of 5-bit codes; 3, the low bits of 3-bit ones), vb_table(t) (a
  *                         16-byte table in every 16-byte lane), vb_lookup(table, c) (codes
- *                         0..15 looked up in it: table-coded 4-bit types),
+ *                         0..15 looked up in it: table-coded 4-bit types), vb_lookup8(table,
+ *                         c) (codes 8 q, q 0..7, looked up as q: table-coded 3-bit types),
  *                         vb_widen_pairs(c, z, &even, &odd)
  *                         (codes minus z as int16 pairs: lane k of even = codes 4k, 4k+1,
  *                         of odd = 4k+2, 4k+3; the first of a pair in the low half)

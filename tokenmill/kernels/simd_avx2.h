@@ -180,6 +180,9 @@ static inline void vb_add_crumbs(vb c[4], vb v) {
 /* A 16-byte table in both 128-bit lanes, and codes (0..15) looked up in it (vpshufb) */
 static inline vb vb_table(const uint8_t *t) { return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t)); }
 static inline vb vb_lookup(vb table, vb c) { return _mm256_shuffle_epi8(table, c); }
+static inline vb vb_lookup8(vb table, vb c) { /* codes 8 q: q (0..7) looked up */
+    return _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(c, 3), _mm256_set1_epi8(15)));
+}
 
 /* c[i] |= bit i of v, moved to bit `at` (i = 0..7; at 4: the top bits of eight vectors
  * of 5-bit codes, at 3: the low bits of 3-bit codes). 16-bit shifts of at most 4: the

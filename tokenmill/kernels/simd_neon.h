@@ -112,6 +112,7 @@ static inline void vb_add_crumbs(vb c[4], vb v) {
 /* A 16-byte table, and codes (0..15) looked up in it (tbl) */
 static inline vb vb_table(const uint8_t *t) { return vld1q_u8(t); }
 static inline vb vb_lookup(vb table, vb c) { return vqtbl1q_u8(table, c); }
+static inline vb vb_lookup8(vb table, vb c) { return vqtbl1q_u8(table, vshrq_n_u8(c, 3)); } /* codes 8 q */
 
 /* c[i] |= bit i of v, moved to bit `at` (i = 0..7; 4: 5-bit codes' top bits, 3: 3-bit
  * codes' low bits); vshlq_u8 shifts right by a negative count */

@@ -128,6 +128,11 @@ static inline vb vb_lookup(vb table, vb c) {
     for (int i = 0; i < 16; i++) r.v[i] = table.v[c.v[i] & 15];
     return r;
 }
+static inline vb vb_lookup8(vb table, vb c) { /* codes 8 q: q (0..7) looked up */
+    vb r;
+    for (int i = 0; i < 16; i++) r.v[i] = table.v[(c.v[i] >> 3) & 15];
+    return r;
+}
 
 /* c[i] |= bit i of v, moved to bit `at` (i = 0..7; 4: 5-bit codes' top bits, 3: 3-bit
  * codes' low bits) */

@@ -29,7 +29,7 @@
 
 #define TM_GB TM_W /* blocks per lane-order group: one vector of 32-bit lanes */
 
-#define TM_ABI 20 /* tm_info() / 1000: bumped when a struct or signature changes */
+#define TM_ABI 21 /* tm_info() / 1000: bumped when a struct or signature changes */
 
 #define QK 32            /* values per block */
 #define GW (TM_GB * QK)  /* values per full lane-order group */
@@ -72,14 +72,13 @@ typedef struct tm_weight {
     const uint16_t *dsup, *msup; /* K-quant super-block scales [n, k/256], or NULL */
     const struct tm_weight *next; /* the next rows, in their own format (a fused layer of
                                      parts that pack differently), or NULL */
-    const uint8_t *lut; /* 4-bit codes that index a table (GGUF IQ4_NL, IQ4_XS, MXFP4): its
-                           16 values + 128, so that w = d * (lut[c] - 128), computed as
-                           8-bit codes with Z = 128 once looked up in registers; or NULL */
+    const uint8_t *lut; /* 4-bit codes that index a table (GGUF IQ4_NL, IQ4_XS, MXFP4 and the
+                           grid i-quants of up to 16 points), or 3-bit ones (those of up to
+                           8: IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0, in Q3_K's
+                           form): its values + 128, so that w = d * (lut[c] - 128), computed
+                           as 8-bit codes with Z = 128 once looked up in registers; or NULL */
     int32_t scale_zero; /* K-quant scale codes: d = dsup * (code - scale_zero); 0, or 32
                            for IQ4_XS's signed 6-bit codes */
-    int32_t sc16; /* 1: table codes (lut) with a scale per 16 values (GGUF IQ2_XS, IQ2_S,
-                     IQ1_M), in 6-bit codes' form: int8 [n, k/16] per group [half][block],
-                     times dsup; rows of whole lane groups. 0: a scale per block */
     int32_t sup_shift; /* dsup's values are its float16s times 2^-sup_shift (tm_dsup): the
                           grid i-quants' d (2s + 1) / 2^n with the file's own d; else 0 */
 } tm_weight;
@@ -277,9 +276,11 @@ static inline float tm_block_min(const tm_weight *w, int r, int b) {
  * Q2_K read as 16 q with a min per 16 values too (unit_mins). */
 static inline int sixteen_scales(int bits) { return bits == 2 || bits == 3 || bits == 6; }
 
-/* Whether a weight's scales are per 16 values (units of half a block): 2-, 3- and 6-bit
- * codes, and table codes with sc16. */
-static inline int half_scales(const tm_weight *w) { return sixteen_scales(w->bits) || w->sc16; }
+/* What the codes the dots see stand for: 3-bit codes enter as 8 q, 2-bit ones as 16 q
+ * (their scale an eighth, a sixteenth: exact); table codes as their values, looked up. */
+static inline float code_scale(const tm_weight *w) {
+    return w->lut ? 1.f : w->bits == 3 ? 0.125f : w->bits == 2 ? 0.0625f : 1.f;
+}
 
 /* 2-bit codes (Q2_K): each 16 values' scale byte holds its scale code (low nibble) and its
  * min code (high nibble), as the file has them: w = dsup * sc * q - msup * m. */
@@ -384,7 +385,7 @@ static inline __attribute__((always_inline)) void tm_group_codes(const uint8_t *
 }
 
 /* The 32 codes of block b of a row in natural order (lane order undone), as the kernels
- * read them (3-bit: 8 q, 2-bit: 16 q), any build. */
+ * read them (3-bit: 8 q, 2-bit: 16 q; 3-bit table codes looked up), any build. */
 static inline void tm_block_codes(const tm_weight *w, const uint8_t *row, int b, uint8_t out[QK]) {
     const int nb = w->k / QK, nfull = nb / TM_GB;
     if (b >= nfull * TM_GB && !tail_in_lanes(w->bits)) {
@@ -410,15 +411,17 @@ static inline void tm_block_codes(const tm_weight *w, const uint8_t *row, int b,
         } else { /* 2- and 3-bit: the pairs plane (q, or q >> 1), then 3-bit's low bits */
             const int pair = (g[(i >> 2) * vbytes + e] >> (2 * (i & 3))) & 3;
             out[j] = (uint8_t)(w->bits == 2 ? pair << 4 : pair << 4 | ((g[2 * vbytes + e] >> i) & 1) << 3);
+            if (w->lut) out[j] = w->lut[out[j] >> 3]; /* 3-bit table codes: 8 q */
         }
     }
 }
 
 static const uint8_t tm_no_table[16]; /* zeros: the table of weights without one */
 
-/* Table codes: the 8 code vectors of a group looked up (tm_group_codes, then this). */
-static inline void tm_lookup_codes(vb table, vb c[8]) {
-    for (int i = 0; i < 8; i++) c[i] = vb_lookup(table, c[i]);
+/* Table codes: the 8 code vectors of a group looked up (tm_group_codes, then this); 3-bit
+ * ones read as 8 q. */
+static inline void tm_lookup_codes(vb table, vb c[8], int bits) {
+    for (int i = 0; i < 8; i++) c[i] = bits == 3 ? vb_lookup8(table, c[i]) : vb_lookup(table, c[i]);
 }
 
 /* One 32-block of activations v to integers: q = round(v * qmax / amax), ties to even

@@ -38,18 +38,17 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
           as the file's bytes (sc + 16 m) times     [N, K/4] (one bit plane), scales uint8
           d and dmin per 256                        [N, K/16]; the kernels read 16 q in
                                                     Q6_K's form
-    IQ2_XS, IQ2_S, IQ1_M (grid points times d (2s + 1) / 8 per 16 values): 4-bit codes
-          into a table of their points, looked up like IQ4_NL's, under Q6_K's form of
-          scales (the int8 code 2s + 1 per 16 under the file's d per 256, read times 1/8:
-          `sc16`): exact, 18.25 B / 32, on rows of whole lane groups.
-    Those elsewhere, and Q2_K, Q3_K and Q6_K without the native kernels: requantized to
+    Without the native kernels IQ2_XS, IQ2_S, IQ1_M, Q2_K, Q3_K and Q6_K: requantized to
           8-bit Z=128 with a per-32 f16 scale (as Q8_0 would): the added error is at most
           max|w_block| / 254 per value, about a quarter of Q6_K's own step.
-    IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S, TQ1_0, TQ2_0 (grid points times a scale per 32): 4-bit
-          codes into a table of the type's signed grid points (gguf_blocks.GRID_VALUES);
-          the i-quants' scales d (2s + 1) / 2^n as the odd code byte under the file's f16
-          d per 256 (IQ4_XS's form, read times 2^-n: `sup_shift`): exact, 17.25 B / 32; TQ
-          the file's f16 d (18).
+    IQ3_S, IQ3_XXS (grid points times a scale per 32, 16 points): 4-bit codes into a table
+          of the type's signed grid points (gguf_blocks.GRID_VALUES); the scales d (2s + 1)
+          / 2^n as the odd code byte under the file's f16 d per 256 (IQ4_XS's form, read
+          times 2^-n: `sup_shift`): exact, 17.25 B / 32.
+    IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0 (at most 8 points, a scale per 32 or
+          16): 3-bit codes into a table of their points, in Q3_K's form (two bit planes,
+          read as 8 q, looked up by q), under an int8 scale code per 16 values (a scale
+          per 32 twice) and the file's f16 d per 256 (read times 2^-n): exact, 14.25 B / 32.
     IQ4_NL, IQ4_XS, MXFP4 (4-bit codes into a 16-value table: `lut`, the values + 128):
           4-bit codes as stored, looked up to 8-bit ones in registers, Z=128; exact.
           IQ4_NL f16 scales: 18 B / 32 (file: 18); IQ4_XS its 6-bit scale codes as bytes
@@ -349,19 +348,16 @@ class QuantLinear(NativeLinear):
             raise ValueError(f"need in_features % {QK} == 0 and bits in (2, 3, 4, 5, 6, 8)")
         if codes.shape != (out_features, in_features * bits // 8) or codes.dtype != torch.uint8:
             raise ValueError(f"codes: expected uint8 {(out_features, in_features * bits // 8)}")
-        # table codes with a scale per 16 values (IQ2_XS, IQ2_S, IQ1_M): int8 scale codes
-        # per 16 in the kernels' group order times sup, like 6-bit codes' (tm_weight.sc16)
-        sixteen = bits in _SIXTEEN or (bits == 4 and sup is not None and scales.dtype == torch.int8)
-        per = 16 if sixteen else QK  # values per scale
+        per = 16 if bits in _SIXTEEN else QK  # values per scale
         if scales.shape != (out_features, in_features // per):
             raise ValueError(f"scales: expected shape {(out_features, in_features // per)}")
         if sup is None and scales.dtype not in _RAW:
             raise ValueError(f"scales must be float16 or float32, got {scales.dtype}")
         # sup's columns: d and dmin, or d alone (6-bit codes, and scale codes without mins)
         # (2-bit: d and dmin, its scale bytes holding a scale and a min code each)
-        nsup = 2 if bits == 2 else 1 if sixteen or mins is None else 2
+        nsup = 2 if bits == 2 else 1 if bits in _SIXTEEN or mins is None else 2
         if sup is not None and (
-            scales.dtype != (torch.int8 if bits in (3, 6) or sixteen and bits == 4 else torch.uint8)
+            scales.dtype != (torch.int8 if bits in (3, 6) else torch.uint8)
             or sup.shape != (out_features, in_features // 256, nsup)
             or sup.dtype != torch.float16
         ):
@@ -404,12 +400,12 @@ class QuantLinear(NativeLinear):
         self.sources: dict[str, int] = {}
 
     def set_table(self, table: np.ndarray | torch.Tensor, scale_zero: int = 0) -> None:
-        """Make the 4-bit codes indices into `table` (uint8 [16]: each value + 128), so
-        that w = d * (table[c] - 128); scale_zero: K-quant scale codes' zero (IQ4_XS's
-        6-bit codes: d = dsup * (code - 32))."""
+        """Make the 4-bit (or 3-bit) codes indices into `table` (uint8 [16]: each value +
+        128; 3-bit codes: its first 8), so that w = d * (table[c] - 128); scale_zero:
+        K-quant scale codes' zero (IQ4_XS's 6-bit codes: d = dsup * (code - 32))."""
         table = torch.as_tensor(table)
-        if self.bits != 4 or self.mins_raw is not None or (scale_zero and not self.kquant):
-            raise ValueError("a table indexes 4-bit codes with scales and no mins")
+        if self.bits not in (3, 4) or self.mins_raw is not None or (scale_zero and not self.kquant):
+            raise ValueError("a table indexes 3- or 4-bit codes with scales and no mins")
         if table.shape != (16,) or table.dtype != torch.uint8:
             raise ValueError(f"table: expected uint8 [16], got {table.dtype} {tuple(table.shape)}")
         self.lut, self.scale_zero = table.contiguous(), scale_zero
@@ -471,7 +467,7 @@ class QuantLinear(NativeLinear):
         half: MXFP4's scales as float16 (every row's fit: mxfp4_scales_fit_half)."""
         block, type_size = GGML_QUANT_SIZES[qtype]
         six = qtype in _OWN_SIXTEEN and cls.runs_6bit(in_features)
-        grid16 = qtype in GRID16_VALUES and cls.runs_sc16(in_features)
+        grid16 = qtype in GRID16_VALUES and cls.runs_6bit(in_features)
         five = qtype in _FIVE and cls.runs_5bit(in_features)
 
         def parse(rows: np.ndarray):
@@ -606,12 +602,6 @@ class QuantLinear(NativeLinear):
         return kernels.library() is not None and qtype in _NATIVE_BITS
 
     @staticmethod
-    def runs_sc16(in_features: int) -> bool:
-        """Whether the loaded kernels multiply table codes with a scale per 16 values in
-        rows of this length: whole lane-order groups (512 values on AVX-512)."""
-        return kernels.library() is not None and in_features % (QK * kernels.group_blocks()) == 0
-
-    @staticmethod
     def runs_6bit(in_features: int) -> bool:
         """Whether the loaded kernels multiply 6-bit codes for rows of this length."""
         return _own_codes_run(in_features)
@@ -670,7 +660,7 @@ class QuantLinear(NativeLinear):
         """This layer marked as packed from GGUF type `qtype` (its sources), with the
         type's table where its codes index one; returns it."""
         if qtype in TABLE_GGUF_TYPES | GRID_GGUF_TYPES or (
-            qtype in GRID16_VALUES and self.bits == 4
+            qtype in GRID16_VALUES and self.bits == 3
         ):
             self.set_table(table_of(qtype), TABLE_SCALE_ZERO.get(qtype, 0))
             if self.kquant:
@@ -738,12 +728,6 @@ class QuantLinear(NativeLinear):
         """Whether scales and mins are K-quant codes times super-block scales."""
         return self.dsup_raw is not None
 
-    @property
-    def sc16(self) -> bool:
-        """Whether 4-bit (table) codes have a scale per 16 values (IQ2_XS, IQ2_S, IQ1_M):
-        int8 codes in the kernels' group order times dsup, as 6-bit codes' scales."""
-        return self.bits == 4 and self.kquant and self.scales_raw.dtype == torch.int8
-
     def _natural_halves(self, raw: torch.Tensor | None = None) -> torch.Tensor:
         """The per-16 scale bytes (of `raw` rows, default all) in natural order."""
         raw = self.scales_raw if raw is None else raw
@@ -764,7 +748,7 @@ class QuantLinear(NativeLinear):
         in/16], one per 16 values in natural order (d * an 8-bit code, exact)."""
         if self.bits == 2:  # the scale codes are the bytes' low nibbles
             return self._expand_sup(self.dsup_raw, 16) * (self._natural_halves() & 15).float()
-        if self.bits in _SIXTEEN or self.sc16:
+        if self.bits in _SIXTEEN:
             sup = self._expand_sup(self.dsup_raw, 16, self.sup_shift)
             return sup * self._natural_halves().float()
         if self.kquant:
@@ -786,8 +770,6 @@ class QuantLinear(NativeLinear):
     # -- compute ----------------------------------------------------------------------
 
     def _make_native(self) -> kernels.TmWeight:
-        if self.sc16 and not self.runs_sc16(self.in_features):
-            self._to_8bit()  # a library whose lane groups do not tile these rows
         if self.bits in _SIXTEEN and not self.runs_6bit(self.in_features):
             self._to_8bit()  # a library without 6-bit kernels was loaded since
         if self.bits == 5 and not self.runs_5bit(self.in_features):
@@ -814,7 +796,6 @@ class QuantLinear(NativeLinear):
             None if dsup is None or msup is None else msup.data_ptr(),
             lut=None if self.lut is None else self.lut.data_ptr(),
             scale_zero=self.scale_zero,
-            sc16=int(self.sc16),
             sup_shift=self.sup_shift,
         )
 
@@ -837,9 +818,6 @@ class QuantLinear(NativeLinear):
 
     def _relayout(self, gb: int) -> None:
         """Repack the codes for groups of gb blocks (a library of another vector width)."""
-        if self.sc16:  # the scales' group order; the codes below, as 4-bit ones
-            perm = torch.from_numpy(half_scale_perm(self.in_features, gb))
-            self.scales_raw = self._natural_halves()[:, perm].contiguous()
         if self.bits in _SIXTEEN:
             k, old = self.in_features, self.group_blocks
             natural = torch.empty_like(self.scales_raw)
@@ -883,8 +861,10 @@ class QuantLinear(NativeLinear):
         if self.bits in _SIXTEEN:  # (d * code) * (c - Z) per 16 values, like gguf's Q6_K/Q3_K
             n = codes.shape[0]
             _, unpack, z = _SIXTEEN_CODES[self.bits]
-            nat = unpack(codes.numpy(), self.in_features, self.group_blocks)
-            c = torch.from_numpy(nat).reshape(n, -1, 16).to(torch.float32) - z
+            c = torch.from_numpy(unpack(codes.numpy(), self.in_features, self.group_blocks))
+            if self.lut is not None:  # 3-bit table codes: their values + 128
+                c, z = self.lut[c.long()], 128
+            c = c.reshape(n, -1, 16).to(torch.float32) - z
             return (scales[..., None] * c).reshape(n, self.in_features)
         if self.bits == 5:
             c = torch.from_numpy(unpack5(codes.numpy(), self.in_features, self.group_blocks))
@@ -896,9 +876,6 @@ class QuantLinear(NativeLinear):
         if self.lut is not None:  # table codes: their values + 128
             c = self.lut[c.long()]
         n = c.shape[0]
-        if self.sc16:  # (d * code) * (c - 128) per 16 values
-            c = c.reshape(n, -1, 16).to(torch.float32) - 128
-            return (scales[..., None] * c).reshape(n, self.in_features)
         c = c.reshape(n, -1, QK).to(torch.float32)
         d = scales.to(torch.float32)[..., None]
         if mins is None:

@@ -5,10 +5,11 @@ into the packed format's pieces: unsigned codes per value, a scale (and min) per
 of 32, and for K-quants the super-block scales they multiply. Exact for the types in
 EXACT_GGUF_TYPES; for Q6_K, Q3_K and Q2_K as 6-, 3- and 2-bit codes with a scale per 16
 values (parse_q6_k, parse_q3_k, parse_q2_k); for the table-coded 4-bit types (IQ4_NL,
-IQ4_XS, MXFP4: parse_table) and the grid types (IQ3_S, IQ2_XXS, TQ2_0, ...: parse_grid) as
-4-bit codes into a table, and IQ2_XS, IQ2_S, IQ1_M the same way with a scale per 16
-(parse_grid16). Where their own forms cannot run, IQ2_XS, IQ2_S, IQ1_M, Q6_K, Q3_K and
-Q2_K are requantized by QuantLinear (REQUANT_GGUF_TYPES).
+IQ4_XS, MXFP4: parse_table) as 4-bit codes into a table, and the grid types the same way
+(parse_grid, parse_grid16): 4-bit codes for those of 16 points (IQ3_S, IQ3_XXS), 3-bit
+ones under Q3_K's per-16 scales for those of at most 8 (GRID3_TYPES). Where their own
+forms cannot run, Q6_K, Q3_K, Q2_K, IQ2_XS, IQ2_S and IQ1_M are requantized by
+QuantLinear (REQUANT_GGUF_TYPES).
 """
 
 from __future__ import annotations
@@ -34,20 +35,21 @@ GRID_VALUES = {
     GT.TQ2_0: (-1, 0, 1, 2),  # 2-bit codes - 1 (llama.cpp's quantizer writes only -1..1)
 }
 GRID_GGUF_TYPES = frozenset(GRID_VALUES)
-# Grid types with a scale per 16 values, d (2s + 1) / 8: the same 4-bit codes into a table
-# of their grid points (at most 6), the scales as Q6_K's (an int8 per 16 values, odd codes
-# 2s + 1, times d / 8: parse_grid16), where the kernels read table codes that way (whole
-# lane groups); else requantized
+# Grid types with a scale per 16 values, d (2s + 1) / 8, and at most 8 points (parse_grid16)
 GRID16_VALUES = {
     GT.IQ2_XS: (-43, -25, -8, 8, 25, 43),  # iq2xs_grid's magnitudes times a sign
     GT.IQ2_S: (-43, -25, -8, 8, 25, 43),
     GT.IQ1_M: (-9, -7, -1, 1, 7, 9),  # 8 * (grid -1/0/1 + delta +-1/8)
 }
+# The grid types of at most 8 points: 3-bit codes into a table of them, in Q3_K's form (two
+# bit planes per lane group, an int8 scale code per 16 values, a float16 per 256: the scales
+# per 32 of IQ2_XXS, IQ1_S and TQ as two equal ones); the others (IQ3_S, IQ3_XXS: 16
+# points) 4-bit codes under a scale code per 32
+GRID3_TYPES = frozenset({GT.IQ2_XXS, GT.IQ1_S, GT.TQ1_0, GT.TQ2_0, *GRID16_VALUES})
 # IQ4_XS's scales are signed 6-bit codes stored + 32: d = the 256-block's d * (code - 32)
 TABLE_SCALE_ZERO = {GT.IQ4_XS: 32}
-# Requantized to 8-bit codes where their own forms cannot run: IQ2_XS, IQ2_S and IQ1_M
-# (GRID16_VALUES) on rows that are not whole lane groups, and Q6_K, Q3_K and Q2_K without
-# the native kernels.
+# Requantized to 8-bit codes where their own forms cannot run (without the native
+# kernels): Q6_K, Q3_K and Q2_K, and the 3-bit grid types of GRID16_VALUES.
 REQUANT_GGUF_TYPES = frozenset({GT.Q6_K, GT.Q2_K, GT.Q3_K, GT.IQ2_XS, GT.IQ2_S, GT.IQ1_M})
 # Every quantized type a layer holds (layers/quant_linear.py), one of the four ways above
 QUANT_GGUF_TYPES = EXACT_GGUF_TYPES | TABLE_GGUF_TYPES | GRID_GGUF_TYPES | REQUANT_GGUF_TYPES
@@ -375,21 +377,30 @@ def _entry_codes(qtype: GT, n: int) -> np.ndarray:
 
 def parse_grid(blocks: np.ndarray, qtype: GT):
     """IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S / TQ1_0 / TQ2_0 blocks [rows, nsup, type_size] ->
-    (codes [rows, K] u8: indices into table_of(qtype), scales, None, 4, sup). Scales per
-    32: the i-quants' odd codes uint8 [rows, K/32] under sup = the file's d float16 [rows,
-    K/256, 1] (_grid_scale_codes; the layer reads it times 2^-GRID_SCALE_SHIFT); TQ's
-    float16 d, as the file, and sup None. The codes come from the grids' and signs' bits
-    (_grid_codes); TQ1_0's base-3 bytes through gguf-py: each value divided by its block's
-    scale is an integer grid point, checked to be one of the type's."""
+    (codes [rows, K] u8: indices into table_of(qtype), scales, None, bits, sup): sup the
+    file's d float16 [rows, K/256, 1] (the layer reads it times 2^-GRID_SCALE_SHIFT), the
+    scales its codes: IQ3_S and IQ3_XXS 4-bit codes under odd codes uint8 [rows, K/32]
+    (_grid_scale_codes); the GRID3_TYPES 3-bit ones under int8 codes [rows, K/16], the
+    i-quants' per 32 twice, TQ's all 1. The codes come from the grids' and signs' bits
+    (_grid_codes); TQ1_0's base-3 bytes through gguf-py (_ternary_codes)."""
+    rows, nsup = blocks.shape[:2]
+    codes = _grid_codes(blocks, qtype)
+    if qtype in (GT.TQ1_0, GT.TQ2_0):  # d per 256, at the block's end
+        codes = _ternary_codes(blocks, qtype) if codes is None else codes
+        sup = np.ascontiguousarray(blocks[..., -2:]).view(np.float16)
+        return codes, np.ones((rows, nsup * 16), np.int8), None, 3, sup
+    scale_codes, sup = _grid_scale_codes(blocks, qtype)
+    if qtype in GRID3_TYPES:
+        return codes, np.repeat(scale_codes, 2, axis=-1).view(np.int8), None, 3, sup
+    return codes, scale_codes, None, 4, sup
+
+
+def _ternary_codes(blocks: np.ndarray, qtype: GT) -> np.ndarray:
+    """TQ1_0's codes through gguf-py: each value divided by its block's scale is an integer
+    grid point, checked to be one of the type's: uint8 [rows, K]."""
     from gguf.quants import dequantize
 
     rows = blocks.shape[0]
-    codes = _grid_codes(blocks, qtype)
-    if codes is not None and qtype in GRID_SCALE_SHIFT:
-        scale_codes, sup = _grid_scale_codes(blocks, qtype)
-        return codes, scale_codes, None, 4, sup
-    if codes is not None:
-        return codes, _grid_scales(blocks, qtype).reshape(rows, -1), None, 4, None
     w = dequantize(np.ascontiguousarray(blocks).reshape(rows, -1), qtype).reshape(rows, -1, 32)
     scales = _grid_scales(blocks, qtype).reshape(rows, -1)
     s = scales.astype(np.float32)[..., None]
@@ -399,7 +410,7 @@ def parse_grid(blocks: np.ndarray, qtype: GT):
     codes = np.searchsorted(points, t).clip(0, len(points) - 1)
     if not np.array_equal(points[codes] * s, np.where(s == 0, 0, w)):
         raise ValueError(f"{qtype.name} blocks hold values off the type's grid")
-    return codes.astype(np.uint8).reshape(rows, -1), scales, None, 4, None
+    return codes.astype(np.uint8).reshape(rows, -1)
 
 
 def _grid16_d(blocks: np.ndarray, qtype: GT) -> np.ndarray:
@@ -451,7 +462,7 @@ def _grid16_codes(blocks: np.ndarray, qtype: GT) -> np.ndarray:
 
 def parse_grid16(blocks: np.ndarray, qtype: GT):
     """IQ2_XS / IQ2_S / IQ1_M blocks [rows, nsup, type_size] -> (codes [rows, K] u8: indices
-    into table_of(qtype), scale codes int8 [rows, K/16] (2s + 1, natural order), None, 4,
+    into table_of(qtype), scale codes int8 [rows, K/16] (2s + 1, natural order), None, 3,
     sup = the file's d float16 [rows, K/256, 1]): value = sup * code / 8 * point, exactly
     gguf-py's (the codes from the grids' and signs' bits: _grid16_codes)."""
     rows, nsup = blocks.shape[:2]
@@ -461,6 +472,6 @@ def parse_grid16(blocks: np.ndarray, qtype: GT):
         _grid16_codes(blocks, qtype),
         sc.view(np.int8).reshape(rows, -1),
         None,
-        4,
+        3,
         sup.reshape(rows, nsup, 1),
     )
