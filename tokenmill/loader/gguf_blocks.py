@@ -25,7 +25,8 @@ EXACT_GGUF_TYPES = frozenset({GT.Q4_0, GT.Q4_1, GT.Q4_K, GT.Q8_0, GT.Q5_0, GT.Q5
 TABLE_GGUF_TYPES = frozenset({GT.IQ4_NL, GT.IQ4_XS, GT.MXFP4})
 # Types whose values are a grid point times a scale per 32 (the 2- and 3-bit i-quants with
 # one scale per 32, IQ1_S, the ternary TQ types): each value's grid point is one of at most
-# 16 integers, so it is held as a 4-bit code into a table like the types above (parse_grid)
+# 16 integers, so it is held as a code into a table like the types above (parse_grid: 4-bit
+# codes for 16 points, 3-bit ones for at most 8, GRID3_TYPES)
 GRID_VALUES = {
     GT.IQ2_XXS: (8, 25, 43),  # iq2xxs_grid's magnitudes, times a sign per value
     GT.IQ3_XXS: (4, 12, 20, 28, 36, 44, 52, 62),
