@@ -403,6 +403,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
     /* scale bytes per 32 values: K-quant codes 1 (6-bit: 2, one per 16), float16 2, float32 4 */
     /* Q6_K's form (3-bit codes: 8 q in it; 3-bit table codes: looked up to 8 bits) */
     const int six = sixteen_scales(bits), sdb = lut ? 8 : 6;
+    const float cs = code_scale(w); /* what the codes the dots see stand for (exact) */
     const size_t rb = row_bytes(w), es = w->dsup ? (six ? 2 : 1) : f16 ? 2 : 4;
     const size_t ahead = prefetch_ahead(rb);
     const int ng = nfull + (partial_group(bits, nb) > 0); /* groups, a last partial one too */
@@ -430,7 +431,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
             prefetch_codes(row + (size_t)g * group_bytes(bits), group_bytes(bits), ahead);
             tm_codes_at(row + (size_t)g * group_bytes(bits), bits, pb, c);
             if (lut) tm_lookup_codes(table, c, bits);
-            const vf ds = vf_mul(sup_lanes(dsup, g), vf_set1(code_scale(w))); /* (exact) */
+            const vf ds = vf_mul(sup_lanes(dsup, g), vf_set1(cs));
             const uint8_t *s0 = (const uint8_t *)w->scales + (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB;
             const uint8_t *s1 = s0 + (pb ? pb : TM_GB); /* the second halves' */
             uint8_t pad[2][TM_GB]; /* a partial group's pb + pb scale bytes, beside zeros */
@@ -521,7 +522,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
 #define DEF_ROWS(B, T)                                                                        \
     static void rows_b##B##_t##T(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, \
                                  float *y, const float *bias) {                               \
-        rows_dot(w, xq, r0, r1, t0, T, B, 0, y, bias);                                     \
+        rows_dot(w, xq, r0, r1, t0, T, B, 0, y, bias);                                        \
     }
 typedef void (*rows_fn)(const tm_weight *, const xq_t *, int, int, int, float *, const float *);
 /* Instantiated for T = 1, 2, 4, 8 only (compile time); other counts are split. */

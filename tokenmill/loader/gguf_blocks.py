@@ -247,31 +247,6 @@ def _grid_points(qtype: GT) -> np.ndarray:
     return np.unique(np.concatenate([-v, v]) if signed else v)
 
 
-def _grid_scales(blocks: np.ndarray, qtype: GT) -> np.ndarray:
-    """A grid type's scale per 32 values, float32 [rows, nsup, 8] (TQ: float16 [rows, K/32]),
-    with gguf-py's float32 operations, so that value = scale * grid point exactly."""
-    rows, nsup = blocks.shape[:2]
-    f32 = np.float32
-    if qtype in (GT.TQ1_0, GT.TQ2_0):  # one float16 d per 256, at the block's end
-        d = np.ascontiguousarray(blocks[..., -2:]).view(np.float16)  # [rows, nsup, 1]
-        return np.repeat(d, 8, axis=-1).reshape(rows, -1)
-    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).astype(f32)  # [rows, nsup, 1]
-    if qtype in (GT.IQ2_XXS, GT.IQ3_XXS):  # a 4-bit scale in the top of a uint32 per 32
-        words = np.ascontiguousarray(
-            blocks[..., 2:66] if qtype == GT.IQ2_XXS else blocks[..., 66:98]
-        )
-        aux = words.view(np.uint32)
-        aux = aux[..., 1::2] if qtype == GT.IQ2_XXS else aux  # [rows, nsup, 8]
-        half = f32(0.25) if qtype == GT.IQ2_XXS else f32(0.5)
-        return d * (f32(0.5) + (aux >> 28).astype(f32)) * half
-    if qtype == GT.IQ3_S:  # d, 64 qs, 8 qh, 32 sign bytes, then 4 bytes of 4-bit scales
-        sc = blocks[..., 106:110].reshape(rows, nsup, 4, 1) >> np.array([0, 4], np.uint8)
-        return d * (1 + 2 * (sc & 15).reshape(rows, nsup, 8))
-    # IQ1_S: d, 32 qs, then a uint16 per 32: a 3-bit scale at bit 12 (and the delta's sign)
-    qh = np.ascontiguousarray(blocks[..., 34:50]).view(np.uint16)
-    return d * (2 * ((qh >> 12) & 7) + 1) / f32(8)
-
-
 # A grid i-quant's scale per 32 (IQ2_XS, IQ2_S, IQ1_M: per 16) values is its super-block's
 # d times an odd integer code over a power of two: d (2s + 1) / 2^shift. Held in the
 # K-quant form, the code as a byte under the file's d as a float16 per 256 values (the
@@ -283,7 +258,7 @@ GRID_SCALE_SHIFT = {GT.IQ3_S: 0, GT.IQ3_XXS: 2, GT.IQ2_XXS: 3, GT.IQ1_S: 3, GT.I
 
 def _grid_scale_codes(blocks: np.ndarray, qtype: GT):
     """A grid i-quant's scales as (odd codes uint8 [rows, K/32], the file's d float16
-    [rows, K/256, 1]): scale = d * code / 2^GRID_SCALE_SHIFT, _grid_scales' exactly."""
+    [rows, K/256, 1]): scale = d * code / 2^GRID_SCALE_SHIFT, exactly gguf-py's."""
     rows, nsup = blocks.shape[:2]
     sup = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)
     if qtype in (GT.IQ2_XXS, GT.IQ3_XXS):  # the top 4 bits of a uint32 per 32
@@ -397,14 +372,16 @@ def parse_grid(blocks: np.ndarray, qtype: GT):
 
 
 def _ternary_codes(blocks: np.ndarray, qtype: GT) -> np.ndarray:
-    """TQ1_0's codes through gguf-py: each value divided by its block's scale is an integer
-    grid point, checked to be one of the type's: uint8 [rows, K]."""
+    """TQ1_0's codes through gguf-py: each value divided by its super-block's d (float16,
+    at the block's end) is an integer grid point, checked to be one of the type's: uint8
+    [rows, K]."""
     from gguf.quants import dequantize
 
     rows = blocks.shape[0]
-    w = dequantize(np.ascontiguousarray(blocks).reshape(rows, -1), qtype).reshape(rows, -1, 32)
-    scales = _grid_scales(blocks, qtype).reshape(rows, -1)
-    s = scales.astype(np.float32)[..., None]
+    w = dequantize(np.ascontiguousarray(blocks).reshape(rows, -1), qtype).reshape(rows, -1, 256)
+    s = (
+        np.ascontiguousarray(blocks[..., -2:]).view(np.float16).astype(np.float32)
+    )  # [rows, nsup, 1]
     with np.errstate(divide="ignore", invalid="ignore"):
         t = np.where(s == 0, 0, np.rint(w / s))
     points = _grid_points(qtype)
