@@ -226,6 +226,38 @@ static void table_cases(void) {
     }
 }
 
+/* The grid kinds (IQ3_XXS: TM_GRID8, IQ3_S: TM_GRID9): random index, 9th-bit and sign
+ * bytes, random scale nibbles under float16 d per 256 (read times 2^-2), a random grid;
+ * 768 values end in a partial lane group where a group is 16 blocks */
+static void grid_cases(void) {
+    const int ks[] = {256, 768, 2048};
+    for (int kind = TM_GRID8; kind <= TM_GRID9; kind++)
+        for (int ki = 0; ki < 3; ki++) {
+            const int k = ks[ki], n = 9;
+            uint8_t *grid = fill_bytes((size_t)(kind == TM_GRID9 ? 512 : 256) * 4);
+            tm_weight w = {fill_bytes((size_t)n * (k / 32) * kind), fill_bytes((size_t)n * k / 64), NULL, kind, 0, n, k,
+                           fill_scales((size_t)n * k / 256, 1, 1e-3f)};
+            w.lut = grid, w.sup_shift = 2;
+            char name[64];
+            for (int t = 1; t <= 5; t += 4)
+                for (int act16 = 0; act16 < 2; act16++) {
+                    float *x = fill_floats((size_t)t * k, 1.f), *y = malloc((size_t)t * n * 4);
+                    tm_linear(&w, x, t, y, NULL, 2, act16);
+                    snprintf(name, sizeof name, "grid b%d k%d t%d a%d", kind, k, t, act16);
+                    emit(name, y, t * n);
+                    tm_gemm(&w, x, t, y, NULL, 2, act16);
+                    snprintf(name, sizeof name, "gemm grid b%d k%d t%d a%d", kind, k, t, act16);
+                    emit(name, y, t * n);
+                    free(x), free(y);
+                }
+            float *lanes = malloc((size_t)n * k * 4);
+            tm_dequant_lanes(&w, 0, n, lanes, 2);
+            snprintf(name, sizeof name, "lanes grid b%d k%d", kind, k);
+            emit(name, lanes, n * k);
+            free(lanes), free((void *)w.codes), free((void *)w.scales), free((void *)w.dsup), free(grid);
+        }
+}
+
 static void float_cases(void) {
     const int kinds[] = {TM_F16, TM_BF16, TM_F32}, ks[] = {8, 64, 1000};
     for (int ki = 0; ki < 3; ki++)
@@ -397,6 +429,7 @@ int main(int argc, char **argv) {
     six_bit_cases();
     five_bit_cases();
     table_cases();
+    grid_cases();
     float_cases();
     attention_cases();
     stack_cases();

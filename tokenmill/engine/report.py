@@ -72,7 +72,8 @@ def weight_forms(model: torch.nn.Module | None) -> str:
         total = sum(m.sources.values())
         for name, n in m.sources.items():
             h = held.setdefault(name, [0.0, 0, 0])
-            h[0] += m.nbytes * n / total
+            table = 0 if m.lut is None else m.lut.numel()  # a type's table or grid, not weights
+            h[0] += (m.nbytes - table) * n / total
             h[1] += n
             h[2] = max(h[2], m.bits)
     parts = []

@@ -72,7 +72,7 @@ __all__ = [
 ]
 
 
-ABI = 21  # tm_info() // 1000 of the sources this module binds
+ABI = 22  # tm_info() // 1000 of the sources this module binds
 F16, BF16, F32 = 16, 17, 32  # tm_weight.bits of float weights (4 and 8: packed blocks)
 Q8_0 = 8  # tm_layer.kv_bits of a KV cache of q8_0 blocks (tokenmill/dtypes.py)
 DEFAULT_GROUP_BLOCKS = 16  # the packing used when no library is loaded (any would do)

@@ -112,8 +112,7 @@ static void build_tile(const tm_weight *w, int r0, int32_t *tw, float *td, float
         for (int g = 0; g < nfull; g++) {
             vb c[TM_W][8];
             for (int l = 0; l < TM_W; l++) {
-                tm_group_codes(rp[s * TM_W + l], g, w->bits, c[l]);
-                if (w->lut) tm_lookup_codes(table, c[l], w->bits);
+                tm_weight_codes(w, rp[s * TM_W + l], g, table, c[l]);
             }
             for (int i = 0; i < 8; i++) { /* codes 4i..4i+3 of block k: quad i, pairs 2i, 2i + 1 */
                 int32_t *d = tw + ((size_t)g * TM_W * words + (eight ? i : 2 * i)) * RT + s * TM_W;
@@ -429,7 +428,7 @@ const char *tm_amx(void) {
  * Returns 1, 0 on OOM, -1 for weights it does not take (float weights, and 2-, 3- and
  * 6-bit codes without their super-block scales). */
 int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads, int act16) {
-    if ((w->bits < 2 || w->bits > 6) && w->bits != 8) return -1;
+    if ((w->bits < 2 || w->bits > 6) && w->bits != 8 && !grid_kind(w->bits)) return -1;
     const int K = w->k, N = w->n, nb = K / QK, six = sixteen_scales(w->bits), nu = six ? 2 * nb : nb;
     if (six && !w->dsup) return -1;
     const int mins = w->mins != NULL || unit_mins(w), z = zero_point(w);

@@ -214,3 +214,65 @@ def half_scale_perm(k: int, gb: int) -> np.ndarray:
     ng, _ = _vectors6(k, gb)
     idx = np.arange(ng * gb * 2).reshape(ng, gb, 2).transpose(0, 2, 1)
     return idx.reshape(-1).astype(np.int64)
+
+
+# ---- the grid i-quants' own bits (linear.c: bits TM_GRID8 / TM_GRID9) -------------------
+# A block's record in natural order: its 8 low grid-index bytes (index i: values 4i..4i+3),
+# with 9-bit indices a byte whose bit i is index i's 9th, then its 32 sign bits (uint32,
+# bit v: value v is negative). 12 or 13 bytes, the kernels' `bits`.
+
+
+def _grid_groups(rec: np.ndarray) -> np.ndarray:
+    """Records [..., G, B] of groups of G blocks -> their lane-order bytes [..., G * B]:
+    per vector i its G index bytes, then the G 9th-bit bytes, then per vector i the sign
+    nibbles i of the G blocks, two blocks to a byte (block 2m low, 2m + 1 high)."""
+    g, b = rec.shape[-2:]
+    hi = b - 12
+    idx = rec[..., :8].swapaxes(-1, -2)  # [..., 8, G]
+    sb = rec[..., 8 + hi :]  # [..., G, 4]
+    nib = np.stack([sb & 15, sb >> 4], axis=-1).reshape(*rec.shape[:-2], g, 8).swapaxes(-1, -2)
+    pairs = nib.reshape(*nib.shape[:-1], g // 2, 2)
+    signs = pairs[..., 0] | (pairs[..., 1] << 4)  # [..., 8, G/2]
+    lead = rec.shape[:-2]
+    parts = (
+        [idx.reshape(*lead, 8 * g)] + ([rec[..., 8]] if hi else []) + [signs.reshape(*lead, 4 * g)]
+    )
+    return np.concatenate(parts, axis=-1)
+
+
+def _grid_records(codes: np.ndarray, g: int, b: int) -> np.ndarray:
+    """The inverse of _grid_groups: bytes [..., G * B] -> records [..., G, B]."""
+    hi = b - 12
+    lead = codes.shape[:-1]
+    idx = codes[..., : 8 * g].reshape(*lead, 8, g).swapaxes(-1, -2)
+    signs = codes[..., (8 + hi) * g :].reshape(*lead, 8, g // 2)
+    nib = np.stack([signs & 15, signs >> 4], axis=-1).reshape(*lead, 8, g).swapaxes(-1, -2)
+    pairs = nib.reshape(*lead, g, 4, 2)
+    sb = pairs[..., 0] | (pairs[..., 1] << 4)  # [..., G, 4]
+    parts = [idx] + ([codes[..., 8 * g : 9 * g, None]] if hi else []) + [sb]
+    return np.concatenate(parts, axis=-1)
+
+
+def pack_grid(rec: np.ndarray, gb: int) -> np.ndarray:
+    """Natural-order block records uint8 [rows, nb, B] (B 12 or 13) -> the kernels' bytes
+    [rows, nb * B]: per group of gb blocks (a last partial one of its blocks) _grid_groups."""
+    rows, nb, b = rec.shape
+    full = nb // gb * gb
+    out = [_grid_groups(rec[:, :full].reshape(rows, full // gb, gb, b)).reshape(rows, -1)]
+    if full < nb:
+        out.append(_grid_groups(rec[:, full:]))
+    return np.ascontiguousarray(np.concatenate(out, axis=-1))
+
+
+def unpack_grid(codes: np.ndarray, k: int, b: int, gb: int) -> np.ndarray:
+    """The inverse of pack_grid: records uint8 [rows, k / 32, b] in natural order."""
+    rows, nb = codes.shape[0], k // QK
+    full = nb // gb * gb
+    out = [
+        _grid_records(codes[:, : full * b].reshape(rows, full // gb, gb * b), gb, b).reshape(
+            rows, full, b
+        )
+    ]
+    if full < nb:
+        out.append(_grid_records(codes[:, full * b :], nb - full, b))
+    return np.concatenate(out, axis=1)

@@ -91,6 +91,18 @@
  * term (zh: 128 sum q and what group_dot adds to 8-bit codes). The scales per 32 of
  * IQ2_XXS, IQ1_S and TQ enter as two equal ones per 16.
  *
+ * Grid kinds (bits TM_GRID9 = 13 / TM_GRID8 = 12: GGUF IQ3_S / IQ3_XXS as their file has
+ * them, rearranged for the lanes; w = d (2 s + 1) / 2^n * sign * grid magnitude): per
+ * block 8 grid indices (each 4 values, an entry of 4 magnitudes), with TM_GRID9 their 9th
+ * bits, and 32 sign bits: 13 or 12 bytes. Per group of G blocks (a row's last, partial one:
+ * its blocks): vector i's G low index bytes (lane k: block k's index i) for i = 0..7, then
+ * G bytes of 9th bits (bit i: index i's), then per vector i the G sign nibbles, block 2m
+ * low and 2m + 1 high in byte m (bit t of lane k's: value 4 i + t of block k). vb_grid
+ * gathers each vector's entries (their magnitudes + 128, from w->lut) and negates the
+ * signed bytes (mod 256), giving 8-bit codes with Z = 128 for the table codes' dots. The
+ * scale codes s are nibbles [N, K/64] (block 2j low, 2j + 1 high) under dsup [N, K/256].
+ *   codes   uint8 [N, K/32 * bits];  scales uint8 [N, K/64];  dsup [N, K/256]
+ *
  * Float weights (bits TM_F16 / TM_BF16 / TM_F32): [N, K] in natural order, converted to
  * float32 in registers (F16C / shifts / NEON fcvtl) and multiplied by float32 x.
  */
@@ -410,8 +422,10 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
     for (int r = r0; r < r1; r++) {
         const uint8_t *row = w->codes + (size_t)r * rb;
         const size_t srow = (size_t)r * nb;
-        { /* the scales matching the codes `ahead` bytes on (those: per group below) */
-            const size_t at = srow * es + ahead * es / (4 * (size_t)bits);
+        { /* the scales matching the codes `ahead` bytes on (those: per group below; a grid
+             kind's: a nibble per block of `bits` bytes) */
+            const size_t at = grid_kind(bits) ? srow / 2 + ahead / (2 * (size_t)bits)
+                                              : srow * es + ahead * es / (4 * (size_t)bits);
             __builtin_prefetch((const char *)w->scales + at, 0, 3);
             if (w->mins) __builtin_prefetch((const char *)w->mins + at, 0, 3);
         }
@@ -471,23 +485,32 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
                 acc[t] = vf_fma(vf_mul(vf_from_vi(s1), dx), d1, acc[t]);
             }
         }
-        for (int g = 0; g < ng && !six; g++) { /* (a partial group: 5-bit codes only) */
+        for (int g = 0; g < ng && !six; g++) { /* (a partial group: 5-bit codes and grid kinds) */
             const int pb = g == nfull ? nbt : 0;
             vb c[8];
             prefetch_codes(row + (size_t)g * group_bytes(bits), group_bytes(bits), ahead);
-            tm_codes_at(row + (size_t)g * group_bytes(bits), bits, pb, c);
-            if (lut) tm_lookup_codes(table, c, bits);
+            if (grid_kind(bits)) {
+                tm_grid_codes(w, row + (size_t)g * group_bytes(bits), pb, c);
+            } else {
+                tm_codes_at(row + (size_t)g * group_bytes(bits), bits, pb, c);
+                if (lut) tm_lookup_codes(table, c, bits);
+            }
             /* the group's TM_GB scales (and mins) of es bytes; a partial group's pb beside zeros */
             const char *sp = (const char *)w->scales + (srow + (size_t)g * TM_GB) * es;
             const char *mp = w->mins ? (const char *)w->mins + (srow + (size_t)g * TM_GB) * es : NULL;
             _Alignas(64) char pad[2][4 * TM_GB];
-            if (pb) {
+            if (pb && !grid_kind(bits)) {
                 memset(pad, 0, sizeof pad);
                 memcpy(pad[0], sp, (size_t)pb * es), sp = pad[0];
                 if (mp) memcpy(pad[1], mp, (size_t)pb * es), mp = pad[1];
             }
             vf d, m = vf_zero();
-            if (w->dsup) { /* K-quant: codes times the super-block's scale (256 values) */
+            if (grid_kind(bits)) { /* a scale nibble s per block (two to a byte): d (2 s + 1) */
+                const uint8_t *sn = (const uint8_t *)w->scales + (srow + (size_t)g * TM_GB) / 2;
+                _Alignas(64) uint8_t odd[TM_GB] = {0}; /* a partial group's pb, zeros beside */
+                for (int k = 0; k < (pb ? pb : TM_GB); k++) odd[k] = (uint8_t)(2 * ((sn[k / 2] >> (4 * (k & 1))) & 15) + 1);
+                d = vf_mul(vf_load_u8(odd), sup_lanes(dsup, g));
+            } else if (w->dsup) { /* K-quant: codes times the super-block's scale (256 values) */
                 const vf code = vf_load_u8((const uint8_t *)sp);
                 d = vf_mul(vf_sub(code, vf_set1((float)w->scale_zero)), sup_lanes(dsup, g));
                 if (mp) m = vf_mul(vf_load_u8((const uint8_t *)mp), sup_lanes(msup, g));
@@ -546,6 +569,8 @@ DEF_ROWS_ALL(4)
                                            rows_lut##B##_t8};
 DEF_ROWS_LUT_ALL(3)
 DEF_ROWS_LUT_ALL(4)
+DEF_ROWS_LUT_ALL(12) /* the grid kinds: their codes, looked up in the grid, are 8-bit */
+DEF_ROWS_LUT_ALL(13)
 DEF_ROWS_ALL(5)
 DEF_ROWS_ALL(6)
 DEF_ROWS_ALL(8)
@@ -554,7 +579,9 @@ DEF_ROWS_ALL(8)
  * (ROWBLOCK of them) stay in L1 between the pieces. */
 static void rows_any(const tm_weight *w, const xq_t *xq, int r0, int r1, int t0, int T,
                      float *y, const float *bias) {
-    const rows_fn *table = w->lut          ? (w->bits == 3 ? ROWS_LUT3 : ROWS_LUT4)
+    const rows_fn *table = w->bits == TM_GRID8 ? ROWS_LUT12
+                           : w->bits == TM_GRID9 ? ROWS_LUT13
+                           : w->lut          ? (w->bits == 3 ? ROWS_LUT3 : ROWS_LUT4)
                            : w->bits == 2 ? ROWS_B2
                            : w->bits == 3 ? ROWS_B3
                            : w->bits == 4 ? ROWS_B4
@@ -579,6 +606,15 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
     const int nb = w->k / QK, nfull = nb / TM_GB, nbt = nb % TM_GB, z = zero_point(w);
     const int vb_bytes = 4 * TM_GB;
     const uint8_t *row = w->codes + (size_t)r * row_bytes(w);
+    if (grid_kind(w->bits)) { /* block by block (tm_block_codes), to its lane-order places */
+        for (int b = 0; b < nb; b++) {
+            uint8_t c[QK];
+            tm_block_codes(w, row, b, c);
+            const float d = tm_block_scale(w, r, b);
+            for (int j = 0; j < QK; j++) out[lane_pos(nb, b, j)] = (float)(c[j] - z) * d;
+        }
+        return;
+    }
     if (partial_group(w->bits, nb)) /* its blocks in natural order, as tm_lanes_f32 keeps tails */
         for (int b = nfull * TM_GB; b < nb; b++) {
             uint8_t c[QK];
@@ -787,7 +823,7 @@ int tm_gemm_min_rows(void) { return TM_W >= 8 ? GEMM_MIN_ROWS : 0; }
  * layers (tiles = 1: the caller has a float32 GEMM for TM_PATH_TILES; tm_linear has none
  * and runs the GEMV there). Writes why into reason [cap] (NULL: not asked). */
 int tm_linear_path(int bits, int T, int tiles, char *reason, int cap) {
-    const int packed = (bits >= 2 && bits <= 6) || bits == 8, gemm = tm_gemm_min_rows();
+    const int packed = (bits >= 2 && bits <= 6) || bits == 8 || grid_kind(bits), gemm = tm_gemm_min_rows();
     if (packed && gemm) {
         if (T >= gemm) {
             if (reason) snprintf(reason, cap, "T=%d rows >= %d: the integer GEMM beats the GEMV on %s", T, gemm, TM_SIMD_NAME);

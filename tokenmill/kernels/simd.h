@@ -38,7 +38,9 @@
  *                         16-byte table in every 16-byte lane), vb_lookup(table, c) (codes
  *                         0..15 looked up in it: table-coded 4-bit types), vb_lookup8(table,
  *                         c) (codes 8 q, q 0..7, looked up as q: table-coded 3-bit types),
- *                         vb_widen_pairs(c, z, &even, &odd)
+ *                         vb_grid(grid, lo, hi, i, s) (the grid i-quants' codes: lane k
+ *                         the grid entry lo[k] | (bit i of hi[k]) << 8, its bytes negated
+ *                         where bit j of s is set: tm_grid_lanes), vb_widen_pairs(c, z, &even, &odd)
  *                         (codes minus z as int16 pairs: lane k of even = codes 4k, 4k+1,
  *                         of odd = 4k+2, 4k+3; the first of a pair in the low half)
  *   group_dot(c, n, xh, xl, bits) -> vi: the integer core of the packed GEMV. c: n (<= 8)
@@ -109,6 +111,22 @@ static inline float tm_bf16_to_float(uint16_t h) {
  * integer GEMM's operand (gemm.c), built with vb_widen_pairs a vector at a time. */
 static inline int32_t tm_code_pair(const uint8_t *c, int z) {
     return (int32_t)((uint32_t)(uint16_t)(c[0] - z) | (uint32_t)(uint16_t)(c[1] - z) << 16);
+}
+
+/* The grid i-quants' codes (tm.h tm_grid_codes), lane by lane in C: `lanes` lanes, lane k
+ * the 4 bytes of grid entry lo[k] | (bit i of hi[k]) << 8 (hi NULL: 8-bit indices), byte j
+ * of out then negated mod 256 where bit j of the sign bits at s is set (entries hold
+ * their values + 128, so 256 - c is the negated value + 128). vb_grid's reference. */
+static inline void tm_grid_lanes(const uint8_t *grid, const uint8_t *lo, const uint8_t *hi, int i,
+                                 const uint8_t *s, uint8_t *out, int lanes) {
+    for (int k = 0; k < lanes; k++) {
+        const int e = lo[k] | (hi ? ((hi[k] >> i) & 1) << 8 : 0);
+        for (int t = 0; t < 4; t++) {
+            const int j = 4 * k + t;
+            const uint8_t v = grid[4 * e + t];
+            out[j] = (s[j >> 3] >> (j & 7)) & 1 ? (uint8_t)(0u - v) : v;
+        }
+    }
 }
 
 #if defined(TM_SIMDE_AVX512) || (defined(__AVX512F__) && defined(__AVX512BW__) && \

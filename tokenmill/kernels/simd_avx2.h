@@ -180,6 +180,23 @@ static inline void vb_add_crumbs(vb c[4], vb v) {
 /* A 16-byte table in both 128-bit lanes, and codes (0..15) looked up in it (vpshufb) */
 static inline vb vb_table(const uint8_t *t) { return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t)); }
 static inline vb vb_lookup(vb table, vb c) { return _mm256_shuffle_epi8(table, c); }
+/* grid entries by vpgatherdd; the 32 sign bits to byte masks (byte j: bit j of s) */
+static inline vb vb_grid(const uint8_t *grid, const uint8_t *lo, const uint8_t *hi, int i, const uint8_t *s) {
+    __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)lo));
+    if (hi) {
+        const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)hi));
+        idx = _mm256_or_si256(idx, _mm256_and_si256(_mm256_sllv_epi32(h, _mm256_set1_epi32(8 - i)),
+                                                     _mm256_set1_epi32(256)));
+    }
+    const __m256i g = _mm256_i32gather_epi32((const int *)(const void *)grid, idx, 4);
+    int32_t bits;
+    memcpy(&bits, s, 4);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2,
+                                            2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
+    const __m256i m = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(bits), spread), sel), sel);
+    return _mm256_sub_epi8(_mm256_xor_si256(g, m), m); /* (g ^ -1) + 1 = -g where m */
+}
 static inline vb vb_lookup8(vb table, vb c) { /* codes 8 q: q (0..7) looked up */
     return _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(c, 3), _mm256_set1_epi8(15)));
 }

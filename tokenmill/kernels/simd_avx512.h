@@ -284,6 +284,26 @@ static inline void vb_add_crumbs(vb c[4], vb v) {
 /* A 16-byte table in every 128-bit lane, and codes (0..15) looked up in it (vpshufb) */
 static inline vb vb_table(const uint8_t *t) { return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t)); }
 static inline vb vb_lookup(vb table, vb c) { return _mm512_shuffle_epi8(table, c); }
+/* grid entries by vpgatherdd, the sign bits a byte mask of a masked subtraction (SIMDe:
+ * lane by lane, tm_grid_lanes) */
+static inline vb vb_grid(const uint8_t *grid, const uint8_t *lo, const uint8_t *hi, int i, const uint8_t *s) {
+#if defined(TM_SIMDE_AVX512)
+    uint8_t r[64];
+    tm_grid_lanes(grid, lo, hi, i, s, r, 16);
+    return _mm512_loadu_si512(r);
+#else
+    __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)lo));
+    if (hi) {
+        const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)hi));
+        idx = _mm512_mask_or_epi32(idx, _mm512_test_epi32_mask(h, _mm512_set1_epi32(1 << i)), idx,
+                                   _mm512_set1_epi32(256));
+    }
+    const __m512i g = _mm512_i32gather_epi32(idx, (const void *)grid, 4);
+    uint64_t bits;
+    memcpy(&bits, s, 8);
+    return _mm512_mask_sub_epi8(g, (__mmask64)bits, _mm512_setzero_si512(), g);
+#endif
+}
 static inline vb vb_lookup8(vb table, vb c) { /* codes 8 q: q (0..7) looked up */
     return _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(c, 3), _mm512_set1_epi8(15)));
 }

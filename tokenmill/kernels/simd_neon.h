@@ -112,6 +112,15 @@ static inline void vb_add_crumbs(vb c[4], vb v) {
 /* A 16-byte table, and codes (0..15) looked up in it (tbl) */
 static inline vb vb_table(const uint8_t *t) { return vld1q_u8(t); }
 static inline vb vb_lookup(vb table, vb c) { return vqtbl1q_u8(table, c); }
+/* grid entries by four scalar loads (no gather), signs by a bit test per byte */
+static inline vb vb_grid(const uint8_t *grid, const uint8_t *lo, const uint8_t *hi, int i, const uint8_t *s) {
+    uint32_t e[4];
+    for (int k = 0; k < 4; k++) memcpy(&e[k], grid + 4 * (lo[k] | (hi ? ((hi[k] >> i) & 1) << 8 : 0)), 4);
+    static const uint8_t sel[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    const uint8x16_t m = vtstq_u8(vcombine_u8(vdup_n_u8(s[0]), vdup_n_u8(s[1])), vld1q_u8(sel));
+    const uint8x16_t g = vld1q_u8((const uint8_t *)e);
+    return vsubq_u8(veorq_u8(g, m), m); /* (g ^ -1) + 1 = -g where m */
+}
 static inline vb vb_lookup8(vb table, vb c) { return vqtbl1q_u8(table, vshrq_n_u8(c, 3)); } /* codes 8 q */
 
 /* c[i] |= bit i of v, moved to bit `at` (i = 0..7; 4: 5-bit codes' top bits, 3: 3-bit

@@ -128,6 +128,11 @@ static inline vb vb_lookup(vb table, vb c) {
     for (int i = 0; i < 16; i++) r.v[i] = table.v[c.v[i] & 15];
     return r;
 }
+static inline vb vb_grid(const uint8_t *grid, const uint8_t *lo, const uint8_t *hi, int i, const uint8_t *s) {
+    vb r;
+    tm_grid_lanes(grid, lo, hi, i, s, r.v, 4);
+    return r;
+}
 static inline vb vb_lookup8(vb table, vb c) { /* codes 8 q: q (0..7) looked up */
     vb r;
     for (int i = 0; i < 16; i++) r.v[i] = table.v[(c.v[i] >> 3) & 15];

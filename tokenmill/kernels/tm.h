@@ -29,7 +29,7 @@
 
 #define TM_GB TM_W /* blocks per lane-order group: one vector of 32-bit lanes */
 
-#define TM_ABI 21 /* tm_info() / 1000: bumped when a struct or signature changes */
+#define TM_ABI 22 /* tm_info() / 1000: bumped when a struct or signature changes */
 
 #define QK 32            /* values per block */
 #define GW (TM_GB * QK)  /* values per full lane-order group */
@@ -51,6 +51,12 @@ extern int tm_prefetch;
 #define TM_BF16 17 /* bfloat16 [n, k], natural order, no scales */
 #define TM_Q8_0 8  /* tm_layer.kv_bits only: a KV cache of q8_0 blocks (attention.c) */
 #define TM_F32 32  /* float32 [n, k], natural order, no scales */
+#define TM_GRID8 12 /* grid i-quants' own bits (IQ3_XXS): 12 bytes per block (linear.c) */
+#define TM_GRID9 13 /* the same with 9-bit grid indices (IQ3_S): 13 bytes per block */
+
+/* The grid i-quants as their file has them (linear.c): grid indices, sign bits and a
+ * 4-bit scale code s per block (d = dsup (2 s + 1)); bits is then the bytes per block. */
+static inline int grid_kind(int bits) { return bits == TM_GRID8 || bits == TM_GRID9; }
 
 /* One weight, filled once per layer from Python (ctypes.Structure mirror: TmWeight).
  * bits 4, 5, 6 or 8: the packed blocks of linear.c (5: Q5_0/Q5_1/Q5_K's codes, whole
@@ -65,14 +71,15 @@ typedef struct tm_weight {
     const uint8_t *codes;
     const void *scales;
     const void *mins;  /* NULL: no mins, zero point Z applies */
-    int32_t bits;      /* 4, 5, 6, 8, TM_F16, TM_BF16 or TM_F32 */
+    int32_t bits;      /* 2 to 6, 8, TM_GRID8, TM_GRID9, TM_F16, TM_BF16 or TM_F32 */
     int32_t scale_f16; /* plain scales: 1 float16, 0 float32 */
     int32_t n;         /* rows (out features) */
     int32_t k;         /* columns (in features); packed: a multiple of 32 */
     const uint16_t *dsup, *msup; /* K-quant super-block scales [n, k/256], or NULL */
     const struct tm_weight *next; /* the next rows, in their own format (a fused layer of
                                      parts that pack differently), or NULL */
-    const uint8_t *lut; /* 4-bit codes that index a table (GGUF IQ4_NL, IQ4_XS, MXFP4 and the
+    const uint8_t *lut; /* bits TM_GRID8 / TM_GRID9: the grid, 4 bytes per entry (its values
+                           + 128); else 4-bit codes that index a table (GGUF IQ4_NL, IQ4_XS, MXFP4 and the
                            grid i-quants of up to 16 points), or 3-bit ones (those of up to
                            8: IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0, in Q3_K's
                            form): its values + 128, so that w = d * (lut[c] - 128), computed
@@ -257,6 +264,9 @@ static inline float tm_dsup(const tm_weight *w, size_t i) {
 static inline float tm_block_scale(const tm_weight *w, int r, int b) {
     const size_t i = (size_t)r * (w->k / QK) + b;
     if (!w->dsup) return tm_scale_at(w->scales, w->scale_f16, i);
+    if (grid_kind(w->bits)) /* a nibble s per block, two to a byte: d (2 s + 1) */
+        return tm_dsup(w, (size_t)r * (w->k / 256) + b / 8) *
+               (float)(2 * ((((const uint8_t *)w->scales)[i / 2] >> (4 * (i & 1))) & 15) + 1);
     return tm_dsup(w, (size_t)r * (w->k / 256) + b / 8) *
            (float)(((const uint8_t *)w->scales)[i] - w->scale_zero);
 }
@@ -296,15 +306,16 @@ static inline int zero_point(const tm_weight *w) {
  * 2-bit codes enter as 6-bit ones (8 q, at most 56; 16 q, at most 48). */
 static inline int dot_bits(const tm_weight *w) { return w->lut ? 8 : sixteen_scales(w->bits) ? 6 : w->bits; }
 
-/* Bytes of one full lane-order group of codes (GW values) of `bits` 2, 3, 4, 5, 6 or 8. */
-static inline size_t group_bytes(int bits) { return (size_t)GW * bits / 8; }
+/* Bytes of one full lane-order group of codes (GW values) of `bits` 2, 3, 4, 5, 6 or 8, or
+ * of a grid kind's (its bytes per block). */
+static inline size_t group_bytes(int bits) { return grid_kind(bits) ? (size_t)TM_GB * bits : (size_t)GW * bits / 8; }
 
 /* 2-, 3-, 5- and 6-bit codes have no natural-order tail (their bit planes need lanes): a
  * row of them is groups, its last one partial where nb % TM_GB blocks are left (a MoE
  * expert's 768 values on AVX-512: 8 of 16; Qwen2.5's 896: 12), laid out in lane order as
  * a whole group of those blocks (vectors of 4 nb % TM_GB bytes), read zero-extended (the
  * lanes past them zero codes against zero activations). Rows of any length. */
-static inline int tail_in_lanes(int bits) { return bits == 2 || bits == 3 || bits == 5 || bits == 6; }
+static inline int tail_in_lanes(int bits) { return bits == 2 || bits == 3 || bits == 5 || bits == 6 || grid_kind(bits); }
 /* The blocks of a row's last, partial group (0: none) */
 static inline int partial_group(int bits, int nb) { return tail_in_lanes(bits) ? nb % TM_GB : 0; }
 
@@ -316,7 +327,7 @@ static inline size_t half_scale_index(int nb, int b, int h) {
 }
 
 static inline size_t row_bytes(const tm_weight *w) {
-    return (size_t)w->k * (size_t)w->bits / 8;
+    return grid_kind(w->bits) ? (size_t)(w->k / QK) * w->bits : (size_t)w->k * (size_t)w->bits / 8;
 }
 
 /* Lane-order position of value j of block b in a row of nb blocks (= 8-bit code byte). */
@@ -384,10 +395,41 @@ static inline __attribute__((always_inline)) void tm_group_codes(const uint8_t *
     tm_codes_at(row + (size_t)g * group_bytes(bits), bits, 0, c);
 }
 
+/* A grid kind's group at p (a row's last, partial group of pb blocks: pb > 0): per vector i
+ * of the 8 its pb or TM_GB low index bytes (one a block), then (TM_GRID9) as many bytes
+ * whose bit i is that index's 9th, then per vector its sign bits, half a byte a block. The
+ * 8 code vectors: grid entries looked up (8-bit codes, Z = 128) and signed (vb_grid). */
+static inline __attribute__((always_inline)) void tm_grid_codes(const tm_weight *w, const uint8_t *p, int pb,
+                                                                vb c[8]) {
+    const int hi = w->bits == TM_GRID9;
+    _Alignas(64) uint8_t pad[TM_GRID9 * TM_GB];
+    if (pb) { /* its bytes in a whole group's places, zeros beside (zero activations there) */
+        memset(pad, 0, sizeof pad);
+        for (int i = 0; i < 8 + hi; i++) memcpy(pad + i * TM_GB, p + i * pb, (size_t)pb);
+        for (int i = 0; i < 8; i++) memcpy(pad + (8 + hi) * TM_GB + i * TM_GB / 2, p + (8 + hi) * pb + i * pb / 2, (size_t)pb / 2);
+        p = pad;
+    }
+    const uint8_t *s = p + (8 + hi) * TM_GB;
+    for (int i = 0; i < 8; i++) c[i] = vb_grid(w->lut, p + i * TM_GB, hi ? p + 8 * TM_GB : NULL, i, s + i * TM_GB / 2);
+}
+
 /* The 32 codes of block b of a row in natural order (lane order undone), as the kernels
- * read them (3-bit: 8 q, 2-bit: 16 q; 3-bit table codes looked up), any build. */
+ * read them (3-bit: 8 q, 2-bit: 16 q; 3-bit table codes and grid kinds looked up), any build. */
 static inline void tm_block_codes(const tm_weight *w, const uint8_t *row, int b, uint8_t out[QK]) {
     const int nb = w->k / QK, nfull = nb / TM_GB;
+    if (grid_kind(w->bits)) { /* vector i, lane k of its group (tm_grid_codes) */
+        const int hi = w->bits == TM_GRID9, G = b / TM_GB == nfull ? nb % TM_GB : TM_GB, k = b % TM_GB;
+        const uint8_t *g = row + (size_t)(b / TM_GB) * group_bytes(w->bits), *s = g + (8 + hi) * G;
+        for (int i = 0; i < 8; i++) {
+            const int e = g[i * G + k] | (hi ? ((g[8 * G + k] >> i) & 1) << 8 : 0);
+            for (int t = 0; t < 4; t++) {
+                const int j = 4 * k + t;
+                const uint8_t v = w->lut[4 * e + t];
+                out[4 * i + t] = (s[i * G / 2 + (j >> 3)] >> (j & 7)) & 1 ? (uint8_t)(0u - v) : v;
+            }
+        }
+        return;
+    }
     if (b >= nfull * TM_GB && !tail_in_lanes(w->bits)) {
         tail_block_codes(row + (size_t)nfull * GW * w->bits / 8, w->bits, b - nfull * TM_GB, nb % TM_GB, w->lut,
                          out);
@@ -422,6 +464,18 @@ static const uint8_t tm_no_table[16]; /* zeros: the table of weights without one
  * ones read as 8 q. */
 static inline void tm_lookup_codes(vb table, vb c[8], int bits) {
     for (int i = 0; i < 8; i++) c[i] = bits == 3 ? vb_lookup8(table, c[i]) : vb_lookup(table, c[i]);
+}
+
+/* The 8 code vectors of full group g of a packed row as the dots take them: table codes
+ * looked up (table: vb_table(w->lut)), a grid kind's from its grid (tm_grid_codes). */
+static inline __attribute__((always_inline)) void tm_weight_codes(const tm_weight *w, const uint8_t *row, int g,
+                                                                  vb table, vb c[8]) {
+    if (grid_kind(w->bits)) {
+        tm_grid_codes(w, row + (size_t)g * group_bytes(w->bits), 0, c);
+        return;
+    }
+    tm_group_codes(row, g, w->bits, c);
+    if (w->lut) tm_lookup_codes(table, c, w->bits);
 }
 
 /* One 32-block of activations v to integers: q = round(v * qmax / amax), ties to even

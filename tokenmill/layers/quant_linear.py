@@ -41,10 +41,15 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
     Without the native kernels IQ2_XS, IQ2_S, IQ1_M, Q2_K, Q3_K and Q6_K: requantized to
           8-bit Z=128 with a per-32 f16 scale (as Q8_0 would): the added error is at most
           max|w_block| / 254 per value, about a quarter of Q6_K's own step.
-    IQ3_S, IQ3_XXS (grid points times a scale per 32, 16 points): 4-bit codes into a table
-          of the type's signed grid points (gguf_blocks.GRID_VALUES); the scales d (2s + 1)
-          / 2^n as the odd code byte under the file's f16 d per 256 (IQ4_XS's form, read
-          times 2^-n: `sup_shift`): exact, 17.25 B / 32.
+    IQ3_S, IQ3_XXS (grid entries of 4 magnitudes, a sign bit per value, a 4-bit scale code
+          s per 32: d (2s + 1) / 2^n): their own bits (bits 13 and 12: bytes per block, the
+          kernels' grid kinds, layout.pack_grid): per block 8 grid indices (IQ3_S: and their
+          9th bits), 32 sign bits, s as a nibble, under the file's f16 d per 256 (read times
+          2^-n: `sup_shift`); `lut` holds the grid (its magnitudes + 128): exact, IQ3_S
+          13.75 B / 32 (file: 13.75), IQ3_XXS 12.75 (file: 12.25: its 7-bit sign indices
+          widened to 8 sign bits). Without the native kernels: 4-bit codes into a table of
+          the signed grid points (gguf_blocks.GRID_VALUES) under the scale's odd code byte,
+          17.25 B / 32.
     IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0 (at most 8 points, a scale per 32 or
           16): 3-bit codes into a table of their points, in Q3_K's form (two bit planes,
           read as 8 q, looked up by q), under an int8 scale code per 16 values (a scale
@@ -77,10 +82,12 @@ from tokenmill.kernels.layout import (
     pack5,
     pack6,
     pack_codes,
+    pack_grid,
     unpack2,
     unpack3,
     unpack5,
     unpack6,
+    unpack_grid,
     unpack_index,
 )
 from tokenmill.layers.native_linear import NativeLinear
@@ -88,15 +95,18 @@ from tokenmill.loader.gguf_blocks import (
     EXACT_GGUF_TYPES,
     GRID16_VALUES,
     GRID_GGUF_TYPES,
+    GRID_OWN_BITS,
     GRID_SCALE_SHIFT,
     QUANT_GGUF_TYPES,
     REQUANT_GGUF_TYPES,
     TABLE_GGUF_TYPES,
     TABLE_SCALE_ZERO,
+    grid_table,
     mxfp4_scales_fit_half,
     parse_exact,
     parse_grid,
     parse_grid16,
+    parse_grid_own,
     parse_q2_k,
     parse_q3_k,
     parse_q6_k,
@@ -177,7 +187,7 @@ def _alloc(parsed: tuple, rows: int, in_features: int) -> tuple[int, dict]:
     format a parse returned (parse(...) -> natural codes, scales, mins, bits, sup)."""
     _, sc, mn, bits, su = parsed
     arrays = {
-        "codes": np.empty((rows, in_features * bits // 8), np.uint8),
+        "codes": np.empty((rows, _code_bytes(in_features, bits)), np.uint8),
         "scales": np.empty((rows, sc.shape[1]), sc.dtype),
     }
     if mn is not None:
@@ -207,6 +217,14 @@ _NATIVE_BITS = {
     GT.Q2_K: 2,
 }  # fmt: skip
 _FIVE = (GT.Q5_0, GT.Q5_1, GT.Q5_K)
+_GRID_BITS = (12, 13)  # the grid kinds (IQ3_XXS, IQ3_S): their bytes per block of 32
+
+
+def _code_bytes(k: int, bits: int) -> int:
+    """Bytes of packed codes per row of k values."""
+    return k // QK * bits if bits in _GRID_BITS else k * bits // 8
+
+
 _SIXTEEN = (2, 3, 6)  # code bits with a scale per 16 values: Q2_K's, Q3_K's, Q6_K's forms
 _OWN_SIXTEEN = {GT.Q6_K: parse_q6_k, GT.Q3_K: parse_q3_k, GT.Q2_K: parse_q2_k}
 _SIXTEEN_CODES = {2: (pack2, unpack2, 0), 3: (pack3, unpack3, 4), 6: (pack6, unpack6, 32)}
@@ -301,6 +319,8 @@ def _store(dst: dict, parsed: tuple, in_features: int, gb: int) -> None:
         sc = sc[:, half_scale_perm(in_features, gb)]
     if bits in _SIXTEEN:
         codes = _SIXTEEN_CODES[bits][0](nat, gb)
+    elif bits in _GRID_BITS:  # natural block records [rows, nb, bits]
+        codes = pack_grid(nat, gb)
     elif bits == 5:
         codes = pack5(nat, gb)
     else:  # straight into the destination
@@ -344,11 +364,17 @@ class QuantLinear(NativeLinear):
         and mins their uint8 codes per block; None: scales and mins are float. 6-bit codes
         (Q6_K): scales int8 [out, in/16] in the kernels' group order, sup d [out, in/256, 1]."""
         super().__init__(in_features, out_features, bias)
-        if in_features % QK or bits not in (2, 3, 4, 5, 6, 8):
-            raise ValueError(f"need in_features % {QK} == 0 and bits in (2, 3, 4, 5, 6, 8)")
-        if codes.shape != (out_features, in_features * bits // 8) or codes.dtype != torch.uint8:
-            raise ValueError(f"codes: expected uint8 {(out_features, in_features * bits // 8)}")
-        per = 16 if bits in _SIXTEEN else QK  # values per scale
+        if in_features % QK or bits not in (2, 3, 4, 5, 6, 8, *_GRID_BITS):
+            raise ValueError(f"need in_features % {QK} == 0 and bits in (2, 3, 4, 5, 6, 8, 12, 13)")
+        if bits in _GRID_BITS and (in_features % 256 or sup is None or mins is not None):
+            raise ValueError(
+                "grid codes (bits 12, 13) need in_features % 256 == 0, sup and no mins"
+            )
+        shape = (out_features, _code_bytes(in_features, bits))
+        if codes.shape != shape or codes.dtype != torch.uint8:
+            raise ValueError(f"codes: expected uint8 {shape}")
+        # values per scale (grid kinds: a nibble per 32, two to a byte)
+        per = 16 if bits in _SIXTEEN else 2 * QK if bits in _GRID_BITS else QK
         if scales.shape != (out_features, in_features // per):
             raise ValueError(f"scales: expected shape {(out_features, in_features // per)}")
         if sup is None and scales.dtype not in _RAW:
@@ -468,6 +494,7 @@ class QuantLinear(NativeLinear):
         block, type_size = GGML_QUANT_SIZES[qtype]
         six = qtype in _OWN_SIXTEEN and cls.runs_6bit(in_features)
         grid16 = qtype in GRID16_VALUES and cls.runs_6bit(in_features)
+        grid_own = qtype in GRID_OWN_BITS and cls.runs_6bit(in_features)
         five = qtype in _FIVE and cls.runs_5bit(in_features)
 
         def parse(rows: np.ndarray):
@@ -478,6 +505,8 @@ class QuantLinear(NativeLinear):
                 return parse_exact(blocks, qtype, five)
             if qtype in TABLE_GGUF_TYPES:
                 return parse_table(blocks, qtype, half and qtype == GT.MXFP4)
+            if grid_own:  # the file's bits, rearranged (else 4-bit table codes, below)
+                return parse_grid_own(blocks, qtype)
             if qtype in GRID_GGUF_TYPES:
                 return parse_grid(blocks, qtype)
             if grid16:  # (else requantized, below)
@@ -659,7 +688,9 @@ class QuantLinear(NativeLinear):
     def _of(self, qtype: GT) -> QuantLinear:
         """This layer marked as packed from GGUF type `qtype` (its sources), with the
         type's table where its codes index one; returns it."""
-        if qtype in TABLE_GGUF_TYPES | GRID_GGUF_TYPES or (
+        if self.bits in _GRID_BITS:  # the grid kinds: the grid itself
+            self.lut, self.sup_shift = torch.from_numpy(grid_table(qtype)), GRID_SCALE_SHIFT[qtype]
+        elif qtype in TABLE_GGUF_TYPES | GRID_GGUF_TYPES or (
             qtype in GRID16_VALUES and self.bits == 3
         ):
             self.set_table(table_of(qtype), TABLE_SCALE_ZERO.get(qtype, 0))
@@ -715,7 +746,9 @@ class QuantLinear(NativeLinear):
             first.group_blocks,
             sup,
         )
-        if first.lut is not None:
+        if first.bits in _GRID_BITS:
+            fused.lut = first.lut
+        elif first.lut is not None:
             fused.set_table(first.lut, first.scale_zero)
         fused.sup_shift = first.sup_shift
         for p in parts:
@@ -748,6 +781,9 @@ class QuantLinear(NativeLinear):
         in/16], one per 16 values in natural order (d * an 8-bit code, exact)."""
         if self.bits == 2:  # the scale codes are the bytes' low nibbles
             return self._expand_sup(self.dsup_raw, 16) * (self._natural_halves() & 15).float()
+        if self.bits in _GRID_BITS:  # d (2 s + 1), s a nibble per block, low first
+            nib = torch.stack([self.scales_raw & 15, self.scales_raw >> 4], -1).flatten(1)
+            return self._expand_sup(self.dsup_raw, 8, self.sup_shift) * (2 * nib.float() + 1)
         if self.bits in _SIXTEEN:
             sup = self._expand_sup(self.dsup_raw, 16, self.sup_shift)
             return sup * self._natural_halves().float()
@@ -818,6 +854,10 @@ class QuantLinear(NativeLinear):
 
     def _relayout(self, gb: int) -> None:
         """Repack the codes for groups of gb blocks (a library of another vector width)."""
+        if self.bits in _GRID_BITS:
+            rec = unpack_grid(self.codes.numpy(), self.in_features, self.bits, self.group_blocks)
+            self.codes, self.group_blocks = torch.from_numpy(pack_grid(rec, gb)), gb
+            return
         if self.bits in _SIXTEEN:
             k, old = self.in_features, self.group_blocks
             natural = torch.empty_like(self.scales_raw)
@@ -850,6 +890,11 @@ class QuantLinear(NativeLinear):
         if rows is not None:
             codes, scales = codes[rows], scales[rows]
             mins = None if mins is None else mins[rows]
+        if self.bits in _GRID_BITS:  # d (2 s + 1) / 2^n * (the grid's value, signed)
+            rec = unpack_grid(codes.numpy(), self.in_features, self.bits, self.group_blocks)
+            c = torch.from_numpy(_grid_values(rec, self.lut.numpy())).to(torch.float32) - 128
+            n = c.shape[0]
+            return (scales[..., None] * c.reshape(n, -1, QK)).reshape(n, self.in_features)
         if self.bits == 2:  # d * sc * q - dmin * m per 16 values, like gguf's Q2_K
             n = codes.shape[0]
             nat = unpack2(codes.numpy(), self.in_features, self.group_blocks)
@@ -900,6 +945,20 @@ class QuantLinear(NativeLinear):
         scale = "kquant" if self.kquant else str(self.scales.dtype)
         kind = f"q{self.bits}{'+min' if self.mins_raw is not None else ''}/{scale}"
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
+
+
+def _grid_values(rec: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """Block records [rows, nb, 12 or 13] (layout.unpack_grid) and their grid (uint8 [entries
+    * 4], magnitudes + 128) -> the values + 128, uint8 [rows, nb * 32] in natural order."""
+    rows, nb, b = rec.shape
+    idx = rec[..., :8].astype(np.int64)
+    if b == 13:  # 9th bits
+        idx |= ((rec[..., 8:9] >> np.arange(8, dtype=np.uint8)) & 1).astype(np.int64) << 8
+    v = grid.reshape(-1, 4)[idx]  # [rows, nb, 8, 4]
+    neg = ((rec[..., b - 4 :, None] >> np.arange(8, dtype=np.uint8)) & 1).reshape(rows, nb, 8, 4)
+    return np.where(neg.astype(bool), (256 - v.astype(np.int16)).astype(np.uint8), v).reshape(
+        rows, -1
+    )
 
 
 def _gguf_row_bytes(ggml_type, in_features: int) -> tuple[GT, int]:

@@ -7,7 +7,9 @@ EXACT_GGUF_TYPES; for Q6_K, Q3_K and Q2_K as 6-, 3- and 2-bit codes with a scale
 values (parse_q6_k, parse_q3_k, parse_q2_k); for the table-coded 4-bit types (IQ4_NL,
 IQ4_XS, MXFP4: parse_table) as 4-bit codes into a table, and the grid types the same way
 (parse_grid, parse_grid16): 4-bit codes for those of 16 points (IQ3_S, IQ3_XXS), 3-bit
-ones under Q3_K's per-16 scales for those of at most 8 (GRID3_TYPES). Where their own
+ones under Q3_K's per-16 scales for those of at most 8 (GRID3_TYPES). With the native
+kernels IQ3_S and IQ3_XXS keep their own bits instead (parse_grid_own: grid indices, sign
+bits and scale nibbles, rearranged for the lanes by layout.pack_grid). Where their own
 forms cannot run, Q6_K, Q3_K, Q2_K, IQ2_XS, IQ2_S and IQ1_M are requantized by
 QuantLinear (REQUANT_GGUF_TYPES).
 """
@@ -45,7 +47,8 @@ GRID16_VALUES = {
 # The grid types of at most 8 points: 3-bit codes into a table of them, in Q3_K's form (two
 # bit planes per lane group, an int8 scale code per 16 values, a float16 per 256: the scales
 # per 32 of IQ2_XXS, IQ1_S and TQ as two equal ones); the others (IQ3_S, IQ3_XXS: 16
-# points) 4-bit codes under a scale code per 32
+# points) 4-bit codes under a scale code per 32 where they cannot keep their own bits
+# (GRID_OWN_BITS)
 GRID3_TYPES = frozenset({GT.IQ2_XXS, GT.IQ1_S, GT.TQ1_0, GT.TQ2_0, *GRID16_VALUES})
 # IQ4_XS's scales are signed 6-bit codes stored + 32: d = the 256-block's d * (code - 32)
 TABLE_SCALE_ZERO = {GT.IQ4_XS: 32}
@@ -369,6 +372,54 @@ def parse_grid(blocks: np.ndarray, qtype: GT):
     if qtype in GRID3_TYPES:
         return codes, np.repeat(scale_codes, 2, axis=-1).view(np.int8), None, 3, sup
     return codes, scale_codes, None, 4, sup
+
+
+# The grid i-quants held as their file's own bits (kernels bits TM_GRID9 / TM_GRID8: bytes
+# per block, layout.pack_grid), where the native kernels run: IQ3_S's 9-bit and IQ3_XXS's
+# 8-bit indices into grids of 4 magnitudes, a sign bit per value, a 4-bit scale code per 32
+GRID_OWN_BITS = {GT.IQ3_S: 13, GT.IQ3_XXS: 12}
+
+
+@functools.cache
+def grid_table(qtype: GT) -> np.ndarray:
+    """A GRID_OWN_BITS type's grid as the kernels read it: uint8 [entries * 4], each
+    entry's 4 magnitudes + 128 (a negative value is 256 minus the byte)."""
+    from gguf import quants
+
+    cls = {GT.IQ3_S: quants.IQ3_S, GT.IQ3_XXS: quants.IQ3_XXS}[qtype]
+    cls.init_grid()
+    return (np.asarray(cls.grid).reshape(-1) + 128).astype(np.uint8)
+
+
+def parse_grid_own(blocks: np.ndarray, qtype: GT):
+    """IQ3_S / IQ3_XXS blocks [rows, nsup, type_size] -> (records uint8 [rows, K/32, B]:
+    per block its 8 low grid indices, (IQ3_S) their 9th bits as a byte, its 32 sign bits;
+    scale nibbles uint8 [rows, K/64] (block 2j's s low, 2j + 1's high: d (2 s + 1) /
+    2^GRID_SCALE_SHIFT), None, B, the file's d float16 [rows, K/256, 1]). The file's bits
+    rearranged, nothing decoded (IQ3_XXS's 7-bit sign indices widened to their 8 bits)."""
+    rows, nsup = blocks.shape[:2]
+    sup = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)
+    idx = blocks[..., 2:66].reshape(rows, nsup, 8, 8)
+    if qtype == GT.IQ3_S:  # 8 bytes of 9th bits at 66 (one per block), 32 of signs at 74
+        parts = [idx, blocks[..., 66:74, None], blocks[..., 74:106].reshape(rows, nsup, 8, 4)]
+        nib = blocks[..., 106:110]
+    else:  # IQ3_XXS: per block a uint32 at 66: four 7-bit sign indices, the scale on top
+        from gguf import quants
+
+        ksigns = np.frombuffer(quants.IQ2_XXS.ksigns, np.uint8)
+        aux = np.ascontiguousarray(blocks[..., 66:98]).view(np.uint32)  # [rows, nsup, 8]
+        signs = ksigns[(aux[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & 127]
+        parts = [idx, signs]
+        s = (aux >> 28).astype(np.uint8)
+        nib = s[..., 0::2] | (s[..., 1::2] << 4)
+    rec = np.concatenate(parts, axis=-1).reshape(rows, nsup * 8, -1)
+    return (
+        rec,
+        np.ascontiguousarray(nib).reshape(rows, -1),
+        None,
+        GRID_OWN_BITS[qtype],
+        sup.reshape(rows, nsup, 1),
+    )
 
 
 def _ternary_codes(blocks: np.ndarray, qtype: GT) -> np.ndarray:
