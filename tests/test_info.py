@@ -56,8 +56,7 @@ def test_gguf_types_say_their_bits_per_weight_held_and_in_the_file():
         pytest.skip("native kernels unavailable")
     line = info.gguf_type_forms()
     assert "Q4_0 4.50 (4.50)" in line and "Q8_0 8.50 (8.50)" in line
-    assert "IQ3_S 3.44 (3.44)" in line and "IQ3_XXS 3.19 (3.06)" in line  # their own bits
-    assert "TQ2_0 3.56 (2.06)" in line
+    assert "IQ3_S 4.31 (3.44)" in line and "TQ2_0 3.56 (2.06)" in line
     assert "IQ2_XS 3.56 (2.31)" in line and "IQ1_M 3.56 (1.75)" in line
     assert "Q2_K 2.62 (2.62" in line and "MXFP4 4.50 (4.25)" in line
     # every row of whole 256-value super-blocks holds them (AVX-512: 512-value groups, and
@@ -93,3 +92,15 @@ def test_an_amx_cpu_whose_gemm_stays_on_vnni_says_why(monkeypatch, env, reason):
     monkeypatch.setattr(info, "cpu_model_and_flags", lambda: ("a Zen 4", {"avx512f"}))
     monkeypatch.setattr(kernels, "isa", lambda: "avx512+vnni")
     assert info.kernel_instruction_set() == "avx512+vnni"
+
+
+def test_the_3_bit_i_quants_at_their_files_bits_say_so(monkeypatch):
+    """TOKENMILL_GRID_FILE_BITS=1: IQ3_S and IQ3_XXS held as their file's bits."""
+    from tokenmill import kernels
+    from tokenmill.layers import quant_linear
+
+    if kernels.library() is None:
+        pytest.skip("native kernels unavailable")
+    monkeypatch.setenv(quant_linear.GRID_FILE_BITS_ENV, "1")
+    line = info.gguf_type_forms()
+    assert "IQ3_S 3.44 (3.44)" in line and "IQ3_XXS 3.19 (3.06)" in line

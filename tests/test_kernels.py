@@ -32,8 +32,9 @@ TABLES = [GT.IQ4_NL, GT.IQ4_XS, GT.MXFP4]  # 4-bit codes into a table of 16 valu
 # grid points times a scale per 32: codes into a table of their points (4-bit for IQ3_S's
 # and IQ3_XXS's 16 points, else 3-bit in Q3_K's form)
 GRIDS = [GT.IQ2_XXS, GT.IQ3_XXS, GT.IQ3_S, GT.IQ1_S, GT.TQ1_0, GT.TQ2_0]
-# the grid types held as their own bits: (kernels' bits, bytes per 32 values, the grid's
-# bytes); the file's 13.75 and 12.25 (IQ3_XXS's 7-bit sign indices widened to 8 sign bits)
+# the grid types held as their own bits with TOKENMILL_GRID_FILE_BITS=1: (kernels' bits,
+# bytes per 32 values, the grid's bytes); the file's 13.75 and 12.25 (IQ3_XXS's 7-bit sign
+# indices widened to 8 sign bits)
 OWN_GRIDS = {GT.IQ3_S: (13, 13.75, 2048), GT.IQ3_XXS: (12, 12.75, 1024)}
 # grid points times a scale per 16: 3-bit codes into a table of their points, in Q3_K's form
 # (requantized to 8-bit codes, a scale per 32, without the native kernels)
@@ -146,18 +147,18 @@ def test_gguf_conversion_is_exact(qtype, shape):
     if qtype in TABLES:  # 4-bit codes, the scales as the file has them (MXFP4's: float16)
         per32 = {GT.IQ4_NL: 18, GT.IQ4_XS: 17.25, GT.MXFP4: 18}[qtype]  # file: 18, 17, 17
         assert layer.bits == 4 and layer.nbytes == n * k // 32 * per32 + 16  # + the table
-    if qtype in GRIDS:  # under the file's d per 256: IQ3_S and IQ3_XXS their own bits (and
-        # the grid), the others 3-bit codes and an int8 code per 16 (at most 8 points)
-        bits, per32, table = OWN_GRIDS.get(qtype, (3, 14.25, 16))
-        assert layer.bits == bits and layer.nbytes == n * k // 32 * per32 + table
+    if qtype in GRIDS:  # under the file's d per 256: 4-bit codes and an odd code per 32 (16
+        # points), or 3-bit ones and an int8 code per 16 (at most 8 points)
+        bits, per32 = (4, 17.25) if qtype in OWN_GRIDS else (3, 14.25)
+        assert layer.bits == bits and layer.nbytes == n * k // 32 * per32 + 16
 
 
 @pytest.mark.parametrize("qtype", [GT.IQ3_S, GT.IQ3_XXS, GT.IQ2_XXS, GT.IQ1_S])
 def test_grid_scales_are_odd_codes_under_the_files_d(qtype):
-    """A grid i-quant's scale per 32 is d (2s + 1) / 2^n: held under the file's d as a
-    float16 per 256 values, read times 2^-n (sup_shift): IQ3_S and IQ3_XXS their own bits
-    with s as a nibble (13.75 and 12.75 bytes per 32 values), IQ2_XXS and IQ1_S 3-bit codes
-    under the byte 2s + 1 per 16 (twice; 14.25), against 20 with float32 scales. Exact for
+    """A grid i-quant's scale per 32 is d (2s + 1) / 2^n: held as the byte 2s + 1 under
+    the file's d as a float16 per 256 values, read times 2^-n (sup_shift): 17.25 bytes
+    per 32 values with the 4-bit codes of IQ3_S and IQ3_XXS, 14.25 with the 3-bit ones of
+    IQ2_XXS and IQ1_S (their code per 16 twice), against 20 with float32 scales. Exact for
     any d, the float16 subnormals too (whose quotient by 2^n no float16 holds), and the
     kernels read it as the float32 scales they stand for."""
     n, k = 6, 512
@@ -170,10 +171,9 @@ def test_grid_scales_are_odd_codes_under_the_files_d(qtype):
     layer = QuantLinear.from_gguf(raw, qtype, n, k)
     ref = dequantize(raw, qtype).reshape(n, k)
     assert np.array_equal(layer.dequantize().numpy(), ref)
-    own = qtype in OWN_GRIDS
-    assert layer.scales_raw.dtype == (torch.uint8 if own else torch.int8)
-    _, per32, table = OWN_GRIDS.get(qtype, (3, 14.25, 16))
-    assert layer.nbytes == n * k // 32 * per32 + table
+    four = qtype in OWN_GRIDS
+    assert layer.scales_raw.dtype == (torch.uint8 if four else torch.int8)
+    assert layer.nbytes == n * k // 32 * (17.25 if four else 14.25) + 16
     assert layer.sup_shift == {GT.IQ3_S: 0, GT.IQ3_XXS: 2}.get(qtype, 3)
     x = torch.randn(3, k)
     err = (layer(x).double() - kernel_reference(layer, x, 16)).abs()
@@ -334,9 +334,7 @@ def test_from_float(scheme, bound):
 
 
 @pytest.mark.parametrize("act_bits", [8, 16])
-@pytest.mark.parametrize(
-    "qtype", SIMPLE + K_QUANTS + SIXTEENS + TABLES + GRIDS[::2] + [GT.IQ3_XXS] + GRID16[:2]
-)
+@pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS + SIXTEENS + TABLES + GRIDS[::2] + GRID16[:2])
 def test_decode_kernel_matches_reference(kbuild, qtype, act_bits):
     torch.manual_seed(0)
     shapes = shapes_for(qtype)
@@ -409,7 +407,7 @@ def test_prefill_path_matches_its_reference(kbuild, monkeypatch, qtype, t):
 
 
 @pytest.mark.parametrize("act_bits", [8, 16])
-@pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS + SIXTEENS + TABLES + GRIDS[1:3] + GRID16[2:])
+@pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS + SIXTEENS + TABLES + GRID16[2:])
 def test_integer_gemm_matches_reference_and_gemv(kbuild, qtype, act_bits):
     """The integer GEMM of every build (also where it is not the prefill path): the
     GEMV's integers, row and token counts off its tiles (RT rows, 3 tokens), K tails."""
@@ -803,13 +801,18 @@ def test_concurrent_builds_share_one_library(tmp_path):
     assert not list((tmp_path / "kernels").glob("*.tmp.so"))
 
 
+@pytest.mark.parametrize("act_bits", [8, 16])
 @pytest.mark.parametrize("qtype", list(OWN_GRIDS))
-def test_3_bit_i_quants_are_held_as_their_files_bits(kbuild, qtype):
-    """IQ3_S and IQ3_XXS keep their file's bits, rearranged for the lanes (grid indices, 9th
-    bits, signs, a scale nibble per 32): IQ3_S byte for byte the file's size, IQ3_XXS a bit
-    per 8 values more (its 7-bit sign indices as their 8 signs), the grid once per layer.
-    Exact values on every build's lane width (a partial group: 768 on AVX-512), repacked
-    for another width alike; embedding rows, fused layers and experts alike."""
+def test_3_bit_i_quants_are_held_as_their_files_bits(kbuild, monkeypatch, qtype, act_bits):
+    """With TOKENMILL_GRID_FILE_BITS=1 IQ3_S and IQ3_XXS keep their file's bits, rearranged
+    for the lanes (grid indices, 9th bits, signs, a scale nibble per 32): IQ3_S byte for
+    byte the file's size, IQ3_XXS a bit per 8 values more (its 7-bit sign indices as their 8
+    signs), the grid once per layer. Exact values on every build's lane width (a partial
+    group: 768 on AVX-512), repacked for another width alike; the GEMV's and the GEMM's
+    products within the float rounding of the exact integers; embedding rows, fused layers
+    and experts alike."""
+    monkeypatch.setenv(quant_linear.GRID_FILE_BITS_ENV, "1")
+    torch.manual_seed(4)
     bits, per32, table = OWN_GRIDS[qtype]
     for n, k in [(5, 768), (3, 2048)]:
         raw = gguf_bytes(qtype, n, k, seed=3)
@@ -828,9 +831,15 @@ def test_3_bit_i_quants_are_held_as_their_files_bits(kbuild, qtype):
         layer._relayout(gb)
         fused = QuantLinear.cat([layer, QuantLinear.from_gguf(raw[:2], qtype, 2, k)])
         assert np.array_equal(fused.dequantize().numpy(), np.concatenate([ref, ref[:2]]))
-        x = torch.randn(3, k)
-        err = (fused(x).double() - kernel_reference(fused, x, 16)).abs()
-        assert (err <= 1e-5 * dot_error_scale(fused, x)).all()
+        fused.act_bits = act_bits
+        for t in [1, 3, 8, 17, 50]:  # the GEMV, and the integer GEMM where a build has it
+            x = torch.randn(t, k)
+            x[0, :32] = 0  # an all-zero block (scale 0)
+            err = (fused(x).double() - kernel_reference(fused, x, act_bits)).abs()
+            assert (err <= 1e-5 * dot_error_scale(fused, x)).all(), (n, k, t)
+            y = kernels.gemm(fused.native(), x, None, act_bits)
+            err = (y.double() - kernel_reference(fused, x, act_bits)).abs()
+            assert (err <= 1e-5 * dot_error_scale(fused, x)).all(), (n, k, t)
     experts = QuantLinear.from_gguf_experts([[raw[:1], raw[1:2]], [raw[2:3], raw[1:2]]], qtype, k)
     assert experts[1].bits == bits
     assert np.array_equal(experts[1].dequantize().numpy(), ref[[2, 1]])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-import re
 
 import pytest
 from gguf import GGMLQuantizationType as GT
@@ -45,7 +44,7 @@ def llama_cpp_quantize(source, dest, ftype: int) -> None:
 FTYPES = {
     "IQ4_XS": {GT.IQ4_NL, GT.IQ4_XS},
     "IQ4_NL": {GT.IQ4_NL},
-    "IQ3_S": {GT.IQ4_NL, GT.IQ3_S},  # a grid type, held as its own bits (grid indices, signs)
+    "IQ3_S": {GT.IQ4_NL, GT.IQ3_S},  # a grid type: 4-bit codes into its 16 grid points
     "TQ2_0": {GT.Q4_0, GT.TQ2_0},  # ternary: 3-bit codes into its 4 points
     # llama.cpp's Q2_K mix writes ffn_down as Q3_K: 3-bit codes in Q6_K's form
     "Q2_K": {GT.Q4_0, GT.Q3_K},
@@ -64,15 +63,13 @@ def test_a_model_requantized_by_llama_cpp_reads_alike(tmp_path, smollm_path, fty
     layers = [m for m in llm.engine.model.modules() if isinstance(m, QuantLinear)]
     if ftype_name == "Q2_K":  # ffn_down's 1536-wide rows, whole groups on every build
         assert [m for m in layers if "Q3_K" in m.sources and m.bits == 3]
-    else:  # 4-bit codes into a table of 16 values, 3-bit ones into TQ2_0's 4 points, IQ3_S's
-        # own 13 bytes per block into its grid
+    else:  # 4-bit codes into a table of 16 values, 3-bit ones into TQ2_0's 4 points
         tables = [m for m in layers if m.lut is not None]
-        own = {"TQ2_0": 3, "IQ3_S": 13}
-        assert tables and all(m.bits == own.get(next(iter(m.sources)), 4) for m in tables)
+        assert tables and all(m.bits == (3 if "TQ2_0" in m.sources else 4) for m in tables)
     # the load line: each type's bits per weight held, against the file's
     line = llm.engine.describe()
     if ftype_name == "IQ3_S":
-        assert re.search(r"IQ3_S 3\.4( bits per weight)? \((file )?3\.4\)", line), line
+        assert "IQ3_S 4.3 (3.4: 4-bit codes)" in line, line
     if ftype_name == "IQ4_NL":
         assert "weights gguf (IQ4_NL 4.5 bits per weight (file 4.5), Q8_0 8.5 (8.5)" in line
     prompt = llm.tokenizer.encode("The capital of France is")
@@ -95,6 +92,29 @@ def test_a_model_requantized_by_llama_cpp_reads_alike(tmp_path, smollm_path, fty
         # logits by more than a tie. The exact model above is the oracle.
         return
     assert_same_greedy_but_ties(ours, llama_cpp_greedy(path, prompt, 12), tol=0.15)
+
+
+def test_iq3_s_at_its_files_bits_reads_alike(tmp_path, smollm_path, monkeypatch):
+    """TOKENMILL_GRID_FILE_BITS=1: the IQ3_S layers of a model llama.cpp re-quantized keep
+    the file's bits (grid indices and signs, gathered per vector) and give the exact
+    model's greedy tokens."""
+    import llama_cpp
+
+    from tokenmill.layers import quant_linear
+
+    monkeypatch.setenv(quant_linear.GRID_FILE_BITS_ENV, "1")
+    path = tmp_path / "smollm-IQ3_S.gguf"
+    llama_cpp_quantize(smollm_path, path, llama_cpp.LLAMA_FTYPE_MOSTLY_IQ3_S)
+    llm = LLM(path, kv_cache_memory="64MiB")
+    own = [
+        m for m in llm.engine.model.modules() if isinstance(m, QuantLinear) and "IQ3_S" in m.sources
+    ]
+    assert own and all(m.bits == 13 for m in own)
+    assert "IQ3_S 3.4 (3.4)" in llm.engine.describe()
+    prompt = llm.tokenizer.encode("The capital of France is")
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    exact = LLM(path, kv_cache_memory="64MiB", quantization="none").generate([prompt], greedy)[0]
+    assert llm.generate([prompt], greedy)[0].token_ids == exact.token_ids
 
 
 class _Traits(ctypes.Structure):  # ggml.h's struct ggml_type_traits, its leading fields

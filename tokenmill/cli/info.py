@@ -42,6 +42,7 @@ ENV_VARS = (
     "TOKENMILL_ADAPTIVE_THREADS",  # 0: every region and step on the threads asked for
     "TOKENMILL_PREFETCH",  # kernels/linear.c: bytes of weights the GEMV prefetches ahead
     "TOKENMILL_AMX",  # kernels/simd_amx.h: 0 keeps the GEMM off the AMX tiles
+    "TOKENMILL_GRID_FILE_BITS",  # layers/quant_linear.py: 1 holds IQ3_S/IQ3_XXS at their bits
     "TOKENMILL_FUSED_DECODE",  # models/paths.py: 0 turns the native decode paths off
     "TOKENMILL_DIST_TIMEOUT",  # distributed/runtime.py: seconds a collective may wait
     "CC",

@@ -41,15 +41,16 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
     Without the native kernels IQ2_XS, IQ2_S, IQ1_M, Q2_K, Q3_K and Q6_K: requantized to
           8-bit Z=128 with a per-32 f16 scale (as Q8_0 would): the added error is at most
           max|w_block| / 254 per value, about a quarter of Q6_K's own step.
-    IQ3_S, IQ3_XXS (grid entries of 4 magnitudes, a sign bit per value, a 4-bit scale code
-          s per 32: d (2s + 1) / 2^n): their own bits (bits 13 and 12: bytes per block, the
-          kernels' grid kinds, layout.pack_grid): per block 8 grid indices (IQ3_S: and their
-          9th bits), 32 sign bits, s as a nibble, under the file's f16 d per 256 (read times
-          2^-n: `sup_shift`); `lut` holds the grid (its magnitudes + 128): exact, IQ3_S
-          13.75 B / 32 (file: 13.75), IQ3_XXS 12.75 (file: 12.25: its 7-bit sign indices
-          widened to 8 sign bits). Without the native kernels: 4-bit codes into a table of
-          the signed grid points (gguf_blocks.GRID_VALUES) under the scale's odd code byte,
-          17.25 B / 32.
+    IQ3_S, IQ3_XXS (grid points times a scale per 32, 16 points): 4-bit codes into a table
+          of the type's signed grid points (gguf_blocks.GRID_VALUES); the scales d (2s + 1)
+          / 2^n as the odd code byte under the file's f16 d per 256 (IQ4_XS's form, read
+          times 2^-n: `sup_shift`): exact, 17.25 B / 32. With TOKENMILL_GRID_FILE_BITS=1
+          (and the native kernels) their own bits instead (bits 13 and 12: bytes per block,
+          the kernels' grid kinds, layout.pack_grid): per block 8 grid indices (IQ3_S: and
+          their 9th bits), 32 sign bits, s as a nibble, under the file's d; `lut` holds the
+          grid (its magnitudes + 128): exact, IQ3_S 13.75 B / 32 (file: 13.75), IQ3_XXS
+          12.75 (file: 12.25: its 7-bit sign indices as 8 signs). Smaller, but a gather per
+          4 values makes decode slower than the 4-bit codes' lookups (GRID_FILE_BITS_ENV).
     IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0 (at most 8 points, a scale per 32 or
           16): 3-bit codes into a table of their points, in Q3_K's form (two bit planes,
           read as 8 q, looked up by q), under an int8 scale code per 16 values (a scale
@@ -64,6 +65,7 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -228,6 +230,18 @@ def _code_bytes(k: int, bits: int) -> int:
 _SIXTEEN = (2, 3, 6)  # code bits with a scale per 16 values: Q2_K's, Q3_K's, Q6_K's forms
 _OWN_SIXTEEN = {GT.Q6_K: parse_q6_k, GT.Q3_K: parse_q3_k, GT.Q2_K: parse_q2_k}
 _SIXTEEN_CODES = {2: (pack2, unpack2, 0), 3: (pack3, unpack3, 4), 6: (pack6, unpack6, 32)}
+
+
+# TOKENMILL_GRID_FILE_BITS=1: hold IQ3_S and IQ3_XXS at their file's bits (GRID_OWN_BITS).
+# Not the default: decoding them reads a grid entry per 4 values by a gather, which costs
+# more than the bytes it saves (vpgatherdd: ~30 cycles per 16 entries on Zen 4, IQ3_S
+# decode 12 tok/s at the 1B shape against 43 with 4-bit table codes; docs/performance.md).
+GRID_FILE_BITS_ENV = "TOKENMILL_GRID_FILE_BITS"
+
+
+def _grid_file_bits() -> bool:
+    """Whether IQ3_S and IQ3_XXS load as their file's bits (GRID_FILE_BITS_ENV)."""
+    return os.environ.get(GRID_FILE_BITS_ENV, "0") not in ("", "0")
 
 
 def _own_codes_run(in_features: int) -> bool:
@@ -494,7 +508,7 @@ class QuantLinear(NativeLinear):
         block, type_size = GGML_QUANT_SIZES[qtype]
         six = qtype in _OWN_SIXTEEN and cls.runs_6bit(in_features)
         grid16 = qtype in GRID16_VALUES and cls.runs_6bit(in_features)
-        grid_own = qtype in GRID_OWN_BITS and cls.runs_6bit(in_features)
+        grid_own = qtype in GRID_OWN_BITS and cls.runs_6bit(in_features) and _grid_file_bits()
         five = qtype in _FIVE and cls.runs_5bit(in_features)
 
         def parse(rows: np.ndarray):
