@@ -150,6 +150,28 @@ static void six_bit_cases(void) {
     }
 }
 
+/* w's GEMV and integer GEMM of 1 and 5 rows at 8- and 16-bit activations, then its rows in
+ * lane order: records "<label> t<T> a<act16>", "gemm <label> ..." and "lanes <label>" */
+static void products(const tm_weight *w, const char *label) {
+    char name[96];
+    for (int t = 1; t <= 5; t += 4)
+        for (int act16 = 0; act16 < 2; act16++) {
+            float *x = fill_floats((size_t)t * w->k, 1.f), *y = malloc((size_t)t * w->n * 4);
+            tm_linear(w, x, t, y, NULL, 2, act16);
+            snprintf(name, sizeof name, "%s t%d a%d", label, t, act16);
+            emit(name, y, t * w->n);
+            tm_gemm(w, x, t, y, NULL, 2, act16);
+            snprintf(name, sizeof name, "gemm %s t%d a%d", label, t, act16);
+            emit(name, y, t * w->n);
+            free(x), free(y);
+        }
+    float *lanes = malloc((size_t)w->n * w->k * 4);
+    tm_dequant_lanes(w, 0, w->n, lanes, 2);
+    snprintf(name, sizeof name, "lanes %s", label);
+    emit(name, lanes, w->n * w->k);
+    free(lanes);
+}
+
 /* 5-bit codes (GGUF Q5_0 / Q5_1 / Q5_K): rows of whole groups, float16 scales with and
  * without mins, and K-quant scale codes */
 static void five_bit_cases(void) {
@@ -166,38 +188,31 @@ static void five_bit_cases(void) {
                 w.scales = sc, w.mins = mc, w.scale_f16 = 0;
                 w.dsup = fill_scales((size_t)n * k / 256, 1, 1e-3f), w.msup = fill_scales((size_t)n * k / 256, 1, 1e-3f);
             }
-            char name[64];
-            for (int t = 1; t <= 5; t += 4)
-                for (int act16 = 0; act16 < 2; act16++) {
-                    float *x = fill_floats((size_t)t * k, 1.f), *y = malloc((size_t)t * n * 4);
-                    tm_linear(&w, x, t, y, NULL, 2, act16);
-                    snprintf(name, sizeof name, "five c%d k%d t%d a%d", kind, k, t, act16);
-                    emit(name, y, t * n);
-                    tm_gemm(&w, x, t, y, NULL, 2, act16);
-                    snprintf(name, sizeof name, "gemm five c%d k%d t%d a%d", kind, k, t, act16);
-                    emit(name, y, t * n);
-                    free(x), free(y);
-                }
-            float *lanes = malloc((size_t)n * k * 4);
-            tm_dequant_lanes(&w, 0, n, lanes, 2);
-            snprintf(name, sizeof name, "lanes five c%d k%d", kind, k);
-            emit(name, lanes, n * k);
-            free(lanes), free((void *)w.codes), free((void *)w.scales), free((void *)w.mins);
+            char label[64];
+            snprintf(label, sizeof label, "five c%d k%d", kind, k);
+            products(&w, label);
+            free((void *)w.codes), free((void *)w.scales), free((void *)w.mins);
             free((void *)w.dsup), free((void *)w.msup);
         }
 }
 
-/* 4-bit codes that index a table (GGUF IQ4_NL, IQ4_XS, MXFP4), tails included; and 3-bit
- * ones in Q3_K's form (the grid types of at most 8 points: IQ2_XS, IQ1_S, TQ2_0, ...), int8
- * codes per 16 times float16 per 256 read times 2^-3 */
+/* 4-bit codes that index a table (GGUF IQ4_NL, IQ4_XS, MXFP4: float16 or E8M0 exponent-byte
+ * scales), tails included; and 3-bit ones in Q3_K's form (the grid types of at most 8
+ * points: IQ2_XS, IQ1_S, TQ2_0, ...), int8 codes per 16 times float16 per 256 read times 2^-3 */
 static void table_cases(void) {
     static const uint8_t lut[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
     static const uint8_t lut6[16] = {85, 103, 120, 136, 153, 171};
-    const int ks[] = {256, 1024 + 480, 256, 1024};
-    for (int ki = 0; ki < 4; ki++) {
-        const int k = ks[ki], n = 9, three = ki >= 2;
+    const int ks[] = {256, 1024 + 480, 256, 1024, 1024 + 480};
+    for (int ki = 0; ki < 5; ki++) {
+        const int k = ks[ki], n = 9, three = ki == 2 || ki == 3, e8m0 = ki == 4;
         tm_weight w = {fill_bytes((size_t)n * k / 2), fill_scales((size_t)n * k / 32, 1, 0.01f), NULL, 4, 1, n, k};
         w.lut = lut;
+        if (e8m0) { /* MXFP4's exponent bytes: scales 2^-8 .. 2^7 */
+            uint8_t *e = fill_bytes((size_t)n * k / 32);
+            for (size_t i = 0; i < (size_t)n * k / 32; i++) e[i] = (uint8_t)(120 + e[i] % 16);
+            free((void *)w.scales);
+            w.scales = e, w.scale_f16 = TM_SCALE_E8M0;
+        }
         if (three) { /* random planes (codes 6 and 7: the table's zeros), odd scale codes */
             uint8_t *sc = fill_bytes((size_t)n * k / 16);
             for (size_t i = 0; i < (size_t)n * k / 16; i++) sc[i] = (uint8_t)(2 * (sc[i] & 15) + 1);
@@ -206,23 +221,10 @@ static void table_cases(void) {
             w.scales = sc, w.scale_f16 = 0, w.dsup = fill_scales((size_t)n * k / 256, 1, 1e-3f);
             w.lut = lut6, w.sup_shift = 3;
         }
-        char name[64];
-        for (int t = 1; t <= 5; t += 4)
-            for (int act16 = 0; act16 < 2; act16++) {
-                float *x = fill_floats((size_t)t * k, 1.f), *y = malloc((size_t)t * n * 4);
-                tm_linear(&w, x, t, y, NULL, 2, act16);
-                snprintf(name, sizeof name, "table%s k%d t%d a%d", three ? "3" : "", k, t, act16);
-                emit(name, y, t * n);
-                tm_gemm(&w, x, t, y, NULL, 2, act16);
-                snprintf(name, sizeof name, "gemm table%s k%d t%d a%d", three ? "3" : "", k, t, act16);
-                emit(name, y, t * n);
-                free(x), free(y);
-            }
-        float *lanes = malloc((size_t)n * k * 4);
-        tm_dequant_lanes(&w, 0, n, lanes, 2);
-        snprintf(name, sizeof name, "lanes table%s k%d", three ? "3" : "", k);
-        emit(name, lanes, n * k);
-        free(lanes), free((void *)w.codes), free((void *)w.scales), free((void *)w.dsup);
+        char label[64];
+        snprintf(label, sizeof label, "table%s k%d", three ? "3" : e8m0 ? "e8m0" : "", k);
+        products(&w, label);
+        free((void *)w.codes), free((void *)w.scales), free((void *)w.dsup);
     }
 }
 
@@ -238,23 +240,10 @@ static void grid_cases(void) {
             tm_weight w = {fill_bytes((size_t)n * (k / 32) * kind), fill_bytes((size_t)n * k / 64), NULL, kind, 0, n, k,
                            fill_scales((size_t)n * k / 256, 1, 1e-3f)};
             w.lut = grid, w.sup_shift = 2;
-            char name[64];
-            for (int t = 1; t <= 5; t += 4)
-                for (int act16 = 0; act16 < 2; act16++) {
-                    float *x = fill_floats((size_t)t * k, 1.f), *y = malloc((size_t)t * n * 4);
-                    tm_linear(&w, x, t, y, NULL, 2, act16);
-                    snprintf(name, sizeof name, "grid b%d k%d t%d a%d", kind, k, t, act16);
-                    emit(name, y, t * n);
-                    tm_gemm(&w, x, t, y, NULL, 2, act16);
-                    snprintf(name, sizeof name, "gemm grid b%d k%d t%d a%d", kind, k, t, act16);
-                    emit(name, y, t * n);
-                    free(x), free(y);
-                }
-            float *lanes = malloc((size_t)n * k * 4);
-            tm_dequant_lanes(&w, 0, n, lanes, 2);
-            snprintf(name, sizeof name, "lanes grid b%d k%d", kind, k);
-            emit(name, lanes, n * k);
-            free(lanes), free((void *)w.codes), free((void *)w.scales), free((void *)w.dsup), free(grid);
+            char label[64];
+            snprintf(label, sizeof label, "grid b%d k%d", kind, k);
+            products(&w, label);
+            free((void *)w.codes), free((void *)w.scales), free((void *)w.dsup), free(grid);
         }
 }
 

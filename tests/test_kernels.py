@@ -144,8 +144,8 @@ def test_gguf_conversion_is_exact(qtype, shape):
     assert np.array_equal(layer.dequantize().numpy(), ref)
     if qtype in (GT.Q4_0, GT.Q4_1, GT.Q8_0):  # same size as the file: nothing expanded
         assert layer.nbytes == raw.nbytes
-    if qtype in TABLES:  # 4-bit codes, the scales as the file has them (MXFP4's: float16)
-        per32 = {GT.IQ4_NL: 18, GT.IQ4_XS: 17.25, GT.MXFP4: 18}[qtype]  # file: 18, 17, 17
+    if qtype in TABLES:  # 4-bit codes, the scales as the file has them (MXFP4's exponents)
+        per32 = {GT.IQ4_NL: 18, GT.IQ4_XS: 17.25, GT.MXFP4: 17}[qtype]  # file: 18, 17, 17
         assert layer.bits == 4 and layer.nbytes == n * k // 32 * per32 + 16  # + the table
     if qtype in GRIDS:  # under the file's d per 256: 4-bit codes and an odd code per 32 (16
         # points), or 3-bit ones and an int8 code per 16 (at most 8 points)
@@ -180,12 +180,15 @@ def test_grid_scales_are_odd_codes_under_the_files_d(qtype):
     assert (err <= 1e-5 * dot_error_scale(layer, x)).all()
 
 
-def test_mxfp4_scales_float16_cannot_hold_stay_float32():
-    """An MXFP4 block scale below 2^-24 (exponent byte 103) makes the tensor's scales
-    float32: still exact, 20 bytes per 32 values."""
+def test_mxfp4_scales_are_its_exponent_bytes_or_float32():
+    """MXFP4's scales are its exponent bytes, 17 bytes per 32 values like the file; a
+    block exponent of 1 (2^-128 once halved: a float32 subnormal, no byte form) makes the
+    tensor's scales float32: still exact, 20 bytes per 32 values."""
     n, k = 5, 64
     raw = gguf_bytes(GT.MXFP4, n, k)
-    raw.reshape(n, -1, 17)[2, 1, 0] = 103
+    byte = QuantLinear.from_gguf(raw, GT.MXFP4, n, k)
+    assert byte.scales_raw.dtype == torch.uint8 and byte.nbytes == raw.nbytes + 16
+    raw.reshape(n, -1, 17)[2, 1, 0] = 1
     layer = QuantLinear.from_gguf(raw, GT.MXFP4, n, k)
     assert layer.scales.dtype == torch.float32 and layer.nbytes == n * k // 32 * 20 + 16
     assert np.array_equal(layer.dequantize().numpy(), dequantize(raw, GT.MXFP4).reshape(n, k))

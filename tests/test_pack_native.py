@@ -75,11 +75,13 @@ def test_dense_layer_packs_the_same_bytes(monkeypatch, qtype, k):
     _same(native, _python_pack(monkeypatch, lambda: QuantLinear.from_gguf(raw, qtype, rows, k)))
 
 
-def test_mxfp4_scales_no_float16_holds_take_the_numpy_path(monkeypatch):
-    """An MXFP4 exponent outside float16's range: the native packer refuses the rows, and
-    the layer keeps float32 scales, as numpy packs them."""
+@pytest.mark.parametrize("exponent", [1, 255])
+def test_mxfp4_scales_no_byte_form_holds_take_the_numpy_path(monkeypatch, exponent):
+    """An MXFP4 exponent the kernels cannot read as a byte (1: 2^-128 halved, a float32
+    subnormal; 255: NaN): the native packer refuses the rows, and the layer keeps float32
+    scales, as numpy packs them."""
     raw = random_blocks(np.random.default_rng(3), GT.MXFP4, 9, GW)
-    raw.reshape(-1, 17)[5, 0] = 200  # 2^72
+    raw.reshape(-1, 17)[5, 0] = exponent
     assert not kernels.pack_gguf(int(GT.MXFP4), raw, GW, *_scratch(9, GW))
     native = QuantLinear.from_gguf(raw, GT.MXFP4, 9, GW)
     assert native.scales_raw.element_size() == 4  # float32 scales (held as their bits)
@@ -87,8 +89,8 @@ def test_mxfp4_scales_no_float16_holds_take_the_numpy_path(monkeypatch):
 
 
 def _scratch(rows: int, k: int) -> tuple[np.ndarray, np.ndarray, None, None]:
-    """Packed arrays of 4-bit codes and float16 scales for rows of k values."""
-    return np.empty((rows, k // 2), np.uint8), np.empty((rows, k // 32), np.float16), None, None
+    """Packed arrays of 4-bit codes and byte scales (MXFP4's) for rows of k values."""
+    return np.empty((rows, k // 2), np.uint8), np.empty((rows, k // 32), np.uint8), None, None
 
 
 def test_permuted_rows_pack_from_a_copy(monkeypatch):

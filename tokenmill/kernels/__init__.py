@@ -74,6 +74,7 @@ __all__ = [
 
 ABI = 22  # tm_info() // 1000 of the sources this module binds
 F16, BF16, F32 = 16, 17, 32  # tm_weight.bits of float weights (4 and 8: packed blocks)
+SCALE_E8M0 = 2  # tm_weight.scale_f16 of MXFP4's exponent-byte scales (tm.h TM_SCALE_E8M0)
 Q8_0 = 8  # tm_layer.kv_bits of a KV cache of q8_0 blocks (tokenmill/dtypes.py)
 DEFAULT_GROUP_BLOCKS = 16  # the packing used when no library is loaded (any would do)
 # The most rows of x the GEMV takes before float32 tiles beat it (float weights, and

@@ -412,11 +412,12 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
     const int nb = w->k / QK, nfull = nb / TM_GB, nbt = nb % TM_GB, f16 = w->scale_f16;
     const int db = lut ? 8 : bits; /* the dots' code bits (table codes: looked up to 8) */
     const vb table = vb_table(lut ? w->lut : tm_no_table);
-    /* scale bytes per 32 values: K-quant codes 1 (6-bit: 2, one per 16), float16 2, float32 4 */
+    /* scale bytes per 32 values: K-quant codes 1 (6-bit: 2, one per 16), float16 2, float32 4,
+     * E8M0 1 */
     /* Q6_K's form (3-bit codes: 8 q in it; 3-bit table codes: looked up to 8 bits) */
     const int six = sixteen_scales(bits), sdb = lut ? 8 : 6;
     const float cs = code_scale(w); /* what the codes the dots see stand for (exact) */
-    const size_t rb = row_bytes(w), es = w->dsup ? (six ? 2 : 1) : f16 ? 2 : 4;
+    const size_t rb = row_bytes(w), es = w->dsup ? (six ? 2 : 1) : tm_scale_bytes(f16);
     const size_t ahead = prefetch_ahead(rb);
     const int ng = nfull + (partial_group(bits, nb) > 0); /* groups, a last partial one too */
     for (int r = r0; r < r1; r++) {

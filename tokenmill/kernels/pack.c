@@ -13,10 +13,12 @@
  *                         q + 112, Z = 128; Q5_1: q)
  *   Q4_0, Q4_1            4-bit codes, float16 scales [nb] (and mins, Q4_1)
  *   IQ4_NL, MXFP4         4-bit codes (indices into the type's table, looked up by the
- *                         kernels), float16 scales [nb]: IQ4_NL's d, MXFP4's E8M0 power of
- *                         two halved (gguf-py's e8m0_to_fp32_half, as the doubled FP4 table
- *                         wants), rows of exponents outside [104, 143] refused (no float16
- *                         holds their scale: the numpy path keeps float32 scales)
+ *                         kernels); IQ4_NL float16 scales [nb] (its d), MXFP4 its E8M0
+ *                         exponent bytes [nb] as they are (TM_SCALE_E8M0: read as 2^(e -
+ *                         128), the power of two halved, as gguf-py's e8m0_to_fp32_half
+ *                         for the doubled FP4 table), rows of exponents outside [2, 254]
+ *                         refused (2^-128 and 2^-127 are subnormal, 255 is NaN: the numpy
+ *                         path keeps float32 scales)
  *   Q4_K (4-bit), Q5_K    uint8 scale and min codes [nb], super-block (d, dmin) float16
  *   (5-bit, or 8-bit)     [k / 256][2]
  *   Q6_K                  6-bit codes on rows of whole lane groups, int8 scales [k / 16]
@@ -99,16 +101,11 @@ static inline void q6k_codes(const uint8_t *ql, const uint8_t *qh, uint8_t *q) {
  * quant_linear's half_scale_perm). */
 static inline size_t half_scale_at(int nb, int nat16) { return half_scale_index(nb, nat16 / 2, nat16 % 2); }
 
-/* The float16 bits of 2^(e - 128), MXFP4's halved block scale, for e in [104, 143]. */
-static inline uint16_t e8m0_half_bits(int e) {
-    const int x = e - 128;
-    return (uint16_t)(x >= -14 ? (x + 15) << 10 : 1 << (x + 24)); /* normal, or subnormal */
-}
-
-/* Whether every MXFP4 block of a row has a scale float16 holds (e8m0_half_bits). */
-static int mxfp4_row_fits_half(const uint8_t *src, int k) {
+/* Whether every MXFP4 block of a row has an exponent the kernels read as a byte (vf_scales'
+ * E8M0 form: a normal float32 2^(e - 128)). */
+static int mxfp4_row_fits_byte(const uint8_t *src, int k) {
     for (int b = 0; b < k / 32; b++)
-        if (src[(size_t)b * 17] < 104 || src[(size_t)b * 17] > 143) return 0;
+        if (src[(size_t)b * 17] < 2 || src[(size_t)b * 17] > 254) return 0;
     return 1;
 }
 
@@ -138,7 +135,10 @@ static void parse_row(int qtype, int bits, const uint8_t *src, int k, uint8_t *n
         case G_IQ4_NL:
         case G_MXFP4: { /* Q4_0's nibbles after a float16 d, or after an exponent byte */
             const int off = qtype == G_MXFP4 ? 1 : 2;
-            sc16[b] = qtype == G_MXFP4 ? e8m0_half_bits(p[0]) : u16_at(p);
+            if (qtype == G_MXFP4)
+                scales[b] = p[0];
+            else
+                sc16[b] = u16_at(p);
             for (int j = 0; j < 16; j++) q[j] = p[off + j] & 15, q[16 + j] = p[off + j] >> 4;
             break;
         }
@@ -341,7 +341,7 @@ static void cut_codes(const uint8_t *lane, int k, int bits, uint8_t *out) {
  * with as_8bit (the caller's choice for rows not of whole lane groups) Q5_0, Q5_1 and
  * Q5_K as 8-bit codes, and Q6_K requantized to 8-bit codes, float16 scales [rows][k / 32],
  * no sup. Returns 1, 0 for a type or row length this does not pack (the caller's numpy
- * path does; also MXFP4 rows with a scale float16 cannot hold), -1 on OOM. */
+ * path does; also MXFP4 rows of exponents outside [2, 254]), -1 on OOM. */
 int tm_pack_gguf(int qtype, const uint8_t *src, int64_t rows, int k, int as_8bit, uint8_t *codes,
                  void *scales, void *mins, uint16_t *sup, int nthreads) {
     int block;
@@ -349,17 +349,17 @@ int tm_pack_gguf(int qtype, const uint8_t *src, int64_t rows, int k, int as_8bit
     const int bits = code_bits(qtype, as_8bit);
     if (!ts || !bits || k <= 0 || k % block) return 0;
     const size_t src_row = (size_t)(k / block) * ts, code_row = (size_t)k * bits / 8;
-    size_t sc_row = (size_t)(sixteen_scales(bits) ? k / 16 : k / QK) * (block == 256 ? 1 : 2);
+    size_t sc_row = (size_t)(sixteen_scales(bits) ? k / 16 : k / QK) * (block == 256 || qtype == G_MXFP4 ? 1 : 2);
     size_t sup_row = block == 256 ? (size_t)(k / 256) * (bits == 6 || bits == 3 ? 1 : 2) : 0;
     if (requant) sc_row = (size_t)(k / QK) * 2, sup_row = 0; /* float16 scales, no sup */
     const int nt = tm_threads(nthreads);
     uint8_t *buf = malloc((size_t)nt * 2 * (size_t)k); /* per thread: nat [k], lane [k] */
     if (!buf) return -1;
-    int unfit = 0; /* an MXFP4 row whose scales float16 cannot hold: the caller repacks */
+    int unfit = 0; /* an MXFP4 row whose exponents a byte scale cannot stand for: the caller repacks */
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         uint8_t *nat = buf + (size_t)tm_thread_id() * 2 * k, *lane = nat + k;
-        if (qtype == G_MXFP4 && !mxfp4_row_fits_half(src + (size_t)r * src_row, k)) {
+        if (qtype == G_MXFP4 && !mxfp4_row_fits_byte(src + (size_t)r * src_row, k)) {
 #pragma omp atomic write
             unfit = 1;
             continue;

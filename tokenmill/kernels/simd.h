@@ -148,9 +148,11 @@ static inline void tm_grid_lanes(const uint8_t *grid, const uint8_t *lo, const u
 
 /* ---- derived operations, written once over the primitives ---- */
 
-/* TM_W block scales (or mins) from index idx of a float16 or float32 array. */
-static inline vf vf_scales(const void *p, int f16, size_t idx) {
-    return f16 ? vf_load_f16((const uint16_t *)p + idx) : vf_load((const float *)p + idx);
+/* TM_W block scales (or mins) from index idx of a float32 (kind 0), float16 (1) or E8M0
+ * (2: exponent bytes e, 2^(e - 128), e in [2, 254]: MXFP4's halved scales) array. */
+static inline vf vf_scales(const void *p, int kind, size_t idx) {
+    if (kind == 2) return vf_pow2i(vi_round(vf_sub(vf_load_u8((const uint8_t *)p + idx), vf_set1(128.f))));
+    return kind ? vf_load_f16((const uint16_t *)p + idx) : vf_load((const float *)p + idx);
 }
 
 /* exp(x) for x in [-87, 88], ~1 ulp (Cephes expf): x = n ln2 + r, |r| <= ln2/2, exp(r) by

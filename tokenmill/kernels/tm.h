@@ -46,6 +46,11 @@ extern int tm_prefetch;
 #define PREFETCH tm_prefetch
 #endif
 
+/* Plain block scales' forms (tm_weight.scale_f16) */
+#define TM_SCALE_F32 0
+#define TM_SCALE_F16 1
+#define TM_SCALE_E8M0 2 /* exponent bytes e: 2^(e - 128), e in [2, 254] (MXFP4's, halved) */
+
 /* Weight kinds (tm_weight.bits). */
 #define TM_F16 16  /* float16 [n, k], natural order, no scales */
 #define TM_BF16 17 /* bfloat16 [n, k], natural order, no scales */
@@ -62,7 +67,7 @@ static inline int grid_kind(int bits) { return bits == TM_GRID8 || bits == TM_GR
  * bits 4, 5, 6 or 8: the packed blocks of linear.c (5: Q5_0/Q5_1/Q5_K's codes, whole
  * groups; 6: Q6_K, int8 scales per 16 values times dsup, no mins); TM_F16 / TM_BF16 / TM_F32: float rows.
  * Block scales (and mins) come in one of two forms:
- *   plain       float16 (scale_f16 = 1) or float32 [n, k/32] each
+ *   plain       float16 (scale_f16 = 1), float32 (0) or E8M0 exponent bytes (2) [n, k/32] each
  *   K-quant     (dsup != NULL) GGUF Q4_K/Q5_K's own: a uint8 code per block [n, k/32]
  *               (6 bits), times a float16 per 256 values [n, k/256]: d = dsup * scale
  *               code, m = -msup * min code. 18.5 bytes per 32 values for 4-bit codes,
@@ -72,7 +77,7 @@ typedef struct tm_weight {
     const void *scales;
     const void *mins;  /* NULL: no mins, zero point Z applies */
     int32_t bits;      /* 2 to 6, 8, TM_GRID8, TM_GRID9, TM_F16, TM_BF16 or TM_F32 */
-    int32_t scale_f16; /* plain scales: 1 float16, 0 float32 */
+    int32_t scale_f16; /* plain scales: TM_SCALE_F16, TM_SCALE_F32 or TM_SCALE_E8M0 */
     int32_t n;         /* rows (out features) */
     int32_t k;         /* columns (in features); packed: a multiple of 32 */
     const uint16_t *dsup, *msup; /* K-quant super-block scales [n, k/256], or NULL */
@@ -251,9 +256,13 @@ static inline void *tm_buf_get(tm_buf *b, size_t bytes) {
 static __thread tm_buf tm_scratch_buf;
 static inline void *tm_scratch(size_t bytes) { return tm_buf_get(&tm_scratch_buf, bytes); }
 
-static inline float tm_scale_at(const void *p, int f16, size_t idx) {
-    return f16 ? tm_half_to_float(((const uint16_t *)p)[idx]) : ((const float *)p)[idx];
+static inline float tm_scale_at(const void *p, int kind, size_t idx) {
+    if (kind == TM_SCALE_E8M0) return ldexpf(1.f, ((const uint8_t *)p)[idx] - 128);
+    return kind ? tm_half_to_float(((const uint16_t *)p)[idx]) : ((const float *)p)[idx];
 }
+
+/* Bytes of one plain scale of a form */
+static inline size_t tm_scale_bytes(int kind) { return kind == TM_SCALE_E8M0 ? 1 : kind ? 2 : 4; }
 
 /* Super-block scale i of w (dsup's float16 times 2^-sup_shift): exact in float32. */
 static inline float tm_dsup(const tm_weight *w, size_t i) {

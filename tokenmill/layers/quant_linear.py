@@ -13,7 +13,8 @@ Packed format (see tokenmill/kernels/linear.c for the lane order of the codes):
     codes  uint8 [N, K/2] (4-bit) or [N, K] (8-bit), lane order for `group_blocks`
            blocks per group (the loaded kernel library's vector width; repacked if a
            library of another width is loaded later)
-    scales float16 or float32 [N, K/32];  mins: same, or None (then Z = 8 or 128);
+    scales float16 or float32 [N, K/32] (or MXFP4's exponent bytes);  mins: same, or None
+           (then Z = 8 or 128);
            or, for GGUF K-quants, as the file has them: a uint8 code per block (6 bits)
            times a float16 per 256 values (`dsup`, `msup` [N, K/256]): 18.5 bytes per 32
            4-bit values like the file's 18, where float32 scales would make 24
@@ -59,8 +60,9 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
           4-bit codes as stored, looked up to 8-bit ones in registers, Z=128; exact.
           IQ4_NL f16 scales: 18 B / 32 (file: 18); IQ4_XS its 6-bit scale codes as bytes
           times a f16 per 256 (d * (code - 32): `scale_zero`): 17.25 B / 32 (file: 17);
-          MXFP4 f16 scales where every block's power of two is one f16 holds (2^-24 to
-          2^15: 18 B / 32, file: 17), else f32 (20 B / 32: its scales reach 2^-128).
+          MXFP4 its E8M0 exponent bytes as they are (2^(e - 128), the kernels' E8M0
+          form) where every block's is a normal float32 (e in [2, 254]: 17 B / 32, the
+          file's), else f32 (20 B / 32: its scales reach 2^-128).
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ from tokenmill.loader.gguf_blocks import (
     TABLE_GGUF_TYPES,
     TABLE_SCALE_ZERO,
     grid_table,
-    mxfp4_scales_fit_half,
+    mxfp4_scales_fit_byte,
     parse_exact,
     parse_grid,
     parse_grid16,
@@ -128,7 +130,9 @@ __all__ = [
 # 16-bit by ~0.01. Per layer: the `act_bits` attribute.
 DEFAULT_ACT_BITS = 16
 
-_RAW = {torch.float16: torch.int16, torch.float32: torch.int32}
+# plain scales' storage: float16 and float32 as their bits; MXFP4's E8M0 exponent bytes as
+# they are (uint8 without sup: 2^(e - 128), kernels' TM_SCALE_E8M0)
+_RAW = {torch.float16: torch.int16, torch.float32: torch.int32, torch.uint8: torch.uint8}
 _FLOAT = {raw: f for f, raw in _RAW.items()}
 
 # ----------------------------------------------------------------------------------
@@ -274,7 +278,8 @@ def _alloc_gguf(qtype: GT, rows: int, in_features: int) -> tuple[int, dict]:
         arrays["scales"] = np.empty((rows, k // 16), np.uint8 if qtype == GT.Q2_K else np.int8)
         arrays["sup"] = np.empty((rows, k // 256, 2 if qtype == GT.Q2_K else 1), np.float16)
         return bits, arrays
-    arrays["scales"] = np.empty((rows, k // QK), np.uint8 if kquant else np.float16)
+    byte = kquant or qtype == GT.MXFP4  # K-quant scale codes, MXFP4's exponent bytes
+    arrays["scales"] = np.empty((rows, k // QK), np.uint8 if byte else np.float16)
     if qtype in (GT.Q4_1, GT.Q5_1, GT.Q4_K, GT.Q5_K):
         arrays["mins"] = np.empty_like(arrays["scales"])
     if kquant:
@@ -392,7 +397,7 @@ class QuantLinear(NativeLinear):
         if scales.shape != (out_features, in_features // per):
             raise ValueError(f"scales: expected shape {(out_features, in_features // per)}")
         if sup is None and scales.dtype not in _RAW:
-            raise ValueError(f"scales must be float16 or float32, got {scales.dtype}")
+            raise ValueError(f"scales must be float16, float32 or uint8 (E8M0), got {scales.dtype}")
         # sup's columns: d and dmin, or d alone (6-bit codes, and scale codes without mins)
         # (2-bit: d and dmin, its scale bytes holding a scale and a min code each)
         nsup = 2 if bits == 2 else 1 if bits in _SIXTEEN or mins is None else 2
@@ -492,19 +497,19 @@ class QuantLinear(NativeLinear):
             else:
                 tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
                 return cls._from_arrays(tensors, bits, in_features, out_features, bias)._of(qtype)
-        half = qtype == GT.MXFP4 and mxfp4_scales_fit_half(raw)
-        parse_rows = cls._row_parser(qtype, in_features, half)
+        byte = qtype == GT.MXFP4 and mxfp4_scales_fit_byte(raw)
+        parse_rows = cls._row_parser(qtype, in_features, byte)
         layer = cls._assemble(
             lambda r0, r1: parse_rows(raw[r0:r1]), in_features, out_features, bias
         )
         return layer._of(qtype)
 
     @classmethod
-    def _row_parser(cls, qtype: GT, in_features: int, half: bool = False):
+    def _row_parser(cls, qtype: GT, in_features: int, byte: bool = False):
         """parse(rows uint8 [n, row_bytes]) -> (natural codes u8 [n, K], scales, mins |
         None, bits, sup | None) for GGUF type `qtype`: the file's own blocks where a kernel
         reads them, else requantized to 8 bits. Row by row: any rows, any batch of them.
-        half: MXFP4's scales as float16 (every row's fit: mxfp4_scales_fit_half)."""
+        byte: MXFP4's scales as its exponent bytes (every row's fit: mxfp4_scales_fit_byte)."""
         block, type_size = GGML_QUANT_SIZES[qtype]
         six = qtype in _OWN_SIXTEEN and cls.runs_6bit(in_features)
         grid16 = qtype in GRID16_VALUES and cls.runs_6bit(in_features)
@@ -518,7 +523,7 @@ class QuantLinear(NativeLinear):
             if qtype in EXACT_GGUF_TYPES:
                 return parse_exact(blocks, qtype, five)
             if qtype in TABLE_GGUF_TYPES:
-                return parse_table(blocks, qtype, half and qtype == GT.MXFP4)
+                return parse_table(blocks, qtype, byte and qtype == GT.MXFP4)
             if grid_own:  # the file's bits, rearranged (else 4-bit table codes, below)
                 return parse_grid_own(blocks, qtype)
             if qtype in GRID_GGUF_TYPES:
@@ -584,8 +589,8 @@ class QuantLinear(NativeLinear):
                     )._of(qtype)
                     for j in range(experts)
                 ]
-        half = qtype == GT.MXFP4 and mxfp4_scales_fit_half([r for parts in raws for r in parts])
-        parse_rows = cls._row_parser(qtype, in_features, half)
+        byte = qtype == GT.MXFP4 and mxfp4_scales_fit_byte([r for parts in raws for r in parts])
+        parse_rows = cls._row_parser(qtype, in_features, byte)
         gb = kernels.group_blocks()
         chunk = max(1, (1 << 20) // in_features)  # rows per parse, as _assemble
         buf: tuple[int, dict] | None = None
@@ -771,6 +776,11 @@ class QuantLinear(NativeLinear):
         return fused
 
     @property
+    def e8m0(self) -> bool:
+        """Whether the scales are MXFP4's exponent bytes (2^(e - 128) each)."""
+        return self.dsup_raw is None and self.scales_raw.dtype == torch.uint8
+
+    @property
     def kquant(self) -> bool:
         """Whether scales and mins are K-quant codes times super-block scales."""
         return self.dsup_raw is not None
@@ -804,6 +814,9 @@ class QuantLinear(NativeLinear):
         if self.kquant:
             sup = self._expand_sup(self.dsup_raw, 8, self.sup_shift)
             return sup * (self.scales_raw.float() - self.scale_zero)
+        if self.e8m0:  # 2^(e - 128), exact (e in [2, 254])
+            e = self.scales_raw.int() - 128
+            return torch.ldexp(torch.ones(e.shape), e)
         return self.scales_raw.view(_FLOAT[self.scales_raw.dtype])
 
     @property
@@ -839,7 +852,7 @@ class QuantLinear(NativeLinear):
             scales.data_ptr(),
             None if mins is None else mins.data_ptr(),
             self.bits,
-            int(scales.dtype == torch.int16),
+            kernels.SCALE_E8M0 if self.e8m0 else int(scales.dtype == torch.int16),
             self.out_features,
             self.in_features,
             None if dsup is None else dsup.data_ptr(),

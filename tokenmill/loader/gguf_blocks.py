@@ -194,16 +194,17 @@ def table_of(qtype: GT) -> np.ndarray:
     return (np.array(kvalues[qtype].kvalues, np.int16) + 128).astype(np.uint8)
 
 
-# MXFP4's E8M0 exponent bytes whose scale, 2^(e - 128) once halved to match the doubled
-# table, float16 holds exactly: 2^-24 (its least subnormal) to 2^15
-MXFP4_HALF_EXPONENTS = (104, 143)
+# MXFP4's E8M0 exponent bytes the kernels read as they are (tm.h TM_SCALE_E8M0): 2^(e -
+# 128), the scale halved to match the doubled table, a normal float32 (2^-126 to 2^126;
+# 0 and 1 stand for subnormals, 255 for NaN)
+MXFP4_BYTE_EXPONENTS = (2, 254)
 
 
-def mxfp4_scales_fit_half(raw: np.ndarray) -> bool:
-    """Whether every block scale of MXFP4 rows (raw bytes [rows, row_bytes], or several
-    such arrays) is a power of two float16 holds: then they are held as float16 (18 bytes
-    per 32 values, against the file's 17), else as float32 (20)."""
-    lo, hi = MXFP4_HALF_EXPONENTS
+def mxfp4_scales_fit_byte(raw: np.ndarray) -> bool:
+    """Whether every block exponent of MXFP4 rows (raw bytes [rows, row_bytes], or several
+    such arrays) is one the kernels read as a byte: then the scales are held as the file's
+    exponent bytes (17 bytes per 32 values, the file's), else as float32 (20)."""
+    lo, hi = MXFP4_BYTE_EXPONENTS
     for part in raw if isinstance(raw, list | tuple) else [raw]:
         e = np.asarray(part).reshape(-1, 17)[:, 0]  # each 17-byte block: exponent, 16 nibble bytes
         if e.size and (e.min() < lo or e.max() > hi):
@@ -211,14 +212,14 @@ def mxfp4_scales_fit_half(raw: np.ndarray) -> bool:
     return True
 
 
-def parse_table(blocks: np.ndarray, qtype: GT, half: bool = False):
+def parse_table(blocks: np.ndarray, qtype: GT, byte: bool = False):
     """IQ4_NL / IQ4_XS / MXFP4 blocks [rows, nblk, type_size] -> (codes [rows, K] u8 (0..15,
     table indices), scales, None, 4, sup). Scales: float16 [rows, K/32] for IQ4_NL, as the
     file; IQ4_XS's 6-bit codes uint8 [rows, K/32] with its d per 256 values as sup float16
-    [rows, K/256, 1] (scale = d * (code - 32), TABLE_SCALE_ZERO); MXFP4's powers of two
-    as float16 with `half` (the caller checked mxfp4_scales_fit_half over the whole
-    tensor), else float32. The value of code c is scale * (table_of(qtype)[c] - 128),
-    gguf-py's float32 operations."""
+    [rows, K/256, 1] (scale = d * (code - 32), TABLE_SCALE_ZERO); MXFP4's with `byte`
+    its exponent bytes uint8 [rows, K/32] (scale 2^(e - 128); the caller checked
+    mxfp4_scales_fit_byte over the whole tensor), else float32 powers of two. The value of
+    code c is scale * (table_of(qtype)[c] - 128), gguf-py's float32 operations."""
     from gguf import quants
 
     rows = blocks.shape[0]
@@ -227,9 +228,9 @@ def parse_table(blocks: np.ndarray, qtype: GT, half: bool = False):
         return _nibbles16(blocks[..., 2:18]).reshape(rows, -1), d, None, 4, None
     if qtype == GT.MXFP4:  # an E8M0 exponent, then Q4_0's nibbles
         e = np.ascontiguousarray(blocks[..., 0:1]).reshape(-1, 1)
-        d = quants.MXFP4.e8m0_to_fp32_half(e).astype(np.float32).reshape(rows, -1)
-        if half:
-            d = d.astype(np.float16)
+        d = e.reshape(rows, -1)  # the bytes (TM_SCALE_E8M0)
+        if not byte:
+            d = quants.MXFP4.e8m0_to_fp32_half(e).astype(np.float32).reshape(rows, -1)
         return _nibbles16(blocks[..., 1:17]).reshape(rows, -1), d, None, 4, None
     # IQ4_XS: super-blocks of 256: d, 2 bytes of top scale bits, 4 of low ones, 128 of codes
     d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)  # [rows, nsup, 1]
