@@ -213,7 +213,7 @@ static void table_cases(void) {
             free((void *)w.scales);
             w.scales = e, w.scale_f16 = TM_SCALE_E8M0;
         }
-        if (three) { /* random planes (codes 6 and 7: the table's zeros), odd scale codes */
+        if (three) { /* random planes (codes 6 and 7: the table's zeros), random 6-bit scale codes */
             uint8_t *sc = fill_bytes((size_t)n * k / 16);
             for (size_t i = 0; i < (size_t)n * k / 16; i++) sc[i] = (uint8_t)(2 * (sc[i] & 15) + 1);
             free((void *)w.codes), free((void *)w.scales);

@@ -56,12 +56,12 @@ def test_gguf_types_say_their_bits_per_weight_held_and_in_the_file():
         pytest.skip("native kernels unavailable")
     line = info.gguf_type_forms()
     assert "Q4_0 4.50 (4.50)" in line and "Q8_0 8.50 (8.50)" in line
-    assert "IQ3_S 4.31 (3.44)" in line and "TQ2_0 3.56 (2.06)" in line
-    assert "IQ2_XS 3.56 (2.31)" in line and "IQ1_M 3.56 (1.75)" in line
+    assert "IQ3_S 4.31 (3.44)" in line and "TQ2_0 3.44 (2.06)" in line
+    assert "IQ2_XS 3.44 (2.31)" in line and "IQ1_M 3.44 (1.75)" in line
     assert "Q2_K 2.62 (2.62" in line and "MXFP4 4.25 (4.25)" in line
     # every row of whole 256-value super-blocks holds them (AVX-512: 512-value groups, and
     # rows like 768 end in a half group)
-    assert "Q6_K 6.56 (6.56)" in line and "Q3_K 3.56 (3.44)" in line and "Q5_K 5.62 (5.50)" in line
+    assert "Q6_K 6.56 (6.56)" in line and "Q3_K 3.44 (3.44)" in line and "Q5_K 5.62 (5.50)" in line
 
 
 @pytest.mark.parametrize(

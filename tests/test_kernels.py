@@ -149,7 +149,7 @@ def test_gguf_conversion_is_exact(qtype, shape):
         assert layer.bits == 4 and layer.nbytes == n * k // 32 * per32 + 16  # + the table
     if qtype in GRIDS:  # under the file's d per 256: 4-bit codes and an odd code per 32 (16
         # points), or 3-bit ones and an int8 code per 16 (at most 8 points)
-        bits, per32 = (4, 17.25) if qtype in OWN_GRIDS else (3, 14.25)
+        bits, per32 = (4, 17.25) if qtype in OWN_GRIDS else (3, 13.75)
         assert layer.bits == bits and layer.nbytes == n * k // 32 * per32 + 16
 
 
@@ -157,8 +157,9 @@ def test_gguf_conversion_is_exact(qtype, shape):
 def test_grid_scales_are_odd_codes_under_the_files_d(qtype):
     """A grid i-quant's scale per 32 is d (2s + 1) / 2^n: held as the byte 2s + 1 under
     the file's d as a float16 per 256 values, read times 2^-n (sup_shift): 17.25 bytes
-    per 32 values with the 4-bit codes of IQ3_S and IQ3_XXS, 14.25 with the 3-bit ones of
-    IQ2_XXS and IQ1_S (their code per 16 twice), against 20 with float32 scales. Exact for
+    per 32 values with the 4-bit codes of IQ3_S and IQ3_XXS; 13.75 with the 3-bit ones of
+    IQ2_XXS and IQ1_S (their code per 16 twice, as Q3_K's 6-bit ones), against 20 with
+    float32 scales. Exact for
     any d, the float16 subnormals too (whose quotient by 2^n no float16 holds), and the
     kernels read it as the float32 scales they stand for."""
     n, k = 6, 512
@@ -172,8 +173,8 @@ def test_grid_scales_are_odd_codes_under_the_files_d(qtype):
     ref = dequantize(raw, qtype).reshape(n, k)
     assert np.array_equal(layer.dequantize().numpy(), ref)
     four = qtype in OWN_GRIDS
-    assert layer.scales_raw.dtype == (torch.uint8 if four else torch.int8)
-    assert layer.nbytes == n * k // 32 * (17.25 if four else 14.25) + 16
+    assert layer.scales_raw.dtype == torch.uint8
+    assert layer.nbytes == n * k // 32 * (17.25 if four else 13.75) + 16
     assert layer.sup_shift == {GT.IQ3_S: 0, GT.IQ3_XXS: 2}.get(qtype, 3)
     x = torch.randn(3, k)
     err = (layer(x).double() - kernel_reference(layer, x, 16)).abs()
@@ -200,8 +201,8 @@ def test_mxfp4_scales_are_its_exponent_bytes_or_float32():
 @pytest.mark.parametrize("k", [512, 768])
 def test_grid_types_with_a_scale_per_16_are_their_own_3_bit_codes(qtype, k):
     """IQ2_XS, IQ2_S, IQ1_M: grid points times d (2s + 1) / 8 per 16 values, held as 3-bit
-    codes into a table of their points in Q3_K's form, under int8 codes per 16 times the
-    file's d per 256 (read times 1/8: 14.25 bytes per 32 values), exactly gguf-py's values,
+    codes into a table of their points in Q3_K's form, under its 6-bit codes per 16 times
+    the file's d per 256 (read times 1/8: 13.75 bytes per 32 values), exactly gguf-py's values,
     any d, any row length (768 ends in a partial lane group on AVX-512). Without the
     native kernels requantized to 8-bit codes and a float16 scale per 32 (34 bytes),
     within its bound; said so."""
@@ -223,7 +224,7 @@ def test_grid_types_with_a_scale_per_16_are_their_own_3_bit_codes(qtype, k):
         layer = QuantLinear.from_gguf(raw, qtype, n, k)
         if own:
             assert layer.bits == 3 and layer.lut is not None
-            assert layer.nbytes == n * k // 32 * 14.25 + 16
+            assert layer.nbytes == n * k // 32 * 13.75 + 16
             assert np.array_equal(layer.dequantize().numpy(), ref)
         else:
             assert layer.bits == 8 and layer.nbytes == n * k // 32 * 34
@@ -233,14 +234,14 @@ def test_grid_types_with_a_scale_per_16_are_their_own_3_bit_codes(qtype, k):
 @pytest.mark.parametrize("qtype", SIXTEENS)
 @pytest.mark.parametrize("k", [256, 512, 768])
 def test_q6_k_is_exact_where_6_bit_kernels_run(k, qtype):
-    """Q6_K and Q2_K as the file holds them, and Q3_K at 3 bits in Q6_K's form (its scales
-    per 16 values as int8: 14.25 bytes per 32 values against the file's 13.75)."""
+    """Q6_K, Q2_K and Q3_K as the file holds them (Q3_K at 3 bits in Q6_K's form, its scales
+    per 16 values the file's 6-bit codes: 13.75 bytes per 32 values, the file's)."""
     n = 9
     raw = gguf_bytes(qtype, n, k)
     ref = dequantize(raw, qtype).reshape(n, k)
     layer = QuantLinear.from_gguf(raw, qtype, n, k)
     if QuantLinear.runs_6bit(k):  # whole lane-order groups on a build with 6-bit kernels
-        bits, size = {GT.Q6_K: (6, 26.25), GT.Q3_K: (3, 14.25), GT.Q2_K: (2, 10.5)}[qtype]
+        bits, size = {GT.Q6_K: (6, 26.25), GT.Q3_K: (3, 13.75), GT.Q2_K: (2, 10.5)}[qtype]
         assert layer.bits == bits and layer.nbytes == n * k * size / 32
         assert np.array_equal(layer.dequantize().numpy(), ref)
     else:

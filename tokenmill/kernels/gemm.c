@@ -73,7 +73,7 @@ static void tile_scales(const tm_weight *w, int r, float *td, float *tm) {
                 const size_t i = half_scale_index(nb, b, h);
                 const int u = 2 * b + h;
                 if (!unit_mins(w)) {
-                    td[(size_t)u * RT] = ds * (float)sc[i];
+                    td[(size_t)u * RT] = ds * (float)(w->bits == 3 ? scale6_at(w->scales, nb, r, b, h) : sc[i]);
                     continue;
                 }
                 const uint8_t byte = (uint8_t)sc[i];

@@ -276,3 +276,45 @@ def unpack_grid(codes: np.ndarray, k: int, b: int, gb: int) -> np.ndarray:
     if full < nb:
         out.append(_grid_records(codes[:, full * b :], nb - full, b))
     return np.concatenate(out, axis=1)
+
+
+# ---- 3-bit codes' scales: 6-bit codes, as the file has them (tm.h scale6_group) ----------
+
+
+def _groups_of(k: int, gb: int) -> list[tuple[int, int, int]]:
+    """(first block, groups, blocks per group) of a row of k values: its whole groups of gb
+    blocks, then its last partial one (layout's partial_group)."""
+    full, part = partial_group(k, gb)
+    out = [(0, full // QK // gb, gb)] if full else []
+    return out + ([(full // QK, 1, part)] if part else [])
+
+
+def pack_scales6(sc: np.ndarray, k: int, gb: int) -> np.ndarray:
+    """3-bit codes' scales int8 [rows, k / 16] in natural order (sub-block 2 b + h: block b,
+    half h; -32..31) -> the kernels' uint8 [rows, k * 3 / 64]: per group of G blocks (a last
+    partial one: its blocks) G bytes of the codes' (scale + 32) low nibbles, block k's half
+    h at bits 4 h, then G / 2 bytes of their top pairs, block k's at bits 4 (k & 1) + 2 h."""
+    rows = sc.shape[0]
+    c = (sc.astype(np.int16) + 32).astype(np.uint8).reshape(rows, -1, 2)  # [rows, nb, half]
+    lo = (c[..., 0] & 15) | ((c[..., 1] & 15) << 4)
+    top = (c[..., 0] >> 4) | ((c[..., 1] >> 4) << 2)
+    out = []
+    for b0, ng, g in _groups_of(k, gb):
+        lg = lo[:, b0 : b0 + ng * g].reshape(rows, ng, g)
+        tg = top[:, b0 : b0 + ng * g].reshape(rows, ng, g)
+        out.append(np.concatenate([lg, tg[..., 0::2] | (tg[..., 1::2] << 4)], -1).reshape(rows, -1))
+    return np.ascontiguousarray(np.concatenate(out, -1))
+
+
+def unpack_scales6(raw: np.ndarray, k: int, gb: int) -> np.ndarray:
+    """The inverse of pack_scales6: int8 [rows, k / 16] in natural order."""
+    rows, out, at = raw.shape[0], [], 0
+    for _, ng, g in _groups_of(k, gb):
+        part = raw[:, at : at + ng * g * 3 // 2].reshape(rows, ng, g * 3 // 2)
+        at += ng * g * 3 // 2
+        lo, hi = part[..., :g], part[..., g:]
+        top = np.stack([hi & 15, hi >> 4], -1).reshape(rows, ng, g)
+        c0 = (lo & 15) | ((top & 3) << 4)
+        c1 = (lo >> 4) | (((top >> 2) & 3) << 4)
+        out.append(np.stack([c0, c1], -1).reshape(rows, ng * g * 2))
+    return (np.concatenate(out, -1).astype(np.int16) - 32).astype(np.int8)

@@ -74,7 +74,9 @@
  * bit i, like 5-bit codes' top bits). tm_group_codes reads them as the 6-bit code 8 q
  * (16 (q >> 1) + 8 (q & 1), at most 56), so 8 q - 32 = 8 (q - 4), and the kernels take
  * the scale an eighth: the 6-bit path's integers and bounds as they are.
- *   codes   uint8 [N, K*3/8];  scales int8 [N, K/16] and dsup [N, K/256] as for 6-bit
+ *   codes   uint8 [N, K*3/8];  scales: the file's 6-bit codes sc + 32, 12 bytes per 256 values
+ *   uint8 [N, K*3/64] (per group its blocks' low nibbles, then their top pairs: tm.h
+ *   scale6_group), read by vf_scales6; dsup [N, K/256] as for 6-bit
  *
  * 2-bit codes (GGUF Q2_K, exactly: q in 0..3, w = d16 q - m16 per 16 values, d16 = dsup *
  * sc and m16 = msup * m, sc and m the low and high nibbles of the file's byte per 16
@@ -447,10 +449,11 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
             tm_codes_at(row + (size_t)g * group_bytes(bits), bits, pb, c);
             if (lut) tm_lookup_codes(table, c, bits);
             const vf ds = vf_mul(sup_lanes(dsup, g), vf_set1(cs));
-            const uint8_t *s0 = (const uint8_t *)w->scales + (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB;
+            /* a byte per 16 values (2- and 6-bit codes; 3-bit ones: below) */
+            const uint8_t *s0 = (const uint8_t *)w->scales + (bits == 3 ? 0 : (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB);
             const uint8_t *s1 = s0 + (pb ? pb : TM_GB); /* the second halves' */
             uint8_t pad[2][TM_GB]; /* a partial group's pb + pb scale bytes, beside zeros */
-            if (pb) {
+            if (pb && bits != 3) {
                 memset(pad, 0, sizeof pad);
                 memcpy(pad[0], s0, (size_t)pb), memcpy(pad[1], s1, (size_t)pb);
                 s0 = pad[0], s1 = pad[1];
@@ -464,6 +467,18 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
                 /* -dmin m per 16 values, against zh = 32 sum q: the min's share, in exact steps */
                 const vf ms = vf_mul(sup_lanes(msup, g), vf_set1(1.f / 32));
                 m0 = vf_mul(c0, ms), m1 = vf_mul(c1, ms);
+            } else if (bits == 3) { /* 6-bit codes (tm.h scale6_group), a partial group's beside zeros */
+                int G;
+                const uint8_t *lo = scale6_group(w->scales, nb, r, g * TM_GB, &G);
+                uint8_t pad6[3 * TM_GB / 2];
+                if (pb) {
+                    memset(pad6, 0, sizeof pad6);
+                    memcpy(pad6, lo, (size_t)G), memcpy(pad6 + TM_GB, lo + G, (size_t)G / 2);
+                    lo = pad6;
+                }
+                vf c0, c1;
+                vf_scales6(lo, lo + TM_GB, &c0, &c1);
+                d0 = vf_mul(c0, ds), d1 = vf_mul(c1, ds);
             } else {
                 d0 = vf_mul(vf_load_i8((const int8_t *)s0), ds), d1 = vf_mul(vf_load_i8((const int8_t *)s1), ds);
             }
@@ -629,8 +644,10 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
             const size_t sup = (size_t)r * (nb / 8) + b / 8;
             const float ds = tm_dsup(w, sup) * code_scale(w);
             for (int h = 0; h < 2; h++) {
-                const uint8_t byte = ((const uint8_t *)w->scales)[(size_t)r * 2 * nb + half_scale_index(nb, b, h)];
-                const float d = w->bits == 2 ? ds * (float)(byte & 15) : ds * (float)(int8_t)byte;
+                const uint8_t byte = w->bits == 3 ? 0 : ((const uint8_t *)w->scales)[(size_t)r * 2 * nb + half_scale_index(nb, b, h)];
+                const float d = w->bits == 2 ? ds * (float)(byte & 15)
+                                : w->bits == 3 ? ds * (float)scale6_at(w->scales, nb, r, b, h)
+                                               : ds * (float)(int8_t)byte;
                 const float m = w->bits == 2 ? tm_half_to_float(w->msup[sup]) * (float)(byte >> 4) : 0.f;
                 for (int j = 16 * h; j < 16 * h + 16; j++) o[j] = (float)(c[j] - z) * d - m;
             }
@@ -655,8 +672,10 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
             const int8_t *sc = (const int8_t *)w->scales + (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB;
             float de[2][4 * TM_GB]; /* per element of a vector: its block's scale, per half */
             for (int e = 0; e < 4 * TM_GB; e++) {
-                const float ds = tm_dsup(w, (size_t)r * (nb / 8) + (g * TM_GB + e / 4) / 8); /* block e / 4 */
-                de[0][e] = ds * (float)sc[e / 4], de[1][e] = ds * (float)sc[TM_GB + e / 4];
+                const int b = g * TM_GB + e / 4; /* block e / 4 */
+                const float ds = tm_dsup(w, (size_t)r * (nb / 8) + b / 8);
+                de[0][e] = ds * (float)(three ? scale6_at(w->scales, nb, r, b, 0) : sc[e / 4]);
+                de[1][e] = ds * (float)(three ? scale6_at(w->scales, nb, r, b, 1) : sc[TM_GB + e / 4]);
             }
             for (int i = 0; i < 8; i++) {
                 /* 6-bit: low nibbles, then the top-bits plane; 3-bit: the top-two-bits

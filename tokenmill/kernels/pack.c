@@ -24,8 +24,8 @@
  *   Q6_K                  6-bit codes on rows of whole lane groups, int8 scales [k / 16]
  *                         per group [half][block], super-block d float16 [k / 256][1];
  *                         other rows requantized to 8-bit codes with float16 scales [nb]
- *   Q3_K                  3-bit codes q on rows of whole lane groups, int8 scales (the
- *                         file's 6-bit ones - 32) and d as for Q6_K; other rows: not here
+ *   Q3_K                  3-bit codes q (rows of any whole super-blocks), the file's 6-bit
+ *                         scale codes [k * 3 / 64] (tm.h scale6_group), d as for Q6_K
  *   Q2_K                  2-bit codes on rows of whole lane groups, the file's scale bytes
  *                         (scale + 16 min) [k / 16] as Q6_K's, (d, dmin) [k / 256][2]
  * The codes of a row first go to natural order (nat), then to lane order (lane: the
@@ -100,6 +100,16 @@ static inline void q6k_codes(const uint8_t *ql, const uint8_t *qh, uint8_t *q) {
  * a row of nb blocks, per group [half][block of the group] (tm.h half_scale_index,
  * quant_linear's half_scale_perm). */
 static inline size_t half_scale_at(int nb, int nat16) { return half_scale_index(nb, nat16 / 2, nat16 % 2); }
+
+/* Write 3-bit codes' 6-bit scale code c of half h of block b into a row's scales (nb
+ * blocks, tm.h scale6_group's layout), its other bits kept. */
+static inline void put_scale6(uint8_t *row, int nb, int b, int h, int c) {
+    int G;
+    uint8_t *p = (uint8_t *)scale6_group(row, nb, 0, b, &G);
+    const int k = b % TM_GB, at = 4 * (k & 1) + 2 * h;
+    p[k] = (uint8_t)((p[k] & ~(15 << (4 * h))) | (c & 15) << (4 * h));
+    p[G + k / 2] = (uint8_t)((p[G + k / 2] & ~(3 << at)) | (c >> 4) << at);
+}
 
 /* Whether every MXFP4 block of a row has an exponent the kernels read as a byte (vf_scales'
  * E8M0 form: a normal float32 2^(e - 128)). */
@@ -191,7 +201,7 @@ static void parse_row(int qtype, int bits, const uint8_t *src, int k, uint8_t *n
                         q[128 * h + 32 * s + j] = (uint8_t)(((qs[32 * h + j] >> (2 * s)) & 3) | ((hm[j] >> (4 * h + s)) & 1) << 2);
             for (int i = 0; i < 16; i++) {
                 const int code = ((sc[i % 8] >> (4 * (i / 8))) & 15) | ((sc[8 + i % 4] >> (2 * (i / 4))) & 3) << 4;
-                scales[half_scale_at(k / QK, 16 * b + i)] = (uint8_t)(int8_t)(code - 32);
+                put_scale6(scales, k / QK, 8 * b + i / 2, i % 2, code);
             }
             break;
         }
@@ -350,6 +360,7 @@ int tm_pack_gguf(int qtype, const uint8_t *src, int64_t rows, int k, int as_8bit
     if (!ts || !bits || k <= 0 || k % block) return 0;
     const size_t src_row = (size_t)(k / block) * ts, code_row = (size_t)k * bits / 8;
     size_t sc_row = (size_t)(sixteen_scales(bits) ? k / 16 : k / QK) * (block == 256 || qtype == G_MXFP4 ? 1 : 2);
+    if (bits == 3) sc_row = (size_t)k * 3 / 64; /* 6-bit codes (tm.h scale6_group) */
     size_t sup_row = block == 256 ? (size_t)(k / 256) * (bits == 6 || bits == 3 ? 1 : 2) : 0;
     if (requant) sc_row = (size_t)(k / QK) * 2, sup_row = 0; /* float16 scales, no sup */
     const int nt = tm_threads(nthreads);

@@ -38,6 +38,8 @@
  *                         16-byte table in every 16-byte lane), vb_lookup(table, c) (codes
  *                         0..15 looked up in it: table-coded 4-bit types), vb_lookup8(table,
  *                         c) (codes 8 q, q 0..7, looked up as q: table-coded 3-bit types),
+ *                         vf_scales6(lo, hi, &d0, &d1) (3-bit codes' 6-bit scale codes of a
+ *                         group's TM_W blocks, less 32, as floats: tm_scales6_lanes),
  *                         vb_grid(grid, lo, hi, i, s) (the grid i-quants' codes: lane k
  *                         the grid entry lo[k] | (bit i of hi[k]) << 8, its bytes negated
  *                         where bit j of s is set: tm_grid_lanes), vb_widen_pairs(c, z, &even, &odd)
@@ -126,6 +128,18 @@ static inline void tm_grid_lanes(const uint8_t *grid, const uint8_t *lo, const u
             const uint8_t v = grid[4 * e + t];
             out[j] = (s[j >> 3] >> (j & 7)) & 1 ? (uint8_t)(0u - v) : v;
         }
+    }
+}
+
+/* 3-bit codes' 6-bit scale codes (tm.h scale6_at's layout) of n blocks, lane by lane: block
+ * k's halves' codes less 32, s0[k] and s1[k]: lo[k] holds their low nibbles (half 0 low),
+ * hi[k / 2] their top pairs (block k at bits 4 (k & 1), half h 2 h further). vf_scales6's
+ * reference. */
+static inline void tm_scales6_lanes(const uint8_t *lo, const uint8_t *hi, int n, int8_t *s0, int8_t *s1) {
+    for (int k = 0; k < n; k++) {
+        const int t = hi[k / 2] >> (4 * (k & 1));
+        s0[k] = (int8_t)(((lo[k] & 15) | (t & 3) << 4) - 32);
+        s1[k] = (int8_t)(((lo[k] >> 4) | ((t >> 2) & 3) << 4) - 32);
     }
 }
 

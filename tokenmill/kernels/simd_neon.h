@@ -112,6 +112,12 @@ static inline void vb_add_crumbs(vb c[4], vb v) {
 /* A 16-byte table, and codes (0..15) looked up in it (tbl) */
 static inline vb vb_table(const uint8_t *t) { return vld1q_u8(t); }
 static inline vb vb_lookup(vb table, vb c) { return vqtbl1q_u8(table, c); }
+static inline void vf_scales6(const uint8_t *lo, const uint8_t *hi, vf *d0, vf *d1) {
+    int8_t s0[4], s1[4];
+    tm_scales6_lanes(lo, hi, 4, s0, s1);
+    *d0 = vf_load_i8(s0), *d1 = vf_load_i8(s1);
+}
+
 /* grid entries by four scalar loads (no gather), signs by a bit test per byte */
 static inline vb vb_grid(const uint8_t *grid, const uint8_t *lo, const uint8_t *hi, int i, const uint8_t *s) {
     uint32_t e[4];

@@ -128,6 +128,11 @@ static inline vb vb_lookup(vb table, vb c) {
     for (int i = 0; i < 16; i++) r.v[i] = table.v[c.v[i] & 15];
     return r;
 }
+static inline void vf_scales6(const uint8_t *lo, const uint8_t *hi, vf *d0, vf *d1) {
+    int8_t s0[4], s1[4];
+    tm_scales6_lanes(lo, hi, 4, s0, s1);
+    *d0 = vf_load_i8(s0), *d1 = vf_load_i8(s1);
+}
 static inline vb vb_grid(const uint8_t *grid, const uint8_t *lo, const uint8_t *hi, int i, const uint8_t *s) {
     vb r;
     tm_grid_lanes(grid, lo, hi, i, s, r.v, 4);

@@ -295,6 +295,23 @@ static inline float tm_block_min(const tm_weight *w, int r, int b) {
  * Q2_K read as 16 q with a min per 16 values too (unit_mins). */
 static inline int sixteen_scales(int bits) { return bits == 2 || bits == 3 || bits == 6; }
 
+/* 3-bit codes' scales (Q3_K's, and the 3-bit table codes'): a 6-bit code c = scale + 32 per
+ * 16 values, as the file has them, 12 bytes per 256 values. Per group (a row's last,
+ * partial one: its G blocks) G bytes of low nibbles (block k's: half 0 low, half 1 high),
+ * then G / 2 bytes of top pairs (block k's at bits 4 (k & 1), half h's 2 h further); a row's
+ * nb * 3 / 2 bytes, groups in order. scale6_group points at block b's group, its width G. */
+static inline const uint8_t *scale6_group(const void *scales, int nb, int r, int b, int *G) {
+    const int g = b / TM_GB;
+    *G = g == nb / TM_GB ? nb % TM_GB : TM_GB;
+    return (const uint8_t *)scales + ((size_t)r * nb + (size_t)g * TM_GB) * 3 / 2;
+}
+static inline int scale6_at(const void *scales, int nb, int r, int b, int h) {
+    int G;
+    const uint8_t *p = scale6_group(scales, nb, r, b, &G);
+    const int k = b % TM_GB;
+    return (((p[k] >> (4 * h)) & 15) | ((p[G + k / 2] >> (4 * (k & 1) + 2 * h)) & 3) << 4) - 32;
+}
+
 /* What the codes the dots see stand for: 3-bit codes enter as 8 q, 2-bit ones as 16 q
  * (their scale an eighth, a sixteenth: exact); table codes as their values, looked up. */
 static inline float code_scale(const tm_weight *w) {

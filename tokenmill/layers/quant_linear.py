@@ -32,9 +32,11 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
     Q6_K  6-bit, Z=32, an int8 scale per 16       exact, 26.25 B / 32 (file: 26.25):
           values times a float16 per 256          codes [N, K*3/4], scales int8 [N, K/16]
                                                   (kernels/linear.c has the layout)
-    Q3_K  3-bit, Z=4, Q6_K's scales (an int8     exact, 14.25 B / 32 (file: 13.75):
-          sub-scale - 32 per 16 values, d per 256)  codes [N, K*3/8] (two bit planes;
-                                                    the kernels read 8 q in Q6_K's form)
+    Q3_K  3-bit, Z=4, the file's 6-bit scale     exact, 13.75 B / 32 (file: 13.75):
+          codes (scale + 32) per 16 values, d per   codes [N, K*3/8] (two bit planes;
+          256                                       the kernels read 8 q in Q6_K's form),
+                                                    scales uint8 [N, K*3/64]
+                                                    (layout.pack_scales6)
     Q2_K  2-bit, a scale and a min per 16 values  exact, 10.5 B / 32 (file: 10.5): codes
           as the file's bytes (sc + 16 m) times     [N, K/4] (one bit plane), scales uint8
           d and dmin per 256                        [N, K/16]; the kernels read 16 q in
@@ -54,8 +56,9 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
           4 values makes decode slower than the 4-bit codes' lookups (GRID_FILE_BITS_ENV).
     IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0 (at most 8 points, a scale per 32 or
           16): 3-bit codes into a table of their points, in Q3_K's form (two bit planes,
-          read as 8 q, looked up by q), under an int8 scale code per 16 values (a scale
-          per 32 twice) and the file's f16 d per 256 (read times 2^-n): exact, 14.25 B / 32.
+          read as 8 q, looked up by q), under Q3_K's 6-bit scale codes per 16 values (a
+          scale per 32 twice) and the file's f16 d per 256 (read times 2^-n): exact, 13.75
+          B / 32.
     IQ4_NL, IQ4_XS, MXFP4 (4-bit codes into a 16-value table: `lut`, the values + 128):
           4-bit codes as stored, looked up to 8-bit ones in registers, Z=128; exact.
           IQ4_NL f16 scales: 18 B / 32 (file: 18); IQ4_XS its 6-bit scale codes as bytes
@@ -87,12 +90,14 @@ from tokenmill.kernels.layout import (
     pack6,
     pack_codes,
     pack_grid,
+    pack_scales6,
     unpack2,
     unpack3,
     unpack5,
     unpack6,
     unpack_grid,
     unpack_index,
+    unpack_scales6,
 )
 from tokenmill.layers.native_linear import NativeLinear
 from tokenmill.loader.gguf_blocks import (
@@ -194,7 +199,9 @@ def _alloc(parsed: tuple, rows: int, in_features: int) -> tuple[int, dict]:
     _, sc, mn, bits, su = parsed
     arrays = {
         "codes": np.empty((rows, _code_bytes(in_features, bits)), np.uint8),
-        "scales": np.empty((rows, sc.shape[1]), sc.dtype),
+        "scales": np.empty((rows, sc.shape[1]), sc.dtype)
+        if bits != 3
+        else np.empty((rows, in_features * 3 // 64), np.uint8),  # 6-bit codes
     }
     if mn is not None:
         arrays["mins"] = np.empty((rows, sc.shape[1]), sc.dtype)
@@ -275,7 +282,12 @@ def _alloc_gguf(qtype: GT, rows: int, in_features: int) -> tuple[int, dict]:
     kquant = qtype in (GT.Q4_K, GT.Q5_K, GT.Q6_K)
     arrays = {"codes": np.empty((rows, k * bits // 8), np.uint8)}
     if qtype in _OWN_SIXTEEN:  # parse_q6_k's, parse_q3_k's and parse_q2_k's dtypes
-        arrays["scales"] = np.empty((rows, k // 16), np.uint8 if qtype == GT.Q2_K else np.int8)
+        per16 = {
+            GT.Q2_K: (k // 16, np.uint8),
+            GT.Q3_K: (k * 3 // 64, np.uint8),
+            GT.Q6_K: (k // 16, np.int8),
+        }
+        arrays["scales"] = np.empty((rows, per16[qtype][0]), per16[qtype][1])
         arrays["sup"] = np.empty((rows, k // 256, 2 if qtype == GT.Q2_K else 1), np.float16)
         return bits, arrays
     byte = kquant or qtype == GT.MXFP4  # K-quant scale codes, MXFP4's exponent bytes
@@ -334,7 +346,9 @@ def _store(dst: dict, parsed: tuple, in_features: int, gb: int) -> None:
     row order, of any leading shape): codes in the kernels' lane order."""
     nat, sc, mn, bits, su = parsed
     codes = None
-    if np.shape(sc)[-1] == in_features // 16:  # per 16 values: the kernels' group order
+    if bits == 3:  # 6-bit codes per 16 values, as the file's (layout.pack_scales6)
+        sc = pack_scales6(sc, in_features, gb)
+    elif np.shape(sc)[-1] == in_features // 16:  # per 16 values: the kernels' group order
         sc = sc[:, half_scale_perm(in_features, gb)]
     if bits in _SIXTEEN:
         codes = _SIXTEEN_CODES[bits][0](nat, gb)
@@ -394,21 +408,23 @@ class QuantLinear(NativeLinear):
             raise ValueError(f"codes: expected uint8 {shape}")
         # values per scale (grid kinds: a nibble per 32, two to a byte)
         per = 16 if bits in _SIXTEEN else 2 * QK if bits in _GRID_BITS else QK
-        if scales.shape != (out_features, in_features // per):
-            raise ValueError(f"scales: expected shape {(out_features, in_features // per)}")
+        # (3-bit codes: 6-bit codes per 16 values, 12 bytes per 256: layout.pack_scales6)
+        n_scales = in_features * 3 // 64 if bits == 3 else in_features // per
+        if scales.shape != (out_features, n_scales):
+            raise ValueError(f"scales: expected shape {(out_features, n_scales)}")
         if sup is None and scales.dtype not in _RAW:
             raise ValueError(f"scales must be float16, float32 or uint8 (E8M0), got {scales.dtype}")
         # sup's columns: d and dmin, or d alone (6-bit codes, and scale codes without mins)
         # (2-bit: d and dmin, its scale bytes holding a scale and a min code each)
         nsup = 2 if bits == 2 else 1 if bits in _SIXTEEN or mins is None else 2
         if sup is not None and (
-            scales.dtype != (torch.int8 if bits in (3, 6) else torch.uint8)
+            scales.dtype != (torch.int8 if bits == 6 else torch.uint8)
             or sup.shape != (out_features, in_features // 256, nsup)
             or sup.dtype != torch.float16
         ):
             raise ValueError(
                 "K-quant scales: uint8 codes and float16 sup [out, in/256, 2] (no mins: "
-                "[out, in/256, 1]; 3- and 6-bit: int8 per 16 values and sup [out, in/256, 1];"
+                "[out, in/256, 1]; 6-bit: int8 per 16 values, 3-bit: packed 6-bit codes, and sup [out, in/256, 1];"
                 " 2-bit: uint8 per 16 values and sup [out, in/256, 2])"
             )
         if bits in _SIXTEEN and (sup is None or mins is not None):
@@ -808,6 +824,11 @@ class QuantLinear(NativeLinear):
         if self.bits in _GRID_BITS:  # d (2 s + 1), s a nibble per block, low first
             nib = torch.stack([self.scales_raw & 15, self.scales_raw >> 4], -1).flatten(1)
             return self._expand_sup(self.dsup_raw, 8, self.sup_shift) * (2 * nib.float() + 1)
+        if self.bits == 3:  # 6-bit codes, unpacked to natural order
+            sc = unpack_scales6(self.scales_raw.numpy(), self.in_features, self.group_blocks)
+            return (
+                self._expand_sup(self.dsup_raw, 16, self.sup_shift) * torch.from_numpy(sc).float()
+            )
         if self.bits in _SIXTEEN:
             sup = self._expand_sup(self.dsup_raw, 16, self.sup_shift)
             return sup * self._natural_halves().float()
@@ -887,9 +908,13 @@ class QuantLinear(NativeLinear):
             return
         if self.bits in _SIXTEEN:
             k, old = self.in_features, self.group_blocks
-            natural = torch.empty_like(self.scales_raw)
-            natural[:, torch.from_numpy(half_scale_perm(k, old))] = self.scales_raw
-            self.scales_raw = natural[:, torch.from_numpy(half_scale_perm(k, gb))].contiguous()
+            if self.bits == 3:
+                sc = unpack_scales6(self.scales_raw.numpy(), k, old)
+                self.scales_raw = torch.from_numpy(pack_scales6(sc, k, gb))
+            else:
+                natural = torch.empty_like(self.scales_raw)
+                natural[:, torch.from_numpy(half_scale_perm(k, old))] = self.scales_raw
+                self.scales_raw = natural[:, torch.from_numpy(half_scale_perm(k, gb))].contiguous()
             pack, unpack, _ = _SIXTEEN_CODES[self.bits]
             self.codes = torch.from_numpy(pack(unpack(self.codes.numpy(), k, old), gb))
             self.group_blocks = gb
