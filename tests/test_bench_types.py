@@ -24,6 +24,18 @@ def test_types_are_checked_by_name():
         types.parse_types(" , ")
 
 
+def test_memory_without_context_is_refused_before_any_file_is_built(tmp_path, monkeypatch):
+    """`--types ... --memory` without --context: a one-line error at once, not after the
+    shape files were written and re-quantized (minutes)."""
+    from tokenmill.cli import main
+
+    built = []
+    monkeypatch.setattr(types, "cmd_types", lambda *a: built.append(a))
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "--shape", "llama-3.2-1b", "--types", "q4_k_m", "--memory"])
+    assert stop.value.code == 1 and not built
+
+
 def test_decode_weights_count_what_gguf_decode_bytes_counts(smollm_path):
     """SmolLM2's file: every tensor, the tied embedding whole (it is the un-embedding)."""
     reader = GGUFReader(smollm_path)

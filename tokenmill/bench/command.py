@@ -278,6 +278,9 @@ def use_shape(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from tokenmill.engine.llm_engine import resolve_model
 
+    # (before any shape file is built or re-quantized: those take minutes)
+    if getattr(args, "memory", False) and not getattr(args, "context", None):
+        raise ValueError("--memory measures with --context; add --context N,N,...")
     if getattr(args, "types", None):
         from tokenmill.bench.types import cmd_types
 
@@ -294,8 +297,6 @@ def cmd_bench(args: argparse.Namespace) -> None:
         raise ValueError(
             "--runs, --num-requests and --peer-batch-size must be >= 1, --gen-len >= 2"
         )
-    if getattr(args, "memory", False) and not args.context:
-        raise ValueError("--memory measures with --context; add --context N,N,...")
     modes = [f for f, on in (("--context", args.context), ("--embeddings", args.embeddings),
              ("--speculative", getattr(args, "speculative", None))) if on]  # fmt: skip
     if len(modes) > 1:
