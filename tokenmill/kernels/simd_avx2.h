@@ -9,6 +9,7 @@
  * emulation of the two instructions: how the tests prove the path on a CPU without them
  * (QEMU's TCG does not implement AVX-VNNI either). */
 #include <immintrin.h>
+#include "simd_x86.h"
 
 #define TM_W 8
 #if defined(__AVXVNNI__)
@@ -180,18 +181,6 @@ static inline void vb_add_crumbs(vb c[4], vb v) {
 /* A 16-byte table in both 128-bit lanes, and codes (0..15) looked up in it (vpshufb) */
 static inline vb vb_table(const uint8_t *t) { return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t)); }
 static inline vb vb_lookup(vb table, vb c) { return _mm256_shuffle_epi8(table, c); }
-/* the top-pair bytes spread to one per block (byte k: hi[k / 2]'s nibble k & 1), then each
- * half's code from its nibble and its pair, less 32 (SSE on the low 4 TM_W bytes) */
-static inline void tm_scales6_bytes(__m128i l, __m128i h, __m128i *c0, __m128i *c1) {
-    const __m128i m4 = _mm_set1_epi8(15), m3 = _mm_set1_epi8(3), off = _mm_set1_epi8(32);
-    const __m128i dup = _mm_shuffle_epi8(h, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
-    const __m128i odd = _mm_setr_epi8(0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1);
-    const __m128i t = _mm_blendv_epi8(_mm_and_si128(dup, m4), _mm_and_si128(_mm_srli_epi16(dup, 4), m4), odd);
-    *c0 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(l, m4), _mm_slli_epi16(_mm_and_si128(t, m3), 4)), off);
-    *c1 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(l, 4), m4),
-                                    _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(t, 2), m3), 4)),
-                       off);
-}
 static inline void vf_scales6(const uint8_t *lo, const uint8_t *hi, vf *d0, vf *d1) {
     int32_t h4;
     memcpy(&h4, hi, 4);
