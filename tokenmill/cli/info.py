@@ -130,11 +130,11 @@ def cpu_description() -> str:
 
 
 def gguf_type_forms() -> str:
-    """Each GGUF type's bits per weight in memory on this build against the file's, and
-    where the kernels hold a type wider than its own bits (2-, 3-, 5- and 6-bit codes need
-    rows of whole lane-order groups; IQ2_XS, IQ2_S and IQ1_M are requantized to 8-bit
-    codes): "Q4_K 4.62 (file 4.50), ..., Q6_K 6.56 (6.56; 8.50 on rows not a multiple of
-    512 values)". Measured on layers packed from zero blocks (QuantLinear.held_bits)."""
+    """Each GGUF type's bits per weight in memory on this build against the file's (the grid
+    i-quants held wider: IQ3_S and IQ3_XXS as 4-bit table codes unless
+    TOKENMILL_GRID_FILE_BITS=1, those of at most 8 points as 3-bit ones), and where rows of
+    another length are held otherwise: "Q4_K 4.62 (4.50), ..., IQ3_S 4.31 (3.44), ...".
+    Measured on layers packed from zero blocks (QuantLinear.held_bits)."""
     from gguf.constants import GGML_QUANT_SIZES
 
     from tokenmill import kernels
