@@ -62,21 +62,19 @@ _Static_assert(NT <= NT_MAX, "NT is at most NT_MAX");
 /* Row r's unit scales to td[u * RT], its block mins to tm[b * RT]. */
 static void tile_scales(const tm_weight *w, int r, float *td, float *tm) {
     const int nb = w->k / QK;
-    if (sixteen_scales(w->bits)) { /* unit = half h of block k of group g: scale dsup * sc[g][h][k] */
-        const int8_t *sc = (const int8_t *)w->scales + (size_t)r * 2 * nb;
+    if (sixteen_scales(w->bits)) { /* unit = half h of block b: scale dsup * its code */
         /* 3-bit codes enter as 8 q, 2-bit ones as 16 q; 2-bit units have mins: tm [nu, RT] */
         const float part = code_scale(w);
         for (int b = 0; b < nb; b++) {
             const size_t sup = (size_t)r * (nb / 8) + b / 8;
             const float ds = tm_dsup(w, sup) * part;
             for (int h = 0; h < 2; h++) {
-                const size_t i = half_scale_index(nb, b, h);
-                const int u = 2 * b + h;
+                const int u = 2 * b + h, code = tm_half_scale(w, r, b, h);
                 if (!unit_mins(w)) {
-                    td[(size_t)u * RT] = ds * (float)(w->bits == 3 ? scale6_at(w->scales, nb, r, b, h) : sc[i]);
+                    td[(size_t)u * RT] = ds * (float)code;
                     continue;
                 }
-                const uint8_t byte = (uint8_t)sc[i];
+                const int byte = code; /* 2-bit codes: sc + 16 m */
                 td[(size_t)u * RT] = ds * (float)(byte & 15);
                 tm[(size_t)u * RT] = -(tm_half_to_float(w->msup[sup]) * (float)(byte >> 4));
             }

@@ -644,11 +644,9 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
             const size_t sup = (size_t)r * (nb / 8) + b / 8;
             const float ds = tm_dsup(w, sup) * code_scale(w);
             for (int h = 0; h < 2; h++) {
-                const uint8_t byte = w->bits == 3 ? 0 : ((const uint8_t *)w->scales)[(size_t)r * 2 * nb + half_scale_index(nb, b, h)];
-                const float d = w->bits == 2 ? ds * (float)(byte & 15)
-                                : w->bits == 3 ? ds * (float)scale6_at(w->scales, nb, r, b, h)
-                                               : ds * (float)(int8_t)byte;
-                const float m = w->bits == 2 ? tm_half_to_float(w->msup[sup]) * (float)(byte >> 4) : 0.f;
+                const int code = tm_half_scale(w, r, b, h); /* 2-bit codes: sc + 16 m */
+                const float d = ds * (float)(w->bits == 2 ? code & 15 : code);
+                const float m = w->bits == 2 ? tm_half_to_float(w->msup[sup]) * (float)(code >> 4) : 0.f;
                 for (int j = 16 * h; j < 16 * h + 16; j++) o[j] = (float)(c[j] - z) * d - m;
             }
         }
@@ -669,13 +667,11 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
         const int three = w->bits == 3;
         for (int g = 0; g < nfull; g++) {
             const uint8_t *p = row + (size_t)g * group_bytes(w->bits);
-            const int8_t *sc = (const int8_t *)w->scales + (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB;
             float de[2][4 * TM_GB]; /* per element of a vector: its block's scale, per half */
             for (int e = 0; e < 4 * TM_GB; e++) {
                 const int b = g * TM_GB + e / 4; /* block e / 4 */
                 const float ds = tm_dsup(w, (size_t)r * (nb / 8) + b / 8);
-                de[0][e] = ds * (float)(three ? scale6_at(w->scales, nb, r, b, 0) : sc[e / 4]);
-                de[1][e] = ds * (float)(three ? scale6_at(w->scales, nb, r, b, 1) : sc[TM_GB + e / 4]);
+                de[0][e] = ds * (float)tm_half_scale(w, r, b, 0), de[1][e] = ds * (float)tm_half_scale(w, r, b, 1);
             }
             for (int i = 0; i < 8; i++) {
                 /* 6-bit: low nibbles, then the top-bits plane; 3-bit: the top-two-bits

@@ -352,6 +352,16 @@ static inline size_t half_scale_index(int nb, int b, int h) {
     return (size_t)g * 2 * TM_GB + (size_t)h * width + b % TM_GB;
 }
 
+/* The scale code of half h of block b of row r, for the scalar readers of codes with a
+ * scale per 16 values (sixteen_scales): 3-bit codes' 6-bit code less 32 (scale6_at),
+ * 6-bit codes' int8, 2-bit codes' byte sc + 16 m. */
+static inline int tm_half_scale(const tm_weight *w, int r, int b, int h) {
+    const int nb = w->k / QK;
+    if (w->bits == 3) return scale6_at(w->scales, nb, r, b, h);
+    const uint8_t byte = ((const uint8_t *)w->scales)[(size_t)r * 2 * nb + half_scale_index(nb, b, h)];
+    return w->bits == 2 ? byte : (int8_t)byte;
+}
+
 static inline size_t row_bytes(const tm_weight *w) {
     return grid_kind(w->bits) ? (size_t)(w->k / QK) * w->bits : (size_t)w->k * (size_t)w->bits / 8;
 }

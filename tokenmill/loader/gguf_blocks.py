@@ -301,6 +301,21 @@ def _signed_codes(levels: np.ndarray, negative: np.ndarray, n: int) -> np.ndarra
     return np.where(negative.astype(bool), n - 1 - levels, n + levels).astype(np.uint8)
 
 
+@functools.cache
+def _ksigns() -> np.ndarray:
+    """gguf-py's ksigns: a 7-bit sign index -> its 8 sign bits (the 8th the parity), uint8
+    [128]."""
+    from gguf import quants
+
+    return np.frombuffer(quants.IQ2_XXS.ksigns, np.uint8)
+
+
+def _word_signs(words: np.ndarray) -> np.ndarray:
+    """uint32 words of four 7-bit sign indices (IQ2_XXS's, IQ3_XXS's; the top 4 bits left
+    out) -> their sign bytes [..., 4], one per 8 values."""
+    return _ksigns()[(words[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & 127]
+
+
 def _grid_codes(blocks: np.ndarray, qtype: GT) -> np.ndarray | None:
     """A grid type's table indices straight from its bits, as gguf-py's dequantization
     orders the values: codes uint8 [rows, K]; None for TQ1_0 (the generic way)."""
@@ -320,9 +335,6 @@ def _grid_codes(blocks: np.ndarray, qtype: GT) -> np.ndarray | None:
         )
         plus = (qh & 0x8000) == 0  # delta +1/8 -> grid point 8 g + 1
         return (2 * lv[idx] + plus[..., None, None]).astype(np.uint8).reshape(rows, -1)
-    from gguf import quants
-
-    ksigns = np.frombuffer(quants.IQ2_XXS.ksigns, np.uint8)  # 7-bit index -> 8 sign bits
     if qtype == GT.IQ3_S:  # 64 low index bytes, 8 bytes of 9th bits, 32 bytes of signs
         idx = blocks[..., 2:66].astype(np.uint16) | (
             _bits8(blocks[..., 66:74]).reshape(rows, nsup, 64).astype(np.uint16) << 8
@@ -332,13 +344,13 @@ def _grid_codes(blocks: np.ndarray, qtype: GT) -> np.ndarray | None:
         return _entry_codes(qtype, 8)[idx, nibbles].view(np.uint8).reshape(rows, -1)
     if qtype == GT.IQ3_XXS:  # 64 index bytes (4 values each), then a uint32 per 32 values
         aux = np.ascontiguousarray(blocks[..., 66:98]).view(np.uint32)  # 4 x 7 sign bits
-        signs = ksigns[(aux[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & 127]
+        signs = _word_signs(aux)
         nibbles = np.stack([signs & 15, signs >> 4], axis=-1).reshape(rows, nsup, 64)
         return _entry_codes(qtype, 8)[blocks[..., 2:66], nibbles].view(np.uint8).reshape(rows, -1)
     # IQ2_XXS: per 32 values a uint32 of 4 index bytes (8 values each), one of signs
     words = np.ascontiguousarray(blocks[..., 2:66]).view(np.uint32).reshape(rows, nsup, 8, 2)
     idx = np.ascontiguousarray(words[..., 0]).view(np.uint8).reshape(rows, nsup, 8, 4)
-    signs = ksigns[(words[..., 1, None] >> np.array([0, 7, 14, 21], np.uint32)) & 127]
+    signs = _word_signs(words[..., 1])
     return _entry_codes(qtype, 3)[idx, signs].view(np.uint8).reshape(rows, -1)
 
 
@@ -405,12 +417,8 @@ def parse_grid_own(blocks: np.ndarray, qtype: GT):
         parts = [idx, blocks[..., 66:74, None], blocks[..., 74:106].reshape(rows, nsup, 8, 4)]
         nib = blocks[..., 106:110]
     else:  # IQ3_XXS: per block a uint32 at 66: four 7-bit sign indices, the scale on top
-        from gguf import quants
-
-        ksigns = np.frombuffer(quants.IQ2_XXS.ksigns, np.uint8)
         aux = np.ascontiguousarray(blocks[..., 66:98]).view(np.uint32)  # [rows, nsup, 8]
-        signs = ksigns[(aux[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & 127]
-        parts = [idx, signs]
+        parts = [idx, _word_signs(aux)]
         s = (aux >> 28).astype(np.uint8)
         nib = s[..., 0::2] | (s[..., 1::2] << 4)
     rec = np.concatenate(parts, axis=-1).reshape(rows, nsup * 8, -1)
@@ -475,11 +483,8 @@ def _grid16_codes(blocks: np.ndarray, qtype: GT) -> np.ndarray:
         plus = (nib & 8) == 0  # delta +1/8 -> grid point 8 g + 1
         return (2 * _grid_levels(qtype)[idx] + plus[..., None]).astype(np.uint8).reshape(rows, -1)
     if qtype == GT.IQ2_XS:  # per 8 values a uint16: a 9-bit index, a 7-bit sign index
-        from gguf import quants
-
         qs = np.ascontiguousarray(blocks[..., 2:66]).view(np.uint16)  # [rows, nsup, 32]
-        ksigns = np.frombuffer(quants.IQ2_XXS.ksigns, np.uint8)
-        idx, signs = qs & np.uint16(511), ksigns[qs >> 9]
+        idx, signs = qs & np.uint16(511), _ksigns()[qs >> 9]
     else:  # IQ2_S: 32 low index bytes, 32 sign bytes, 8 bytes of 2 high bits per entry
         high = (blocks[..., 66:74, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3
         idx = (
