@@ -193,7 +193,7 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
         metavar="{8,16}",
         help="what packed weights' kernels quantize activations to, per 32 values: 16 (the "
         "default: greedy tokens match the float model's) or 8 (llama.cpp's q8 scheme: "
-        "faster on VNNI CPUs, above all for batches and prefill)",
+        "faster on VNNI and AVX2 CPUs, above all for batches and prefill)",
     )
     p.add_argument(
         "--kv-cache-dtype",

@@ -134,7 +134,7 @@ def check_activation_bits(bits: int) -> None:
 def set_activation_bits(net: torch.nn.Module, bits: int) -> None:
     """What the packed layers quantize activations to, per 32-block, before the integer
     dot: 16 bits (near float32: greedy tokens match the float model's) or 8 (llama.cpp's
-    q8 scheme: half the multiply-adds on VNNI CPUs, greedy tokens like llama.cpp's on the
+    q8 scheme: about half the integer work on VNNI and AVX2 CPUs, greedy tokens like llama.cpp's on the
     same file). Every layer alike: the fused decode stack takes one precision."""
     check_activation_bits(bits)
     packed = [m for m in net.modules() if isinstance(m, QuantLinear)]

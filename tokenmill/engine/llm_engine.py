@@ -177,7 +177,7 @@ class LLMEngine:
         stores (16 bits hold twice the tokens in the same memory, q8_0 3.76 times).
         activation_bits: 16 (the default) or 8: what packed weights' kernels quantize
         activations to (engine/build.py's set_activation_bits). 16 keeps greedy output
-        the float model's; 8 is llama.cpp's q8 scheme, faster where the CPU has VNNI.
+        the float model's; 8 is llama.cpp's q8 scheme, faster on VNNI and AVX2 CPUs.
         tensor_parallel_size / pipeline_parallel_size: run the model over that many
         processes (tokenmill/distributed: spawned on this machine, or torchrun's).
         speculative: "ngram", "draft:PATH", or {"method": "ngram", "k": 4,

@@ -24,11 +24,13 @@
  * Exactness: |c - Z| <= 128 and |q| <= 32767, so a 32-value unit sums to < 2^31; 6-bit
  * units are 16 values (|c - 32| <= 32).
  *
- * 8-bit activations on VNNI builds (TM_DOT8): the codes stay unsigned bytes, four per
+ * 8-bit activations on TM_DOT8 builds: the codes stay unsigned bytes, four per
  * int32 ("quads": tw [K/4, RT]), the activations int8, and vpdpbusd adds four
  * products per lane: half the instructions per unit of the 16-bit path, and half the tile.
  * The zero point leaves as an integer: sum (c - Z) q = sum c q - Z sum q, with sum q per
- * unit and token computed once per call. |c| <= 255, |q| <= 127: exact in int32.
+ * unit and token computed once per call. |c| <= 255, |q| <= 127: exact in int32. Plain
+ * AVX2 has vpdpbusd as vpmaddubsw + vpmaddwd, exact for codes of at most 6 bits
+ * (TM_DOT8_BITS): 8-bit codes keep the 16-bit path's int16 pairs there.
  *
  * AMX builds (simd_amx.h: AMX-TILE and AMX-INT8, where the OS grants the tiles) take the
  * same tile of code quads as the B operand of a tile product per block and 16 tokens'
@@ -422,7 +424,8 @@ const char *tm_amx(void) {
 
 /* y [T, N] = x [T, K] @ W^T (+ bias) for packed weights (bits 2 to 6 or 8; one segment),
  * activations quantized per 32-block to 16 bits if act16, else to the 8-bit range (on
- * TM_DOT8 builds multiplied as int8 by vpdpbusd, elsewhere widened to int16).
+ * TM_DOT8 builds multiplied as int8 by vi_dot8 where it takes the codes, elsewhere
+ * widened to int16).
  * Returns 1, 0 on OOM, -1 for weights it does not take (float weights, and 2-, 3- and
  * 6-bit codes without their super-block scales). */
 int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bias, int nthreads, int act16) {
@@ -435,8 +438,9 @@ int tm_gemm(const tm_weight *w, const float *x, int T, float *y, const float *bi
 #else
     const int amx = 0;
 #endif
-    /* eight: the tile holds code quads (8-bit activations on VNNI, and the tiles' both) */
-    const int eight = TM_DOT8 && (!act16 || amx);
+    /* eight: the tile holds code quads (8-bit activations where vi_dot8 takes the codes,
+     * and the tiles' both) */
+    const int eight = TM_DOT8 && ((!act16 && dot_bits(w) <= TM_DOT8_BITS) || amx);
     const int form = !eight ? INT16 : !amx ? INT8 : act16 ? HILO : TILE8;
     const int chunk = !amx ? NT : form == HILO ? 8 : 16; /* tokens per micro-kernel call */
     acts a;

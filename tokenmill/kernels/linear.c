@@ -41,9 +41,10 @@
  * (signed high byte, unsigned low byte), multiplied by group_dot of the simd.h layer:
  * vpdpbusd on AVX-512 VNNI and AVX-VNNI, vpmaddubsw (4- and 6-bit codes) or vpmaddwd
  * (8-bit) on AVX2 and AVX-512 without VNNI, sdot/udot or smlal on NEON, plain C on scalar.
- * 8-bit activations on the VNNI layers skip the high plane (all 0 or -1 there): the low
- * plane is q itself as int8, and group_dot8 multiplies it by the codes in one vpdpbusd
- * per vector, half the work, the same integers.
+ * 8-bit activations on the VNNI layers and plain AVX2 skip the high plane (all 0 or -1
+ * there): the low plane is q itself as int8, and group_dot8 multiplies it by the codes in
+ * one vpdpbusd per vector (AVX2: one vpmaddubsw, codes of at most 6 bits; 8-bit codes keep
+ * both planes), half the work, the same integers.
  *
  * 5-bit codes (GGUF Q5_0, Q5_1, Q5_K, exactly: c = the file's 5-bit q, Z = 16 for Q5_0,
  * mins for the others, scales as for the 4-bit types). Per group: the low 4 bits as a
@@ -178,7 +179,7 @@ static int quantize_x(const float *x, int T, const tm_weight *w, int act16, xq_t
     xq->q = (int8_t *)(buf + 3 * fbytes);
     xq->ql = (uint8_t *)(buf + 3 * fbytes + qbytes);
     const float qmax = act16 ? 32767.f : 127.f;
-    xq->one = !act16 && TM_DOT8;
+    xq->one = !act16 && TM_DOT8 && bits <= TM_DOT8_BITS;
     /* what the layer's group_dot adds to 8-bit codes' dots (simd.h), taken back with the
      * zero point; group_dot8 adds nothing */
     const int left = bits == 8 && !xq->one;

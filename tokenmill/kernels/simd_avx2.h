@@ -260,6 +260,33 @@ static inline vi group_dot8(const vb *c, int n, const int8_t *x) {
  * summed (32 MACs): the 8-bit GEMM's core (gemm.c). */
 static inline vi vi_dot8(vi acc, vi w, int32_t x4) { return vnni_dpbusd(acc, w, _mm256_set1_epi32(x4)); }
 #else
+#define TM_DOT8 1
+/* No VNNI: 8-bit codes stay on group_dot below (vpmaddubsw's int16 pair of two codes
+ * <= 255 times |q| <= 127 saturates), as llama.cpp's AVX2 q8 dots leave them to a sign
+ * trick that is inexact for the byte -128. */
+#define TM_DOT8_BITS 6
+/* group_dot for 8-bit activations (|q| <= 127) read as int8, codes of at most 6 bits: per
+ * vector one vpmaddubsw (a pair <= 2 * 63 * 127, two vectors' pairs added still below
+ * 2^15), one vpmaddwd per two vectors: the exact sum of c * q in about half group_dot's
+ * instructions, llama.cpp's AVX2 scheme. */
+static inline vi group_dot8(const vb *c, int n, const int8_t *x) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc = _mm256_setzero_si256();
+    int i = 0;
+    for (; i + 1 < n; i += 2) {
+        const __m256i p0 = _mm256_maddubs_epi16(c[i], _mm256_loadu_si256((const __m256i *)(x + 32 * i)));
+        const __m256i p1 = _mm256_maddubs_epi16(c[i + 1], _mm256_loadu_si256((const __m256i *)(x + 32 * i + 32)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones));
+    }
+    if (i < n)
+        acc = _mm256_add_epi32(
+            acc, _mm256_madd_epi16(_mm256_maddubs_epi16(c[i], _mm256_loadu_si256((const __m256i *)(x + 32 * i))), ones));
+    return acc;
+}
+/* vpdpbusd as vpmaddubsw + vpmaddwd: exact for codes of at most 6 bits (TM_DOT8_BITS) */
+static inline vi vi_dot8(vi acc, vi w, int32_t x4) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x4)), _mm256_set1_epi16(1)));
+}
 static inline vi group_dot(const vb *c, int n, const int8_t *xh, const uint8_t *xl, int bits) {
     const __m256i zero = _mm256_setzero_si256();
     if (bits == 4) {
