@@ -354,6 +354,23 @@ def test_decode_kernel_matches_reference(kbuild, qtype, act_bits):
 
 
 @pytest.mark.parametrize("act_bits", [8, 16])
+def test_q8_0_extreme_bytes_are_exact(kbuild, act_bits):
+    """Q8_0 bytes of -128 and 127 (llama.cpp's quantizer never writes -128, a file may)
+    against activations that quantize to +-127: the AVX2 8-bit dot multiplies |c - 128| by
+    q with c's sign, and -128 is the one byte whose negation does not fit."""
+    n, k = 9, 1024 + 64  # whole groups and a 2-block tail on every lane width
+    raw = gguf_bytes(GT.Q8_0, n, k).reshape(n, k // 32, 34).copy()
+    rng = np.random.default_rng(1)
+    raw[..., 2:] = rng.choice(np.array([0x80, 0x7F, 0x81, 0x00], np.uint8), size=raw[..., 2:].shape)
+    layer = QuantLinear.from_gguf(raw.reshape(n, -1), GT.Q8_0, n, k)
+    layer.act_bits = act_bits
+    for t in [1, 3, PREFILL_MIN_T]:
+        x = torch.from_numpy(rng.choice(np.array([-1.0, 1.0, 0.5], np.float32), size=(t, k)))
+        err = (layer(x).double() - kernel_reference(layer, x, act_bits)).abs()
+        assert (err <= 1e-5 * dot_error_scale(layer, x)).all(), t
+
+
+@pytest.mark.parametrize("act_bits", [8, 16])
 @pytest.mark.parametrize("qtype", [GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.Q4_K, GT.Q6_K, GT.Q2_K, GT.IQ4_NL])
 def test_small_t_rows_equal_one_row_at_a_time(kbuild, qtype, act_bits):
     """The GEMV multiplies each weight block into T <= 16 rows of x while it is in

@@ -157,6 +157,14 @@ static size_t xq_bytes(int T, int K, int halves) {
     return (xq_layout(T, K, halves, &xq, &f, &q, &b, &p) + 63) & ~(size_t)63;
 }
 
+/* What the layer's dot leaves out of 8-bit codes' sums over values whose q, high bytes and
+ * low bytes sum to qs, hs and ls: group_dot8's (one: 8-bit activations in one plane) or
+ * group_dot's (simd.h) */
+static inline int32_t left_out8(int one, int32_t qs, int32_t hs, int32_t ls) {
+    (void)qs, (void)hs, (void)ls;
+    return one ? TM_A8_LEFT_OUT8(qs) : TM_A16_LEFT_OUT8(hs, ls);
+}
+
 /* x [T, w->k] for weight w: its zero point, the bits its dots see (dot_bits), where its
  * tail blocks sit (tail_in_lanes of its codes) and whether its scales are per 16 values
  * (sixteen_scales: the zero-point terms then come per half, zh) */
@@ -179,10 +187,10 @@ static int quantize_x(const float *x, int T, const tm_weight *w, int act16, xq_t
     xq->q = (int8_t *)(buf + 3 * fbytes);
     xq->ql = (uint8_t *)(buf + 3 * fbytes + qbytes);
     const float qmax = act16 ? 32767.f : 127.f;
-    xq->one = !act16 && TM_DOT8 && bits <= TM_DOT8_BITS;
-    /* what the layer's group_dot adds to 8-bit codes' dots (simd.h), taken back with the
-     * zero point; group_dot8 adds nothing */
-    const int left = bits == 8 && !xq->one;
+    xq->one = !act16 && TM_DOT8;
+    /* what the layer's group_dot or group_dot8 adds to 8-bit codes' dots (simd.h), taken
+     * back with the zero point */
+    const int left = bits == 8;
     for (int r = 0; r < T; r++) {
         int8_t *hr = xq->q + (size_t)r * xq->kpad;
         uint8_t *lr = xq->ql + (size_t)r * xq->kpad;
@@ -200,7 +208,7 @@ static int quantize_x(const float *x, int T, const tm_weight *w, int act16, xq_t
                 lsum += lv[j];
             }
             /* tail blocks go through group_dot too */
-            const int32_t left_out = left ? TM_A16_LEFT_OUT8(hsum, lsum) : 0;
+            const int32_t left_out = left ? left_out8(xq->one, qsum, hsum, lsum) : 0;
             (void)hsum, (void)lsum;
             /* whole groups' blocks (and a partial group's, of 5- and 6-bit dots: padded to
              * a whole group, the lanes past it left zero) in lane order, other tails natural */
@@ -230,7 +238,7 @@ static int quantize_x(const float *x, int T, const tm_weight *w, int act16, xq_t
                 for (int l = 0; l < TM_W / 2; l++) {
                     int32_t qs = 0, hs = 0, ls = 0;
                     for (int j = 4 * l; j < 4 * l + 4; j++) qs += qv[j], hs += hv[j], ls += lv[j];
-                    xq->tz[pi + l] = z * qs + (left ? TM_A16_LEFT_OUT8(hs, ls) : 0);
+                    xq->tz[pi + l] = z * qs + (left ? left_out8(xq->one, qs, hs, ls) : 0);
                     xq->tdx[pi + l] = dxb;
                     (void)hs, (void)ls;
                 }
@@ -242,8 +250,9 @@ static int quantize_x(const float *x, int T, const tm_weight *w, int act16, xq_t
                 for (int j = 0; j < QK / 2; j++) half0 += qv[j], h0 += hv[j], l0 += lv[j];
                 const size_t hi = (size_t)r * 2 * xq->gpad + (size_t)(b / TM_GB) * 2 * TM_GB + b % TM_GB;
                 const int zq = bits == 6 ? 32 : z;
-                xq->zh[hi] = zq * half0 + (left ? TM_A16_LEFT_OUT8(h0, l0) : 0);
-                xq->zh[hi + TM_GB] = zq * (qsum - half0) + (left ? TM_A16_LEFT_OUT8(hsum - h0, lsum - l0) : 0);
+                xq->zh[hi] = zq * half0 + (left ? left_out8(xq->one, half0, h0, l0) : 0);
+                xq->zh[hi + TM_GB] =
+                    zq * (qsum - half0) + (left ? left_out8(xq->one, qsum - half0, hsum - h0, lsum - l0) : 0);
                 (void)h0, (void)l0;
             }
         }
@@ -275,7 +284,7 @@ enum { TAIL_NV = QK / (4 * TM_GB) > 0 ? QK / (4 * TM_GB) : 1 }; /* vectors per b
 static inline __attribute__((always_inline)) vi dot_codes(const vb *c, int n, const xq_t *xq, size_t xo,
                                                           int bits) {
 #if TM_DOT8
-    if (xq->one) return group_dot8(c, n, (const int8_t *)xq->ql + xo);
+    if (xq->one) return group_dot8(c, n, (const int8_t *)xq->ql + xo, bits == 5 ? 6 : bits);
 #endif
     /* 5-bit codes take the 6-bit way (n even): their sums would overflow the 4-bit one's
      * int16 (8 pairs of 31 * 128 each) */

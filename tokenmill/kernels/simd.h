@@ -54,13 +54,14 @@
  *                         layer defines it: quantize_x takes it back). A full lane-order group
  *                         (n = 8) gives block k's dot in lane k; one natural-order tail
  *                         block (n = 32 / (4 TM_W)) its dot as the sum of the lanes.
- *   group_dot8(c, n, x) -> vi: group_dot for 8-bit activations q (|q| <= 127) read as
- *                         int8 x: the exact sum of c * q, no term left out, for codes of
- *                         at most TM_DOT8_BITS bits (8 with VNNI, 6 on plain AVX2); layers
+ *   group_dot8(c, n, x, bits) -> vi: group_dot for 8-bit activations q (|q| <= 127)
+ *                         read as int8 x: the exact sum of c * q (for 8-bit codes plus
+ *                         TM_A8_LEFT_OUT8(sum of q) where the layer defines it); layers
  *                         with TM_DOT8 1, where it takes about half group_dot's work.
  *   vi_dot8(acc, w, x4) -> vi: acc + per lane the lane's four unsigned bytes (codes of at
- *                         most TM_DOT8_BITS bits) times x4's four signed bytes, summed
- *                         (vpdpbusd, or its AVX2 pair; TM_DOT8 layers only).
+ *                         most TM_DOT8_BITS bits: 8 with VNNI, 6 on plain AVX2) times x4's
+ *                         four signed bytes, summed (vpdpbusd, or its AVX2 pair; TM_DOT8
+ *                         layers only).
  * Wide layers only (4 TM_W > 32: a vector holds two blocks, AVX-512):
  *   vb_tail_pair(p, bits) two natural-order tail blocks as one code vector (linear.c),
  *   vi_sum_halves(v, &lo, &hi) the sums of the lower and the upper half of the lanes,
@@ -161,8 +162,11 @@ static inline void tm_scales6_lanes(const uint8_t *lo, const uint8_t *hi, int n,
 #ifndef TM_DOT8 /* 1: the layer has group_dot8 and vi_dot8 */
 #define TM_DOT8 0
 #endif
-#ifndef TM_DOT8_BITS /* the widest codes group_dot8 and vi_dot8 multiply exactly */
+#ifndef TM_DOT8_BITS /* the widest codes vi_dot8 multiplies exactly */
 #define TM_DOT8_BITS 8
+#endif
+#ifndef TM_A8_LEFT_OUT8 /* what group_dot8 adds to 8-bit codes' dots, if anything */
+#define TM_A8_LEFT_OUT8(qsum) 0
 #endif
 
 /* ---- derived operations, written once over the primitives ---- */

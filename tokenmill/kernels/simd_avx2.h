@@ -250,7 +250,8 @@ static inline vi group_dot(const vb *c, int n, const int8_t *xh, const uint8_t *
 #define TM_DOT8 1
 /* group_dot for 8-bit activations (|q| <= 127), read as int8 from the low-byte plane (the
  * same bits): one vpdpbusd per vector, the exact sum of c * q (see simd_avx512.h). */
-static inline vi group_dot8(const vb *c, int n, const int8_t *x) {
+static inline vi group_dot8(const vb *c, int n, const int8_t *x, int bits) {
+    (void)bits;
     __m256i a[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int i = 0; i < n; i++)
         a[i & 1] = vnni_dpbusd(a[i & 1], c[i], _mm256_loadu_si256((const __m256i *)(x + 32 * i)));
@@ -261,17 +262,30 @@ static inline vi group_dot8(const vb *c, int n, const int8_t *x) {
 static inline vi vi_dot8(vi acc, vi w, int32_t x4) { return vnni_dpbusd(acc, w, _mm256_set1_epi32(x4)); }
 #else
 #define TM_DOT8 1
-/* No VNNI: 8-bit codes stay on group_dot below (vpmaddubsw's int16 pair of two codes
- * <= 255 times |q| <= 127 saturates), as llama.cpp's AVX2 q8 dots leave them to a sign
- * trick that is inexact for the byte -128. */
+/* vi_dot8 (vpmaddubsw's int16 pairs) saturates for 8-bit codes: the GEMM keeps them on
+ * int16 pairs (TM_DOT8_BITS); group_dot8 takes them by the sign trick below. */
 #define TM_DOT8_BITS 6
-/* group_dot for 8-bit activations (|q| <= 127) read as int8, codes of at most 6 bits: per
- * vector one vpmaddubsw (a pair <= 2 * 63 * 127, two vectors' pairs added still below
- * 2^15), one vpmaddwd per two vectors: the exact sum of c * q in about half group_dot's
- * instructions, llama.cpp's AVX2 scheme. */
-static inline vi group_dot8(const vb *c, int n, const int8_t *x) {
+/* group_dot8 of 8-bit codes leaves out 128 times the sum of q (it multiplies c - 128) */
+#define TM_A8_LEFT_OUT8(qsum) (-128 * (qsum))
+/* group_dot for 8-bit activations (|q| <= 127) read as int8, llama.cpp's AVX2 scheme:
+ * codes of at most 6 bits: one vpmaddubsw per vector (a pair <= 2 * 63 * 127, two
+ *   vectors' pairs added still below 2^15), one vpmaddwd per two vectors;
+ * 8-bit codes: v = c - 128 as int8, vpmaddubsw of |v| by q with v's sign (a pair <= 2 *
+ *   128 * 127, exact for every byte, -128 included), one vpmaddwd per vector: the sum of
+ *   (c - 128) q, less TM_A8_LEFT_OUT8 than c q.
+ * About half group_dot's instructions. */
+static inline vi group_dot8(const vb *c, int n, const int8_t *x, int bits) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i acc = _mm256_setzero_si256();
+    if (bits == 8) {
+        for (int i = 0; i < n; i++) {
+            const __m256i v = _mm256_xor_si256(c[i], _mm256_set1_epi8((char)0x80));
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(x + 32 * i));
+            const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(q, v));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
+        }
+        return acc;
+    }
     int i = 0;
     for (; i + 1 < n; i += 2) {
         const __m256i p0 = _mm256_maddubs_epi16(c[i], _mm256_loadu_si256((const __m256i *)(x + 32 * i)));

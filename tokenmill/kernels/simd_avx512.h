@@ -420,7 +420,8 @@ static inline vi group_dot(const vb *c, int n, const int8_t *xh, const uint8_t *
 /* group_dot for 8-bit activations (|q| <= 127), read as int8 from the low-byte plane (the
  * same bits): one vpdpbusd per vector, codes unsigned (8-bit ones as stored) times q
  * signed, the exact sum of c * q; half group_dot's multiply-adds. */
-static inline vi group_dot8(const vb *c, int n, const int8_t *x) {
+static inline vi group_dot8(const vb *c, int n, const int8_t *x, int bits) {
+    (void)bits;
     __m512i a[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
     for (int i = 0; i < n; i++) a[i & 1] = _mm512_dpbusd_epi32(a[i & 1], c[i], _mm512_loadu_si512(x + 64 * i));
     return _mm512_add_epi32(a[0], a[1]);
