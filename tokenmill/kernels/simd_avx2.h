@@ -267,12 +267,12 @@ static inline vi vi_dot8(vi acc, vi w, int32_t x4) { return vnni_dpbusd(acc, w, 
 #define TM_DOT8_BITS 6
 /* group_dot8 of 8-bit codes leaves out 128 times the sum of q (it multiplies c - 128) */
 #define TM_A8_LEFT_OUT8(qsum) (-128 * (qsum))
-/* group_dot for 8-bit activations (|q| <= 127) read as int8, llama.cpp's AVX2 scheme:
- * codes of at most 6 bits: one vpmaddubsw per vector (a pair <= 2 * 63 * 127, two
+/* group_dot for 8-bit activations (|q| <= 127) read as int8:
+ * codes of at most 6 bits (llama.cpp's AVX2 scheme): one vpmaddubsw per vector (a pair <= 2 * 63 * 127, two
  *   vectors' pairs added still below 2^15), one vpmaddwd per two vectors;
  * 8-bit codes: v = c - 128 as int8, vpmaddubsw of |v| by q with v's sign (a pair <= 2 *
  *   128 * 127, exact for every byte, -128 included), one vpmaddwd per vector: the sum of
- *   (c - 128) q, less TM_A8_LEFT_OUT8 than c q.
+ *   (c - 128) q, that is c q plus TM_A8_LEFT_OUT8.
  * About half group_dot's instructions. */
 static inline vi group_dot8(const vb *c, int n, const int8_t *x, int bits) {
     const __m256i ones = _mm256_set1_epi16(1);
