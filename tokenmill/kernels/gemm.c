@@ -65,11 +65,10 @@ _Static_assert(NT <= NT_MAX, "NT is at most NT_MAX");
 static void tile_scales(const tm_weight *w, int r, float *td, float *tm) {
     const int nb = w->k / QK;
     if (sixteen_scales(w->bits)) { /* unit = half h of block b: scale dsup * its code */
-        /* 3-bit codes enter as 8 q, 2-bit ones as 16 q; 2-bit units have mins: tm [nu, RT] */
-        const float part = code_scale(w);
+        /* 2-bit units have mins: tm [nu, RT] */
         for (int b = 0; b < nb; b++) {
             const size_t sup = (size_t)r * (nb / 8) + b / 8;
-            const float ds = tm_dsup(w, sup) * part;
+            const float ds = tm_dsup(w, sup);
             for (int h = 0; h < 2; h++) {
                 const int u = 2 * b + h, code = tm_half_scale(w, r, b, h);
                 if (!unit_mins(w)) {

@@ -72,9 +72,8 @@
  * signed scale per 16 values): Q6_K's form at 3 bits per value. Per
  * group: the top two bits of q (GW/4 bytes: byte c*4G + r holds vector 4c + s at bits 2s,
  * like 6-bit codes' top bits), then the low bit (GW/8 bytes: byte r holds vector i's at
- * bit i, like 5-bit codes' top bits). tm_group_codes reads them as the 6-bit code 8 q
- * (16 (q >> 1) + 8 (q & 1), at most 56), so 8 q - 32 = 8 (q - 4), and the kernels take
- * the scale an eighth: the 6-bit path's integers and bounds as they are.
+ * bit i, like 5-bit codes' top bits). tm_group_codes reads them as q (Z = 4), and the
+ * dots take codes of at most 7: every product of a half's four vectors adds in int16.
  *   codes   uint8 [N, K*3/8];  scales: the file's 6-bit codes sc + 32, 12 bytes per 256 values
  *   uint8 [N, K*3/64] (per group its blocks' low nibbles, then their top pairs: tm.h
  *   scale6_group), read by vf_scales6; dsup [N, K/256] as for 6-bit
@@ -82,7 +81,7 @@
  * 2-bit codes (GGUF Q2_K, exactly: q in 0..3, w = d16 q - m16 per 16 values, d16 = dsup *
  * sc and m16 = msup * m, sc and m the low and high nibbles of the file's byte per 16
  * values): one plane per group, laid out as 3-bit codes' first (byte c*4G + r holds vector
- * 4c + s at bits 2s), read as the 6-bit code 16 q (zero point 0; the scale a sixteenth).
+ * 4c + s at bits 2s), read as q (zero point 0) by the 3-bit dots.
  * The min's term m16 sum x is taken as m16 dx sum q (the zh sums), as llama.cpp's q8_K
  * sums do: within the activations' rounding. 10.5 bytes per 32 values, the file's own.
  *   codes   uint8 [N, K/4];  scales uint8 [N, K/16] (sc + 16 m, per group [half][block]);
@@ -90,7 +89,7 @@
  *
  * 3-bit table codes (GGUF IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0, exactly: w =
  * dsup * sc * point, at most 8 points, the table's): 3-bit codes' planes and scales, read
- * as 8 q and looked up by q to 8-bit codes (Z = 128); each half's dot less its zero-point
+ * as q and looked up to 8-bit codes (Z = 128); each half's dot less its zero-point
  * term (zh: 128 sum q and what group_dot adds to 8-bit codes). The scales per 32 of
  * IQ2_XXS, IQ1_S and TQ enter as two equal ones per 16.
  *
@@ -243,13 +242,13 @@ static int quantize_x(const float *x, int T, const tm_weight *w, int act16, xq_t
                     (void)hs, (void)ls;
                 }
             }
-            if (halves) { /* the zero point per 16-value half (scales per half): 32 sum q
-                           for 6-bit dots (2-bit codes' min term takes it too), else z sum q
-                           and what group_dot adds to 8-bit codes' dots over the half */
+            if (halves) { /* the zero point per 16-value half (scales per half): z sum q
+                           (2-bit codes: 32 sum q, their min term's) and what group_dot
+                           adds to 8-bit codes' dots over the half */
                 int32_t half0 = 0, h0 = 0, l0 = 0;
                 for (int j = 0; j < QK / 2; j++) half0 += qv[j], h0 += hv[j], l0 += lv[j];
                 const size_t hi = (size_t)r * 2 * xq->gpad + (size_t)(b / TM_GB) * 2 * TM_GB + b % TM_GB;
-                const int zq = bits == 6 ? 32 : z;
+                const int zq = unit_mins(w) ? 32 : z;
                 xq->zh[hi] = zq * half0 + (left ? left_out8(xq->one, half0, h0, l0) : 0);
                 xq->zh[hi + TM_GB] =
                     zq * (qsum - half0) + (left ? left_out8(xq->one, qsum - half0, hsum - h0, lsum - l0) : 0);
@@ -426,9 +425,9 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
     const vb table = vb_table(lut ? w->lut : tm_no_table);
     /* scale bytes per 32 values: K-quant codes 1 (6-bit: 2, one per 16), float16 2, float32 4,
      * E8M0 1 */
-    /* Q6_K's form (3-bit codes: 8 q in it; 3-bit table codes: looked up to 8 bits) */
-    const int six = sixteen_scales(bits), sdb = lut ? 8 : 6;
-    const float cs = code_scale(w); /* what the codes the dots see stand for (exact) */
+    /* Q6_K's form, two halves per block (2- and 3-bit codes: 3-bit dots; 3-bit table
+     * codes: looked up to 8 bits) */
+    const int six = sixteen_scales(bits), sdb = lut ? 8 : bits <= 3 ? 3 : 6;
     const size_t rb = row_bytes(w), es = w->dsup ? (six ? 2 : 1) : tm_scale_bytes(f16);
     const size_t ahead = prefetch_ahead(rb);
     const int ng = nfull + (partial_group(bits, nb) > 0); /* groups, a last partial one too */
@@ -457,8 +456,8 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
             vb c[8];
             prefetch_codes(row + (size_t)g * group_bytes(bits), group_bytes(bits), ahead);
             tm_codes_at(row + (size_t)g * group_bytes(bits), bits, pb, c);
-            if (lut) tm_lookup_codes(table, c, bits);
-            const vf ds = vf_mul(sup_lanes(dsup, g), vf_set1(cs));
+            if (lut) tm_lookup_codes(table, c);
+            const vf ds = sup_lanes(dsup, g);
             /* a byte per 16 values (2- and 6-bit codes; 3-bit ones: below) */
             const uint8_t *s0 = (const uint8_t *)w->scales + (bits == 3 ? 0 : (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB);
             const uint8_t *s1 = s0 + (pb ? pb : TM_GB); /* the second halves' */
@@ -498,7 +497,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
                 const int32_t *zh = xq->zh + tt * 2 * xq->gpad + (size_t)g * 2 * TM_GB;
                 const vf dx = vf_load(xq->dx + xi);
                 if (bits == 2) { /* dx (d16 sum c q - m16 sum q) per half: the sum of q as zh */
-                    const vi s0 = dot_codes(c, 4, xq, xo, 6), s1 = dot_codes(c + 4, 4, xq, xh, 6);
+                    const vi s0 = dot_codes(c, 4, xq, xo, 3), s1 = dot_codes(c + 4, 4, xq, xh, 3);
                     acc[t] = vf_fma(vf_mul(vf_from_vi(s0), dx), d0, acc[t]);
                     acc[t] = vf_fma(vf_mul(vf_from_vi(s1), dx), d1, acc[t]);
                     acc[t] = vf_fma(vf_mul(vf_from_vi(vi_load(zh)), dx), m0, acc[t]);
@@ -519,7 +518,7 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
                 tm_grid_codes(w, row + (size_t)g * group_bytes(bits), pb, c);
             } else {
                 tm_codes_at(row + (size_t)g * group_bytes(bits), bits, pb, c);
-                if (lut) tm_lookup_codes(table, c, bits);
+                if (lut) tm_lookup_codes(table, c);
             }
             /* the group's TM_GB scales (and mins) of es bytes; a partial group's pb beside zeros */
             const char *sp = (const char *)w->scales + (srow + (size_t)g * TM_GB) * es;
@@ -670,7 +669,7 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
                 continue;
             }
             const size_t sup = (size_t)r * (nb / 8) + b / 8;
-            const float ds = tm_dsup(w, sup) * code_scale(w);
+            const float ds = tm_dsup(w, sup);
             for (int h = 0; h < 2; h++) {
                 const int code = tm_half_scale(w, r, b, h); /* 2-bit codes: sc + 16 m */
                 const float d = ds * (float)(w->bits == 2 ? code & 15 : code);

@@ -31,13 +31,13 @@
  *                         vi_transpose(v[TM_W]): v[k] lane l <- v[l] lane k
  *   vb   4*TM_W bytes     vb_zero, vb_load, vb_load_n(p, n) (n < 4*TM_W bytes, the rest zero),
  *                         vb_nibbles (low and high 4 bits of every byte),
- *                         vb_add_crumbs(c[4], v) (c[s] |= bits 2s..2s+1 of v at bits 4..5:
- *                         the top bits of 6-bit codes, the top two of 3-bit ones),
- *                         vb_add_bits(c[8], v, at) (c[i] |= bit i of v at bit `at`: 4, the
- *                         top bits of 5-bit codes; 3, the low bits of 3-bit ones), vb_table(t) (a
+ *                         vb_add_crumbs(c[4], v, at) (c[s] |= bits 2s..2s+1 of v at bits
+ *                         at..at+1: 4, the top bits of 6-bit codes; 1, the top two of 3-bit
+ *                         ones; 0, 2-bit codes), vb_add_bits(c[8], v, at) (c[i] |= bit i of
+ *                         v at bit `at`: 4, the top bits of 5-bit codes; 0, the low bits of
+ *                         3-bit ones), vb_table(t) (a
  *                         16-byte table in every 16-byte lane), vb_lookup(table, c) (codes
- *                         0..15 looked up in it: table-coded 4-bit types), vb_lookup8(table,
- *                         c) (codes 8 q, q 0..7, looked up as q: table-coded 3-bit types),
+ *                         0..15 looked up in it: the table-coded types),
  *                         vf_scales6(lo, hi, &d0, &d1) (3-bit codes' 6-bit scale codes of a
  *                         group's TM_W blocks, less 32, as floats: tm_scales6_lanes),
  *                         vb_grid(grid, lo, hi, i, s) (the grid i-quants' codes: lane k
@@ -46,7 +46,7 @@
  *                         (codes minus z as int16 pairs: lane k of even = codes 4k, 4k+1,
  *                         of odd = 4k+2, 4k+3; the first of a pair in the low half)
  *   group_dot(c, n, xh, xl, bits) -> vi: the integer core of the packed GEMV. c: n (<= 8)
- *                         code vectors (vb, unsigned codes of `bits` 4, 6 or 8; 5-bit ones go as 6); xh / xl: the 16-bit
+ *                         code vectors (vb, unsigned codes of `bits` 3, 4, 6 or 8; 2-bit ones go as 3, 5-bit ones as 6); xh / xl: the 16-bit
  *                         activations q = 256 hi + lo at the same positions, as signed high
  *                         bytes and unsigned low bytes. Lane k of the result: the exact sum
  *                         of c * q over bytes 4k..4k+3 of every vector (for 8-bit codes,

@@ -168,14 +168,16 @@ static inline void vb_widen_pairs(vb c, int z, vi *even, vi *odd) {
     *odd = _mm256_permute2x128_si256(a, b, 0x31);
 }
 
-/* c[s] |= bits 2s..2s+1 of v, moved to bits 4..5 (s = 0..3): the top two bits of four
- * vectors of 6-bit codes (16-bit shifts: the mask drops what crosses a byte) */
-static inline void vb_add_crumbs(vb c[4], vb v) {
-    const __m256i m = _mm256_set1_epi8(0x30);
-    c[0] = _mm256_or_si256(c[0], _mm256_and_si256(_mm256_slli_epi16(v, 4), m));
-    c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_slli_epi16(v, 2), m));
-    c[2] = _mm256_or_si256(c[2], _mm256_and_si256(v, m));
-    c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_srli_epi16(v, 2), m));
+/* c[s] |= bits 2s..2s+1 of v, moved to bits at..at+1 (s = 0..3; at 4: the top two bits
+ * of four vectors of 6-bit codes, 1: of 3-bit ones, 0: 2-bit codes). 16-bit shifts: the
+ * mask keeps only what stays in its byte. */
+static inline __attribute__((always_inline)) void vb_add_crumbs(vb c[4], vb v, int at) {
+    const __m256i m = _mm256_set1_epi8((char)(3 << at));
+    for (int s = 0; s < 4; s++) {
+        const int d = at - 2 * s;
+        const __m256i t = d > 0 ? _mm256_slli_epi16(v, d) : d < 0 ? _mm256_srli_epi16(v, -d) : v;
+        c[s] = _mm256_or_si256(c[s], _mm256_and_si256(t, m));
+    }
 }
 
 /* A 16-byte table in both 128-bit lanes, and codes (0..15) looked up in it (vpshufb) */
@@ -206,13 +208,10 @@ static inline vb vb_grid(const uint8_t *grid, const uint8_t *lo, const uint8_t *
     const __m256i m = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(bits), spread), sel), sel);
     return _mm256_sub_epi8(_mm256_xor_si256(g, m), m); /* (g ^ -1) + 1 = -g where m */
 }
-static inline vb vb_lookup8(vb table, vb c) { /* codes 8 q: q (0..7) looked up */
-    return _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(c, 3), _mm256_set1_epi8(15)));
-}
 
 /* c[i] |= bit i of v, moved to bit `at` (i = 0..7; at 4: the top bits of eight vectors
- * of 5-bit codes, at 3: the low bits of 3-bit codes). 16-bit shifts of at most 4: the
- * mask keeps only what stays in its byte. */
+ * of 5-bit codes, at 0: the low bits of 3-bit codes). 16-bit shifts: the mask keeps only
+ * what stays in its byte. */
 static inline __attribute__((always_inline)) void vb_add_bits(vb c[8], vb v, int at) {
     const __m256i m = _mm256_set1_epi8((char)(1 << at));
     for (int i = 0; i < 8; i++) {
@@ -224,6 +223,7 @@ static inline __attribute__((always_inline)) void vb_add_bits(vb c[8], vb v, int
 /* n (<= 8) code vectors c (32 codes each, lane k = block k of a group) against the
  * activations q = 256 hi + lo, given as their signed high bytes xh and unsigned low bytes
  * xl at the same positions. Lane k of the result: block k's sum of c * q, exact.
+ * 3-bit codes (<= 7): the same, every product of a plane summed in int16.
  * 4-bit codes (<= 15): vpmaddubsw multiplies bytes without widening and never saturates
  *   (|pair| <= 2 * 15 * 255); eight high-byte or four low-byte products stay below 2^15
  *   in int16, so three vpmaddwd per group finish the sums in int32.
@@ -303,6 +303,15 @@ static inline vi vi_dot8(vi acc, vi w, int32_t x4) {
 }
 static inline vi group_dot(const vb *c, int n, const int8_t *xh, const uint8_t *xl, int bits) {
     const __m256i zero = _mm256_setzero_si256();
+    if (bits == 3) { /* codes <= 7: a high-byte pair is at most 2 * 7 * 128 in magnitude, a
+                        low-byte one 2 * 255 * 7, so eight vectors' products add in int16 */
+        __m256i h = zero, l = zero;
+        for (int i = 0; i < n; i++) {
+            h = _mm256_add_epi16(h, _mm256_maddubs_epi16(c[i], _mm256_loadu_si256((const __m256i *)(xh + 32 * i))));
+            l = _mm256_add_epi16(l, _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xl + 32 * i)), c[i]));
+        }
+        return _mm256_add_epi32(_mm256_madd_epi16(h, _mm256_set1_epi16(256)), _mm256_madd_epi16(l, _mm256_set1_epi16(1)));
+    }
     if (bits == 4) {
         __m256i h = zero, l0 = zero, l1 = zero;
         for (int i = 0; i < n; i++)

@@ -272,14 +272,16 @@ static inline void vb_widen_pairs(vb c, int z, vi *even, vi *odd) {
     *odd = _mm512_permutex2var_epi32(lo, _mm512_add_epi32(ie, _mm512_set1_epi32(1)), hi);
 }
 
-/* c[s] |= bits 2s..2s+1 of v, moved to bits 4..5 (s = 0..3): the top two bits of four
- * vectors of 6-bit codes (16-bit shifts: the mask drops what crosses a byte) */
-static inline void vb_add_crumbs(vb c[4], vb v) {
-    const __m512i m = _mm512_set1_epi8(0x30);
-    c[0] = _mm512_or_si512(c[0], _mm512_and_si512(_mm512_slli_epi16(v, 4), m));
-    c[1] = _mm512_or_si512(c[1], _mm512_and_si512(_mm512_slli_epi16(v, 2), m));
-    c[2] = _mm512_or_si512(c[2], _mm512_and_si512(v, m));
-    c[3] = _mm512_or_si512(c[3], _mm512_and_si512(_mm512_srli_epi16(v, 2), m));
+/* c[s] |= bits 2s..2s+1 of v, moved to bits at..at+1 (s = 0..3; at 4: the top two bits
+ * of four vectors of 6-bit codes, 1: of 3-bit ones, 0: 2-bit codes). 16-bit shifts: the
+ * mask keeps only what stays in its byte. */
+static inline __attribute__((always_inline)) void vb_add_crumbs(vb c[4], vb v, int at) {
+    const __m512i m = _mm512_set1_epi8((char)(3 << at));
+    for (int s = 0; s < 4; s++) {
+        const int d = at - 2 * s;
+        const __m512i t = d > 0 ? _mm512_slli_epi16(v, d) : d < 0 ? _mm512_srli_epi16(v, -d) : v;
+        c[s] = _mm512_or_si512(c[s], _mm512_and_si512(t, m));
+    }
 }
 
 /* A 16-byte table in every 128-bit lane, and codes (0..15) looked up in it (vpshufb) */
@@ -311,13 +313,10 @@ static inline vb vb_grid(const uint8_t *grid, const uint8_t *lo, const uint8_t *
     return _mm512_mask_sub_epi8(g, (__mmask64)bits, _mm512_setzero_si512(), g);
 #endif
 }
-static inline vb vb_lookup8(vb table, vb c) { /* codes 8 q: q (0..7) looked up */
-    return _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(c, 3), _mm512_set1_epi8(15)));
-}
 
 /* c[i] |= bit i of v, moved to bit `at` (i = 0..7; at 4: the top bits of eight vectors
- * of 5-bit codes, at 3: the low bits of 3-bit codes). 16-bit shifts of at most 4: the
- * mask keeps only what stays in its byte. */
+ * of 5-bit codes, at 0: the low bits of 3-bit codes). 16-bit shifts: the mask keeps
+ * only what stays in its byte. */
 static inline __attribute__((always_inline)) void vb_add_bits(vb c[8], vb v, int at) {
     const __m512i m = _mm512_set1_epi8((char)(1 << at));
     for (int i = 0; i < 8; i++) {
@@ -373,7 +372,7 @@ static inline vi group_dot(const vb *c, int n, const int8_t *xh, const uint8_t *
     return _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h[0], h[1]), 8), _mm512_add_epi32(l[0], l[1]));
 #else
     const __m512i zero = _mm512_setzero_si512(), ones = _mm512_set1_epi16(1), k256 = _mm512_set1_epi16(256);
-    if (bits == 4) {
+    if (bits <= 4) { /* (3-bit codes too: at most 7) */
         __m512i h = zero, l0 = zero, l1 = zero;
         for (int i = 0; i < n; i++)
             h = _mm512_add_epi16(h, _mm512_maddubs_epi16(c[i], _mm512_loadu_si512(xh + 64 * i)));

@@ -101,13 +101,11 @@ static inline void vb_widen_pairs(vb c, int z, vi *even, vi *odd) {
     *odd = vuzp2q_s32(lo, hi);
 }
 
-/* c[s] |= bits 2s..2s+1 of v, moved to bits 4..5 (s = 0..3) */
-static inline void vb_add_crumbs(vb c[4], vb v) {
-    const uint8x16_t m = vdupq_n_u8(0x30);
-    c[0] = vorrq_u8(c[0], vandq_u8(vshlq_n_u8(v, 4), m));
-    c[1] = vorrq_u8(c[1], vandq_u8(vshlq_n_u8(v, 2), m));
-    c[2] = vorrq_u8(c[2], vandq_u8(v, m));
-    c[3] = vorrq_u8(c[3], vandq_u8(vshrq_n_u8(v, 2), m));
+/* c[s] |= bits 2s..2s+1 of v, moved to bits at..at+1 (s = 0..3; 4: 6-bit codes' top
+ * bits, 1: 3-bit codes' top two, 0: 2-bit codes); vshlq_u8 shifts right by a negative count */
+static inline void vb_add_crumbs(vb c[4], vb v, int at) {
+    const uint8x16_t m = vdupq_n_u8((uint8_t)(3 << at));
+    for (int s = 0; s < 4; s++) c[s] = vorrq_u8(c[s], vandq_u8(vshlq_u8(v, vdupq_n_s8((int8_t)(at - 2 * s))), m));
 }
 /* A 16-byte table, and codes (0..15) looked up in it (tbl) */
 static inline vb vb_table(const uint8_t *t) { return vld1q_u8(t); }
@@ -127,9 +125,8 @@ static inline vb vb_grid(const uint8_t *grid, const uint8_t *lo, const uint8_t *
     const uint8x16_t g = vld1q_u8((const uint8_t *)e);
     return vsubq_u8(veorq_u8(g, m), m); /* (g ^ -1) + 1 = -g where m */
 }
-static inline vb vb_lookup8(vb table, vb c) { return vqtbl1q_u8(table, vshrq_n_u8(c, 3)); } /* codes 8 q */
 
-/* c[i] |= bit i of v, moved to bit `at` (i = 0..7; 4: 5-bit codes' top bits, 3: 3-bit
+/* c[i] |= bit i of v, moved to bit `at` (i = 0..7; 4: 5-bit codes' top bits, 0: 3-bit
  * codes' low bits); vshlq_u8 shifts right by a negative count */
 static inline void vb_add_bits(vb c[8], vb v, int at) {
     const uint8x16_t m = vdupq_n_u8((uint8_t)(1 << at));

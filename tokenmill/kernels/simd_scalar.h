@@ -111,10 +111,10 @@ static inline void vi_transpose(vi v[4]) {
     for (int k = 0; k < 4; k++) v[k] = t[k];
 }
 
-/* c[s] |= bits 2s..2s+1 of v, moved to bits 4..5 (s = 0..3) */
-static inline void vb_add_crumbs(vb c[4], vb v) {
+/* c[s] |= bits 2s..2s+1 of v, moved to bits at..at+1 (s = 0..3) */
+static inline void vb_add_crumbs(vb c[4], vb v, int at) {
     for (int s = 0; s < 4; s++)
-        for (int i = 0; i < 16; i++) c[s].v[i] |= ((v.v[i] >> (2 * s)) & 3) << 4;
+        for (int i = 0; i < 16; i++) c[s].v[i] |= ((v.v[i] >> (2 * s)) & 3) << at;
 }
 
 /* A 16-byte table, and codes (0..15) looked up in it */
@@ -138,13 +138,8 @@ static inline vb vb_grid(const uint8_t *grid, const uint8_t *lo, const uint8_t *
     tm_grid_lanes(grid, lo, hi, i, s, r.v, 4);
     return r;
 }
-static inline vb vb_lookup8(vb table, vb c) { /* codes 8 q: q (0..7) looked up */
-    vb r;
-    for (int i = 0; i < 16; i++) r.v[i] = table.v[(c.v[i] >> 3) & 15];
-    return r;
-}
 
-/* c[i] |= bit i of v, moved to bit `at` (i = 0..7; 4: 5-bit codes' top bits, 3: 3-bit
+/* c[i] |= bit i of v, moved to bit `at` (i = 0..7; 4: 5-bit codes' top bits, 0: 3-bit
  * codes' low bits) */
 static inline void vb_add_bits(vb c[8], vb v, int at) {
     for (int s = 0; s < 8; s++)

@@ -291,8 +291,8 @@ static inline float tm_block_min(const tm_weight *w, int r, int b) {
 /* The packed format's helpers, shared by linear.c and gemm.c (the format: linear.c) */
 /* ------------------------------------------------------------------------------ */
 
-/* Codes with a scale per 16 values: Q6_K's form, 3-bit Q3_K read as 8 q in it, and 2-bit
- * Q2_K read as 16 q with a min per 16 values too (unit_mins). */
+/* Codes with a scale per 16 values: Q6_K's form, 3-bit Q3_K's, and 2-bit Q2_K's with a min
+ * per 16 values too (unit_mins). */
 static inline int sixteen_scales(int bits) { return bits == 2 || bits == 3 || bits == 6; }
 
 /* 3-bit codes' scales (Q3_K's, and the 3-bit table codes'): a 6-bit code c = scale + 32 per
@@ -312,12 +312,6 @@ static inline int scale6_at(const void *scales, int nb, int r, int b, int h) {
     return (((p[k] >> (4 * h)) & 15) | ((p[G + k / 2] >> (4 * (k & 1) + 2 * h)) & 3) << 4) - 32;
 }
 
-/* What the codes the dots see stand for: 3-bit codes enter as 8 q, 2-bit ones as 16 q
- * (their scale an eighth, a sixteenth: exact); table codes as their values, looked up. */
-static inline float code_scale(const tm_weight *w) {
-    return w->lut ? 1.f : w->bits == 3 ? 0.125f : w->bits == 2 ? 0.0625f : 1.f;
-}
-
 /* 2-bit codes (Q2_K): each 16 values' scale byte holds its scale code (low nibble) and its
  * min code (high nibble), as the file has them: w = dsup * sc * q - msup * m. */
 static inline int unit_mins(const tm_weight *w) { return w->bits == 2; }
@@ -325,12 +319,12 @@ static inline int unit_mins(const tm_weight *w) { return w->bits == 2; }
 static inline int zero_point(const tm_weight *w) {
     if (w->lut) return 128;
     if (unit_mins(w)) return 0;
-    return w->mins ? 0 : (w->bits == 4 ? 8 : w->bits == 5 ? 16 : sixteen_scales(w->bits) ? 32 : 128);
+    return w->mins ? 0 : (w->bits == 3 ? 4 : w->bits == 4 ? 8 : w->bits == 5 ? 16 : w->bits == 6 ? 32 : 128);
 }
 
-/* The code bits the dot products see: table codes are looked up to 8-bit ones first, 3- and
- * 2-bit codes enter as 6-bit ones (8 q, at most 56; 16 q, at most 48). */
-static inline int dot_bits(const tm_weight *w) { return w->lut ? 8 : sixteen_scales(w->bits) ? 6 : w->bits; }
+/* The code bits the dot products see: table codes are looked up to 8-bit ones first, 2-bit
+ * codes enter as 3-bit ones (at most 7: the dots' small-code bounds). */
+static inline int dot_bits(const tm_weight *w) { return w->lut ? 8 : w->bits == 2 ? 3 : w->bits; }
 
 /* Bytes of one full lane-order group of codes (GW values) of `bits` 2, 3, 4, 5, 6 or 8, or
  * of a grid kind's (its bytes per block). */
@@ -402,8 +396,8 @@ static inline vb tm_code_vector(const uint8_t *p, int part) { return part ? vb_l
 /* The 8 code vectors of the group whose bytes start at p (pb: a row's last, partial
  * group's blocks, its vectors 4 pb bytes; 0 for a whole group): lane k of vector i holds
  * codes 4i..4i+3 of block k (4-bit: the nibble split; 5- and 6-bit: low nibbles plus the
- * top bits; 3-bit: 8 q from the top-two-bits plane and the low-bit plane; 2-bit: 16 q
- * from its one plane, see linear.c). Every offset is in vectors of vs bytes. */
+ * top bits; 3-bit: q from the top-two-bits plane and the low-bit plane; 2-bit: q from
+ * its one plane, see linear.c). Every offset is in vectors of vs bytes. */
 static inline __attribute__((always_inline)) void tm_codes_at(const uint8_t *p, int bits, int pb, vb c[8]) {
     const int part = 4 * pb; /* bytes a partial vector holds (0: a whole one) */
     const size_t vs = pb ? (size_t)part : 4 * TM_GB;
@@ -413,16 +407,17 @@ static inline __attribute__((always_inline)) void tm_codes_at(const uint8_t *p, 
     }
     if (bits <= 3) {
         for (int i = 0; i < 8; i++) c[i] = vb_zero();
-        vb_add_crumbs(c, tm_code_vector(p, part)); /* 2-bit: q at bits 4..5; 3-bit: q >> 1 */
-        vb_add_crumbs(c + 4, tm_code_vector(p + vs, part));
-        if (bits == 3) vb_add_bits(c, tm_code_vector(p + 2 * vs, part), 3); /* q & 1 at bit 3 */
+        const int at = bits == 3; /* 2-bit: q at bits 0..1; 3-bit: q >> 1 at 1..2 */
+        vb_add_crumbs(c, tm_code_vector(p, part), at);
+        vb_add_crumbs(c + 4, tm_code_vector(p + vs, part), at);
+        if (bits == 3) vb_add_bits(c, tm_code_vector(p + 2 * vs, part), 0); /* q & 1 at bit 0 */
         return;
     }
     for (int i = 0; i < 4; i++) vb_nibbles(tm_code_vector(p + i * vs, part), &c[2 * i], &c[2 * i + 1]);
     if (bits == 5) vb_add_bits(c, tm_code_vector(p + 4 * vs, part), 4);
     if (bits == 6) {
-        vb_add_crumbs(c, tm_code_vector(p + 4 * vs, part));
-        vb_add_crumbs(c + 4, tm_code_vector(p + 5 * vs, part));
+        vb_add_crumbs(c, tm_code_vector(p + 4 * vs, part), 4);
+        vb_add_crumbs(c + 4, tm_code_vector(p + 5 * vs, part), 4);
     }
 }
 
@@ -450,7 +445,7 @@ static inline __attribute__((always_inline)) void tm_grid_codes(const tm_weight 
 }
 
 /* The 32 codes of block b of a row in natural order (lane order undone), as the kernels
- * read them (3-bit: 8 q, 2-bit: 16 q; 3-bit table codes and grid kinds looked up), any build. */
+ * read them (3-bit table codes and grid kinds looked up), any build. */
 static inline void tm_block_codes(const tm_weight *w, const uint8_t *row, int b, uint8_t out[QK]) {
     const int nb = w->k / QK, nfull = nb / TM_GB;
     if (grid_kind(w->bits)) { /* vector i, lane k of its group (tm_grid_codes) */
@@ -488,18 +483,17 @@ static inline void tm_block_codes(const tm_weight *w, const uint8_t *row, int b,
             out[j] = (uint8_t)(nib | ((g[(4 + (i >> 2)) * vbytes + e] >> (2 * (i & 3))) & 3) << 4);
         } else { /* 2- and 3-bit: the pairs plane (q, or q >> 1), then 3-bit's low bits */
             const int pair = (g[(i >> 2) * vbytes + e] >> (2 * (i & 3))) & 3;
-            out[j] = (uint8_t)(w->bits == 2 ? pair << 4 : pair << 4 | ((g[2 * vbytes + e] >> i) & 1) << 3);
-            if (w->lut) out[j] = w->lut[out[j] >> 3]; /* 3-bit table codes: 8 q */
+            out[j] = (uint8_t)(w->bits == 2 ? pair : pair << 1 | ((g[2 * vbytes + e] >> i) & 1));
+            if (w->lut) out[j] = w->lut[out[j]]; /* 3-bit table codes */
         }
     }
 }
 
 static const uint8_t tm_no_table[16]; /* zeros: the table of weights without one */
 
-/* Table codes: the 8 code vectors of a group looked up (tm_group_codes, then this); 3-bit
- * ones read as 8 q. */
-static inline void tm_lookup_codes(vb table, vb c[8], int bits) {
-    for (int i = 0; i < 8; i++) c[i] = bits == 3 ? vb_lookup8(table, c[i]) : vb_lookup(table, c[i]);
+/* Table codes: the 8 code vectors of a group looked up (tm_group_codes, then this) */
+static inline void tm_lookup_codes(vb table, vb c[8]) {
+    for (int i = 0; i < 8; i++) c[i] = vb_lookup(table, c[i]);
 }
 
 /* The 8 code vectors of full group g of a packed row as the dots take them: table codes
@@ -511,7 +505,7 @@ static inline __attribute__((always_inline)) void tm_weight_codes(const tm_weigh
         return;
     }
     tm_group_codes(row, g, w->bits, c);
-    if (w->lut) tm_lookup_codes(table, c, w->bits);
+    if (w->lut) tm_lookup_codes(table, c);
 }
 
 /* One 32-block of activations v to integers: q = round(v * qmax / amax), ties to even
