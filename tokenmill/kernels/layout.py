@@ -167,19 +167,28 @@ pack5, unpack5 = _by_groups(5)
 
 
 def _pack_planes(nat: np.ndarray, bits: int, gb: int) -> np.ndarray:
-    """Natural-order 2- or 3-bit codes uint8 [rows, K] -> [rows, K*bits/8]: per group of gb
-    blocks, pairs of bits (q, or q >> 1) in two vectors (top vector h holds vector 4h + s at
-    bits 2s), then for 3-bit the low bits (one vector: vector i's at bit i), as linear.c
-    reads them."""
+    """Natural-order 2- or 3-bit codes uint8 [rows, K] -> [rows, K*bits/8], per group of gb
+    blocks, as linear.c reads them. 2-bit: two vectors of pairs (vector h holds code vector
+    4h + s at bits 2s). 3-bit: three planes of whole codes (simd.h tm_plane3): vectors 0, 1
+    and 2's low two bits at bits 0-2, 3-5, 6-7 of plane 0, 3, 4 and 5's of plane 1, 6 and 7
+    at bits 0-2, 3-5 of plane 2 with the top bits of 2 and 5 at 6 and 7."""
     rows, k = nat.shape
     ng, v = _vectors6(k, gb)
-    lanes = nat[:, lane_perm(k, gb)].reshape(rows, ng, 8, v)
-    pairs = ((lanes >> (bits - 2)) & 3).reshape(rows, ng, 2, 4, v)
+    q = nat[:, lane_perm(k, gb)].reshape(rows, ng, 8, v).astype(np.uint8)
     planes = np.zeros((rows, ng, bits, v), np.uint8)
-    for s in range(4):
-        planes[:, :, :2] |= pairs[:, :, :, s] << (2 * s)
-    for i in range(8 if bits == 3 else 0):
-        planes[:, :, 2] |= (lanes[:, :, i] & 1) << i
+    if bits == 2:
+        pairs = (q & 3).reshape(rows, ng, 2, 4, v)
+        for s in range(4):
+            planes |= pairs[:, :, :, s] << (2 * s)
+    else:
+        q = q & 7
+        for j in range(2):
+            planes[:, :, j] = (
+                q[:, :, 3 * j] | q[:, :, 3 * j + 1] << 3 | (q[:, :, 3 * j + 2] & 3) << 6
+            )
+        planes[:, :, 2] = (
+            q[:, :, 6] | q[:, :, 7] << 3 | (q[:, :, 2] >> 2) << 6 | (q[:, :, 5] >> 2) << 7
+        )
     return np.ascontiguousarray(planes.reshape(rows, k * bits // 8))
 
 
@@ -189,10 +198,16 @@ def _unpack_planes(codes: np.ndarray, k: int, bits: int, gb: int) -> np.ndarray:
     ng, v = _vectors6(k, gb)
     g = codes.reshape(rows, ng, bits, v)
     lanes = np.empty((rows, ng, 8, v), dtype=np.uint8)
-    for i in range(8):
-        lanes[:, :, i] = ((g[:, :, i // 4] >> (2 * (i % 4))) & 3) << (bits - 2)
-        if bits == 3:
-            lanes[:, :, i] |= (g[:, :, 2] >> i) & 1
+    if bits == 2:
+        for i in range(8):
+            lanes[:, :, i] = (g[:, :, i // 4] >> (2 * (i % 4))) & 3
+    else:
+        for j in range(2):
+            lanes[:, :, 3 * j] = g[:, :, j] & 7
+            lanes[:, :, 3 * j + 1] = (g[:, :, j] >> 3) & 7
+        lanes[:, :, 6], lanes[:, :, 7] = g[:, :, 2] & 7, (g[:, :, 2] >> 3) & 7
+        lanes[:, :, 2] = g[:, :, 0] >> 6 | ((g[:, :, 2] >> 4) & 4)
+        lanes[:, :, 5] = g[:, :, 1] >> 6 | ((g[:, :, 2] >> 5) & 4)
     nat = np.empty((rows, k), dtype=np.uint8)
     nat[:, lane_perm(k, gb)] = lanes.reshape(rows, k)
     return nat

@@ -70,18 +70,20 @@
  *
  * 3-bit codes (GGUF Q3_K, exactly: q in 0..7, w = d16 * (q - 4), d16 = dsup * sc with a
  * signed scale per 16 values): Q6_K's form at 3 bits per value. Per
- * group: the top two bits of q (GW/4 bytes: byte c*4G + r holds vector 4c + s at bits 2s,
- * like 6-bit codes' top bits), then the low bit (GW/8 bytes: byte r holds vector i's at
- * bit i, like 5-bit codes' top bits). tm_group_codes reads them as q (Z = 4), and the
- * dots take codes of at most 7: every product of a half's four vectors adds in int16.
+ * group three planes of GW/8 bytes, byte r of each for position r of the 8 vectors:
+ * vectors 0, 1 and the low two bits of 2 in plane 0 (bits 0-2, 3-5, 6-7), 3, 4 and 5 the
+ * same in plane 1, 6 and 7 in plane 2 (bits 0-2, 3-5) with the top bits of 2 and 5 (bits
+ * 6, 7): most codes whole in a byte, two instructions each to unpack (simd.h tm_code3,
+ * vb_codes3). tm_group_codes reads them as q (Z = 4), and the dots take codes of at most
+ * 7: every product of a half's four vectors adds in int16.
  *   codes   uint8 [N, K*3/8];  scales: the file's 6-bit codes sc + 32, 12 bytes per 256 values
  *   uint8 [N, K*3/64] (per group its blocks' low nibbles, then their top pairs: tm.h
  *   scale6_group), read by vf_scales6; dsup [N, K/256] as for 6-bit
  *
  * 2-bit codes (GGUF Q2_K, exactly: q in 0..3, w = d16 q - m16 per 16 values, d16 = dsup *
  * sc and m16 = msup * m, sc and m the low and high nibbles of the file's byte per 16
- * values): one plane per group, laid out as 3-bit codes' first (byte c*4G + r holds vector
- * 4c + s at bits 2s), read as q (zero point 0) by the 3-bit dots.
+ * values): two planes per group (byte c*4G + r holds vector 4c + s at bits 2s, like 6-bit
+ * codes' top bits), read as q (zero point 0) by the 3-bit dots.
  * The min's term m16 sum x is taken as m16 dx sum q (the zh sums), as llama.cpp's q8_K
  * sums do: within the activations' rounding. 10.5 bytes per 32 values, the file's own.
  *   codes   uint8 [N, K/4];  scales uint8 [N, K/16] (sc + 16 m, per group [half][block]);
@@ -413,6 +415,122 @@ static inline vf sup_lanes(const float *sup, int g) {
 #endif
 }
 
+/* Group g of row r (codes at row) in Q6_K's form, two halves per block (2- and 3-bit
+ * codes: 3-bit dots; 3-bit table codes: looked up to 8 bits), into acc[t]; pb: a partial
+ * group's blocks (scales [half][pb]), 0 for a whole group (a constant after inlining, so
+ * whole groups carry no padding). */
+static inline __attribute__((always_inline)) void six_group(const tm_weight *w, const xq_t *xq,
+                                                            const uint8_t *row, int r, int g, int pb, int t0, int T,
+                                                            int bits, int lut, vb table, const float *dsup,
+                                                            const float *msup, size_t ahead, vf *acc) {
+    const int nb = w->k / QK, sdb = lut ? 8 : bits <= 3 ? 3 : 6;
+    vb c[8];
+    prefetch_codes(row + (size_t)g * group_bytes(bits), group_bytes(bits), ahead);
+    tm_codes_at(row + (size_t)g * group_bytes(bits), bits, pb, c);
+    if (lut) tm_lookup_codes(table, c);
+    const vf ds = sup_lanes(dsup, g);
+    /* a byte per 16 values (2- and 6-bit codes; 3-bit ones: below) */
+    const uint8_t *s0 = (const uint8_t *)w->scales + (bits == 3 ? 0 : (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB);
+    const uint8_t *s1 = s0 + (pb ? pb : TM_GB); /* the second halves' */
+    uint8_t pad[2][TM_GB]; /* a partial group's pb + pb scale bytes, beside zeros */
+    if (pb && bits != 3) {
+        memset(pad, 0, sizeof pad);
+        memcpy(pad[0], s0, (size_t)pb), memcpy(pad[1], s1, (size_t)pb);
+        s0 = pad[0], s1 = pad[1];
+    }
+    vf d0, d1, m0 = vf_zero(), m1 = vf_zero();
+    if (bits == 2) { /* byte = sc + 16 m: m = round((byte - 7.5) / 16), never a tie */
+        const vf b0 = vf_load_u8(s0), b1 = vf_load_u8(s1);
+        const vf h = vf_set1(0.0625f), off = vf_set1(7.5f), sixteen = vf_set1(16.f);
+        const vf c0 = vf_round(vf_mul(vf_sub(b0, off), h)), c1 = vf_round(vf_mul(vf_sub(b1, off), h));
+        d0 = vf_mul(vf_sub(b0, vf_mul(c0, sixteen)), ds), d1 = vf_mul(vf_sub(b1, vf_mul(c1, sixteen)), ds);
+        /* -dmin m per 16 values, against zh = 32 sum q: the min's share, in exact steps */
+        const vf ms = vf_mul(sup_lanes(msup, g), vf_set1(1.f / 32));
+        m0 = vf_mul(c0, ms), m1 = vf_mul(c1, ms);
+    } else if (bits == 3) { /* 6-bit codes (tm.h scale6_group), a partial group's beside zeros */
+        int G;
+        const uint8_t *lo = scale6_group(w->scales, nb, r, g * TM_GB, &G);
+        uint8_t pad6[3 * TM_GB / 2];
+        if (pb) {
+            memset(pad6, 0, sizeof pad6);
+            memcpy(pad6, lo, (size_t)G), memcpy(pad6 + TM_GB, lo + G, (size_t)G / 2);
+            lo = pad6;
+        }
+        vf c0, c1;
+        vf_scales6(lo, lo + TM_GB, &c0, &c1);
+        d0 = vf_mul(c0, ds), d1 = vf_mul(c1, ds);
+    } else {
+        d0 = vf_mul(vf_load_i8((const int8_t *)s0), ds), d1 = vf_mul(vf_load_i8((const int8_t *)s1), ds);
+    }
+    for (int t = 0; t < T; t++) {
+        const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + (size_t)g * TM_GB;
+        const size_t xo = tt * xq->kpad + (size_t)g * GW, xh = xo + 16 * TM_GB;
+        const int32_t *zh = xq->zh + tt * 2 * xq->gpad + (size_t)g * 2 * TM_GB;
+        const vf dx = vf_load(xq->dx + xi);
+        if (bits == 2) { /* dx (d16 sum c q - m16 sum q) per half: the sum of q as zh */
+            const vi s0 = dot_codes(c, 4, xq, xo, 3), s1 = dot_codes(c + 4, 4, xq, xh, 3);
+            acc[t] = vf_fma(vf_mul(vf_from_vi(s0), dx), d0, acc[t]);
+            acc[t] = vf_fma(vf_mul(vf_from_vi(s1), dx), d1, acc[t]);
+            acc[t] = vf_fma(vf_mul(vf_from_vi(vi_load(zh)), dx), m0, acc[t]);
+            acc[t] = vf_fma(vf_mul(vf_from_vi(vi_load(zh + TM_GB)), dx), m1, acc[t]);
+            continue;
+        }
+        const vi s0 = vi_sub(dot_codes(c, 4, xq, xo, sdb), vi_load(zh));
+        const vi s1 = vi_sub(dot_codes(c + 4, 4, xq, xh, sdb), vi_load(zh + TM_GB));
+        acc[t] = vf_fma(vf_mul(vf_from_vi(s0), dx), d0, acc[t]);
+        acc[t] = vf_fma(vf_mul(vf_from_vi(s1), dx), d1, acc[t]);
+    }
+}
+
+/* Group g of row r with a scale (and min) per 32 values, into acc[t]; pb as six_group's
+ * (5-bit codes and grid kinds have partial groups). */
+static inline __attribute__((always_inline)) void block_group(const tm_weight *w, const xq_t *xq,
+                                                              const uint8_t *row, int r, int g, int pb, int t0, int T,
+                                                              int bits, int lut, vb table, const float *dsup,
+                                                              const float *msup, size_t ahead, vf *acc) {
+    const int nb = w->k / QK, db = lut ? 8 : bits, f16 = w->scale_f16;
+    const size_t srow = (size_t)r * nb, es = w->dsup ? 1 : tm_scale_bytes(f16);
+    (void)msup;
+    vb c[8];
+    prefetch_codes(row + (size_t)g * group_bytes(bits), group_bytes(bits), ahead);
+    if (grid_kind(bits)) {
+        tm_grid_codes(w, row + (size_t)g * group_bytes(bits), pb, c);
+    } else {
+        tm_codes_at(row + (size_t)g * group_bytes(bits), bits, pb, c);
+        if (lut) tm_lookup_codes(table, c);
+    }
+    /* the group's TM_GB scales (and mins) of es bytes; a partial group's pb beside zeros */
+    const char *sp = (const char *)w->scales + (srow + (size_t)g * TM_GB) * es;
+    const char *mp = w->mins ? (const char *)w->mins + (srow + (size_t)g * TM_GB) * es : NULL;
+    _Alignas(64) char pad[2][4 * TM_GB];
+    if (pb && !grid_kind(bits)) {
+        memset(pad, 0, sizeof pad);
+        memcpy(pad[0], sp, (size_t)pb * es), sp = pad[0];
+        if (mp) memcpy(pad[1], mp, (size_t)pb * es), mp = pad[1];
+    }
+    vf d, m = vf_zero();
+    if (grid_kind(bits)) { /* a scale nibble s per block (two to a byte): d (2 s + 1) */
+        const uint8_t *sn = (const uint8_t *)w->scales + (srow + (size_t)g * TM_GB) / 2;
+        _Alignas(64) uint8_t odd[TM_GB] = {0}; /* a partial group's pb, zeros beside */
+        for (int k = 0; k < (pb ? pb : TM_GB); k++) odd[k] = (uint8_t)(2 * ((sn[k / 2] >> (4 * (k & 1))) & 15) + 1);
+        d = vf_mul(vf_load_u8(odd), sup_lanes(dsup, g));
+    } else if (w->dsup) { /* K-quant: codes times the super-block's scale (256 values) */
+        const vf code = vf_load_u8((const uint8_t *)sp);
+        d = vf_mul(vf_sub(code, vf_set1((float)w->scale_zero)), sup_lanes(dsup, g));
+        if (mp) m = vf_mul(vf_load_u8((const uint8_t *)mp), sup_lanes(msup, g));
+    } else {
+        d = vf_scales(sp, f16, 0);
+        if (mp) m = vf_scales(mp, f16, 0);
+    }
+    for (int t = 0; t < T; t++) {
+        const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + (size_t)g * TM_GB;
+        const size_t xo = tt * xq->kpad + (size_t)g * GW;
+        const vi s = vi_sub(dot_codes(c, 8, xq, xo, db), vi_load(xq->zc + xi));
+        acc[t] = vf_fma(vf_mul(vf_from_vi(s), vf_load(xq->dx + xi)), d, acc[t]);
+        if (w->mins) acc[t] = vf_fma(m, vf_load(xq->sx + xi), acc[t]);
+    }
+}
+
 /* Rows [r0, r1) of W against T (<= TCHUNK) activation rows starting at t0; T and bits
  * are constants after inlining. Per full group: the 8 code vectors are loaded once and
  * reused by every activation row; per row one group_dot and one float multiply-add that
@@ -420,17 +538,12 @@ static inline vf sup_lanes(const float *sup, int g) {
 static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, const xq_t *xq,
                                                            int r0, int r1, int t0, int T, int bits,
                                                            int lut, float *y, const float *bias) {
-    const int nb = w->k / QK, nfull = nb / TM_GB, nbt = nb % TM_GB, f16 = w->scale_f16;
-    const int db = lut ? 8 : bits; /* the dots' code bits (table codes: looked up to 8) */
+    const int nb = w->k / QK, nfull = nb / TM_GB, nbt = nb % TM_GB, six = sixteen_scales(bits);
     const vb table = vb_table(lut ? w->lut : tm_no_table);
     /* scale bytes per 32 values: K-quant codes 1 (6-bit: 2, one per 16), float16 2, float32 4,
      * E8M0 1 */
-    /* Q6_K's form, two halves per block (2- and 3-bit codes: 3-bit dots; 3-bit table
-     * codes: looked up to 8 bits) */
-    const int six = sixteen_scales(bits), sdb = lut ? 8 : bits <= 3 ? 3 : 6;
-    const size_t rb = row_bytes(w), es = w->dsup ? (six ? 2 : 1) : tm_scale_bytes(f16);
+    const size_t rb = row_bytes(w), es = w->dsup ? (six ? 2 : 1) : tm_scale_bytes(w->scale_f16);
     const size_t ahead = prefetch_ahead(rb);
-    const int ng = nfull + (partial_group(bits, nb) > 0); /* groups, a last partial one too */
     for (int r = r0; r < r1; r++) {
         const uint8_t *row = w->codes + (size_t)r * rb;
         const size_t srow = (size_t)r * nb;
@@ -451,105 +564,17 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
             ksup_row(w, r, dsup, msup);
             dsup[w->k / 256] = msup[w->k / 256] = 0.f;
         }
-        for (int g = 0; g < ng && six; g++) { /* Q6_K's form: two halves per block */
-            const int pb = g == nfull ? nbt : 0; /* a partial group's blocks, scales [half][pb] */
-            vb c[8];
-            prefetch_codes(row + (size_t)g * group_bytes(bits), group_bytes(bits), ahead);
-            tm_codes_at(row + (size_t)g * group_bytes(bits), bits, pb, c);
-            if (lut) tm_lookup_codes(table, c);
-            const vf ds = sup_lanes(dsup, g);
-            /* a byte per 16 values (2- and 6-bit codes; 3-bit ones: below) */
-            const uint8_t *s0 = (const uint8_t *)w->scales + (bits == 3 ? 0 : (size_t)r * 2 * nb + (size_t)g * 2 * TM_GB);
-            const uint8_t *s1 = s0 + (pb ? pb : TM_GB); /* the second halves' */
-            uint8_t pad[2][TM_GB]; /* a partial group's pb + pb scale bytes, beside zeros */
-            if (pb && bits != 3) {
-                memset(pad, 0, sizeof pad);
-                memcpy(pad[0], s0, (size_t)pb), memcpy(pad[1], s1, (size_t)pb);
-                s0 = pad[0], s1 = pad[1];
-            }
-            vf d0, d1, m0 = vf_zero(), m1 = vf_zero();
-            if (bits == 2) { /* byte = sc + 16 m: m = round((byte - 7.5) / 16), never a tie */
-                const vf b0 = vf_load_u8(s0), b1 = vf_load_u8(s1);
-                const vf h = vf_set1(0.0625f), off = vf_set1(7.5f), sixteen = vf_set1(16.f);
-                const vf c0 = vf_round(vf_mul(vf_sub(b0, off), h)), c1 = vf_round(vf_mul(vf_sub(b1, off), h));
-                d0 = vf_mul(vf_sub(b0, vf_mul(c0, sixteen)), ds), d1 = vf_mul(vf_sub(b1, vf_mul(c1, sixteen)), ds);
-                /* -dmin m per 16 values, against zh = 32 sum q: the min's share, in exact steps */
-                const vf ms = vf_mul(sup_lanes(msup, g), vf_set1(1.f / 32));
-                m0 = vf_mul(c0, ms), m1 = vf_mul(c1, ms);
-            } else if (bits == 3) { /* 6-bit codes (tm.h scale6_group), a partial group's beside zeros */
-                int G;
-                const uint8_t *lo = scale6_group(w->scales, nb, r, g * TM_GB, &G);
-                uint8_t pad6[3 * TM_GB / 2];
-                if (pb) {
-                    memset(pad6, 0, sizeof pad6);
-                    memcpy(pad6, lo, (size_t)G), memcpy(pad6 + TM_GB, lo + G, (size_t)G / 2);
-                    lo = pad6;
-                }
-                vf c0, c1;
-                vf_scales6(lo, lo + TM_GB, &c0, &c1);
-                d0 = vf_mul(c0, ds), d1 = vf_mul(c1, ds);
-            } else {
-                d0 = vf_mul(vf_load_i8((const int8_t *)s0), ds), d1 = vf_mul(vf_load_i8((const int8_t *)s1), ds);
-            }
-            for (int t = 0; t < T; t++) {
-                const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + (size_t)g * TM_GB;
-                const size_t xo = tt * xq->kpad + (size_t)g * GW, xh = xo + 16 * TM_GB;
-                const int32_t *zh = xq->zh + tt * 2 * xq->gpad + (size_t)g * 2 * TM_GB;
-                const vf dx = vf_load(xq->dx + xi);
-                if (bits == 2) { /* dx (d16 sum c q - m16 sum q) per half: the sum of q as zh */
-                    const vi s0 = dot_codes(c, 4, xq, xo, 3), s1 = dot_codes(c + 4, 4, xq, xh, 3);
-                    acc[t] = vf_fma(vf_mul(vf_from_vi(s0), dx), d0, acc[t]);
-                    acc[t] = vf_fma(vf_mul(vf_from_vi(s1), dx), d1, acc[t]);
-                    acc[t] = vf_fma(vf_mul(vf_from_vi(vi_load(zh)), dx), m0, acc[t]);
-                    acc[t] = vf_fma(vf_mul(vf_from_vi(vi_load(zh + TM_GB)), dx), m1, acc[t]);
-                    continue;
-                }
-                const vi s0 = vi_sub(dot_codes(c, 4, xq, xo, sdb), vi_load(zh));
-                const vi s1 = vi_sub(dot_codes(c + 4, 4, xq, xh, sdb), vi_load(zh + TM_GB));
-                acc[t] = vf_fma(vf_mul(vf_from_vi(s0), dx), d0, acc[t]);
-                acc[t] = vf_fma(vf_mul(vf_from_vi(s1), dx), d1, acc[t]);
-            }
+        for (int g = 0; g < nfull; g++) {
+            if (six)
+                six_group(w, xq, row, r, g, 0, t0, T, bits, lut, table, dsup, msup, ahead, acc);
+            else
+                block_group(w, xq, row, r, g, 0, t0, T, bits, lut, table, dsup, msup, ahead, acc);
         }
-        for (int g = 0; g < ng && !six; g++) { /* (a partial group: 5-bit codes and grid kinds) */
-            const int pb = g == nfull ? nbt : 0;
-            vb c[8];
-            prefetch_codes(row + (size_t)g * group_bytes(bits), group_bytes(bits), ahead);
-            if (grid_kind(bits)) {
-                tm_grid_codes(w, row + (size_t)g * group_bytes(bits), pb, c);
-            } else {
-                tm_codes_at(row + (size_t)g * group_bytes(bits), bits, pb, c);
-                if (lut) tm_lookup_codes(table, c);
-            }
-            /* the group's TM_GB scales (and mins) of es bytes; a partial group's pb beside zeros */
-            const char *sp = (const char *)w->scales + (srow + (size_t)g * TM_GB) * es;
-            const char *mp = w->mins ? (const char *)w->mins + (srow + (size_t)g * TM_GB) * es : NULL;
-            _Alignas(64) char pad[2][4 * TM_GB];
-            if (pb && !grid_kind(bits)) {
-                memset(pad, 0, sizeof pad);
-                memcpy(pad[0], sp, (size_t)pb * es), sp = pad[0];
-                if (mp) memcpy(pad[1], mp, (size_t)pb * es), mp = pad[1];
-            }
-            vf d, m = vf_zero();
-            if (grid_kind(bits)) { /* a scale nibble s per block (two to a byte): d (2 s + 1) */
-                const uint8_t *sn = (const uint8_t *)w->scales + (srow + (size_t)g * TM_GB) / 2;
-                _Alignas(64) uint8_t odd[TM_GB] = {0}; /* a partial group's pb, zeros beside */
-                for (int k = 0; k < (pb ? pb : TM_GB); k++) odd[k] = (uint8_t)(2 * ((sn[k / 2] >> (4 * (k & 1))) & 15) + 1);
-                d = vf_mul(vf_load_u8(odd), sup_lanes(dsup, g));
-            } else if (w->dsup) { /* K-quant: codes times the super-block's scale (256 values) */
-                const vf code = vf_load_u8((const uint8_t *)sp);
-                d = vf_mul(vf_sub(code, vf_set1((float)w->scale_zero)), sup_lanes(dsup, g));
-                if (mp) m = vf_mul(vf_load_u8((const uint8_t *)mp), sup_lanes(msup, g));
-            } else {
-                d = vf_scales(sp, f16, 0);
-                if (mp) m = vf_scales(mp, f16, 0);
-            }
-            for (int t = 0; t < T; t++) {
-                const size_t tt = (size_t)(t0 + t), xi = tt * xq->gpad + (size_t)g * TM_GB;
-                const size_t xo = tt * xq->kpad + (size_t)g * GW;
-                const vi s = vi_sub(dot_codes(c, 8, xq, xo, db), vi_load(xq->zc + xi));
-                acc[t] = vf_fma(vf_mul(vf_from_vi(s), vf_load(xq->dx + xi)), d, acc[t]);
-                if (w->mins) acc[t] = vf_fma(m, vf_load(xq->sx + xi), acc[t]);
-            }
+        if (partial_group(bits, nb)) { /* a last, partial group */
+            if (six)
+                six_group(w, xq, row, r, nfull, nbt, t0, T, bits, lut, table, dsup, msup, ahead, acc);
+            else
+                block_group(w, xq, row, r, nfull, nbt, t0, T, bits, lut, table, dsup, msup, ahead, acc);
         }
         float tail[TCHUNK] = {0};
         if (nbt && !tail_in_lanes(bits)) { /* the tail blocks, natural order, through
@@ -701,14 +726,14 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
                 de[0][e] = ds * (float)tm_half_scale(w, r, b, 0), de[1][e] = ds * (float)tm_half_scale(w, r, b, 1);
             }
             for (int i = 0; i < 8; i++) {
-                /* 6-bit: low nibbles, then the top-bits plane; 3-bit: the top-two-bits
-                 * plane, then the low-bit plane (q in 0..7, the value d16 * (q - 4)) */
-                const uint8_t *lo = p + (i >> 1) * vb_bytes, *hi = p + (three ? 0 : GW / 2) + (i >> 2) * vb_bytes;
+                /* 6-bit: low nibbles, then the top-bits plane; 3-bit: its three planes
+                 * (q in 0..7, the value d16 * (q - 4)) */
+                const uint8_t *lo = p + (i >> 1) * vb_bytes, *hi = p + GW / 2 + (i >> 2) * vb_bytes;
                 const int ls = (i & 1) * 4, hs = 2 * (i & 3);
                 const float *d = de[i >> 2];
                 float *o = out + (size_t)g * GW + i * vb_bytes;
                 for (int e = 0; e < vb_bytes; e++) {
-                    const int q = (((hi[e] >> hs) & 3) << 1) | ((p[GW / 4 + e] >> i) & 1); /* 3-bit */
+                    const int q = tm_code3(p[e], p[vb_bytes + e], p[2 * vb_bytes + e], i); /* 3-bit */
                     o[e] = d[e] * (float)(!three ? ((((lo[e] >> ls) & 15) | (((hi[e] >> hs) & 3) << 4)) - 32)
                                           : w->lut ? w->lut[q] - 128 /* table codes */
                                                    : q - 4);

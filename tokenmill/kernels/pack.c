@@ -288,18 +288,20 @@ static void to_lanes(const uint8_t *nat, int k, int bits, uint8_t *lane) {
 /* One group's lane-order codes L (8 vectors of v bytes: a whole group's 4 TM_GB, a half
  * group's 2 TM_GB) -> its packed bytes o of `bits` < 8 (every plane v bytes a vector). */
 static void cut_group(const uint8_t *L, uint8_t *o, int bits, int v) {
-    if (bits <= 3) { /* planes only: q (2-bit) or q >> 1 (3-bit) pairs, then q & 1 */
+    if (bits == 3) { /* three planes of whole codes (simd.h tm_plane3) */
+        for (int r = 0; r < v; r++) {
+            uint8_t q[8];
+            for (int i = 0; i < 8; i++) q[i] = L[i * v + r] & 7;
+            for (int j = 0; j < 3; j++) o[j * v + r] = tm_plane3(q, j);
+        }
+        return;
+    }
+    if (bits == 2) { /* two planes: vector 4h + s at bits 2s of plane h */
         for (int h = 0; h < 2; h++)
             for (int r = 0; r < v; r++) {
                 uint8_t c = 0;
-                for (int s = 0; s < 4; s++) c |= (uint8_t)(((L[(4 * h + s) * v + r] >> (bits - 2)) & 3) << (2 * s));
+                for (int s = 0; s < 4; s++) c |= (uint8_t)((L[(4 * h + s) * v + r] & 3) << (2 * s));
                 o[h * v + r] = c;
-            }
-        if (bits == 3)
-            for (int r = 0; r < v; r++) {
-                uint8_t c = 0;
-                for (int i = 0; i < 8; i++) c |= (uint8_t)((L[i * v + r] & 1) << i);
-                o[2 * v + r] = c;
             }
         return;
     }

@@ -32,12 +32,13 @@
  *   vb   4*TM_W bytes     vb_zero, vb_load, vb_load_n(p, n) (n < 4*TM_W bytes, the rest zero),
  *                         vb_nibbles (low and high 4 bits of every byte),
  *                         vb_add_crumbs(c[4], v, at) (c[s] |= bits 2s..2s+1 of v at bits
- *                         at..at+1: 4, the top bits of 6-bit codes; 1, the top two of 3-bit
- *                         ones; 0, 2-bit codes), vb_add_bits(c[8], v, at) (c[i] |= bit i of
- *                         v at bit `at`: 4, the top bits of 5-bit codes; 0, the low bits of
- *                         3-bit ones), vb_table(t) (a
+ *                         at..at+1: 4, the top bits of 6-bit codes; 0, 2-bit codes),
+ *                         vb_add_bits(c[8], v, at) (c[i] |= bit i of v at bit `at`: 4, the
+ *                         top bits of 5-bit codes), vb_table(t) (a
  *                         16-byte table in every 16-byte lane), vb_lookup(table, c) (codes
  *                         0..15 looked up in it: the table-coded types),
+ *                         vb_codes3(p0, p1, p2, c[8]) (a 3-bit group's 8 code vectors from
+ *                         its three planes: tm_code3),
  *                         vf_scales6(lo, hi, &d0, &d1) (3-bit codes' 6-bit scale codes of a
  *                         group's TM_W blocks, less 32, as floats: tm_scales6_lanes),
  *                         vb_grid(grid, lo, hi, i, s) (the grid i-quants' codes: lane k
@@ -132,6 +133,30 @@ static inline void tm_grid_lanes(const uint8_t *grid, const uint8_t *lo, const u
             out[j] = (s[j >> 3] >> (j & 7)) & 1 ? (uint8_t)(0u - v) : v;
         }
     }
+}
+
+/* 3-bit codes (0..7) in three planes, one byte of each per position of a group's 8 vectors
+ * (linear.c): plane 0 holds vectors 0 and 1 (bits 0-2, 3-5) and vector 2's low two bits
+ * (6-7), plane 1 the same of vectors 3, 4 and 5, plane 2 vectors 6 and 7 (bits 0-2, 3-5)
+ * and the top bits of 2 and 5 (6, 7). Two instructions per code where a code is whole in
+ * its byte (against three per bit plane): vb_codes3 unpacks them, tm_code3 is its
+ * reference and tm_plane3 the packing. */
+static inline uint8_t tm_code3(uint8_t p0, uint8_t p1, uint8_t p2, int i) {
+    switch (i) {
+    case 0: return p0 & 7;
+    case 1: return (p0 >> 3) & 7;
+    case 2: return (uint8_t)(p0 >> 6 | ((p2 >> 4) & 4));
+    case 3: return p1 & 7;
+    case 4: return (p1 >> 3) & 7;
+    case 5: return (uint8_t)(p1 >> 6 | ((p2 >> 5) & 4));
+    case 6: return p2 & 7;
+    default: return (p2 >> 3) & 7;
+    }
+}
+/* Plane j's byte (0..2) of the 8 codes q[0..7] of one position */
+static inline uint8_t tm_plane3(const uint8_t q[8], int j) {
+    if (j < 2) return (uint8_t)(q[3 * j] | q[3 * j + 1] << 3 | (q[3 * j + 2] & 3) << 6);
+    return (uint8_t)(q[6] | q[7] << 3 | (q[2] >> 2) << 6 | (q[5] >> 2) << 7);
 }
 
 /* 3-bit codes' 6-bit scale codes (tm.h scale6_at's layout) of n blocks, lane by lane: block

@@ -169,8 +169,8 @@ static inline void vb_widen_pairs(vb c, int z, vi *even, vi *odd) {
 }
 
 /* c[s] |= bits 2s..2s+1 of v, moved to bits at..at+1 (s = 0..3; at 4: the top two bits
- * of four vectors of 6-bit codes, 1: of 3-bit ones, 0: 2-bit codes). 16-bit shifts: the
- * mask keeps only what stays in its byte. */
+ * of four vectors of 6-bit codes, 0: 2-bit codes). 16-bit shifts: the mask keeps only
+ * what stays in its byte. */
 static inline __attribute__((always_inline)) void vb_add_crumbs(vb c[4], vb v, int at) {
     const __m256i m = _mm256_set1_epi8((char)(3 << at));
     for (int s = 0; s < 4; s++) {
@@ -178,6 +178,18 @@ static inline __attribute__((always_inline)) void vb_add_crumbs(vb c[4], vb v, i
         const __m256i t = d > 0 ? _mm256_slli_epi16(v, d) : d < 0 ? _mm256_srli_epi16(v, -d) : v;
         c[s] = _mm256_or_si256(c[s], _mm256_and_si256(t, m));
     }
+}
+
+/* The 8 code vectors of a 3-bit group from its three planes (linear.c): vector 0, 1 and 2's
+ * low two bits in p0 (bits 0-2, 3-5, 6-7), 3, 4 and 5's in p1, 6 and 7 in p2 with 2 and 5's
+ * top bits at 6 and 7. 16-bit shifts: the masks keep only what stays in its byte. */
+static inline __attribute__((always_inline)) void vb_codes3(vb p0, vb p1, vb p2, vb c[8]) {
+    const __m256i m7 = _mm256_set1_epi8(7), m3 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(4);
+    c[0] = _mm256_and_si256(p0, m7), c[1] = _mm256_and_si256(_mm256_srli_epi16(p0, 3), m7);
+    c[3] = _mm256_and_si256(p1, m7), c[4] = _mm256_and_si256(_mm256_srli_epi16(p1, 3), m7);
+    c[6] = _mm256_and_si256(p2, m7), c[7] = _mm256_and_si256(_mm256_srli_epi16(p2, 3), m7);
+    c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p0, 6), m3), _mm256_and_si256(_mm256_srli_epi16(p2, 4), m4));
+    c[5] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p1, 6), m3), _mm256_and_si256(_mm256_srli_epi16(p2, 5), m4));
 }
 
 /* A 16-byte table in both 128-bit lanes, and codes (0..15) looked up in it (vpshufb) */
@@ -210,8 +222,7 @@ static inline vb vb_grid(const uint8_t *grid, const uint8_t *lo, const uint8_t *
 }
 
 /* c[i] |= bit i of v, moved to bit `at` (i = 0..7; at 4: the top bits of eight vectors
- * of 5-bit codes, at 0: the low bits of 3-bit codes). 16-bit shifts: the mask keeps only
- * what stays in its byte. */
+ * of 5-bit codes). 16-bit shifts: the mask keeps only what stays in its byte. */
 static inline __attribute__((always_inline)) void vb_add_bits(vb c[8], vb v, int at) {
     const __m256i m = _mm256_set1_epi8((char)(1 << at));
     for (int i = 0; i < 8; i++) {

@@ -102,10 +102,19 @@ static inline void vb_widen_pairs(vb c, int z, vi *even, vi *odd) {
 }
 
 /* c[s] |= bits 2s..2s+1 of v, moved to bits at..at+1 (s = 0..3; 4: 6-bit codes' top
- * bits, 1: 3-bit codes' top two, 0: 2-bit codes); vshlq_u8 shifts right by a negative count */
+ * bits, 0: 2-bit codes); vshlq_u8 shifts right by a negative count */
 static inline void vb_add_crumbs(vb c[4], vb v, int at) {
     const uint8x16_t m = vdupq_n_u8((uint8_t)(3 << at));
     for (int s = 0; s < 4; s++) c[s] = vorrq_u8(c[s], vandq_u8(vshlq_u8(v, vdupq_n_s8((int8_t)(at - 2 * s))), m));
+}
+/* The 8 code vectors of a 3-bit group from its three planes (simd_avx2.h) */
+static inline void vb_codes3(vb p0, vb p1, vb p2, vb c[8]) {
+    const uint8x16_t m7 = vdupq_n_u8(7), m4 = vdupq_n_u8(4);
+    c[0] = vandq_u8(p0, m7), c[1] = vandq_u8(vshrq_n_u8(p0, 3), m7);
+    c[3] = vandq_u8(p1, m7), c[4] = vandq_u8(vshrq_n_u8(p1, 3), m7);
+    c[6] = vandq_u8(p2, m7), c[7] = vandq_u8(vshrq_n_u8(p2, 3), m7);
+    c[2] = vorrq_u8(vshrq_n_u8(p0, 6), vandq_u8(vshrq_n_u8(p2, 4), m4));
+    c[5] = vorrq_u8(vshrq_n_u8(p1, 6), vandq_u8(vshrq_n_u8(p2, 5), m4));
 }
 /* A 16-byte table, and codes (0..15) looked up in it (tbl) */
 static inline vb vb_table(const uint8_t *t) { return vld1q_u8(t); }
@@ -126,8 +135,8 @@ static inline vb vb_grid(const uint8_t *grid, const uint8_t *lo, const uint8_t *
     return vsubq_u8(veorq_u8(g, m), m); /* (g ^ -1) + 1 = -g where m */
 }
 
-/* c[i] |= bit i of v, moved to bit `at` (i = 0..7; 4: 5-bit codes' top bits, 0: 3-bit
- * codes' low bits); vshlq_u8 shifts right by a negative count */
+/* c[i] |= bit i of v, moved to bit `at` (i = 0..7; 4: 5-bit codes' top bits);
+ * vshlq_u8 shifts right by a negative count */
 static inline void vb_add_bits(vb c[8], vb v, int at) {
     const uint8x16_t m = vdupq_n_u8((uint8_t)(1 << at));
     for (int i = 0; i < 8; i++) c[i] = vorrq_u8(c[i], vandq_u8(vshlq_u8(v, vdupq_n_s8((int8_t)(at - i))), m));

@@ -117,6 +117,13 @@ static inline void vb_add_crumbs(vb c[4], vb v, int at) {
         for (int i = 0; i < 16; i++) c[s].v[i] |= ((v.v[i] >> (2 * s)) & 3) << at;
 }
 
+/* The 8 code vectors of a 3-bit group from its three planes (tm_code3) */
+static inline void vb_codes3(vb p0, vb p1, vb p2, vb c[8]) {
+    const vb p[3] = {p0, p1, p2};
+    for (int i = 0; i < 8; i++)
+        for (int e = 0; e < 16; e++) c[i].v[e] = tm_code3(p[0].v[e], p[1].v[e], p[2].v[e], i);
+}
+
 /* A 16-byte table, and codes (0..15) looked up in it */
 static inline vb vb_table(const uint8_t *t) {
     vb r;
@@ -139,8 +146,7 @@ static inline vb vb_grid(const uint8_t *grid, const uint8_t *lo, const uint8_t *
     return r;
 }
 
-/* c[i] |= bit i of v, moved to bit `at` (i = 0..7; 4: 5-bit codes' top bits, 0: 3-bit
- * codes' low bits) */
+/* c[i] |= bit i of v, moved to bit `at` (i = 0..7; 4: 5-bit codes' top bits) */
 static inline void vb_add_bits(vb c[8], vb v, int at) {
     for (int s = 0; s < 8; s++)
         for (int i = 0; i < 16; i++) c[s].v[i] |= ((v.v[i] >> s) & 1) << at;

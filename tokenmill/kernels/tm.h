@@ -396,8 +396,7 @@ static inline vb tm_code_vector(const uint8_t *p, int part) { return part ? vb_l
 /* The 8 code vectors of the group whose bytes start at p (pb: a row's last, partial
  * group's blocks, its vectors 4 pb bytes; 0 for a whole group): lane k of vector i holds
  * codes 4i..4i+3 of block k (4-bit: the nibble split; 5- and 6-bit: low nibbles plus the
- * top bits; 3-bit: q from the top-two-bits plane and the low-bit plane; 2-bit: q from
- * its one plane, see linear.c). Every offset is in vectors of vs bytes. */
+ * top bits; 3-bit: q from its three planes; 2-bit: q from its two, see linear.c). Every offset is in vectors of vs bytes. */
 static inline __attribute__((always_inline)) void tm_codes_at(const uint8_t *p, int bits, int pb, vb c[8]) {
     const int part = 4 * pb; /* bytes a partial vector holds (0: a whole one) */
     const size_t vs = pb ? (size_t)part : 4 * TM_GB;
@@ -405,12 +404,14 @@ static inline __attribute__((always_inline)) void tm_codes_at(const uint8_t *p, 
         for (int i = 0; i < 8; i++) c[i] = tm_code_vector(p + i * vs, part);
         return;
     }
-    if (bits <= 3) {
+    if (bits == 3) {
+        vb_codes3(tm_code_vector(p, part), tm_code_vector(p + vs, part), tm_code_vector(p + 2 * vs, part), c);
+        return;
+    }
+    if (bits == 2) {
         for (int i = 0; i < 8; i++) c[i] = vb_zero();
-        const int at = bits == 3; /* 2-bit: q at bits 0..1; 3-bit: q >> 1 at 1..2 */
-        vb_add_crumbs(c, tm_code_vector(p, part), at);
-        vb_add_crumbs(c + 4, tm_code_vector(p + vs, part), at);
-        if (bits == 3) vb_add_bits(c, tm_code_vector(p + 2 * vs, part), 0); /* q & 1 at bit 0 */
+        vb_add_crumbs(c, tm_code_vector(p, part), 0);
+        vb_add_crumbs(c + 4, tm_code_vector(p + vs, part), 0);
         return;
     }
     for (int i = 0; i < 4; i++) vb_nibbles(tm_code_vector(p + i * vs, part), &c[2 * i], &c[2 * i + 1]);
@@ -481,10 +482,11 @@ static inline void tm_block_codes(const tm_weight *w, const uint8_t *row, int b,
             out[j] = (uint8_t)(nib | ((g[4 * vbytes + e] >> i) & 1) << 4);
         } else if (w->bits == 6) {
             out[j] = (uint8_t)(nib | ((g[(4 + (i >> 2)) * vbytes + e] >> (2 * (i & 3))) & 3) << 4);
-        } else { /* 2- and 3-bit: the pairs plane (q, or q >> 1), then 3-bit's low bits */
-            const int pair = (g[(i >> 2) * vbytes + e] >> (2 * (i & 3))) & 3;
-            out[j] = (uint8_t)(w->bits == 2 ? pair : pair << 1 | ((g[2 * vbytes + e] >> i) & 1));
+        } else if (w->bits == 3) {
+            out[j] = tm_code3(g[e], g[vbytes + e], g[2 * vbytes + e], (int)i);
             if (w->lut) out[j] = w->lut[out[j]]; /* 3-bit table codes */
+        } else { /* 2-bit: vector 4c + s at bits 2s of plane c */
+            out[j] = (g[(i >> 2) * vbytes + e] >> (2 * (i & 3))) & 3;
         }
     }
 }
