@@ -467,18 +467,18 @@ static inline __attribute__((always_inline)) void six_group(const tm_weight *w, 
         const size_t xo = tt * xq->kpad + (size_t)g * GW, xh = xo + 16 * TM_GB;
         const int32_t *zh = xq->zh + tt * 2 * xq->gpad + (size_t)g * 2 * TM_GB;
         const vf dx = vf_load(xq->dx + xi);
+        /* the group's terms summed apart, then one multiply-add into acc[t]: a chain of
+         * four through acc[t] left the 2-bit GEMV waiting on FMA latency */
         if (bits == 2) { /* dx (d16 sum c q - m16 sum q) per half: the sum of q as zh */
             const vi s0 = dot_codes(c, 4, xq, xo, 3), s1 = dot_codes(c + 4, 4, xq, xh, 3);
-            acc[t] = vf_fma(vf_mul(vf_from_vi(s0), dx), d0, acc[t]);
-            acc[t] = vf_fma(vf_mul(vf_from_vi(s1), dx), d1, acc[t]);
-            acc[t] = vf_fma(vf_mul(vf_from_vi(vi_load(zh)), dx), m0, acc[t]);
-            acc[t] = vf_fma(vf_mul(vf_from_vi(vi_load(zh + TM_GB)), dx), m1, acc[t]);
+            const vf u = vf_fma(vf_from_vi(s1), d1, vf_mul(vf_from_vi(s0), d0));
+            const vf v = vf_fma(vf_from_vi(vi_load(zh + TM_GB)), m1, vf_mul(vf_from_vi(vi_load(zh)), m0));
+            acc[t] = vf_fma(vf_add(u, v), dx, acc[t]);
             continue;
         }
         const vi s0 = vi_sub(dot_codes(c, 4, xq, xo, sdb), vi_load(zh));
         const vi s1 = vi_sub(dot_codes(c + 4, 4, xq, xh, sdb), vi_load(zh + TM_GB));
-        acc[t] = vf_fma(vf_mul(vf_from_vi(s0), dx), d0, acc[t]);
-        acc[t] = vf_fma(vf_mul(vf_from_vi(s1), dx), d1, acc[t]);
+        acc[t] = vf_fma(vf_fma(vf_from_vi(s1), d1, vf_mul(vf_from_vi(s0), d0)), dx, acc[t]);
     }
 }
 
