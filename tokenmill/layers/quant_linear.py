@@ -33,14 +33,14 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
           values times a float16 per 256          codes [N, K*3/4], scales int8 [N, K/16]
                                                   (kernels/linear.c has the layout)
     Q3_K  3-bit, Z=4, the file's 6-bit scale     exact, 13.75 B / 32 (file: 13.75):
-          codes (scale + 32) per 16 values, d per   codes [N, K*3/8] (two bit planes;
-          256                                       the kernels read 8 q in Q6_K's form),
+          codes (scale + 32) per 16 values, d per   codes [N, K*3/8] (three planes of
+          256                                       whole codes; Q6_K's form, 3-bit dots),
                                                     scales uint8 [N, K*3/64]
                                                     (layout.pack_scales6)
     Q2_K  2-bit, a scale and a min per 16 values  exact, 10.5 B / 32 (file: 10.5): codes
-          as the file's bytes (sc + 16 m) times     [N, K/4] (one bit plane), scales uint8
-          d and dmin per 256                        [N, K/16]; the kernels read 16 q in
-                                                    Q6_K's form
+          as the file's bytes (sc + 16 m) times     [N, K/4] (two planes of pairs), scales
+          d and dmin per 256                        uint8 [N, K/16]; Q6_K's form, 3-bit
+                                                    dots
     Without the native kernels IQ2_XS, IQ2_S, IQ1_M, Q2_K, Q3_K and Q6_K: requantized to
           8-bit Z=128 with a per-32 f16 scale (as Q8_0 would): the added error is at most
           max|w_block| / 254 per value, about a quarter of Q6_K's own step.
@@ -55,8 +55,8 @@ GGUF types and how they map (exact = identical values to gguf.quants.dequantize)
           12.75 (file: 12.25: its 7-bit sign indices as 8 signs). Smaller, but a gather per
           4 values makes decode slower than the 4-bit codes' lookups (GRID_FILE_BITS_ENV).
     IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0 (at most 8 points, a scale per 32 or
-          16): 3-bit codes into a table of their points, in Q3_K's form (two bit planes,
-          read as 8 q, looked up by q), under Q3_K's 6-bit scale codes per 16 values (a
+          16): 3-bit codes into a table of their points, in Q3_K's form (three planes,
+          looked up in registers), under Q3_K's 6-bit scale codes per 16 values (a
           scale per 32 twice) and the file's f16 d per 256 (read times 2^-n): exact, 13.75
           B / 32.
     IQ4_NL, IQ4_XS, MXFP4 (4-bit codes into a 16-value table: `lut`, the values + 128):

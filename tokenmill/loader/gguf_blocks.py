@@ -44,8 +44,8 @@ GRID16_VALUES = {
     GT.IQ2_S: (-43, -25, -8, 8, 25, 43),
     GT.IQ1_M: (-9, -7, -1, 1, 7, 9),  # 8 * (grid -1/0/1 + delta +-1/8)
 }
-# The grid types of at most 8 points: 3-bit codes into a table of them, in Q3_K's form (two
-# bit planes per lane group, Q3_K's 6-bit scale code per 16 values, a float16 per 256: the scales
+# The grid types of at most 8 points: 3-bit codes into a table of them, in Q3_K's form (three
+# planes per lane group, Q3_K's 6-bit scale code per 16 values, a float16 per 256: the scales
 # per 32 of IQ2_XXS, IQ1_S and TQ as two equal ones); the others (IQ3_S, IQ3_XXS: 16
 # points) 4-bit codes under a scale code per 32 where they cannot keep their own bits
 # (GRID_OWN_BITS)
