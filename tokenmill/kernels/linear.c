@@ -490,7 +490,6 @@ static inline __attribute__((always_inline)) void block_group(const tm_weight *w
                                                               const float *msup, size_t ahead, vf *acc) {
     const int nb = w->k / QK, db = lut ? 8 : bits, f16 = w->scale_f16;
     const size_t srow = (size_t)r * nb, es = w->dsup ? 1 : tm_scale_bytes(f16);
-    (void)msup;
     vb c[8];
     prefetch_codes(row + (size_t)g * group_bytes(bits), group_bytes(bits), ahead);
     if (grid_kind(bits)) {
