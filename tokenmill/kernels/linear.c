@@ -563,18 +563,12 @@ static inline __attribute__((always_inline)) void rows_dot(const tm_weight *w, c
             ksup_row(w, r, dsup, msup);
             dsup[w->k / 256] = msup[w->k / 256] = 0.f;
         }
-        for (int g = 0; g < nfull; g++) {
-            if (six)
-                six_group(w, xq, row, r, g, 0, t0, T, bits, lut, table, dsup, msup, ahead, acc);
-            else
-                block_group(w, xq, row, r, g, 0, t0, T, bits, lut, table, dsup, msup, ahead, acc);
-        }
-        if (partial_group(bits, nb)) { /* a last, partial group */
-            if (six)
-                six_group(w, xq, row, r, nfull, nbt, t0, T, bits, lut, table, dsup, msup, ahead, acc);
-            else
-                block_group(w, xq, row, r, nfull, nbt, t0, T, bits, lut, table, dsup, msup, ahead, acc);
-        }
+#define GROUP(g, pb)                                                                        \
+    (six ? six_group(w, xq, row, r, g, pb, t0, T, bits, lut, table, dsup, msup, ahead, acc) \
+         : block_group(w, xq, row, r, g, pb, t0, T, bits, lut, table, dsup, msup, ahead, acc))
+        for (int g = 0; g < nfull; g++) GROUP(g, 0); /* pb a constant 0: no padding */
+        if (partial_group(bits, nb)) GROUP(nfull, nbt); /* a last, partial group */
+#undef GROUP
         float tail[TCHUNK] = {0};
         if (nbt && !tail_in_lanes(bits)) { /* the tail blocks, natural order, through
                                                   group_dot too (tail_dot) */
@@ -732,10 +726,12 @@ static void dequant_row_lanes(const tm_weight *w, int r, float *out) {
                 const float *d = de[i >> 2];
                 float *o = out + (size_t)g * GW + i * vb_bytes;
                 for (int e = 0; e < vb_bytes; e++) {
-                    const int q = tm_code3(p[e], p[vb_bytes + e], p[2 * vb_bytes + e], i); /* 3-bit */
-                    o[e] = d[e] * (float)(!three ? ((((lo[e] >> ls) & 15) | (((hi[e] >> hs) & 3) << 4)) - 32)
-                                          : w->lut ? w->lut[q] - 128 /* table codes */
-                                                   : q - 4);
+                    if (!three) {
+                        o[e] = d[e] * (float)((((lo[e] >> ls) & 15) | (((hi[e] >> hs) & 3) << 4)) - 32);
+                        continue;
+                    }
+                    const int q = tm_code3(p[e], p[vb_bytes + e], p[2 * vb_bytes + e], i);
+                    o[e] = d[e] * (float)(w->lut ? w->lut[q] - 128 /* table codes */ : q - 4);
                 }
             }
         }

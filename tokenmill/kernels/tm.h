@@ -396,7 +396,8 @@ static inline vb tm_code_vector(const uint8_t *p, int part) { return part ? vb_l
 /* The 8 code vectors of the group whose bytes start at p (pb: a row's last, partial
  * group's blocks, its vectors 4 pb bytes; 0 for a whole group): lane k of vector i holds
  * codes 4i..4i+3 of block k (4-bit: the nibble split; 5- and 6-bit: low nibbles plus the
- * top bits; 3-bit: q from its three planes; 2-bit: q from its two, see linear.c). Every offset is in vectors of vs bytes. */
+ * top bits; 3-bit: q from its three planes; 2-bit: q from its two, see linear.c). Every
+ * offset is in vectors of vs bytes. */
 static inline __attribute__((always_inline)) void tm_codes_at(const uint8_t *p, int bits, int pb, vb c[8]) {
     const int part = 4 * pb; /* bytes a partial vector holds (0: a whole one) */
     const size_t vs = pb ? (size_t)part : 4 * TM_GB;
